@@ -1,0 +1,404 @@
+"""Model configuration: nested frozen dataclasses, the layer pattern as data, and presets.
+
+Every field has one meaning and one home. Family differences (Kimi K3, Kimi-Linear, Kimi K2)
+are switches here, so one model code path runs all three (SPEC §1). Reading Hugging Face
+``config.json`` files lives in ``k3jax.convert.hf_config``; ``from_hf_config`` is re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.balance import BalanceConfig
+
+_IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+class LayerKind(str, enum.Enum):
+    """The token mixer of a decoder layer."""
+
+    KDA = "kda"
+    MLA = "mla"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive(**fields: int | float) -> None:
+    for name, value in fields.items():
+        _require(value > 0, f"{name}={value!r} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (SPEC §2)."""
+
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    # K3: g = lb·sigmoid(exp(A_log)·z) with lb < 0. None: Kimi-Linear's -exp(A_log)·softplus(z).
+    gate_lower_bound: float | None = -5.0
+    # None: full-rank output gate W_g (K3). An int r: low rank W_gb W_ga with D→r→H·V (Kimi-Linear).
+    output_gate_rank: int | None = None
+    chunk_size: int = 64
+    implementation: str | None = None
+
+    def __post_init__(self):
+        _positive(num_heads=self.num_heads, head_dim=self.head_dim, conv_size=self.conv_size,
+                  chunk_size=self.chunk_size)
+        _require(self.gate_lower_bound is None or self.gate_lower_bound < 0,
+                 f"gate_lower_bound={self.gate_lower_bound!r} must be < 0 (or None for the softplus gate)")
+        _require(self.output_gate_rank is None or self.output_gate_rank > 0,
+                 f"output_gate_rank={self.output_gate_rank!r} must be > 0 or None (full rank)")
+        _require(self.implementation in _IMPLEMENTATIONS,
+                 f"implementation={self.implementation!r} must be one of {_IMPLEMENTATIONS}")
+
+    @property
+    def decay_rank(self) -> int:
+        """Rank of the low-rank decay projection W_fb W_fa (D→K→H·K)."""
+        return self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding with optional YaRN scaling (Kimi K2's MLA only; K3 and Kimi-Linear are NoPE)."""
+
+    theta: float = 50000.0
+    yarn_factor: float | None = None
+    yarn_original_max_position: int = 4096
+    yarn_beta_fast: float = 1.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 1.0
+
+    def __post_init__(self):
+        _positive(theta=self.theta, yarn_original_max_position=self.yarn_original_max_position)
+        _require(self.yarn_factor is None or self.yarn_factor >= 1,
+                 f"yarn_factor={self.yarn_factor!r} must be >= 1 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (SPEC §3); gated and NoPE in K3."""
+
+    num_heads: int
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536  # None: q = W_q x (Kimi-Linear)
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    output_gate: bool = True
+    rope: RopeConfig | None = None  # None: NoPE, the "rope" slice is used unrotated
+    # The two LoRA RMSNorms use eps 1e-6, hard-coded in the references (not rms_norm_eps).
+    lora_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        _positive(num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                  qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
+        _require(self.qk_rope_head_dim >= 0, f"qk_rope_head_dim={self.qk_rope_head_dim} must be >= 0")
+        _require(self.q_lora_rank is None or self.q_lora_rank > 0,
+                 f"q_lora_rank={self.q_lora_rank!r} must be > 0 or None")
+        _require(self.rope is None or self.qk_rope_head_dim % 2 == 0,
+                 f"qk_rope_head_dim={self.qk_rope_head_dim} must be even when rope is used")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values cached per token per layer for decode: the latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """The gated MLPs (dense first layers, shared and routed experts) and their activation."""
+
+    activation: str = "situ"  # "situ" (SiTU-GLU, K3) or "swiglu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    dense_intermediate: int = 33792
+    first_dense_layers: int = 1
+
+    def __post_init__(self):
+        _require(self.activation in ("situ", "swiglu"),
+                 f"activation={self.activation!r} must be 'situ' or 'swiglu'")
+        _positive(situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+                  dense_intermediate=self.dense_intermediate)
+        _require(self.first_dense_layers >= 0, f"first_dense_layers={self.first_dense_layers} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sigmoid-routed MoE with shared experts; LatentMoE when ``latent_dim`` is set (SPEC §4)."""
+
+    num_experts: int = 896
+    top_k: int = 16
+    expert_intermediate: int = 3072
+    num_shared_experts: int = 2
+    shared_intermediate: int = 3072  # per shared expert; fused into one MLP of width n·F
+    latent_dim: int | None = 3584  # None: experts at full width D (Kimi-Linear, K2)
+    latent_norm: bool = True
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+    implementation: str | None = None
+
+    def __post_init__(self):
+        _positive(num_experts=self.num_experts, top_k=self.top_k,
+                  expert_intermediate=self.expert_intermediate)
+        _require(self.top_k < self.num_experts,
+                 f"top_k={self.top_k} must be < num_experts={self.num_experts}")
+        _require(self.num_shared_experts >= 0, f"num_shared_experts={self.num_shared_experts} must be >= 0")
+        _require(self.num_shared_experts == 0 or self.shared_intermediate > 0,
+                 f"shared_intermediate={self.shared_intermediate} must be > 0 with shared experts")
+        _require(self.latent_dim is None or self.latent_dim > 0,
+                 f"latent_dim={self.latent_dim!r} must be > 0 or None")
+        _require(not (self.latent_norm and self.latent_dim is None),
+                 "latent_norm=True needs latent_dim (the norm acts on the latent)")
+        _require(self.implementation in _IMPLEMENTATIONS,
+                 f"implementation={self.implementation!r} must be one of {_IMPLEMENTATIONS}")
+
+    @property
+    def shared_width(self) -> int:
+        return self.num_shared_experts * self.shared_intermediate
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Block Attention Residuals (SPEC §5): block size in decoder layers."""
+
+    block_size: int = 12
+    eps: float = 1e-5  # RMS of the keys; the references use rms_norm_eps
+
+    def __post_init__(self):
+        _positive(block_size=self.block_size, eps=self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (SPEC §8); 0 layers in the published releases."""
+
+    num_layers: int = 0
+    loss_weight: float = 0.1
+
+    def __post_init__(self):
+        _require(self.num_layers >= 0, f"num_layers={self.num_layers} must be >= 0")
+        _require(self.loss_weight >= 0, f"loss_weight={self.loss_weight} must be >= 0")
+
+
+def hybrid_mla_layers(num_layers: int, period: int = 4) -> tuple[int, ...]:
+    """0-based MLA layers of the K3 / Kimi-Linear pattern: ``(l+1) % period == 0`` or the last layer."""
+    return tuple(l for l in range(num_layers) if (l + 1) % period == 0 or l == num_layers - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One Kimi-family decoder-only language model.
+
+    ``dtype`` is the compute dtype (matmul operands, activations between layers); ``param_dtype``
+    the stored parameter dtype. The fp32 islands of SPEC §10 use ``promote(dtype, float32)``, so a
+    float64 model stays float64 everywhere.
+    """
+
+    name: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    kda: KDAConfig | None
+    mla: MLAConfig
+    mlp: MLPConfig
+    moe: MoEConfig
+    attn_res: AttnResConfig | None  # None: plain pre-norm residual
+    rms_norm_eps: float = 1e-5
+    max_position: int = 1_048_576
+    mla_layers: tuple[int, ...] | None = None  # 0-based; None: the hybrid rule (all MLA if kda is None)
+    mtp: MTPConfig = MTPConfig()
+    balance: BalanceConfig = BalanceConfig()
+    tie_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        _positive(vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
+                  rms_norm_eps=self.rms_norm_eps, max_position=self.max_position)
+        for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
+            _require(jnp.issubdtype(jnp.dtype(value), jnp.floating),
+                     f"{field}={value!r} must be a floating dtype")
+        if self.mla_layers is not None:
+            object.__setattr__(self, "mla_layers", tuple(int(l) for l in self.mla_layers))
+            bad = [l for l in self.mla_layers if not 0 <= l < self.num_layers]
+            _require(not bad, f"mla_layers={self.mla_layers} must lie in [0, num_layers={self.num_layers})")
+            _require(len(set(self.mla_layers)) == len(self.mla_layers),
+                     f"mla_layers={self.mla_layers} has duplicates")
+        _require(self.kda is not None or all(k is LayerKind.MLA for k in self.layer_kinds),
+                 "kda=None (an all-MLA model) but mla_layers leaves KDA layers; set kda or mla_layers=None")
+        _require(self.mlp.first_dense_layers <= self.num_layers,
+                 f"mlp.first_dense_layers={self.mlp.first_dense_layers} must be <= num_layers={self.num_layers}")
+        for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, token)
+            _require(value is None or 0 <= value < self.vocab_size,
+                     f"{token}={value} must lie in [0, vocab_size={self.vocab_size})")
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The token mixer of every layer, in order: the hybrid stack as data."""
+        if self.mla_layers is not None:
+            mla = set(self.mla_layers)
+        elif self.kda is None:
+            mla = set(range(self.num_layers))
+        else:
+            mla = set(hybrid_mla_layers(self.num_layers))
+        return tuple(LayerKind.MLA if l in mla else LayerKind.KDA for l in range(self.num_layers))
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is the MoE (else the dense MLP)."""
+        return tuple(l >= self.mlp.first_dense_layers for l in range(self.num_layers))
+
+    @property
+    def moe_width(self) -> int:
+        """Width the routed experts act on: the latent L for LatentMoE, else D."""
+        return self.moe.latent_dim or self.hidden
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Block-sum sources stored after the last layer (embedding + finished blocks)."""
+        if self.attn_res is None:
+            return 0
+        return -(-self.num_layers // self.attn_res.block_size)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def fp32_dtype(self):
+        """The dtype of the fp32 islands: float32, or wider if the policy is wider."""
+        return jnp.promote_types(self.dtype, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int
+
+    def __str__(self) -> str:
+        return f"total {self.total / 1e9:,.2f} B, active {self.active / 1e9:,.2f} B"
+
+
+def kimi_k3() -> ModelConfig:
+    """The published Kimi K3 text model (``moonshotai/Kimi-K3`` config.json)."""
+    return ModelConfig(
+        name="kimi_k3", vocab_size=163840, hidden=7168, num_layers=93,
+        kda=KDAConfig(num_heads=96, head_dim=128, conv_size=4, gate_lower_bound=-5.0),
+        mla=MLAConfig(num_heads=96, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        mlp=MLPConfig(activation="situ", dense_intermediate=33792, first_dense_layers=1),
+        moe=MoEConfig(num_experts=896, top_k=16, expert_intermediate=3072, num_shared_experts=2,
+                      shared_intermediate=3072, latent_dim=3584, latent_norm=True,
+                      routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=12), rms_norm_eps=1e-5, max_position=1_048_576,
+        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    )
+
+
+def kimi_linear_48b() -> ModelConfig:
+    """Kimi-Linear-48B-A3B: softplus KDA gate, low-rank output gate, plain residual, SwiGLU."""
+    return ModelConfig(
+        name="kimi_linear_48b", vocab_size=163840, hidden=2304, num_layers=27,
+        kda=KDAConfig(num_heads=32, head_dim=128, conv_size=4, gate_lower_bound=None,
+                      output_gate_rank=128),
+        mla=MLAConfig(num_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=False),
+        mlp=MLPConfig(activation="swiglu", dense_intermediate=9216, first_dense_layers=1),
+        moe=MoEConfig(num_experts=256, top_k=8, expert_intermediate=1024, num_shared_experts=1,
+                      shared_intermediate=1024, latent_dim=None, latent_norm=False,
+                      routed_scaling_factor=2.446),
+        attn_res=None, rms_norm_eps=1e-5, max_position=1_048_576,
+        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    )
+
+
+def kimi_k2() -> ModelConfig:
+    """Kimi K2 (the baseline): all-MLA with RoPE + YaRN, SwiGLU, plain residual."""
+    return ModelConfig(
+        name="kimi_k2", vocab_size=163840, hidden=7168, num_layers=61, kda=None,
+        mla=MLAConfig(num_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=False,
+                      rope=RopeConfig(theta=50000.0, yarn_factor=32.0, yarn_original_max_position=4096)),
+        mlp=MLPConfig(activation="swiglu", dense_intermediate=18432, first_dense_layers=1),
+        moe=MoEConfig(num_experts=384, top_k=8, expert_intermediate=2048, num_shared_experts=1,
+                      shared_intermediate=2048, latent_dim=None, latent_norm=False,
+                      routed_scaling_factor=2.827),
+        attn_res=None, rms_norm_eps=1e-6, max_position=131_072,
+        bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
+    )
+
+
+def small() -> ModelConfig:
+    """A K3-shaped model of about 0.8 B parameters for one GPU (K3 head dims, so kernels apply)."""
+    return ModelConfig(
+        name="small", vocab_size=163840, hidden=1024, num_layers=12,
+        kda=KDAConfig(num_heads=8, head_dim=128, conv_size=4, gate_lower_bound=-5.0),
+        mla=MLAConfig(num_heads=8, kv_lora_rank=256, q_lora_rank=384, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128, output_gate=True),
+        mlp=MLPConfig(activation="situ", dense_intermediate=4096, first_dense_layers=1),
+        moe=MoEConfig(num_experts=64, top_k=8, expert_intermediate=512, num_shared_experts=2,
+                      shared_intermediate=512, latent_dim=512, latent_norm=True,
+                      routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=4), rms_norm_eps=1e-5, max_position=1_048_576,
+    )
+
+
+def tiny() -> ModelConfig:
+    """A K3-shaped model of every feature for CPU tests (vocab 256, so byte-level text fits)."""
+    return ModelConfig(
+        name="tiny", vocab_size=256, hidden=64, num_layers=6,
+        kda=KDAConfig(num_heads=4, head_dim=16, conv_size=4, gate_lower_bound=-5.0, chunk_size=16),
+        mla=MLAConfig(num_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16, output_gate=True),
+        mlp=MLPConfig(activation="situ", dense_intermediate=96, first_dense_layers=1),
+        moe=MoEConfig(num_experts=16, top_k=4, expert_intermediate=32, num_shared_experts=2,
+                      shared_intermediate=32, latent_dim=32, latent_norm=True,
+                      routed_scaling_factor=1.0),
+        attn_res=AttnResConfig(block_size=2), rms_norm_eps=1e-5, max_position=8192,
+    )
+
+
+PRESETS = {f.__name__: f for f in (kimi_k3, kimi_linear_48b, kimi_k2, small, tiny)}
+
+
+def preset(name: str) -> ModelConfig:
+    """A preset by name: one of ``PRESETS``."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name=} must be one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def to_float64(cfg: ModelConfig) -> ModelConfig:
+    """The same model with float64 compute and parameters (needs ``jax_enable_x64``)."""
+    return dataclasses.replace(cfg, dtype=jnp.float64, param_dtype=jnp.float64)
+
+
+def from_hf_config(config: dict | str) -> ModelConfig:
+    """A ``ModelConfig`` from a Hugging Face ``config.json`` (dict, file or folder) of either family."""
+    from k3jax.convert.hf_config import from_hf_config as _from_hf
+
+    return _from_hf(config)
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name

@@ -1,0 +1,27 @@
+"""Tolerances, set once per dtype and comparison kind; never loosened to make a test pass.
+
+All comparisons use the relative RMSE ``||a - b|| / ||b||`` unless a name says otherwise.
+"""
+
+# float64 runs against float64 references (oracle, chunked vs recurrent).
+F64_RTOL = 1e-8
+# float32 runs with full-precision matmuls against float32/float64 references.
+F32_RTOL = 1e-5
+# Kernels with bf16 inputs against fp32 references.
+BF16_FWD_RTOL = 5e-3
+BF16_GRAD_RTOL = 1e-2
+# Golden Kimi-Linear (PyTorch float32 vs ours float32).
+KIMI_LINEAR_RTOL = 1e-4
+
+
+def rel_rmse(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 numpy; 0 when both are zero."""
+    import numpy as np
+
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: {a.shape} vs {b.shape}")
+    denom = np.linalg.norm(b)
+    num = np.linalg.norm(a - b)
+    return float(num / denom) if denom > 0 else float(num)
