@@ -1,0 +1,192 @@
+"""Public KDA ops: ``chunk_kda`` (training / prefill) and ``recurrent_kda_step`` (decode).
+
+``implementation`` picks the path: ``"xla"`` is :func:`chunk_kda_reference` (always available,
+exact for any gate and dtype, float64 included); ``"pallas"`` is a backend kernel, looked up in
+``_PALLAS_BACKENDS`` by platform; ``None`` takes Pallas when the platform has a kernel that
+supports the inputs, else XLA.
+
+A backend entry is a function with the signature of :func:`_tpu_chunk_kda` returning
+``(o, final_state)`` and differentiable, plus an optional ``supports(...)`` predicate with the
+same arguments that returns a Python bool at trace time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.kda.reference import chunk_kda_reference, compute_dtype, naive_recurrent_kda
+
+logger = logging.getLogger(__name__)
+_LOGGED_PATHS: set[str] = set()
+
+Implementation = Literal["xla", "pallas"] | None
+
+
+def _log_path_once(path: str) -> None:
+    if path not in _LOGGED_PATHS:
+        _LOGGED_PATHS.add(path)
+        logger.debug("chunk_kda: using the %s path", path)
+
+
+def _check_floating(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+
+
+def _validate(q, k, v, g, beta, initial_state, segment_ids) -> None:
+    """Shape/dtype checks at trace time; every message names the argument and what it must be."""
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {q.shape}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have shape [B, T, H, K] = {q.shape} like q, got {k.shape}")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {v.shape}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have shape [B, T, H, K] = {q.shape} like q, got {g.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must have shape [B, T, H] = {(B, T, H)}, got {beta.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_floating(name, x)
+    V = v.shape[-1]
+    if initial_state is not None:
+        if initial_state.shape != (B, H, K, V):
+            raise ValueError(
+                f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {initial_state.shape}"
+            )
+        _check_floating("initial_state", initial_state)
+    if segment_ids is not None:
+        if segment_ids.shape != (B, T):
+            raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {segment_ids.shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
+
+
+def _tpu_chunk_kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, interpret):
+    from pallas_kernels.kda import kernel_tpu
+
+    return kernel_tpu.chunk_kda_tpu(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        segment_ids=segment_ids, chunk_size=chunk_size, interpret=interpret,
+    )
+
+
+def _tpu_supports(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, interpret):
+    from pallas_kernels.kda import kernel_tpu
+
+    return kernel_tpu.supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
+
+
+def _module_backend(module_name: str):
+    """A backend living in a module that may not exist yet: ``(fn, supports)`` or ``None``."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        return None
+    return module.chunk_kda_pallas, getattr(module, "supports", None)
+
+
+def _pallas_backend(platform: str):
+    """``(fn, supports_or_None)`` for a platform ("tpu", "gpu"), or ``None`` when it has no kernel."""
+    if platform == "tpu":
+        return _tpu_chunk_kda, _tpu_supports
+    if platform == "gpu":
+        return _module_backend("pallas_kernels.kda.kernel_gpu")
+    return None
+
+
+def _resolve(implementation, interpret, args: dict):
+    """Pick ``(path_name, fn)``; raises ValueError when "pallas" cannot run here."""
+    if implementation not in (None, "xla", "pallas"):
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    if interpret not in (False, True, "tpu", "gpu"):
+        raise ValueError(f"interpret must be False, True, 'tpu' or 'gpu', got {interpret!r}")
+    if implementation == "xla":
+        return "xla", None
+    # Interpret mode runs a named backend's kernel on any host; True means the TPU kernel,
+    # whose interpreter also runs on CPU.
+    platform = ("tpu" if interpret is True else interpret) if interpret else jax.default_backend()
+    backend = _pallas_backend(platform)
+    if backend is None:
+        if implementation == "pallas":
+            raise ValueError(
+                f"implementation='pallas' needs a GPU or TPU kernel, none for platform {platform!r}; "
+                "use implementation='xla' or interpret=True"
+            )
+        return "xla", None
+    fn, supports = backend
+    if supports is not None and not supports(**args):
+        if implementation == "pallas":
+            raise ValueError(f"implementation='pallas': the {platform} kernel does not support these inputs")
+        return "xla", None
+    return f"pallas-{platform}{'-interpret' if interpret else ''}", fn
+
+
+def chunk_kda(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    output_final_state: bool = False,
+    segment_ids: Int[Array, "B T"] | None = None,
+    implementation: Implementation = None,
+    chunk_size: int = 64,
+    interpret: bool | Literal["tpu", "gpu"] = False,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
+    """Chunkwise Kimi Delta Attention (SPEC §2); returns ``(o, final_state or None)``.
+
+    q, k must already be L2-normalised; g is the per-channel log-decay (fp32, ``<= 0``); beta in
+    (0, 1). ``o`` has ``v.dtype``; the final state is fp32 (float64 for float64 inputs).
+    ``segment_ids`` (None = one document per row): a change of id at t zeroes the state before
+    token t; ``initial_state`` enters token 0.
+    """
+    _validate(q, k, v, g, beta, initial_state, segment_ids)
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        segment_ids=segment_ids, chunk_size=chunk_size, interpret=bool(interpret),
+    )
+    path, fn = _resolve(implementation, interpret, args)
+    _log_path_once(path)
+    if fn is None:
+        args.pop("interpret")
+        o, state = chunk_kda_reference(**args)
+    else:
+        o, state = fn(**args)
+    return o, (state if output_final_state else None)
+
+
+def recurrent_kda_step(
+    q: Float[Array, "B Tn H K"],
+    k: Float[Array, "B Tn H K"],
+    v: Float[Array, "B Tn H V"],
+    g: Float[Array, "B Tn H K"],
+    beta: Float[Array, "B Tn H"],
+    state: Float[Array, "B H K V"],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B Tn H V"], Float[Array, "B H K V"]]:
+    """Decode: advance ``state`` over a few new tokens per sequence; returns ``(o, new_state)``.
+
+    Same recurrence as :func:`naive_recurrent_kda`; the state stays fp32 (float64 for f64 inputs).
+    """
+    _validate(q, k, v, g, beta, state, None)
+    dt = compute_dtype(q, k, v, g, beta, state)
+    return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state.astype(dt))
+
+
+__all__ = ["chunk_kda", "recurrent_kda_step"]

@@ -1,0 +1,233 @@
+"""Kimi Delta Attention (KDA) in pure JAX: the step recurrence and the chunkwise algorithm.
+
+KDA (Kimi Linear, arXiv:2510.26692, Eq. 1) is a gated delta rule with a per-channel decay.
+Per head, with a state ``S`` of shape ``[K, V]`` and, for each token t, in this order:
+
+1. ``S <- Diag(exp(g_t)) S``                       (per-channel forgetting, ``g_t <= 0``)
+2. ``S <- S + beta_t k_t (v_t - S^T k_t)^T``       (delta-rule write on the decayed state)
+3. ``o_t = S^T (scale * q_t)``                     (inclusive read)
+
+i.e. ``S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T``.
+
+Packed documents (``segment_ids``): a change of id at token t zeroes the state before token t;
+``initial_state`` is the state entering token 0 (so it only reaches the first segment).
+
+The chunkwise form (SPEC §2, the paper's Eq. 6-9) is what kernels compute; this module keeps an
+exact, gate-agnostic XLA version of it. Every exponent is masked *before* ``exp`` so no ``inf``
+reaches a gradient, and the cumulative log-decay is never reset at document boundaries (a reset
+cumsum makes ``exp`` overflow before the mask).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+# Reference numerics: full-precision matmuls even where the backend defaults to bf16 passes.
+_HIGHEST = lax.Precision.HIGHEST
+_einsum = functools.partial(jnp.einsum, precision=_HIGHEST)
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+    """float64 when any input is float64 (x64 end-to-end tests), else float32; never downcast f64."""
+    if any(a is not None and jnp.asarray(a).dtype == jnp.float64 for a in arrays):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def segment_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Int[Array, "B T"]:
+    """Running count of document starts: equal values <=> same document (ids may repeat later)."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), jnp.int32)
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    zero = jnp.zeros((batch, 1), jnp.int32)
+    return jnp.concatenate([zero, jnp.cumsum(change, axis=1)], axis=1)
+
+
+def _zero_state(batch: int, heads: int, k_dim: int, v_dim: int, initial_state, dtype):
+    if initial_state is None:
+        return jnp.zeros((batch, heads, k_dim, v_dim), dtype)
+    return initial_state.astype(dtype)
+
+
+def naive_recurrent_kda(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+    """The defining token-by-token recurrence (``lax.scan`` over T); returns ``(o, final_state)``.
+
+    ``o`` has ``v.dtype``; the state is fp32 (float64 when any input is float64).
+    q and k are used as given (the layer L2-normalises them).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    sidx = segment_index(segment_ids, B, T)
+    reset = jnp.concatenate([jnp.zeros((B, 1), bool), sidx[:, 1:] != sidx[:, :-1]], axis=1)
+
+    def step(S, xs):
+        q_t, k_t, v_t, g_t, b_t, r_t = xs  # [B,H,K] x4 (v: [B,H,V]), [B,H], [B]
+        S = jnp.where(r_t[:, None, None, None], jnp.zeros_like(S), S)
+        S = S * jnp.exp(g_t)[..., None]
+        err = v_t - _einsum("BHK,BHKV->BHV", k_t, S)
+        S = S + _einsum("BHK,BHV->BHKV", b_t[..., None] * k_t, err)
+        return S, _einsum("BHK,BHKV->BHV", scale * q_t, S)
+
+    time_major = lambda x: jnp.moveaxis(x.astype(dt), 1, 0)
+    xs = tuple(map(time_major, (q, k, v, g, beta))) + (jnp.moveaxis(reset, 1, 0),)
+    S, o = lax.scan(step, _zero_state(B, H, K, V, initial_state, dt), xs)
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
+
+
+def _decay_pairs(G, mask):
+    """``exp(G_i - G_j)`` per channel where ``mask[i, j]``, else 0; masked before exp (no inf)."""
+    m = mask[:, None, :, :, None]  # [B,1,C,C,1]
+    diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B,H,C,C,K]
+    return jnp.where(m, jnp.exp(jnp.where(m, diff, 0.0)), 0.0)
+
+
+def _chunk_step(S, xs, *, scale: float, with_output: bool):
+    """One chunk of the WY-form delta rule (SPEC §2): returns ``(S_next, o_chunk or None)``.
+
+    Inputs are head-major ``[B,H,C,·]``; ``sidx [B,C]`` is the document index and ``sprev [B]``
+    the document index of the token before the chunk (the one ``S`` belongs to).
+    """
+    q, k, v, g, beta, sidx, sprev = xs
+    C = g.shape[-2]
+    G = jnp.cumsum(g, axis=-2)  # [B,H,C,K], inclusive, never reset at documents
+    same = sidx[:, :, None] == sidx[:, None, :]  # [B,C,C]
+    causal = same & jnp.tril(jnp.ones((C, C), bool))
+    strict = causal & ~jnp.eye(C, dtype=bool)
+    fresh = (sidx == sprev[:, None])[:, None, :, None]  # [B,1,C,1]: S still reaches token i
+    decay = _decay_pairs(G, causal)  # [B,H,C,C,K]
+
+    a_kk = beta[..., None] * _einsum("BHIK,BHJK,BHIJK->BHIJ", k, k, decay)
+    a_kk = jnp.where(strict[:, None], a_kk, 0.0)
+    eye = jnp.eye(C, dtype=a_kk.dtype)
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * jnp.exp(G) * fresh], axis=-1)
+    sol = jsl.solve_triangular(eye + a_kk, rhs, lower=True, unit_diagonal=True)
+    u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1] :]
+    v_new = u - _einsum("BHCK,BHKV->BHCV", w, S)  # [B,H,C,V]
+
+    o = None
+    if with_output:
+        a_qk = _einsum("BHIK,BHJK,BHIJK->BHIJ", scale * q, k, decay)
+        o = _einsum("BHCK,BHKV->BHCV", scale * q * jnp.exp(G) * fresh, S)
+        o = o + _einsum("BHIJ,BHJV->BHIV", a_qk, v_new)
+
+    G_last = G[:, :, -1, :]  # [B,H,K]
+    to_end = (sidx == sidx[:, -1:])[:, None, :, None]  # [B,1,C,1]: token j's write survives
+    k_end = jnp.where(to_end, k * jnp.exp(G_last[:, :, None, :] - G), 0.0)
+    keep = fresh[:, :, -1, :, None]  # [B,1,1,1]
+    S_next = jnp.where(keep, S * jnp.exp(G_last)[..., None], 0.0)
+    S_next = S_next + _einsum("BHCK,BHCV->BHKV", k_end, v_new)
+    return S_next, o
+
+
+def _to_chunks(x, n_chunks: int, chunk: int, dt):
+    """``[B,T,H,...] -> [N,B,H,C,...]`` (T already padded to N*C)."""
+    B, _, H = x.shape[:3]
+    x = x.astype(dt).reshape((B, n_chunks, chunk, H) + x.shape[3:])
+    return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+
+def _chunk_scan(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, with_output):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    n = -(-T // chunk_size)
+    pad = n * chunk_size - T
+    sidx = segment_index(segment_ids, B, T)
+    sprev = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), sidx[:, :-1]], axis=1)
+    # Padded tokens (k = v = beta = g = 0, same document as the last token) leave S unchanged.
+    padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    sidx = jnp.pad(sidx, [(0, 0), (0, pad)], mode="edge")
+    xs = [_to_chunks(padded(x), n, chunk_size, dt) for x in (q if with_output else k, k, v, g)]
+    b = padded(beta).astype(dt).reshape(B, n, chunk_size, H)
+    xs.append(jnp.moveaxis(jnp.moveaxis(b, 3, 2), 1, 0))  # [N,B,H,C]
+    xs.append(jnp.moveaxis(sidx.reshape(B, n, chunk_size), 1, 0))  # [N,B,C]
+    xs.append(jnp.moveaxis(sprev[:, ::chunk_size], 1, 0))  # [N,B]
+
+    # Recompute each chunk in the backward pass: only the carried state is stored per chunk.
+    step = jax.checkpoint(functools.partial(_chunk_step, scale=scale, with_output=with_output))
+    S, o = lax.scan(step, _zero_state(B, H, K, V, initial_state, dt), tuple(xs))
+    if with_output:
+        o = jnp.moveaxis(o, 0, 1)  # [B,N,H,C,V]
+        o = jnp.moveaxis(o, 2, 3).reshape(B, n * chunk_size, H, V)[:, :T]
+        o = o.astype(v.dtype)
+    return o, S
+
+
+def chunk_kda_reference(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+    """Chunkwise KDA (``lax.scan`` over chunks of ``chunk_size``; any T); returns ``(o, final_state)``.
+
+    Equal to :func:`naive_recurrent_kda` up to rounding, for any gate ``g <= 0`` (bounded or not).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _chunk_scan(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        segment_ids=segment_ids, chunk_size=chunk_size, with_output=True,
+    )
+
+
+def chunk_kda_state(
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    chunk_size: int = 64,
+) -> Float[Array, "B H K V"]:
+    """Final state only (no output): with ``initial_state=None`` this is the context-parallel
+    state increment ``N`` of a shard, ``S_final = M @ S_0 + N``."""
+    _, S = _chunk_scan(
+        None, k, v, g, beta, scale=1.0, initial_state=initial_state,
+        segment_ids=segment_ids, chunk_size=chunk_size, with_output=False,
+    )
+    return S
+
+
+def kda_transition(
+    k: Float[Array, "B T H K"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    segment_ids: Int[Array, "B T"] | None = None,
+    *,
+    chunk_size: int = 64,
+) -> Float[Array, "B H K K"]:
+    """``M = prod_t (I - beta_t k_t k_t^T) Diag(alpha_t)`` (later tokens on the left), so that
+    ``S_final = M @ S_0 + N`` on the K axis. Computed as the state map with ``v = 0, S_0 = I``
+    (SPEC §2, context parallel); any document start inside the span makes ``M = 0``."""
+    B, T, H, K = k.shape
+    dt = compute_dtype(k, g, beta)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (B, H, K, K))
+    zeros_v = jnp.zeros((B, T, H, K), dt)
+    return chunk_kda_state(
+        k, zeros_v, g, beta, initial_state=eye, segment_ids=segment_ids, chunk_size=chunk_size
+    )
