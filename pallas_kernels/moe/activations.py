@@ -1,0 +1,57 @@
+"""Gated activations of the Kimi K3 MLPs (SPEC §4), pure jnp so every MLP shares them.
+
+SiTU-GLU is the K3 activation (K3 technical report, "Kimi K3: Open Frontier Intelligence"):
+``act(g, u) = [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]``, bounded by β1·β2 = 100 and equal to
+SwiGLU ``silu(g)·u`` to first order near zero. Both run in at least float32 (SPEC §10): the
+result has dtype ``promote_types(input, float32)`` (float64 stays float64) and the caller casts
+it back to the matmul dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def _compute_dtype(*xs) -> jnp.dtype:
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def situ_glu(
+    g: Float[Array, "*B F"],
+    u: Float[Array, "*B F"],
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> Float[Array, "*B F"]:
+    """SiTU-GLU of gate ``g`` and up ``u`` (SPEC §4), computed in >= float32."""
+    if g.shape != u.shape:
+        raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
+    if beta1 <= 0 or beta2 <= 0:
+        raise ValueError(f"beta1, beta2 must be > 0, got {beta1=}, {beta2=}")
+    dt = _compute_dtype(g, u)
+    g = g.astype(dt)
+    u = u.astype(dt)
+    gate = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
+    return gate * (beta2 * jnp.tanh(u / beta2))
+
+
+def swiglu(g: Float[Array, "*B F"], u: Float[Array, "*B F"]) -> Float[Array, "*B F"]:
+    """SwiGLU ``silu(g)·u`` (Shazeer 2020, "GLU Variants Improve Transformer"), in >= float32."""
+    if g.shape != u.shape:
+        raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
+    dt = _compute_dtype(g, u)
+    return jax.nn.silu(g.astype(dt)) * u.astype(dt)
+
+
+def gated_activation(
+    g: Float[Array, "*B F"],
+    u: Float[Array, "*B F"],
+    activation: str,
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> Float[Array, "*B F"]:
+    """Dispatch on the activation name used by ``moe_ffn`` ("situ" | "swiglu")."""
+    if activation == "situ":
+        return situ_glu(g, u, situ_beta, situ_linear_beta)
+    if activation == "swiglu":
+        return swiglu(g, u)
+    raise ValueError(f"activation must be 'situ' or 'swiglu', got {activation!r}")

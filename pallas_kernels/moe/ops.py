@@ -1,0 +1,141 @@
+"""Public MoE ops: ``grouped_matmul`` (``jax.lax.ragged_dot`` semantics) and ``moe_ffn``.
+
+``implementation``: ``None`` picks the Pallas kernel where one exists for the default
+backend (Hopper GPU, TPU) and XLA elsewhere; ``"xla"`` is sort + ``ragged_dot``; ``"pallas"``
+needs a GPU/TPU, or ``interpret=True`` on CPU (``kernel_backend`` then names which kernel the
+interpreter runs, "gpu" or "tpu"). Pallas gradients are wired through ``jax.custom_vjp``:
+``dlhs`` is the grouped product with each expert's transposed weight and ``drhs[e]`` the
+product of group ``e``'s rows, ``lhs_eᵀ · dout_e`` (zero for empty groups).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.moe import validate
+from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.dispatch import combine, permute
+from pallas_kernels.moe.reference import grouped_matmul_ragged
+
+
+def _hopper_gpu() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") in ("9.0", "9.0a")
+
+
+def resolve_implementation(implementation, interpret: bool, kernel_backend: str | None) -> str:
+    """Return "xla", "gpu" or "tpu": which code path runs."""
+    if implementation not in (None, "xla", "pallas"):
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    if kernel_backend not in (None, "gpu", "tpu"):
+        raise ValueError(f"kernel_backend must be None, 'gpu' or 'tpu', got {kernel_backend!r}")
+    if implementation == "xla":
+        return "xla"
+    platform = jax.default_backend()
+    if interpret:
+        return kernel_backend or ("tpu" if platform == "tpu" else "gpu")
+    if platform == "tpu":
+        return "tpu"
+    if platform == "gpu" and _hopper_gpu():
+        return "gpu"
+    if implementation == "pallas":
+        raise ValueError(
+            f"implementation='pallas' needs a Hopper GPU or a TPU, or interpret=True; default backend is {platform!r}"
+        )
+    return "xla"
+
+
+def _kernels(path: str, interpret: bool):
+    """(gmm, tgmm) of one backend; imported lazily so CPU-only installs never load Mosaic."""
+    if path == "gpu":
+        from pallas_kernels.moe import kernel_gpu as k
+    else:
+        from pallas_kernels.moe import kernel_tpu as k
+    gmm = functools.partial(k.gmm, interpret=interpret)
+    tgmm = functools.partial(k.tgmm, interpret=interpret)
+    return gmm, tgmm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_pallas(lhs, rhs, group_sizes, path, interpret):
+    gmm, _ = _kernels(path, interpret)
+    return gmm(lhs, rhs, group_sizes)
+
+
+def _gmm_pallas_fwd(lhs, rhs, group_sizes, path, interpret):
+    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret), (lhs, rhs, group_sizes)
+
+
+def _gmm_pallas_bwd(path, interpret, res, g):
+    lhs, rhs, group_sizes = res
+    gmm, tgmm = _kernels(path, interpret)
+    g = g.astype(lhs.dtype)
+    dlhs = gmm(g, rhs, group_sizes, transpose_rhs=True)  # [M, K]
+    drhs = tgmm(lhs, g, group_sizes, num_groups=rhs.shape[0])  # [E, K, N]
+    return dlhs, drhs.astype(rhs.dtype), None
+
+
+_gmm_pallas.defvjp(_gmm_pallas_fwd, _gmm_pallas_bwd)
+
+
+def grouped_matmul(
+    lhs: Float[Array, "M K"],
+    rhs: Float[Array, "E K N"],
+    group_sizes: Int[Array, "E"],
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
+    kernel_backend: str | None = None,
+    checked: bool = False,
+) -> Float[Array, "M N"]:
+    """Rows ``[start_e, start_e + group_sizes[e])`` of ``lhs`` times ``rhs[e]``; rows past
+    ``sum(group_sizes)`` are zero. Accumulates in >= float32; output in ``lhs.dtype``.
+
+    ``checked=True`` adds ``checkify`` checks of traced group sizes (>= 0, sum <= M).
+    """
+    validate.check_grouped_matmul_args(lhs, rhs, group_sizes, checked=checked)
+    group_sizes = group_sizes.astype(jnp.int32)
+    path = resolve_implementation(implementation, interpret, kernel_backend)
+    if path == "xla":
+        return grouped_matmul_ragged(lhs, rhs, group_sizes)
+    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret)
+
+
+def moe_ffn(
+    x: Float[Array, "T L"],
+    topk_ids: Int[Array, "T k"],
+    topk_weights: Float[Array, "T k"],
+    w1: Float[Array, "E L F"],
+    w3: Float[Array, "E L F"],
+    w2: Float[Array, "E F L"],
+    *,
+    activation: str = "situ",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    implementation: str | None = None,
+    interpret: bool = False,
+    kernel_backend: str | None = None,
+    checked: bool = False,
+) -> Float[Array, "T L"]:
+    """Routed expert FFN of SPEC §4: ``Σ_s w_ts · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids_ts``.
+
+    Steps: 1. permute the T·k assignments into expert order; 2. gate and up grouped
+    matmuls; 3. activation in >= float32 (SiTU-GLU or SwiGLU), cast to ``x.dtype``; 4. down
+    grouped matmul; 5. router-weighted combine summed in float32. Output in ``x.dtype``;
+    float64 inputs stay float64 throughout.
+    """
+    validate.check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, checked=checked)
+    gmm = functools.partial(
+        grouped_matmul, implementation=implementation, interpret=interpret, kernel_backend=kernel_backend
+    )
+    with jax.named_scope("moe_permute"):
+        xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
+    with jax.named_scope("moe_experts"):
+        g = gmm(xs, w1, group_sizes)  # [T·k, F]
+        u = gmm(xs, w3, group_sizes)
+        a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(x.dtype)
+        y = gmm(a, w2, group_sizes)  # [T·k, L]
+    with jax.named_scope("moe_combine"):
+        return combine(y, inverse, topk_weights)

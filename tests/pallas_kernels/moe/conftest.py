@@ -1,0 +1,34 @@
+"""Shared helpers for the MoE op tests: random group sizes and inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+
+def group_sizes_strategy(num_groups: int, m: int):
+    """Group sizes summing to at most ``m``: arbitrary splits, empty groups, all in one group."""
+    uneven = st.lists(st.integers(0, m), min_size=num_groups, max_size=num_groups).filter(
+        lambda s: sum(s) <= m
+    )
+    all_in_one = st.integers(0, num_groups - 1).map(lambda i: [m if j == i else 0 for j in range(num_groups)])
+    return st.one_of(all_in_one, uneven).map(lambda s: np.asarray(s, np.int32))
+
+
+def random_gmm_inputs(seed: int, m: int, k: int, n: int, e: int, dtype):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(k2, (e, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    return lhs, rhs
+
+
+def random_moe_inputs(seed: int, t: int, l: int, f: int, e: int, topk: int, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    x = jax.random.normal(ks[0], (t, l), jnp.float32).astype(dtype)
+    # distinct experts per token, as a top-k router gives
+    ids = jnp.argsort(jax.random.uniform(ks[1], (t, e)), axis=1)[:, :topk].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[2], (t, topk)), axis=-1).astype(jnp.float32)
+    w1 = (jax.random.normal(ks[3], (e, l, f)) / np.sqrt(l)).astype(dtype)
+    w3 = (jax.random.normal(ks[4], (e, l, f)) / np.sqrt(l)).astype(dtype)
+    w2 = (jax.random.normal(ks[5], (e, f, l)) / np.sqrt(f)).astype(dtype)
+    return x, ids, w, w1, w3, w2
