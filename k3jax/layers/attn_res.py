@@ -1,0 +1,84 @@
+"""Block Attention Residuals (SPEC §5; the K3 technical report).
+
+A layer's input is a softmax mix over the stored block sums and the running partial sum of the
+current block, instead of a plain residual: with sources ``v_1..v_N``,
+``k_n = v_n / sqrt(mean(v_n²) + eps)``, ``logit_n = Σ_d k_nd γ_d w_d`` (the RMSNorm weight γ and the
+pseudo-query w fold into one vector; no 1/√D), ``h = Σ_n softmax(logit)_n v_n``, all in fp32.
+
+Bookkeeping has static shapes: ``ResidualStream`` holds a ``[Nmax,B,T,D]`` buffer of block sums,
+their ``count`` (static) and the ``partial`` sum of the current block. Plain pre-norm residual
+models use the same stream with no buffer (``partial`` is the hidden state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from k3jax.layers.linear import einsum, param
+
+
+@flax.struct.dataclass
+class ResidualStream:
+    """What flows between decoder layers."""
+
+    partial: Float[Array, "B T D"]  # current block's running sum (plain residual: the hidden state)
+    blocks: Float[Array, "N B T D"] | None = None  # stored block sums; entries >= count are unused
+    count: int = flax.struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def start(cls, embeddings: Float[Array, "B T D"], max_blocks: int) -> "ResidualStream":
+        if max_blocks == 0:
+            return cls(partial=embeddings)
+        blocks = jnp.zeros((max_blocks,) + embeddings.shape, embeddings.dtype)
+        return cls(partial=embeddings, blocks=blocks, count=0)
+
+    def push(self) -> "ResidualStream":
+        """Store the partial sum as a finished block and start a new, empty one."""
+        blocks = jax.lax.dynamic_update_index_in_dim(self.blocks, self.partial, self.count, axis=0)
+        return ResidualStream(partial=jnp.zeros_like(self.partial), blocks=blocks, count=self.count + 1)
+
+    def add(self, y: Float[Array, "B T D"]) -> "ResidualStream":
+        return self.replace(partial=self.partial + y.astype(self.partial.dtype))
+
+
+def attn_res_mix(blocks: Float[Array, "N B T D"], count: int, partial: Float[Array, "B T D"],
+                 direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
+    """Softmax mix of ``blocks[:count]`` and ``partial`` along ``direction`` (= γ ⊙ w), in ``wide_dtype``."""
+    sources = jnp.concatenate([blocks, partial[None]], axis=0).astype(wide_dtype)  # [N+1, B, T, D]
+    keys = sources * jax.lax.rsqrt(jnp.mean(jnp.square(sources), axis=-1, keepdims=True) + eps)
+    logits = einsum("NBTD,D->NBT", keys, direction.astype(wide_dtype))
+    valid = (jnp.arange(sources.shape[0]) < count) | (jnp.arange(sources.shape[0]) == sources.shape[0] - 1)
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=0)  # [N+1, B, T]
+    return einsum("NBT,NBTD->BTD", p, sources)
+
+
+class AttnResMix(nn.Module):
+    """One mixing point: its pseudo-query ``query`` (init 0: uniform mixing) and key-norm weight ``norm``."""
+
+    eps: float
+    dtype: Any
+    wide_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, stream: ResidualStream) -> Float[Array, "B T D"]:
+        D = stream.partial.shape[-1]
+        query = param(self, "query", nn.initializers.zeros, (D,), ("embed",), self.param_dtype)
+        norm = param(self, "norm", nn.initializers.ones, (D,), ("embed",), self.param_dtype)
+        if stream.count == 0:  # the only source is the partial sum: its mix is itself
+            return stream.partial
+        direction = norm.astype(self.wide_dtype) * query.astype(self.wide_dtype)
+        h = attn_res_mix(stream.blocks, stream.count, stream.partial, direction, self.eps, self.wide_dtype)
+        return h.astype(self.dtype)
+
+
+def attn_res(cfg, name: str | None) -> AttnResMix:
+    """An ``AttnResMix`` with the config's eps and dtypes."""
+    return AttnResMix(cfg.attn_res.eps, cfg.compute_dtype, cfg.fp32_dtype, cfg.param_dtype, name=name)

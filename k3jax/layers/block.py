@@ -1,0 +1,59 @@
+"""One decoder layer: token mixer (KDA or MLA) and feed-forward (dense MLP or MoE), each pre-normed.
+
+With Block AttnRes (K3; SPEC §5) each sub-layer reads a softmax mix of the stored block sums and
+the current partial sum, and the layer pushes the partial sum as a finished block when
+``index % block_size == 0`` (so the embedding is the first stored source):
+```
+h = MIX_attn(stream)            # layer 0: the embedding itself
+if index % S == 0: push         # partial -> blocks, partial = 0
+partial += Mixer(Norm1(h)) ; partial += FFN(Norm2(MIX_mlp(stream)))
+```
+Without it, the plain pre-norm residual ``x += Mixer(Norm1(x)); x += FFN(Norm2(x))``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from jaxtyping import Array, Int
+
+from k3jax.config import LayerKind, ModelConfig
+from k3jax.layers.attn_res import ResidualStream, attn_res
+from k3jax.layers.kda import KDA
+from k3jax.layers.mla import MLA
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import MoE
+from k3jax.layers.norm import norm
+
+MIXERS = {LayerKind.KDA: (KDA, "kda"), LayerKind.MLA: (MLA, "mla")}
+
+
+class DecoderLayer(nn.Module):
+    """Decoder layer ``index`` of the stack; ``remat_moe`` rematerialises the MoE in the backward pass."""
+
+    cfg: ModelConfig
+    index: int
+    remat_moe: bool = False
+
+    def _ffn(self) -> nn.Module:
+        cfg = self.cfg
+        if not cfg.moe_layers[self.index]:
+            return MLP(cfg, cfg.mlp.dense_intermediate, name="mlp")
+        moe_cls = nn.remat(MoE) if self.remat_moe else MoE
+        return moe_cls(cfg, name="moe")
+
+    @nn.compact
+    def __call__(self, stream: ResidualStream, segment_ids: Int[Array, "B T"] | None = None) -> ResidualStream:
+        cfg = self.cfg
+        mixer_cls, mixer_name = MIXERS[cfg.layer_kinds[self.index]]
+        mixer = mixer_cls(cfg, name=mixer_name)
+        ffn = self._ffn()
+        attn_norm, mlp_norm = norm(cfg, "attn_norm"), norm(cfg, "mlp_norm")
+        if cfg.attn_res is None:
+            stream = stream.add(mixer(attn_norm(stream.partial), segment_ids))
+            return stream.add(ffn(mlp_norm(stream.partial)))
+        h = attn_res(cfg, "attn_res")(stream)
+        if self.index % cfg.attn_res.block_size == 0:
+            stream = stream.push()
+        stream = stream.add(mixer(attn_norm(h), segment_ids))
+        h = attn_res(cfg, "mlp_res")(stream)
+        return stream.add(ffn(mlp_norm(h)))

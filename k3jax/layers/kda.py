@@ -1,0 +1,102 @@
+"""Kimi Delta Attention layer (SPEC §2; Kimi Linear, arXiv:2510.26692).
+
+On pre-normed ``x [B,T,D]``:
+
+1. ``q, k, v = SiLU(conv(W_q x)), …`` — causal depthwise short convs in fp32 (tap W-1 = current).
+2. ``q, k`` L2-normalised per head (``x / sqrt(Σx² + 1e-6)``); the kernel scales q by ``K^-1/2``.
+3. ``β = sigmoid(W_b x)`` per head, fp32.
+4. Log decay per channel from ``z = W_fb W_fa x + dt_bias`` (fp32):
+   K3 ``g = lb · sigmoid(exp(A_log) · z)``; Kimi-Linear ``g = −exp(A_log) · softplus(z)``.
+5. The gated delta rule, chunkwise (``pallas_kernels.kda.chunk_kda``), state reset per document.
+6. ``W_o (RMSNorm_head(o) ⊙ sigmoid(gate))`` with gate ``W_g x`` (K3) or ``W_gb W_ga x`` (low rank).
+
+The layer takes ``(x, segment_ids)``; a decode cache (state, conv tails) is a later argument.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from k3jax.config import ModelConfig
+from k3jax.layers.linear import param, proj, wide_param_dtype
+from k3jax.layers.norm import l2_normalize, rms_norm
+from pallas_kernels.kda import causal_conv1d, chunk_kda
+
+# fla's l2norm_fwd: eps inside the square root.
+QK_L2_EPS = 1e-6
+
+
+def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"], lower_bound: float | None) -> Float[Array, "B T H K"]:
+    """Per-channel log decay ``g <= 0`` from the gate pre-activation ``z`` (in ``z``'s wide dtype)."""
+    rate = jnp.exp(a_log.astype(z.dtype))[:, None]  # [H, 1]
+    if lower_bound is None:
+        return -rate * jax.nn.softplus(z)
+    return lower_bound * jax.nn.sigmoid(rate * z)
+
+
+def _a_log_init(key, shape, dtype):
+    """``A_log = log U(1, 16)`` (SPEC §2 init)."""
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _conv_init(key, shape, dtype):
+    """U(±1/√W): PyTorch Conv1d's default for a depthwise kernel of width W."""
+    bound = 1.0 / np.sqrt(shape[0])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class KDA(nn.Module):
+    """One KDA token mixer; ``segment_ids`` resets the state and the conv history per document."""
+
+    cfg: ModelConfig
+
+    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids) -> Float[Array, "B T H K"]:
+        """SiLU(causal depthwise conv) in the wide dtype; weights ``[W, H, K]``."""
+        c = self.cfg.kda
+        W, (B, T, H, K) = c.conv_size, x.shape
+        w = param(self, name, _conv_init, (W, H, K), ("conv", "heads", "head_dim"), wide_param_dtype(self.cfg))
+        w = w.reshape(W, H * K).T  # [C, W]
+        y, _ = causal_conv1d(x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype),
+                             segment_ids=segment_ids)
+        return jax.nn.silu(y).reshape(B, T, H, K)
+
+    def _log_decay(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
+        cfg, c = self.cfg, self.cfg.kda
+        D, H, K, R = cfg.hidden, c.num_heads, c.head_dim, c.decay_rank
+        z = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "decay_rank"), "f_a")(x)
+        z = proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(z)
+        dt_bias = param(self, "dt_bias", nn.initializers.zeros, (H, K), ("heads", "head_dim"), wide_param_dtype(cfg))
+        a_log = param(self, "A_log", _a_log_init, (H,), ("heads",), wide_param_dtype(cfg))
+        z = z.astype(cfg.fp32_dtype) + dt_bias.astype(cfg.fp32_dtype)
+        return decay_gate(z, a_log, c.gate_lower_bound)
+
+    def _output_gate(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
+        cfg, c = self.cfg, self.cfg.kda
+        D, H, K, R = cfg.hidden, c.num_heads, c.head_dim, c.output_gate_rank
+        if R is None:
+            return proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), "g_proj")(x)
+        r = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "gate_rank"), "g_a")(x)
+        return proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("gate_rank", "heads", "head_dim"), "g_b")(r)
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+        cfg, c = self.cfg, self.cfg.kda
+        D, H, K = cfg.hidden, c.num_heads, c.head_dim
+        head_proj = lambda name: proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), name)
+        q = l2_normalize(self._short_conv("q_conv", head_proj("q_proj")(x), segment_ids), QK_L2_EPS)
+        k = l2_normalize(self._short_conv("k_conv", head_proj("k_proj")(x), segment_ids), QK_L2_EPS)
+        v = self._short_conv("v_conv", head_proj("v_proj")(x), segment_ids)
+        beta = proj(cfg, "BTD,DH->BTH", (D, H), ("embed", "heads"), "b_proj")(x)
+        beta = jax.nn.sigmoid(beta.astype(cfg.fp32_dtype))  # [B, T, H]
+        g = self._log_decay(x)  # [B, T, H, K]
+        dt = cfg.compute_dtype
+        o, _ = chunk_kda(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale=K ** -0.5,
+                         segment_ids=segment_ids, implementation=c.implementation, chunk_size=c.chunk_size)
+        o_norm = param(self, "o_norm", nn.initializers.ones, (K,), ("head_dim",), wide_param_dtype(cfg))
+        gate = jax.nn.sigmoid(self._output_gate(x).astype(cfg.fp32_dtype))
+        o = (rms_norm(o, o_norm, cfg.rms_norm_eps, cfg.fp32_dtype) * gate).astype(dt)  # [B, T, H, K]
+        return proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)

@@ -1,0 +1,68 @@
+"""Parameters with logical axis names, and the named-axis projection every layer is built from.
+
+Kernels are stored ``[in, out]`` with the head axis explicit (``[D, H, K]``, ``[H, K, D]``;
+docs/params.md), so one projection is one einsum whose string spells the SPEC axis letters.
+
+Matmul precision: ``PRECISION`` is the module-level default handed to every einsum (``None``:
+XLA's default, or whatever ``jax.default_matmul_precision`` sets). Golden float32 runs wrap the
+call in ``jax.default_matmul_precision("highest")``, which also keys the jit cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+PRECISION: jax.lax.Precision | str | None = None
+
+
+def einsum(eq: str, *operands, preferred_element_type=None):
+    """``jnp.einsum`` at the module's matmul precision."""
+    return jnp.einsum(eq, *operands, precision=PRECISION, preferred_element_type=preferred_element_type)
+
+
+def wide_param_dtype(cfg: ModelConfig):
+    """Storage dtype of the fp32 parameters (convs, gate biases, router): float32 or wider."""
+    return jnp.promote_types(cfg.param_dtype, jnp.float32)
+
+
+def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...],
+          axes: tuple[str, ...], dtype: Any):
+    """A parameter annotated with logical axis names (for sharding rules and per-head Muon)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"axes={axes} must name every dimension of shape={shape}")
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class Proj(nn.Module):
+    """``y = einsum(eq, x, W)`` with ``W`` stored as ``kernel`` of ``shape`` and logical ``axes``.
+
+    Operands are cast to ``dtype`` (the compute dtype, or a wide dtype for fp32 islands).
+    """
+
+    eq: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    dtype: Any
+    param_dtype: Any
+    init_std: float = 0.02
+    out_dtype: Any = None  # accumulate into and return this dtype (fp32 logits); None: ``dtype``
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
+                       self.param_dtype)
+        return einsum(self.eq, x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=self.out_dtype)
+
+
+def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str, ...], name: str | None,
+         *, wide: bool = False, out_dtype: Any = None) -> Proj:
+    """A ``Proj`` with the config's dtypes; ``wide=True`` stores and computes it in fp32 (or wider)."""
+    dtype = cfg.fp32_dtype if wide else cfg.compute_dtype
+    param_dtype = wide_param_dtype(cfg) if wide else cfg.param_dtype
+    return Proj(eq, shape, axes, dtype, param_dtype, cfg.initializer_range, out_dtype, name=name)

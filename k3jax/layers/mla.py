@@ -1,0 +1,110 @@
+"""Gated multi-head latent attention (SPEC §3).
+
+MLA: DeepSeek-V2 (arXiv:2405.04434) §2.1; output gate and NoPE: the K3 technical report.
+
+1. Query: ``q = W_qb RMSNorm(W_qa x)`` (LoRA, norm eps 1e-6) or ``q = W_q x`` → ``[B,T,H,dn+dr]``.
+2. Keys/values: ``[c, k_r] = W_kva x``; ``[k_nope, v] = W_kvb RMSNorm(c)`` per head (eps 1e-6);
+   ``k = [k_nope, k_r]`` with the "rope" key ``k_r`` shared by all heads (MQA).
+3. Positions: none (NoPE, K3 / Kimi-Linear) or RoPE+YaRN on the rope slices (K2).
+4. Causal softmax attention in fp32 with scale ``(dn+dr)^-1/2``, masked across documents.
+5. Optional output gate ``o ⊙ sigmoid(W_g x)`` per head·channel (K3), then ``W_o``.
+
+Sows ``max_logit [H]`` (the largest scaled pre-softmax logit per head) for QK-Clip.
+The layer takes ``(x, segment_ids)``: a decode cache (``c``, ``k_r`` per token) is a later argument.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from k3jax.config import ModelConfig
+from k3jax.layers import rope as rope_lib
+from k3jax.layers.linear import einsum, proj
+from k3jax.layers.norm import norm
+
+# Query rows per attention block when T is long: bounds the [B,H,C,T] logits in memory.
+QUERY_BLOCK = 512
+
+
+def attention_mask(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Bool[Array, "B T S"]:
+    """Causal mask, restricted to the query's own document when ``segment_ids`` is given."""
+    causal = jnp.tril(jnp.ones((length, length), bool))[None]  # [1, T, S]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (batch, length, length))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal & same
+
+
+def _attend_block(q, k, v, mask, scale):
+    """Softmax attention of one query block in ``q``'s (wide) dtype; returns (out, max logit per head)."""
+    logits = einsum("BTHK,BSHK->BHTS", q, k) * scale  # [B, H, C, S]
+    masked = jnp.where(mask[:, None], logits, -jnp.inf)
+    max_logit = jnp.max(masked, axis=(0, 2, 3))  # [H]
+    p = jax.nn.softmax(masked, axis=-1)
+    return einsum("BHTS,BSHV->BTHV", p, v), max_logit
+
+
+def causal_attention(q: Float[Array, "B T H K"], k: Float[Array, "B S H K"], v: Float[Array, "B S H V"],
+                     mask: Bool[Array, "B T S"], scale: float) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+    """Exact masked softmax attention; long sequences go query block by query block."""
+    T = q.shape[1]
+    if T <= QUERY_BLOCK or T % QUERY_BLOCK:
+        return _attend_block(q, k, v, mask, scale)
+    n = T // QUERY_BLOCK
+    blocks = lambda a: jnp.moveaxis(a.reshape(a.shape[0], n, QUERY_BLOCK, *a.shape[2:]), 1, 0)
+    out, max_logit = jax.lax.map(lambda qm: _attend_block(qm[0], k, v, qm[1], scale), (blocks(q), blocks(mask)))
+    out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
+    return out, jnp.max(max_logit, axis=0)
+
+
+class MLA(nn.Module):
+    """Gated MLA over pre-normed ``x``; ``segment_ids`` masks attention across documents."""
+
+    cfg: ModelConfig
+
+    def _query(self, x):
+        cfg, m = self.cfg, self.cfg.mla
+        D, H, Dq = cfg.hidden, m.num_heads, m.qk_head_dim
+        if m.q_lora_rank is None:
+            return proj(cfg, "BTD,DHK->BTHK", (D, H, Dq), ("embed", "heads", "head_dim"), "q_proj")(x)
+        R = m.q_lora_rank
+        c = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "q_lora"), "q_a")(x)
+        c = norm(cfg, "q_norm", eps=m.lora_norm_eps, axis="q_lora")(c)
+        return proj(cfg, "BTR,RHK->BTHK", (R, H, Dq), ("q_lora", "heads", "head_dim"), "q_b")(c)
+
+    def _keys_values(self, x):
+        cfg, m = self.cfg, self.cfg.mla
+        D, H, R, dn, dv = cfg.hidden, m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+        ckr = proj(cfg, "BTD,DR->BTR", (D, R + m.qk_rope_head_dim), ("embed", "kv_lora"), "kv_a")(x)
+        c, k_rope = ckr[..., :R], ckr[..., R:]  # [B, T, Rkv], [B, T, dr]
+        c = norm(cfg, "kv_norm", eps=m.lora_norm_eps, axis="kv_lora")(c)
+        kv = proj(cfg, "BTR,RHK->BTHK", (R, H, dn + dv), ("kv_lora", "heads", "head_dim"), "kv_b")(c)
+        return kv[..., :dn], k_rope, kv[..., dn:]  # [B,T,H,dn], [B,T,dr], [B,T,H,dv]
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+        cfg, m = self.cfg, self.cfg.mla
+        B, T, D = x.shape
+        H, dn, dv, wide = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, cfg.fp32_dtype
+        q = self._query(x).astype(wide)  # [B, T, H, dn+dr]
+        k_nope, k_rope, v = self._keys_values(x)
+        k_rope = k_rope.astype(wide)[:, :, None, :]  # [B, T, 1, dr]
+        q_nope, q_rope = q[..., :dn], q[..., dn:]
+        if m.rope is not None:
+            positions = jnp.arange(T)[None]  # RoPE is relative: within a document only differences matter
+            q_rope = rope_lib.apply_rope(q_rope, positions, m.rope, wide)
+            k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
+        scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
+        o, max_logit = causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
+        if not self.is_initializing():
+            self.sow("stats", "max_logit", max_logit)
+        if m.output_gate:
+            gate = proj(cfg, "BTD,DHV->BTHV", (D, H, dv), ("embed", "heads", "head_dim"), "g_proj")(x)
+            o = o * jax.nn.sigmoid(gate.astype(wide))
+        o = o.astype(cfg.compute_dtype)  # [B, T, H, dv]
+        return proj(cfg, "BTHV,HVD->BTD", (H, dv, D), ("heads", "head_dim", "embed"), "o_proj")(o)

@@ -1,0 +1,92 @@
+"""Sigmoid-routed mixture of experts with shared experts; LatentMoE for K3 (SPEC §4).
+
+1. Route (fp32): ``s = sigmoid(x W_r)``; top-k of ``s + b`` (b: the balancing bias, selection only,
+   no gradient); weights = the chosen unbiased ``s`` renormalised ``÷(Σ + 1e-20)``, × scaling factor.
+2. Routed experts (``pallas_kernels.moe.moe_ffn``: permute → grouped GLU FFN → weighted combine,
+   the router weight applied after each expert's down projection). LatentMoE runs them in the
+   latent: ``W_up RMSNorm(Σ_i w_i E_i(W_down x))``; Kimi-Linear / K2 at full width D, no norm.
+3. Plus the shared experts, one fused GLU MLP on the full-width x.
+
+The balancing bias is the variable ``balance/bias [E]``; the statistics Quantile Balancing needs
+(``k3jax.balance.step_statistics``: loads, and histogram or margins) are sown into ``stats``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from k3jax import balance
+from k3jax.config import ModelConfig
+from k3jax.layers.linear import param, proj, wide_param_dtype
+from k3jax.layers.mlp import MLP
+from k3jax.layers.norm import norm
+from pallas_kernels.moe import moe_ffn
+
+# Guards the renormalisation of the top-k weights against an all-zero row (the references' value).
+RENORM_EPS = 1e-20
+
+
+def route(scores: Float[Array, "T E"], bias: Float[Array, "E"], top_k: int, *, renormalize: bool,
+          scaling: float) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    """Expert ids by the biased scores; weights from the unbiased ones (DeepSeek-V3 noaux_tc)."""
+    ids, _ = balance.biased_topk(scores, jax.lax.stop_gradient(bias), top_k)  # [T, k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)  # [T, k]
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + RENORM_EPS)
+    return ids, weights * scaling
+
+
+class MoE(nn.Module):
+    """Router + routed experts (latent or full width) + fused shared experts."""
+
+    cfg: ModelConfig
+
+    def _router(self, xt: Float[Array, "T D"]) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+        cfg, m = self.cfg, self.cfg.moe
+        wide = cfg.fp32_dtype
+        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
+        scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
+        bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+                             None, (m.num_experts,), wide_param_dtype(cfg)).value
+        bias = jax.lax.stop_gradient(bias.astype(wide))
+        if not self.is_initializing():  # variables hold params and balance only
+            stats = balance.step_statistics(cfg.balance, jax.lax.stop_gradient(scores), bias, m.top_k)
+            for name, value in stats.items():
+                self.sow("stats", name, value)
+        return route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+
+    def _experts(self, u: Float[Array, "T L"], ids, weights) -> Float[Array, "T L"]:
+        cfg, m = self.cfg, self.cfg.moe
+        E, L, F = m.num_experts, cfg.moe_width, m.expert_intermediate
+        init = nn.initializers.normal(cfg.initializer_range)
+        w1 = param(self, "w1", init, (E, L, F), ("experts", "latent", "expert_mlp"), cfg.param_dtype)
+        w3 = param(self, "w3", init, (E, L, F), ("experts", "latent", "expert_mlp"), cfg.param_dtype)
+        w2 = param(self, "w2", init, (E, F, L), ("experts", "expert_mlp", "latent"), cfg.param_dtype)
+        dt = cfg.compute_dtype
+        return moe_ffn(u.astype(dt), ids, weights, w1.astype(dt), w3.astype(dt), w2.astype(dt),
+                       activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
+                       situ_linear_beta=cfg.mlp.situ_linear_beta, implementation=m.implementation)
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        cfg, m = self.cfg, self.cfg.moe
+        B, T, D = x.shape
+        xt = x.reshape(B * T, D)
+        with jax.named_scope("moe_route"):
+            ids, weights = self._router(xt)
+        if m.latent_dim is None:
+            y = self._experts(xt, ids, weights)  # [T, D]
+        else:
+            L = m.latent_dim
+            u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
+            y = self._experts(u, ids, weights)  # [T, L]
+            if m.latent_norm:
+                y = norm(cfg, "latent_norm", axis="latent")(y)
+            y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
+        y = y.reshape(B, T, D)
+        if m.num_shared_experts:
+            y = y + MLP(cfg, m.shared_width, name="shared")(x)
+        return y

@@ -1,0 +1,89 @@
+"""The Kimi-family decoder-only language model (SPEC §1-5), one code path for K3, Kimi-Linear and K2.
+
+``Transformer(cfg).apply(variables, tokens, segment_ids=None, return_hidden=False)``:
+
+1. Embed the tokens (untied embedding, no scaling).
+2. Run the decoder layers in order (KDA or MLA mixer, dense MLP or MoE), the residual stream
+   being Block AttnRes (K3) or the plain pre-norm residual (the others).
+3. Output mix (AttnRes only), final RMSNorm, untied head → fp32 logits ``[B, T, V]``.
+
+``variables = {"params": …, "balance": …}`` (docs/params.md); run with ``mutable=["stats"]`` to
+collect router loads, QB histograms and MLA max logits. ``remat`` ("none" | "layer" | "moe") is a
+training choice, not part of the model config.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from k3jax.config import ModelConfig
+from k3jax.layers.attn_res import ResidualStream, attn_res
+from k3jax.layers.block import DecoderLayer
+from k3jax.layers.linear import proj
+from k3jax.layers.norm import norm
+
+REMAT = ("none", "layer", "moe")
+
+
+def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> None:
+    """Raise ``ValueError`` (at trace time) for tokens/segment_ids the model cannot run."""
+    if not hasattr(tokens, "shape") or tokens.ndim != 2:
+        raise ValueError(f"tokens must be a [B, T] integer array, got {getattr(tokens, 'shape', type(tokens))}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must have an integer dtype (int32), got {tokens.dtype}")
+    B, T = tokens.shape
+    if not 1 <= T <= cfg.max_position:
+        raise ValueError(f"tokens length T={T} must lie in [1, max_position={cfg.max_position}]")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"tokens must lie in [0, vocab_size={cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    if segment_ids is not None:
+        if getattr(segment_ids, "shape", None) != (B, T):
+            raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {getattr(segment_ids, 'shape', None)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
+
+
+class Transformer(nn.Module):
+    """The language model. ``remat`` rematerialises each layer ("layer") or only the MoE ("moe")."""
+
+    cfg: ModelConfig
+    remat: str = "none"
+
+    def setup(self):
+        cfg = self.cfg
+        if self.remat not in REMAT:
+            raise ValueError(f"remat={self.remat!r} must be one of {REMAT}")
+        self.embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.initializer_range),
+                                                        ("vocab", "embed")),
+        )
+        layer_cls = nn.remat(DecoderLayer) if self.remat == "layer" else DecoderLayer
+        self.layers = [layer_cls(cfg, i, remat_moe=self.remat == "moe") for i in range(cfg.num_layers)]
+        self.final_norm = norm(cfg, None)
+        self.out_res = attn_res(cfg, None) if cfg.attn_res is not None else None
+        self.head = proj(cfg, "BTD,DV->BTV", (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), None,
+                         out_dtype=cfg.fp32_dtype)
+
+    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
+                 return_hidden: bool = False):
+        """Logits ``[B, T, V]`` (fp32), and with ``return_hidden`` the final-norm input ``[B, T, D]``."""
+        validate_inputs(self.cfg, tokens, segment_ids)
+        return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_hidden=return_hidden)
+
+    def from_embeddings(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
+                        return_hidden: bool = False):
+        """The model after the embedding lookup (causality tests differentiate through ``x``)."""
+        cfg = self.cfg
+        stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
+        for layer in self.layers:
+            stream = layer(stream, segment_ids)
+        hidden = stream.partial if self.out_res is None else self.out_res(stream)
+        logits = self.head(self.final_norm(hidden))  # [B, T, V]
+        return (logits, hidden) if return_hidden else logits
