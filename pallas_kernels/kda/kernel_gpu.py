@@ -1,0 +1,190 @@
+"""Chunked Kimi Delta Attention on Hopper: XLA intra-chunk prep + a Mosaic GPU inter-chunk scan.
+
+Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split in two:
+
+1. :func:`kernel_gpu_intra.prepare` (XLA, parallel over all chunks): the lower-bounded gate lets
+   each 16-token sub-tile use one causal anchor at its first row, so ``A_kk``/``A_qk`` are dense
+   matmuls; then the WY solve gives ``W, U`` and the decayed ``qg, kg, d``.
+2. ``kda_scan_fwd`` (this module, Pallas Mosaic GPU): one warpgroup per (head, V block) walks the
+   chunks in order with the fp32 state in registers and a bf16 copy in smem as the wgmma operand:
+   ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk
+   c+1 in while chunk c computes. For training it also stores each chunk's entering state (bf16,
+   exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
+
+Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1.
+
+Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pallas is deprecated
+since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,
+``qg^T``, ``W^T``) and TMA directly, lowers fully on the CPU host (so layout errors are caught
+before the GPU) and runs under the CPU interpreter for the default tests. Only the Mosaic GPU path
+was built and measured (benchmarks/RESULTS.md); a Triton variant was not written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
+from pallas_kernels.kda.kernel_gpu_intra import prepare
+from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, smem
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)
+CHUNK = 64  # one wgmma M tile: the chunk is also the warpgroup's row block
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    """Static knobs of the scan kernels: V block per program and the CPU interpreter."""
+
+    bv: int = 64
+    interpret: bool = False
+
+
+def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, out_dtype):
+    """``(o [BH,Tp,V], S_final [BH,K,V] fp32, h [BH,N*K,V] bf16 or None)``; operands bf16."""
+    BH, Tp, K = w.shape
+    V = u.shape[-1]
+    C = aqk.shape[-1]
+    n, nv, bv = Tp // C, V // cfg.bv, cfg.bv
+
+    def kernel(w_g, qg_g, kg_g, u_g, aqk_g, d_g, s0_g, o_g, sT_g, *rest):
+        h_g = rest[0] if store_states else None
+        w_b, qg_b, kg_b, u_b, aqk_b, d_b, o_buf, s_buf, vn_buf, bar = rest[int(store_states):]
+        vi, bh = lax.axis_index("v"), lax.axis_index("bh")
+        vs = pl.ds(vi * bv, bv)
+        streams = [
+            Stream(w_g.at[bh], C, w_b), Stream(qg_g.at[bh], C, qg_b), Stream(kg_g.at[bh], C, kg_b),
+            Stream(u_g.at[bh, :, vs], C, u_b), Stream(aqk_g.at[bh], C, aqk_b),
+            Stream(d_g.at[bh], 1, d_b),
+        ]
+
+        def body(c, slot, bufs, S):
+            w_s, qg_s, kg_s, u_s, aqk_s, d_s = bufs
+            sb = s_buf.at[slot] if store_states else s_buf
+            # The TMA stores that read this output slot two chunks ago must be done.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            sb[...] = S.astype(BF16)
+            plgpu.commit_smem()
+            v_new = plgpu.load(u_s, layout=WGMMA).astype(F32) - mma(w_s, sb, (C, bv))
+            vn_buf[...] = v_new.astype(BF16)
+            plgpu.commit_smem()
+            o = mma2(qg_s, sb, aqk_s, vn_buf, (C, bv))
+            o_buf.at[slot][...] = o.astype(out_dtype)
+            decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
+            S = S * decay + mma(T(kg_s), vn_buf, (K, bv))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_buf.at[slot], o_g.at[bh, pl.ds(c * C, C), vs], commit_group=not store_states
+            )
+            if store_states:
+                plgpu.copy_smem_to_gmem(sb, h_g.at[bh, pl.ds(c * K, K), vs])
+            return S
+
+        S = pipelined_chunks(n, streams, bar, body, plgpu.load(s0_g.at[bh, :, vs], layout=WGMMA, optimized=False))
+        sT_g.at[bh, :, vs][...] = S
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct((BH, Tp, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), F32)]
+    if store_states:
+        out_type.append(jax.ShapeDtypeStruct((BH, n * K, V), BF16))
+    scratch = [
+        smem((C, K)), smem((C, K)), smem((C, K)), smem((C, bv)), smem((C, C)),
+        smem((1, K), F32, mma=False),
+        smem((C, bv), out_dtype, mma=jnp.dtype(out_dtype) == BF16),
+        smem((K, bv), slots=SLOTS if store_states else None),
+        smem((C, bv), slots=None),
+        plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if cfg.interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(nv, BH), grid_names=("v", "bh"),
+        kernel_name="kda_scan_fwd", **extra,
+    )
+    outs = call(w, qg, kg, u, aqk, d, s0)
+    return outs[0], outs[1], (outs[2] if store_states else None)
+
+
+def _bf16_operands(w, u, qg, kg, aqk):
+    return tuple(x.astype(BF16) for x in (w, u, qg, kg, aqk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _scan(w, u, qg, kg, aqk, d, s0, cfg: ScanConfig, out_dtype):
+    w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
+    o, S, _ = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=False, out_dtype=out_dtype)
+    return o, S
+
+
+def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype):
+    w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
+    o, S, h = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=True, out_dtype=out_dtype)
+    return (o, S), (w, u, qg, kg, aqk, d, h)
+
+
+def _scan_vjp_bwd(cfg, out_dtype, res, cts):
+    w, u, qg, kg, aqk, d, h = res
+    do, dS = cts
+    dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
+        w, qg, kg, u, aqk, d, h, do.astype(BF16), dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret
+    )
+    return dw, du, dqg, dkg, daqk, dd, ds0
+
+
+_scan.defvjp(_scan_vjp_fwd, _scan_vjp_bwd)
+
+
+def _block_v(V: int) -> int:
+    return 64 if V % 64 == 0 else 32
+
+
+def supports(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
+             chunk_size=CHUNK, interpret=False) -> bool:
+    """Static check: chunk 64, K and V multiples of 32 up to 128, no float64."""
+    K, V = k.shape[-1], v.shape[-1]
+    dtypes = [x.dtype for x in (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))]
+    return (
+        chunk_size == CHUNK
+        and K % 32 == 0 and V % 32 == 0 and K <= 128 and V <= 128
+        and all(dt != jnp.float64 for dt in dtypes)
+    )
+
+
+def chunk_kda_pallas(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    scale: float,
+    initial_state: Float[Array, "B H K V"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    chunk_size: int = CHUNK,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+    """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32."""
+    if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
+        raise ValueError(
+            f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V multiples of 32 up to 128 and no "
+            f"float64; got chunk_size={chunk_size}, K={k.shape[-1]}, V={v.shape[-1]}"
+        )
+    B, T_len, H, K = k.shape
+    V = v.shape[-1]
+    w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK)
+    s0 = jnp.zeros((B * H, K, V), F32) if initial_state is None else initial_state.astype(F32)
+    out_dtype = BF16 if v.dtype == BF16 else F32
+    cfg = ScanConfig(bv=_block_v(V), interpret=bool(interpret))
+    o, S = _scan(w, u, qg, kg, aqk, d, s0.reshape(B * H, K, V), cfg, out_dtype)
+    o = o.reshape(B, H, -1, V)[:, :, :T_len]
+    return jnp.moveaxis(o, 1, 2).astype(v.dtype), S.reshape(B, H, K, V)

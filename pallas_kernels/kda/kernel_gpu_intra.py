@@ -1,0 +1,100 @@
+"""KDA intra-chunk preparation for the GPU chunk scan (SPEC §2, chunkwise form), in XLA.
+
+Everything here is parallel over chunks; only the inter-chunk recurrence is sequential, and that
+is the Pallas kernel (:mod:`pallas_kernels.kda.kernel_gpu`). Per chunk of C tokens, with G the
+inclusive in-chunk cumsum of g (fp32, never reset at documents):
+
+1. Sub-tile anchors: the 16-token tile holding row i is anchored at its *first* row ``a``, so
+   ``exp(G_i - a) <= 1`` (a causal anchor; a mid-tile anchor would let rounding read future gates).
+   Columns get ``exp(a - G_j)``, masked to 0 *before* ``exp`` for tiles after the row's own; with
+   the gate bounded below by -5 the diagonal tile's factors stay within ``e^{±75}`` (fp32 range),
+   so ``A_kk`` and ``A_qk`` are dense matmuls instead of a per-token walk.
+2. ``A_kk[i,j] = beta_i sum_c k_ic k_jc e^{G_ic-G_jc}`` (j < i, same document) and
+   ``A_qk[i,j] = scale sum_c q_ic k_jc e^{G_ic-G_jc}`` (j <= i, same document).
+3. ``T = (I + A_kk)^{-1}`` by a unit lower-triangular solve: ``U = T(beta v)``,
+   ``W = T(beta k e^G)`` (rows cut off from the entering state by a document start are zeroed).
+4. ``qg = scale q e^G`` (same rows zeroed), ``kg = k e^{G_last - G}`` (only tokens whose write
+   survives to the chunk end) and ``d = e^{G_last}`` (0 when a document starts in the chunk).
+
+Outputs are head-major ``[B*H, T_pad, ·]`` fp32 so the kernel reads one contiguous slab per head;
+gradients come from JAX autodiff of this function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jax import lax
+
+from pallas_kernels.kda.reference import segment_index
+
+SUB = 16  # sub-tile length: 16 tokens x (-5) = -80 stays inside fp32 exp range
+_einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
+
+
+def _head_major(x, n: int, c: int):
+    """``[B,T_pad,H,...] -> [B,H,N,C,...]`` in fp32."""
+    B, _, H = x.shape[:3]
+    x = x.astype(jnp.float32).reshape((B, n, c, H) + x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def _anchored_scores(q, k, G, sub: int):
+    """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same for k)`` for j in tiles up to i's: [B,H,N,C,C]."""
+    *lead, C, K = G.shape
+    nt = C // sub
+    anchor = G[..., ::sub, :]  # [B,H,N,nt,K] first row of each tile
+    tile = lambda x: x.reshape(*lead, nt, sub, K)
+    row = jnp.exp(tile(G) - anchor[..., None, :])  # <= 1
+    col_tile = jnp.arange(C) // sub
+    visible = col_tile[None, :] <= jnp.arange(nt)[:, None]  # [nt, C]
+    expo = anchor[..., :, None, :] - G[..., None, :, :]  # [B,H,N,nt,C,K]
+    col = jnp.exp(jnp.where(visible[:, :, None], expo, -jnp.inf))  # masked before exp
+    kc = k[..., None, :, :] * col
+    a_qk = _einsum("...tuc,...tjc->...tuj", tile(q) * row, kc).reshape(*lead, C, C)
+    a_kk = _einsum("...tuc,...tjc->...tuj", tile(k) * row, kc).reshape(*lead, C, C)
+    return a_qk, a_kk
+
+
+def prepare(q, k, v, g, beta, *, scale: float, segment_ids, chunk: int):
+    """``(w, u, qg, kg, aqk, d)``: head-major fp32 chunk operands of the inter-chunk scan.
+
+    Shapes: w, qg, kg ``[B*H, Tp, K]``; u ``[B*H, Tp, V]``; aqk ``[B*H, Tp, C]``; d ``[B*H, N, K]``.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    sidx = segment_index(segment_ids, B, T)
+    sprev = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), sidx[:, :-1]], axis=1)[:, ::chunk]
+    sidx = jnp.pad(sidx, [(0, 0), (0, pad)], mode="edge").reshape(B, 1, n, chunk)
+    # Padded tokens (k = v = beta = g = 0) leave the state unchanged.
+    padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g = (_head_major(padded(x), n, chunk) for x in (q, k, v, g))
+    b = _head_major(padded(beta), n, chunk)[..., None]  # [B,H,N,C,1]
+
+    G = jnp.cumsum(g, axis=-2)
+    a_qk, a_kk = _anchored_scores(q, k, G, SUB)
+    same = sidx[..., :, None] == sidx[..., None, :]  # [B,1,N,C,C]
+    causal = same & jnp.tril(jnp.ones((chunk, chunk), bool))
+    strict = causal & ~jnp.eye(chunk, dtype=bool)
+    a_qk = jnp.where(causal, scale * a_qk, 0.0)
+    a_kk = jnp.where(strict, b * a_kk, 0.0)
+
+    fresh = (sidx == sprev.reshape(B, 1, n, 1))[..., None]  # [B,1,N,C,1] row still sees S
+    rhs = jnp.concatenate([b * v, jnp.where(fresh, b * k * jnp.exp(G), 0.0)], axis=-1)
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    sol = jsl.solve_triangular(eye + a_kk, rhs, lower=True, unit_diagonal=True)
+    u, w = sol[..., :V], sol[..., V:]
+
+    G_last = G[..., -1:, :]  # [B,H,N,1,K]
+    to_end = (sidx == sidx[..., -1:])[..., None]  # token j's write survives to the chunk end
+    kg = jnp.where(to_end, k * jnp.exp(G_last - G), 0.0)
+    qg = jnp.where(fresh, scale * q * jnp.exp(G), 0.0)
+    d = jnp.where(fresh[..., -1:, :], jnp.exp(G_last), 0.0)[..., 0, :]  # [B,H,N,K]
+
+    flat = lambda x: x.reshape(B * H, n * chunk, x.shape[-1])
+    return flat(w), flat(u), flat(qg), flat(kg), flat(a_qk), d.reshape(B * H, n, K)

@@ -1,0 +1,108 @@
+"""Small Mosaic GPU helpers shared by the KDA scan kernels: smem layouts and a 2-slot TMA pipeline.
+
+``plgpu.emit_pipeline`` would do the same, but its predicated copies do not run under the CPU
+interpreter (``InterpretGPUParams``), and the tests must; this loop uses only plain copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SLOTS = 2
+
+
+def mma_transforms(cols: int, dtype=jnp.bfloat16):
+    """Tiling + swizzle that wgmma needs for a 2D smem operand with ``cols`` minor elements."""
+    width = cols * jnp.dtype(dtype).itemsize
+    swizzle = min(128, width)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def smem(shape, dtype=jnp.bfloat16, *, mma: bool = True, slots: int | None = SLOTS):
+    """A (slotted) smem scratch; wgmma operands get the swizzled layout."""
+    full = shape if slots is None else (slots, *shape)
+    transforms = mma_transforms(shape[-1], dtype) if mma else ()
+    return plgpu.SMEM(full, dtype, transforms=transforms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One per-chunk input: ``gmem[chunk*rows : (chunk+1)*rows]`` lands in ``buf.at[slot]``."""
+
+    gmem: object
+    rows: int
+    buf: object
+
+
+def pipelined_chunks(
+    n: int,
+    streams: Sequence[Stream],
+    barrier,
+    body: Callable,
+    carry,
+    *,
+    reverse: bool = False,
+):
+    """``carry = body(chunk, [buf.at[slot] ...], carry)`` for chunk in 0..n-1 (or n-1..0).
+
+    The TMA copies of chunk ``s+1`` are issued before chunk ``s`` is computed; ``barrier`` is a
+    ``Barrier(num_arrivals=len(streams), num_barriers=SLOTS)``. The body must have finished every
+    wgmma that reads its slot before it returns (reading an accumulator waits for it).
+    """
+    chunk_of = (lambda s: n - 1 - s) if reverse else (lambda s: s)
+
+    def fetch(step, slot):
+        c = chunk_of(step)
+        for st in streams:
+            plgpu.copy_gmem_to_smem(
+                st.gmem.at[pl.ds(c * st.rows, st.rows)], st.buf.at[slot], barrier.at[slot]
+            )
+
+    fetch(0, 0)
+
+    def step(s, carry):
+        slot = lax.rem(s, SLOTS)
+
+        @pl.when(s + 1 < n)
+        def _prefetch():
+            fetch(s + 1, 1 - slot)
+
+        plgpu.barrier_wait(barrier.at[slot])
+        return body(chunk_of(s), slot, [st.buf.at[slot] for st in streams], carry)
+
+    return lax.fori_loop(0, n, step, carry)
+
+
+def mma(a, b, shape) -> jnp.ndarray:
+    """``a @ b`` on the tensor cores (fp32 accumulate); waits for the result."""
+
+    def scope(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def mma2(a1, b1, a2, b2, shape) -> jnp.ndarray:
+    """``a1 @ b1 + a2 @ b2`` in one accumulator."""
+
+    def scope(acc):
+        plgpu.wgmma(acc, a1, b1)
+        plgpu.wgmma(acc, a2, b2)
+        return acc[...]
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def T(ref):
+    """The transposed view of a 2D smem ref (wgmma reads it MN-major)."""
+    return ref.transpose((1, 0))
