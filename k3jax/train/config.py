@@ -1,0 +1,237 @@
+"""Training configuration: one frozen ``TrainConfig`` (nested sections) next to the ``ModelConfig``.
+
+Experiments are Python files whose ``get_config()`` returns a ``TrainConfig`` built with
+``dataclasses.replace``; the CLI applies ``--set section.field=value`` overrides with `override`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from typing import Any
+
+from k3jax.config import ModelConfig, tiny
+
+REMAT_POLICIES = ("none", "layer", "moe")
+SCHEDULES = ("cosine", "wsd")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Per-head Muon for matrices + AdamW for the rest (SPEC §7), global-norm clipping, QK-Clip.
+
+    ``muon=False`` sends every parameter to AdamW (the baseline to compare against).
+    ``qk_clip_tau=None`` turns QK-Clip off.
+    """
+
+    learning_rate: float = 2e-3
+    adam_learning_rate: float | None = None  # None: same as learning_rate (Moonlight RMS matching)
+    weight_decay: float = 0.1
+    muon: bool = True
+    muon_beta: float = 0.95
+    ns_steps: int = 5
+    consistent_rms: float = 0.2
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+    qk_clip_tau: float | None = 100.0
+
+    def __post_init__(self):
+        _require(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
+        _require(self.adam_learning_rate is None or self.adam_learning_rate > 0,
+                 f"adam_learning_rate={self.adam_learning_rate} must be > 0 or None")
+        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.muon_beta < 1, f"muon_beta={self.muon_beta} must be in [0, 1)")
+        _require(self.ns_steps >= 1, f"ns_steps={self.ns_steps} must be >= 1")
+        _require(self.grad_clip_norm is None or self.grad_clip_norm > 0,
+                 f"grad_clip_norm={self.grad_clip_norm} must be > 0 or None")
+        _require(self.qk_clip_tau is None or self.qk_clip_tau > 0,
+                 f"qk_clip_tau={self.qk_clip_tau} must be > 0 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    kind: str = "cosine"
+    warmup_fraction: float = 0.01
+    decay_fraction: float = 0.2  # WSD only: the final linear decay, as a fraction of all steps
+    final_lr_ratio: float = 0.1
+
+    def __post_init__(self):
+        _require(self.kind in SCHEDULES, f"kind={self.kind!r} must be one of {SCHEDULES}")
+        _require(0 <= self.warmup_fraction < 1, f"warmup_fraction={self.warmup_fraction} must be in [0, 1)")
+        _require(0 < self.decay_fraction <= 1, f"decay_fraction={self.decay_fraction} must be in (0, 1]")
+        _require(0 <= self.final_lr_ratio <= 1, f"final_lr_ratio={self.final_lr_ratio} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallConfig:
+    """Multi-query associative recall (Zoology, Arora et al., arXiv 2312.04927): ``num_pairs`` key-value
+    pairs, then ``num_queries`` of the keys again; the model must answer each with its value."""
+
+    num_pairs: int = 8
+    num_queries: int = 8
+    num_keys: int = 64
+    num_values: int = 64
+
+    def __post_init__(self):
+        _require(self.num_pairs >= 1, f"num_pairs={self.num_pairs} must be >= 1")
+        _require(1 <= self.num_queries <= self.num_pairs,
+                 f"num_queries={self.num_queries} must be in [1, num_pairs={self.num_pairs}]")
+        _require(self.num_keys >= self.num_pairs,
+                 f"num_keys={self.num_keys} must be >= num_pairs={self.num_pairs} (keys are distinct)")
+        _require(self.num_values >= 2, f"num_values={self.num_values} must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``source``: "recall" (synthetic MQAR, built in), "random" (uniform tokens, for benchmarks), or a
+    source of ``k3jax.data`` ("text", …) reading ``path``."""
+
+    source: str = "recall"
+    path: str | None = None
+    seed: int = 0
+    recall: RecallConfig = RecallConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: no checkpoints
+    every_steps: int = 100
+    keep_last: int = 2
+    keep_best: int = 1  # by training loss at the save step (0: off)
+    async_save: bool = True
+    resume: bool = True  # restore the newest good checkpoint in ``dir`` if there is one
+
+    def __post_init__(self):
+        _require(self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1")
+        _require(self.keep_last >= 1, f"keep_last={self.keep_last} must be >= 1")
+        _require(self.keep_best >= 0, f"keep_best={self.keep_best} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh as ``((axis, size), …)``; empty: single device, no sharding. Axis names and the
+    rule table (``rules``) are interpreted by ``sharding/``."""
+
+    axes: tuple[tuple[str, int], ...] = ()
+    rules: str = "fsdp"
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple((str(n), int(s)) for n, s in self.axes))
+        for name, size in self.axes:
+            _require(size >= 1, f"mesh axis {name!r} has size={size}; must be >= 1")
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for _, size in self.axes:
+            n *= size
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs. ``batch_size`` is the global batch of sequences per optimizer
+    step, split into ``micro_batches`` equal micro-batches (gradient accumulation)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=tiny)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 128
+    micro_batches: int = 1
+    remat: str = "none"
+    seed: int = 0
+    log_dir: str | None = None  # JSONL metrics (and TensorBoard if installed) go here
+    log_every: int = 10
+    tensorboard: bool = True
+    max_consecutive_nonfinite: int = 5
+    peak_flops: float | None = None  # per device, for MFU; None: looked up from the device kind
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
+                     "max_consecutive_nonfinite"):
+            _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        _require(self.batch_size % self.micro_batches == 0,
+                 f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")
+        _require(self.remat in REMAT_POLICIES, f"remat={self.remat!r} must be one of {REMAT_POLICIES}")
+        _require(self.seq_len <= self.model.max_position,
+                 f"seq_len={self.seq_len} must be <= model.max_position={self.model.max_position}")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.micro_batches
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def override(cfg: Any, assignments: list[str]) -> Any:
+    """Apply ``["section.field=value", …]`` to a frozen dataclass tree (values parsed as Python
+    literals, else kept as strings). Unknown keys raise ``ValueError`` naming the key."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {assignment!r} must look like key=value (e.g. optimizer.learning_rate=1e-3)")
+        cfg = _replace_path(cfg, key.strip().split("."), _parse(raw.strip()), key)
+    return cfg
+
+
+def _parse(raw: str) -> Any:
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return {"none": None, "true": True, "false": False}.get(raw.lower(), raw)
+
+
+def _replace_path(node: Any, path: list[str], value: Any, full_key: str) -> Any:
+    if not dataclasses.is_dataclass(node):
+        raise ValueError(f"--set {full_key}: {type(node).__name__} has no field {path[0]!r}")
+    fields = {f.name: f for f in dataclasses.fields(node)}
+    if path[0] not in fields:
+        raise ValueError(f"--set {full_key}: {type(node).__name__} has no field {path[0]!r}; "
+                         f"fields are {sorted(fields)}")
+    if len(path) > 1:
+        value = _replace_path(getattr(node, path[0]), path[1:], value, full_key)
+    else:
+        value = _coerce(value, getattr(node, path[0]))
+    return dataclasses.replace(node, **{path[0]: value})
+
+
+def _coerce(value: Any, current: Any) -> Any:
+    """Ints where floats are expected become floats; lists become tuples (frozen configs)."""
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def to_dict(cfg: Any) -> Any:
+    """JSON-friendly nested dict of a config (dtypes and enums as names), for checkpoints and logs."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, (int, float, str, bool)) or cfg is None:
+        return cfg
+    if hasattr(cfg, "value") and isinstance(getattr(cfg, "value"), str):
+        return cfg.value
+    try:
+        import numpy as np
+
+        return np.dtype(cfg).name
+    except TypeError:
+        return repr(cfg)
+

@@ -1,0 +1,132 @@
+"""Per-head Muon for matrices, AdamW for everything else, global-norm clipping (SPEC §7).
+
+Muon (Jordan 2024; Moonlight, Liu et al., arXiv 2502.16982) through ``optax.contrib.muon``:
+Nesterov momentum, 5 quintic Newton–Schulz steps (3.4445, −4.7750, 2.0315), update RMS matched to
+AdamW by ``0.2·√max(fan_in, fan_out)`` (``consistent_rms``), decoupled weight decay ``lr·λ·W``.
+Per-head Muon (Kimi K3 report): every axis of a weight that is neither its reduction nor its output
+axis is a *batch* axis that optax orthogonalises independently (vmap), so storing q/k/v/gate/o
+projections with an explicit ``heads`` axis and expert stacks with an ``experts`` axis gives one
+Newton–Schulz per head / per expert. The dimension numbers come from the logical axis names the
+model attaches to each parameter (``docs/params.md``).
+
+Which optimiser a parameter gets:
+  1. Muon: linear kernels and expert stacks (leaf named ``kernel``, ``w1``, ``w2``, ``w3``) of rank
+     ≥ 2 without a ``vocab`` axis. ``heads``/``experts`` axes are batch axes when at least two other
+     axes remain (``b_proj [D, H]`` and the router ``[D, E]`` stay whole matrices). Of the rest, the
+     first axis is the reduction (input) axis and the others the output axes (weights are ``[in, out]``).
+  2. AdamW: embeddings and the head (``vocab`` axis; these also get weight decay), norms, biases,
+     A_log, dt_bias, conv taps, AttnRes queries/norms (no weight decay).
+
+Mixed precision [ours, SPEC §10]: master parameters and both optimisers' moments are fp32
+(``ModelConfig.param_dtype``); the model casts to bf16 (``ModelConfig.dtype``) for matmuls, so
+gradients arrive in fp32 and every update is computed and applied in fp32.
+"""
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from k3jax.train.config import OptimizerConfig
+
+MUON_LEAVES = ("kernel", "w1", "w2", "w3")
+BATCH_AXES = ("heads", "experts")
+DECAYED_ADAMW_AXES = ("vocab",)
+
+
+def logical_axes(boxed_params: Any) -> Any:
+    """Tree of logical axis-name tuples (one per leaf) from params boxed by ``nn.with_logical_partitioning``.
+
+    Unboxed leaves get ``None`` names per axis. The result has the structure of ``nn.unbox(boxed)``.
+    """
+
+    def names(leaf):
+        if isinstance(leaf, nn.LogicallyPartitioned) or isinstance(leaf, nn.Partitioned):
+            return tuple(leaf.names)
+        return (None,) * jnp.ndim(leaf)
+
+    return jax.tree.map(names, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def _leaf_name(path) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "name", last)))
+
+
+def muon_dimension_numbers(params: Any, axes: Any) -> Any:
+    """``MuonDimensionNumbers`` per Muon leaf, ``None`` per AdamW leaf (see the module docstring)."""
+
+    def dims(path, leaf, names):
+        names = tuple(names)
+        if len(names) != jnp.ndim(leaf):
+            raise ValueError(f"params at {jax.tree_util.keystr(path)} have shape {jnp.shape(leaf)} "
+                             f"but {len(names)} logical axis names {names}")
+        if _leaf_name(path) not in MUON_LEAVES or len(names) < 2 or "vocab" in names:
+            return None
+        batch = [i for i, n in enumerate(names) if n in BATCH_AXES]
+        if len(names) - len(batch) < 2:
+            batch = []
+        rest = [i for i in range(len(names)) if i not in batch]
+        return MuonDimensionNumbers(reduction_axis=(rest[0],), output_axis=tuple(rest[1:]))
+
+    return jax.tree_util.tree_map_with_path(dims, params, axes)
+
+
+def optimizer_labels(params: Any, axes: Any) -> Any:
+    """"muon" / "adamw" per leaf (for reports and tests)."""
+    dims = muon_dimension_numbers(params, axes)
+    return jax.tree.map(lambda d, _: "adamw" if d is None else "muon", dims, params,
+                        is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+
+class _DecayState(NamedTuple):
+    count: jax.Array
+
+
+def _decoupled_decay(learning_rate: optax.Schedule, rate: float, mask: Any) -> optax.GradientTransformation:
+    """Adds ``−lr(t)·rate·W`` to the masked leaves' (already lr-scaled) updates: AdamW's decay for the
+    embedding and head, which ``optax.contrib.muon`` cannot mask for its AdamW branch."""
+
+    def init(params):
+        del params
+        return _DecayState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        lr = learning_rate(state.count)
+        updates = jax.tree.map(lambda u, p, m: u - lr * rate * p if m else u, updates, params, mask)
+        return updates, _DecayState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule, params: Any,
+                   axes: Any) -> optax.GradientTransformation:
+    """Clip by global norm → per-head Muon / AdamW, both on ``schedule`` (AdamW's scaled by
+    ``adam_learning_rate / learning_rate`` when set).
+
+    ``params`` (arrays or ``ShapeDtypeStruct``s) and ``axes`` (`logical_axes`) fix the partition.
+    """
+    ratio = (cfg.adam_learning_rate or cfg.learning_rate) / cfg.learning_rate
+    adam_schedule = schedule if ratio == 1 else (lambda step: ratio * schedule(step))
+    decay_mask = jax.tree.map(lambda names: any(n in DECAYED_ADAMW_AXES for n in names), axes,
+                              is_leaf=lambda x: isinstance(x, tuple))
+    if cfg.muon:
+        dims = muon_dimension_numbers(params, axes)
+        main = optax.contrib.muon(
+            learning_rate=schedule, ns_steps=cfg.ns_steps, beta=cfg.muon_beta, eps=cfg.eps,
+            weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2,
+            adam_weight_decay=0.0, adam_learning_rate=adam_schedule,
+            muon_weight_dimension_numbers=dims, consistent_rms=cfg.consistent_rms)
+        tail = [_decoupled_decay(adam_schedule, cfg.weight_decay, decay_mask)]
+    else:
+        matrices = jax.tree.map(lambda d: d is not None, muon_dimension_numbers(params, axes),
+                                is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+        main = optax.adamw(adam_schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay,
+                           mask=jax.tree.map(lambda a, b: a or b, matrices, decay_mask))
+        tail = []
+    head = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm else []
+    return optax.chain(*head, main, *tail)

@@ -1,0 +1,46 @@
+"""Toy parameter trees boxed with the model's logical axis names (docs/params.md), for tests that
+must not wait for the model."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+D, H, K, V, E, L, F, W = 16, 4, 8, 32, 4, 8, 12, 4
+DN, DR, DV, RQ, RKV = 8, 4, 8, 12, 10
+
+
+def boxed_params(key=0):
+    """A tree with one leaf of each kind the optimizer has to route."""
+    shapes = {
+        "embed": {"embedding": ((V, D), ("vocab", "embed"))},
+        "layers_0": {
+            "attn_norm": {"scale": ((D,), ("embed",))},
+            "attn_res": {"query": ((D,), ("embed",)), "norm": ((D,), ("embed",))},
+            "kda": {
+                "q_proj": {"kernel": ((D, H, K), ("embed", "heads", "head_dim"))},
+                "o_proj": {"kernel": ((H, K, D), ("heads", "head_dim", "embed"))},
+                "b_proj": {"kernel": ((D, H), ("embed", "heads"))},
+                "q_conv": ((W, H, K), ("conv", "heads", "head_dim")),
+                "dt_bias": ((H, K), ("heads", "head_dim")),
+                "A_log": ((H,), ("heads",)),
+                "o_norm": {"scale": ((K,), ("head_dim",))},
+            },
+            "moe": {
+                "router": {"kernel": ((D, E), ("embed", "experts"))},
+                "w1": ((E, L, F), ("experts", "latent", "expert_mlp")),
+                "w2": ((E, F, L), ("experts", "expert_mlp", "latent")),
+            },
+        },
+        "layers_1": {"mla": {
+            "q_b": {"kernel": ((RQ, H, DN + DR), ("q_lora", "heads", "head_dim"))},
+            "kv_a": {"kernel": ((D, RKV + DR), ("embed", "kv_lora"))},
+            "kv_b": {"kernel": ((RKV, H, DN + DV), ("kv_lora", "heads", "head_dim"))},
+        }},
+        "head": {"kernel": ((D, V), ("embed", "vocab"))},
+    }
+    is_spec = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_spec)
+    keys = jax.random.split(jax.random.key(key), len(leaves))
+    boxed = [nn.LogicallyPartitioned(0.1 * jax.random.normal(k, s, jnp.float32), names)
+             for k, (s, names) in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, boxed)
