@@ -1,0 +1,216 @@
+"""Context parallelism: the tokens of each row split over the ``sequence`` mesh axis.
+
+KDA (SPEC §2, "Context parallel"), exact and with communication independent of T:
+
+1. each shard scans its tokens once from the state ``[I | 0]`` with values ``[0 | v]``: the
+   delta rule is linear in ``(S, v)``, so the result is ``[M_r | N_r]`` — its transition
+   ``M_r`` (``K×K`` per head, ``pallas_kernels.kda.kda_transition``) and its increment
+   ``N_r`` (``K×V``, ``chunk_kda_state``) in one pass;
+2. all-gather ``(M_r, N_r)`` and each shard's first/last segment id over the sequence axis
+   (``B·H·K·(K+V)`` values per shard, whatever T is);
+3. prefix-scan ``S_{r+1} = M_r · reset_r(S_r) + N_r`` in shard order, where ``reset_r`` zeroes
+   the state when shard r starts a new document;
+4. rerun the shard's chunked KDA from its true entering state.
+
+The short conv needs the ``W−1`` inputs before the shard: ``ppermute`` them from the previous
+shard. MLA all-gathers the compressed latent ``[c_kv, k_rope]`` (576 values/token for K3),
+expands keys/values locally and attends causally with the shard's own queries.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.kda import causal_conv1d, chunk_kda, chunk_kda_state
+from sharding.context import ParallelConfig, current
+
+
+def _require_ctx(ctx: ParallelConfig | None, name: str) -> ParallelConfig:
+    ctx = current() if ctx is None else ctx
+    if ctx is None:
+        raise ValueError(f"{name} needs a parallel context: use `with sharding.use_mesh(mesh):` or ctx=")
+    return ctx
+
+
+def _check_length(name: str, length: int, ctx: ParallelConfig, multiple: int = 1) -> None:
+    shards = math.prod(ctx.axis_size(a) for a in ctx.length_axes)
+    if length % (shards * multiple):
+        raise ValueError(
+            f"{name}: T={length} must be divisible by sequence shards × chunk = {shards} × {multiple} "
+            f"= {shards * multiple} (mesh axes {ctx.length_axes})"
+        )
+
+
+def _check_batch(name: str, batch: int, ctx: ParallelConfig) -> None:
+    shards = math.prod(ctx.axis_size(a) for a in ctx.batch_axes)
+    if batch % shards:
+        raise ValueError(f"{name}: batch B={batch} must be divisible by the {shards} batch shards {ctx.batch_axes}")
+
+
+def _segments(segment_ids, batch: int, length: int):
+    return jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+
+def _entering_state(M, N, first, last, axis: str):
+    """Gather every shard's ``(M, N)`` and boundary ids; return this shard's entering state."""
+    Ms, Ns = lax.all_gather(M, axis), lax.all_gather(N, axis)  # [R, B, H, K, K], [R, B, H, K, V]
+    firsts, lasts = lax.all_gather(first, axis), lax.all_gather(last, axis)  # [R, B]
+    S = jnp.zeros_like(Ns[0])
+    entering = []
+    for r in range(Ns.shape[0]):  # a handful of shards: unrolled
+        if r > 0:
+            keep = (firsts[r] == lasts[r - 1])[:, None, None, None]  # same document continues
+            S = jnp.where(keep, S, 0.0)
+        entering.append(S)
+        S = jnp.einsum("BHKJ,BHJV->BHKV", Ms[r], S, precision=lax.Precision.HIGHEST) + Ns[r]
+    return jnp.stack(entering)[lax.axis_index(axis)]
+
+
+def _kda_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, implementation):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = jnp.promote_types(jnp.result_type(k, v, g, beta), jnp.float32)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (B, H, K, K))
+    start = jnp.concatenate([eye, jnp.zeros((B, H, K, V), dt)], axis=-1)  # [I | 0]
+    v_ext = jnp.concatenate([jnp.zeros((B, T, H, K), v.dtype), v], axis=-1)  # [0 | v]
+    MN = chunk_kda_state(k, v_ext, g, beta, initial_state=start, segment_ids=seg, chunk_size=chunk_size)
+    S0 = _entering_state(MN[..., :K], MN[..., K:], seg[:, 0], seg[:, -1], axis)
+    o, _ = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
+                     chunk_size=chunk_size, implementation=implementation)
+    return o
+
+
+def chunk_kda_cp(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    g: Float[Array, "B T H K"],
+    beta: Float[Array, "B T H"],
+    *,
+    scale: float | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    chunk_size: int = 64,
+    implementation: str | None = None,
+    ctx: ParallelConfig | None = None,
+) -> Float[Array, "B T H V"]:
+    """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis."""
+    ctx = _require_ctx(ctx, "chunk_kda_cp")
+    B, T, H, K = q.shape
+    _check_length("chunk_kda_cp", T, ctx, chunk_size)
+    _check_batch("chunk_kda_cp", B, ctx)
+    scale = K**-0.5 if scale is None else float(scale)
+    head = ctx.spec("batch", "length", "heads", "head_dim")
+    body = functools.partial(_kda_body, axis=ctx.sequence_axis, scale=scale, chunk_size=chunk_size,
+                             implementation=implementation)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=head,
+                       in_specs=(head, head, head, head, ctx.spec("batch", "length", "heads"),
+                                 ctx.spec("batch", "length")))
+    return fn(q, k, v, g, beta, _segments(segment_ids, B, T))
+
+
+def _conv_body(x, weight, seg, *, axis, shards):
+    W = weight.shape[1]
+    # The last W-1 inputs of this shard's last document (zeros where an earlier one).
+    _, tail = causal_conv1d(x[:, -(W - 1):], weight, segment_ids=seg[:, -(W - 1):])
+    to_next = [(r, r + 1) for r in range(shards - 1)]
+    prev_tail = lax.ppermute(tail, axis, to_next)  # shard 0 receives zeros
+    prev_last = lax.ppermute(seg[:, -1], axis, to_next)
+    same_doc = (seg[:, 0] == prev_last) & (lax.axis_index(axis) > 0)
+    history = jnp.where(same_doc[:, None, None], prev_tail, 0.0)
+    y, _ = causal_conv1d(x, weight, initial_state=history, segment_ids=seg)
+    return y
+
+
+def causal_conv1d_cp(
+    x: Float[Array, "B T C"],
+    weight: Float[Array, "C W"],
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    ctx: ParallelConfig | None = None,
+) -> Float[Array, "B T C"]:
+    """``pallas_kernels.kda.causal_conv1d`` (no initial state) with T split over the sequence axis.
+
+    The channel axis ``C`` is the flattened ``H·K`` of the KDA projections (logical ``heads``).
+    """
+    ctx = _require_ctx(ctx, "causal_conv1d_cp")
+    B, T, C = x.shape
+    W = weight.shape[1]
+    _check_length("causal_conv1d_cp", T, ctx)
+    _check_batch("causal_conv1d_cp", B, ctx)
+    if W > 1 and T // ctx.sequence_size < W - 1:
+        raise ValueError(f"causal_conv1d_cp: each shard's T={T // ctx.sequence_size} must be >= W-1={W - 1}")
+    if W == 1:
+        return causal_conv1d(x, weight, segment_ids=segment_ids)[0]
+    act = ctx.spec("batch", "length", "heads")
+    body = functools.partial(_conv_body, axis=ctx.sequence_axis, shards=ctx.sequence_size)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=act,
+                       in_specs=(act, ctx.spec("heads", None), ctx.spec("batch", "length")))
+    return fn(x, weight, _segments(segment_ids, B, T))
+
+
+def _attend(q, k, v, mask, scale):
+    """Masked softmax attention in the inputs' (wide) dtype; returns (out, max logit per head)."""
+    hi = lax.Precision.HIGHEST
+    logits = jnp.einsum("BTHK,BSHK->BHTS", q, k, precision=hi) * scale
+    masked = jnp.where(mask[:, None], logits, -jnp.inf)
+    p = jax.nn.softmax(masked, axis=-1)
+    return jnp.einsum("BHTS,BSHV->BTHV", p, v, precision=hi), jnp.max(masked, axis=(0, 2, 3))
+
+
+def _mla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, attend):
+    B, Tl, H, _ = q.shape
+    R = c.shape[-1]
+    latent = lax.all_gather(jnp.concatenate([c, k_rope.astype(c.dtype)], -1), axis, axis=1, tiled=True)
+    seg_all = lax.all_gather(seg, axis, axis=1, tiled=True)  # [B, T]
+    kv = jnp.einsum("BSR,RHK->BSHK", latent[..., :R], kv_b.astype(c.dtype))  # [B, T, H, dn+dv]
+    k_r = jnp.broadcast_to(latent[:, :, None, R:], kv.shape[:3] + (latent.shape[-1] - R,))
+    wide = q.dtype
+    k = jnp.concatenate([kv[..., :nope_dim], k_r], axis=-1).astype(wide)
+    v = kv[..., nope_dim:].astype(wide)
+    q_pos = lax.axis_index(axis) * Tl + jnp.arange(Tl)
+    causal = q_pos[:, None] >= jnp.arange(seg_all.shape[1])[None]  # [Tl, T]
+    mask = causal[None] & (seg[:, :, None] == seg_all[:, None, :])  # [B, Tl, T]
+    o, max_logit = attend(q, k, v, mask, scale)
+    # A statistic (QK-Clip reads it): no gradient, and pmax has no differentiation rule.
+    return o, lax.pmax(lax.stop_gradient(max_logit), batch_axes + (axis,))
+
+
+def mla_attention_cp(
+    q: Float[Array, "B T H Dq"],
+    c_kv: Float[Array, "B T R"],
+    k_rope: Float[Array, "B T Dr"],
+    kv_b: Float[Array, "R H Dkv"],
+    *,
+    scale: float,
+    nope_dim: int,
+    segment_ids: Int[Array, "B T"] | None = None,
+    attend: Callable | None = None,
+    ctx: ParallelConfig | None = None,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+    """MLA attention with T split over the sequence axis; returns ``(o, max_logit [H])``.
+
+    ``q = [q_nope, q_rope]`` (positions already applied, in the wide dtype), ``c_kv`` the
+    normalised latent and ``k_rope`` the shared rope key; ``kv_b`` the up-projection
+    ``[R, H, dn+dv]``. Only ``[c_kv, k_rope]`` crosses shards. ``attend(q, k, v, mask, scale)``
+    may be the model's own attention (mask ``[B, Tq, S]`` bool); the default is plain softmax.
+    """
+    ctx = _require_ctx(ctx, "mla_attention_cp")
+    B, T, H, _ = q.shape
+    _check_length("mla_attention_cp", T, ctx)
+    _check_batch("mla_attention_cp", B, ctx)
+    seq3 = ctx.spec("batch", "length", None)
+    # Heads stay whole inside: the shared latent expands to every head on every shard.
+    heads = ctx.spec("batch", "length", None, None)
+    body = functools.partial(_mla_body, axis=ctx.sequence_axis, batch_axes=ctx.batch_axes, scale=scale,
+                             nope_dim=nope_dim, attend=attend or _attend)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(heads, P()),
+                       in_specs=(heads, seq3, seq3, P(), ctx.spec("batch", "length")))
+    return fn(q, c_kv, k_rope, kv_b, _segments(segment_ids, B, T))

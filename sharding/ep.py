@@ -1,0 +1,194 @@
+"""Expert parallelism: the routed expert FFN under ``shard_map`` over the ``expert`` mesh axis.
+
+Each expert-axis rank holds ``E/EP`` experts whole (``w1, w3, w2`` sharded on their expert
+axis); tokens stay sharded over every token-carrying axis. Two exact strategies, no token ever
+dropped:
+
+``a2a`` (default): 1. sort the rank's ``N·k`` assignments by destination rank; 2. pack them
+into a static ``[EP, cap, L]`` buffer, ``cap = ⌈N·k/EP · (1 + reserve)⌉`` (the plan QB keeps
+loads at, plus a reserve); 3. ``all_to_all``; 4. local grouped expert FFN
+(``pallas_kernels.moe``); 5. ``all_to_all`` back; 6. router-weighted combine in fp32.
+If any rank would overflow any buffer, *every* rank takes the ``gather`` path for this call
+(a ``lax.cond`` on a mesh-wide ``pmax``), so overflowing tokens are computed, not dropped; the
+number of overflowing assignments is returned as a metric.
+
+``gather``: all-gather the tokens over the expert axis, each rank runs its own experts on the
+assignments that chose them, ``psum_scatter`` the partial sums back (MaxText's "ring of
+experts"; it moves ``N·L`` values per rank instead of ``N·k·L``, so it wins for large top-k).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.dispatch import permute
+from pallas_kernels.moe.ops import grouped_matmul
+from pallas_kernels.moe.reference import accum_dtype
+from sharding.context import ParallelConfig, current
+
+
+def _local_experts(x, ids, w1, w3, w2, *, act, gmm):
+    """Unweighted expert outputs ``[M, kk, L]`` for rows ``x [M, L]`` and local ids ``[M, kk]``.
+
+    Ids equal to ``E_local`` mean "not here": ``permute`` sorts them past every group, the
+    grouped matmuls leave those rows zero.
+    """
+    e_local = w1.shape[0]
+    m, kk = ids.shape
+    xs, group_sizes, inverse = permute(x, ids, e_local)  # [M·kk, L]
+    g = gmm(xs, w1, group_sizes)  # [M·kk, F]
+    u = gmm(xs, w3, group_sizes)
+    y = gmm(act(g, u).astype(x.dtype), w2, group_sizes)  # [M·kk, L]
+    return y[inverse].reshape(m, kk, -1), jnp.sum(group_sizes)
+
+
+def _weighted_sum(y, weights):
+    dt = accum_dtype(y.dtype)
+    return jnp.einsum("NkL,Nk->NL", y.astype(dt), weights.astype(dt))
+
+
+def _gather_path(x, ids, weights, w1, w3, w2, *, axis, act, gmm):
+    """All-gather tokens, run local experts, reduce-scatter the partial sums."""
+    e_local = w1.shape[0]
+    first = lax.axis_index(axis) * e_local
+    x_all = lax.all_gather(x, axis, tiled=True)  # [EP·N, L]
+    ids_all = lax.all_gather(ids, axis, tiled=True) - first  # [EP·N, k]
+    w_all = lax.all_gather(weights, axis, tiled=True)
+    mine = (ids_all >= 0) & (ids_all < e_local)
+    y, processed = _local_experts(x_all, jnp.where(mine, ids_all, e_local), w1, w3, w2, act=act, gmm=gmm)
+    partial = _weighted_sum(y, jnp.where(mine, w_all, 0.0))  # [EP·N, L] fp32
+    out = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)  # [N, L]
+    return out.astype(x.dtype), processed
+
+
+def _a2a_path(x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm):
+    """Static-capacity all-to-all dispatch; assumes no buffer overflows (checked by the caller)."""
+    n, k = ids.shape
+    e_local = w1.shape[0]
+    flat = ids.reshape(-1)  # [A], token-major
+    dest = flat // e_local
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=ep)  # [EP]
+    starts = jnp.cumsum(counts) - counts
+    # Buffer row (d, p) holds the p-th assignment bound for rank d.
+    p = jnp.arange(cap)
+    row = order[jnp.minimum(starts[:, None] + p[None], n * k - 1)]  # [EP, cap]
+    filled = p[None] < counts[:, None]
+    send_x = jnp.where(filled[..., None], x[row // k], 0).reshape(ep * cap, -1)
+    send_e = jnp.where(filled, flat[row] % e_local, e_local).reshape(ep * cap, 1)
+    recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP·cap, L], block j from rank j
+    recv_e = lax.all_to_all(send_e, axis, 0, 0, tiled=True)
+    y, processed = _local_experts(recv_x, recv_e, w1, w3, w2, act=act, gmm=gmm)
+    back = lax.all_to_all(y[:, 0], axis, 0, 0, tiled=True)  # [EP·cap, L], in our slot order
+    # Slot of every assignment: its destination block plus its rank within that block.
+    pos = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+    slot = dest * cap + pos - starts[dest]
+    picked = back[slot].reshape(n, k, -1)  # [N, k, L]
+    return _weighted_sum(picked, weights).astype(x.dtype), processed
+
+
+def capacity(tokens: int, top_k: int, ep: int, reserve: float) -> int:
+    """Rows per destination rank: the plan ``N·k/EP`` times ``1 + reserve``, at most ``N·k``."""
+    plan = tokens * top_k / ep
+    return max(1, min(tokens * top_k, math.ceil(plan * (1.0 + reserve))))
+
+
+def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, reserve, act, gmm):
+    axis, ep = ctx.expert_axis, ctx.expert_size
+    lead = x.shape[:-1]
+    x, ids, weights = x.reshape(-1, x.shape[-1]), ids.reshape(-1, ids.shape[-1]), weights.reshape(-1, ids.shape[-1])
+    n, k = ids.shape
+    tok_axes = ctx.batch_axes + ctx.length_axes
+    shards = math.prod(ctx.axis_size(a) for a in tok_axes)
+    paths = dict(axis=axis, act=act, gmm=gmm)
+    gather = functools.partial(_gather_path, **paths)
+    if strategy == "gather":
+        out, processed = gather(x, ids, weights, w1, w3, w2)
+        overflow = jnp.zeros((), jnp.int32)
+    else:
+        cap = capacity(n, k, ep, reserve)
+        counts = jnp.bincount(ids.reshape(-1) // w1.shape[0], length=ep)
+        overflow = lax.psum(jnp.sum(jnp.maximum(counts - cap, 0)), tok_axes)
+        a2a = functools.partial(_a2a_path, ep=ep, cap=cap, **paths)
+        out, processed = lax.cond(overflow > 0, gather, a2a, x, ids, weights, w1, w3, w2)
+    dropped = n * k * shards - lax.psum(processed, tok_axes)
+    return out.reshape(lead + out.shape[-1:]), {"ep_overflow": overflow, "ep_dropped": dropped}
+
+
+def _check(x, topk_ids, w1, ctx: ParallelConfig) -> None:
+    ep = ctx.expert_size
+    if w1.shape[0] % ep:
+        raise ValueError(
+            f"num_experts={w1.shape[0]} must be divisible by the expert mesh axis size {ep}"
+        )
+    shards = math.prod(ctx.axis_size(a) for a in ctx.token_axes)
+    if math.prod(x.shape[:-1]) % shards:
+        raise ValueError(
+            f"tokens={math.prod(x.shape[:-1])} (x.shape={x.shape}) must be divisible by the "
+            f"{shards} token shards of mesh axes {ctx.token_axes}"
+        )
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x must be [N, L] or [B, T, L], got shape {x.shape}")
+    if x.ndim == 3:
+        b_shards = math.prod(ctx.axis_size(a) for a in ctx.batch_axes)
+        t_shards = math.prod(ctx.axis_size(a) for a in ctx.length_axes)
+        if x.shape[0] % b_shards or x.shape[1] % t_shards:
+            raise ValueError(
+                f"x.shape={x.shape}: batch must be divisible by {b_shards} ({ctx.batch_axes}) and "
+                f"length by {t_shards} ({ctx.length_axes})"
+            )
+
+
+def moe_ffn_ep(
+    x: Float[Array, "*N L"],
+    topk_ids: Int[Array, "*N k"],
+    topk_weights: Float[Array, "*N k"],
+    w1: Float[Array, "E L F"],
+    w3: Float[Array, "E L F"],
+    w2: Float[Array, "E F L"],
+    *,
+    activation: str = "situ",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    implementation: str | None = None,
+    ctx: ParallelConfig | None = None,
+    strategy: str | None = None,
+    reserve: float | None = None,
+) -> tuple[Float[Array, "*N L"], dict[str, Int[Array, ""]]]:
+    """``Σ_s w_ts · E_{ids_ts}(x_t)`` (as ``pallas_kernels.moe.moe_ffn``) over the expert mesh axis.
+
+    ``x`` is ``[N, L]`` (tokens flattened from ``[B, T]``) or ``[B, T, L]``, sharded like the
+    activations. Returns ``(y, stats)``; ``stats["ep_overflow"]`` counts the assignments that
+    did not fit the a2a buffers this call (they were computed by the gather path),
+    ``stats["ep_dropped"]`` is the number of assignments no rank computed (always 0: a check).
+    """
+    ctx = current() if ctx is None else ctx
+    if ctx is None:
+        raise ValueError("moe_ffn_ep needs a parallel context: use `with sharding.use_mesh(mesh):` or ctx=")
+    strategy = ctx.ep_strategy if strategy is None else strategy
+    reserve = ctx.ep_reserve if reserve is None else reserve
+    if strategy not in ("a2a", "gather"):
+        raise ValueError(f"strategy={strategy!r} must be 'a2a' or 'gather'")
+    _check(x, topk_ids, w1, ctx)
+    if x.ndim == 3:
+        tok = (ctx.batch_axes or None, ctx.length_axes or None)
+    else:
+        tok = (ctx.batch_axes + ctx.length_axes or None,)
+    tok_spec = P(*tok, None)
+    w_spec = P(ctx.expert_axis, None, None)
+    act = functools.partial(gated_activation, activation=activation, situ_beta=situ_beta,
+                            situ_linear_beta=situ_linear_beta)
+    gmm = functools.partial(grouped_matmul, implementation=implementation)
+    body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
+    stats_spec = {"ep_overflow": P(), "ep_dropped": P()}
+    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
+                       out_specs=(tok_spec, stats_spec))
+    return fn(x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)

@@ -1,0 +1,88 @@
+"""Sharded initialisation and placement of loaded parameters.
+
+Initialising a 2.8 T-parameter model on one device is impossible, so ``sharded_init`` never
+materialises the whole tree anywhere (flax examples/lm1b ``setup_initial_state`` pattern):
+
+1. ``jax.eval_shape(init)`` gives the abstract tree with every leaf's logical axis names;
+2. the rules turn names into ``PartitionSpec``s (dropping mesh axes that do not divide a dim);
+3. ``jax.jit(init, out_shardings=…)`` creates each shard directly on its device.
+
+``shard_params`` places an existing (e.g. loaded from safetensors) tree the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import Rules, rules_for_mesh
+
+logger = logging.getLogger(__name__)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def logical_axes(boxed_tree: Any) -> Any:
+    """Tree of logical ``PartitionSpec``s (unboxed structure); ``PartitionSpec()`` for unnamed leaves."""
+    return nn.get_partition_spec(boxed_tree)
+
+
+def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Keep only mesh axes whose product divides the dimension (else that dim is replicated)."""
+    out = []
+    for dim, axes in zip(shape, tuple(mesh_spec) + (None,) * (len(shape) - len(mesh_spec))):
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        kept, size = [], 1
+        for name in names:
+            if dim % (size * mesh.shape[name]) == 0:
+                kept.append(name)
+                size *= mesh.shape[name]
+        if len(kept) < len(names):
+            logger.debug("dim %d does not split over %s; sharding it over %s", dim, names, kept)
+        out.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
+    return PartitionSpec(*out)
+
+
+def shardings_for(abstract: Any, logical: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """``NamedSharding`` per leaf of ``abstract`` (shapes) from its logical names ``logical``."""
+    rules = rules_for_mesh(mesh) if rules is None else rules
+
+    def one(names: PartitionSpec, leaf) -> NamedSharding:
+        mesh_spec = nn.logical_to_mesh_axes(tuple(names), rules)
+        return NamedSharding(mesh, _fit(mesh_spec, tuple(leaf.shape), mesh))
+
+    return jax.tree.map(one, logical, abstract, is_leaf=_is_spec)
+
+
+def sharded_init(
+    init_fn: Callable[..., Any], mesh: Mesh, *args, rules: Rules | None = None, **kwargs
+) -> tuple[Any, Any]:
+    """``init_fn(*args, **kwargs)`` (e.g. ``model.init``) created shard by shard on ``mesh``.
+
+    Returns ``(variables, shardings)``: the unboxed variables, each leaf a sharded ``jax.Array``,
+    and the ``NamedSharding`` tree (reuse it for optimizer state and checkpoint restore).
+    """
+    boxed = jax.eval_shape(init_fn, *args, **kwargs)
+    logical = logical_axes(boxed)
+    abstract = nn.unbox(boxed)
+    shardings = shardings_for(abstract, logical, mesh, rules)
+    unboxed_init = lambda *a, **k: nn.unbox(init_fn(*a, **k))
+    with jax.set_mesh(mesh):
+        variables = jax.jit(unboxed_init, out_shardings=shardings)(*args, **kwargs)
+    return variables, shardings
+
+
+def shard_params(tree: Any, logical: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """Place a plain array tree (a loaded checkpoint) on ``mesh`` by its logical names.
+
+    ``logical`` is the tree :func:`logical_axes` returns for the boxed abstract variables
+    (``jax.eval_shape(model.init, ...)``); only that structure's leaves are needed.
+    """
+    shardings = shardings_for(tree, logical, mesh, rules)
+    return jax.tree.map(jax.device_put, tree, shardings)

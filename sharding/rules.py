@@ -1,0 +1,91 @@
+"""Logical-axis rules: one small table per parallelism strategy.
+
+A rule ``(logical, mesh_axes)`` shards every array dimension named ``logical`` over ``mesh_axes``
+when those mesh axes are still free in that array (flax's ``logical_to_mesh_axes``: first
+matching rule wins, a mesh axis is used once per array). One table serves parameters and
+activations: ``batch`` comes first, so in an activation ``(batch, length, embed)`` the ``fsdp``
+axis is taken by ``batch`` and ``embed`` stays whole, while a parameter ``(embed, heads, ...)``
+has no ``batch`` and so shards ``embed`` over ``fsdp`` (ZeRO-3 style, gathered per layer).
+
+Logical names: the parameter names of docs/params.md plus these activation names
+``batch``, ``length`` (tokens of a row), ``embed``, ``heads``, ``head_dim``, ``latent``,
+``mlp``, ``expert_mlp``, ``experts``, ``vocab``, ``kv_lora``. Names not in a table stay
+unsharded.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh, PartitionSpec
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+# Parameters without a batch axis spread their widest "model" axis over fsdp.
+_FSDP_PARAMS: Rules = (
+    ("embed", "fsdp"),
+    ("latent", "fsdp"),
+    ("q_lora", "fsdp"),
+    ("kv_lora", "fsdp"),
+)
+
+# Pure data parallel (fsdp=1) or data + FSDP.
+DATA: Rules = (("batch", ("data", "fsdp")),) + _FSDP_PARAMS
+
+# Experts live whole on their expert-axis rank; outside the MoE the expert axis carries batch.
+EXPERT: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("experts", "expert"),
+) + _FSDP_PARAMS
+
+# Context parallel: the tokens of a row are split over the sequence axis.
+SEQUENCE: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", "sequence"),
+    ("experts", "expert"),
+) + _FSDP_PARAMS
+
+# Megatron-style tensor parallel over heads and MLP widths, on top of everything above.
+TENSOR: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", "sequence"),
+    ("experts", "expert"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("vocab", "tensor"),
+) + _FSDP_PARAMS
+
+STRATEGIES: dict[str, Rules] = {"data": DATA, "expert": EXPERT, "sequence": SEQUENCE, "tensor": TENSOR}
+
+
+def _used_axes(rules: Rules) -> set[str]:
+    used = set()
+    for _, axes in rules:
+        if axes is not None:
+            used.update((axes,) if isinstance(axes, str) else axes)
+    return used
+
+
+def rules_for_mesh(mesh: Mesh) -> Rules:
+    """The smallest strategy table that uses every mesh axis of size > 1."""
+    needed = {name for name, size in mesh.shape.items() if size > 1}
+    for rules in (DATA, EXPERT, SEQUENCE, TENSOR):
+        if needed <= _used_axes(rules):
+            return rules
+    raise ValueError(f"no rule table covers the mesh axes {sorted(needed)}; mesh {dict(mesh.shape)}")
+
+
+def mesh_axes_of(rules: Rules, logical: str) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to (empty when unsharded)."""
+    for name, axes in rules:
+        if name == logical:
+            if axes is None:
+                return ()
+            return (axes,) if isinstance(axes, str) else tuple(axes)
+    return ()
+
+
+def spec(rules: Rules, *logical: str | None) -> PartitionSpec:
+    """``PartitionSpec`` of an array whose dimensions carry the given logical names."""
+    import flax.linen as nn
+
+    return nn.logical_to_mesh_axes(tuple(logical), rules)
