@@ -97,6 +97,16 @@ def _mla_layers_from(f: _Fields, num_layers: int) -> tuple[int, ...] | None:
     return None if mla == hybrid_mla_layers(num_layers) else mla
 
 
+def _first_dense(f: _Fields, num_layers: int) -> int:
+    """Dense layers lead the stack: ``first_k_dense_replace``, checked against transformers' ``mlp_layer_types``."""
+    first = f.opt(1, "first_k_dense_replace")
+    types = f.opt(None, "mlp_layer_types")
+    if types is not None and list(types) != ["dense"] * first + ["sparse"] * (num_layers - first):
+        raise ValueError(f"{f.where}.mlp_layer_types={types} must be {first} 'dense' then 'sparse' "
+                         f"(first_k_dense_replace={first})")
+    return first
+
+
 def _text_config(d: dict, where: str) -> ModelConfig:
     """The Kimi-Linear text fields (shared by Kimi-Linear and K3's ``text_config``)."""
     f = _Fields(d, where)
@@ -121,8 +131,7 @@ def _text_config(d: dict, where: str) -> ModelConfig:
     activation = _ACTIVATIONS[f.expect("hidden_act", tuple(_ACTIVATIONS))]
     mlp = MLPConfig(activation=activation, situ_beta=f.opt(4.0, "activation_situ_beta"),
                     situ_linear_beta=f.opt(25.0, "activation_situ_linear_beta"),
-                    dense_intermediate=f.need("intermediate_size"),
-                    first_dense_layers=f.opt(1, "first_k_dense_replace"))
+                    dense_intermediate=f.need("intermediate_size"), first_dense_layers=_first_dense(f, num_layers))
     moe = _moe(f, num_experts=f.need("num_experts", "num_local_experts"),
                top_k=f.need("num_experts_per_token", "num_experts_per_tok"),
                shared=f.opt(1, "num_shared_experts", "n_shared_experts"),

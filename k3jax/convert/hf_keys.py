@@ -69,6 +69,7 @@ class Entry:
     wide: bool = False  # leaf kept in float32 or wider (the SPEC §10 fp32 parameters)
     hf_f32: bool = False  # stored as F32 in the release layout
     collection: str = "params"
+    aliases: tuple[str, ...] = ()  # other spellings accepted on load (saving writes ``hf``)
 
     @property
     def is_experts(self) -> bool:
@@ -106,7 +107,7 @@ def _kda(cfg: ModelConfig, p: str, lp: tuple[str, ...]) -> list[Entry]:
         Entry(f"{p}A_log", lp + ("A_log",), (H,), a_log, True, True),
         Entry(f"{p}dt_bias", lp + ("dt_bias",), (H, K), "hk", True, True),
         Entry(f"{p}b_proj.weight", lp + ("b_proj", "kernel"), (D, H), "T"),
-        Entry(f"{p}o_norm.weight", lp + ("o_norm", "scale"), (K,), "same", True, True),
+        Entry(f"{p}o_norm.weight", lp + ("o_norm",), (K,), "same", True, True),  # the model: kda/o_norm [K]
         Entry(f"{p}o_proj.weight", lp + ("o_proj", "kernel"), (H, K, D), "hk_out"),
     ]
     if k.output_gate_rank is None:
@@ -140,10 +141,12 @@ def _mla(cfg: ModelConfig, p: str, lp: tuple[str, ...]) -> list[Entry]:
     return out
 
 
-def _gated_mlp(p: str, lp: tuple[str, ...], D: int, F: int) -> list[Entry]:
-    return [Entry(f"{p}gate_proj.weight", lp + ("gate", "kernel"), (D, F), "T"),
-            Entry(f"{p}up_proj.weight", lp + ("up", "kernel"), (D, F), "T"),
-            Entry(f"{p}down_proj.weight", lp + ("down", "kernel"), (F, D), "T")]
+def _gated_mlp(p: str, lp: tuple[str, ...], D: int, F: int, alias: str | None = None) -> list[Entry]:
+    def entry(name: str, tree: str, shape: Shape) -> Entry:
+        aliases = () if alias is None else (f"{alias}{name}_proj.weight",)
+        return Entry(f"{p}{name}_proj.weight", lp + (tree, "kernel"), shape, "T", aliases=aliases)
+
+    return [entry("gate", "gate", (D, F)), entry("up", "up", (D, F)), entry("down", "down", (F, D))]
 
 
 def _moe(cfg: ModelConfig, p: str, lp: tuple[str, ...]) -> list[Entry]:
@@ -184,7 +187,9 @@ def _layer(cfg: ModelConfig, i: int) -> list[Entry]:
     if cfg.moe_layers[i]:
         out += _moe(cfg, p, lp)
     else:
-        out += _gated_mlp(f"{p}mlp.", lp + ("mlp",), D, cfg.mlp.dense_intermediate)
+        # transformers 5 saves Kimi-Linear's dense layers under block_sparse_moe. (it renames every .mlp.)
+        alias = f"{p}block_sparse_moe." if family(cfg) == "kimi_linear" else None
+        out += _gated_mlp(f"{p}mlp.", lp + ("mlp",), D, cfg.mlp.dense_intermediate, alias)
     return out
 
 

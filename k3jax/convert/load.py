@@ -30,6 +30,14 @@ def _mxfp4_keys(key: str) -> tuple[str, str]:
     return base + PACKED, base + SCALE
 
 
+def _resolve(entry: Entry, reader: SafetensorsReader) -> Entry:
+    """The entry under the spelling the checkpoint uses (its ``hf`` key or one of its aliases)."""
+    for alias in entry.aliases:
+        if alias in reader and entry.hf not in reader:
+            return dataclasses.replace(entry, hf=alias, aliases=())
+    return entry
+
+
 def _expected_keys(table: list[Entry], reader: SafetensorsReader) -> set[str]:
     keys = set()
     for entry in table:
@@ -109,7 +117,7 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
         cfg = dataclasses.replace(cfg, param_dtype=param_dtype)
     _check_dtype("param_dtype", cfg.param_dtype)
     reader = SafetensorsReader(path)
-    table = entries(cfg)
+    table = [_resolve(entry, reader) for entry in entries(cfg)]
     _check_keys(cfg, table, reader)
     wide = jnp.promote_types(cfg.param_dtype, jnp.float32)
     variables: dict = {"params": {}, "balance": {}}
