@@ -20,18 +20,25 @@ from pallas_kernels.moe.dispatch import combine, permute
 from pallas_kernels.moe.reference import grouped_matmul_ragged
 
 
+_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
 def _hopper_gpu() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") in ("9.0", "9.0a")
 
 
-def resolve_implementation(implementation, interpret: bool, kernel_backend: str | None) -> str:
-    """Return "xla", "gpu" or "tpu": which code path runs."""
+def resolve_implementation(implementation, interpret: bool, kernel_backend: str | None, dtype=jnp.bfloat16) -> str:
+    """Return "xla", "gpu" or "tpu": which code path runs (kernels take bf16/f16 only)."""
     if implementation not in (None, "xla", "pallas"):
         raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
     if kernel_backend not in (None, "gpu", "tpu"):
         raise ValueError(f"kernel_backend must be None, 'gpu' or 'tpu', got {kernel_backend!r}")
     if implementation == "xla":
+        return "xla"
+    if jnp.dtype(dtype) not in _KERNEL_DTYPES:
+        if implementation == "pallas":
+            raise ValueError(f"implementation='pallas' needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}")
         return "xla"
     platform = jax.default_backend()
     if interpret:
@@ -47,14 +54,43 @@ def resolve_implementation(implementation, interpret: bool, kernel_backend: str 
     return "xla"
 
 
-def _kernels(path: str, interpret: bool):
-    """(gmm, tgmm) of one backend; imported lazily so CPU-only installs never load Mosaic."""
+def _kernel_module(path: str):
+    """Imported lazily so CPU-only installs never load Mosaic."""
     if path == "gpu":
         from pallas_kernels.moe import kernel_gpu as k
     else:
         from pallas_kernels.moe import kernel_tpu as k
-    gmm = functools.partial(k.gmm, interpret=interpret)
-    tgmm = functools.partial(k.tgmm, interpret=interpret)
+    return k
+
+
+def _pad_to(x, axis: int, multiple: int):
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _kernels(path: str, interpret: bool):
+    """(gmm, tgmm) of one backend, zero-padding K and N to the kernels' tile multiple."""
+    k = _kernel_module(path)
+    mult = k.required_multiple()
+
+    def gmm(lhs, rhs, group_sizes, transpose_rhs=False):
+        n_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        lhs_p = _pad_to(lhs, 1, mult)
+        rhs_p = _pad_to(_pad_to(rhs, 1, mult), 2, mult)
+        out = k.gmm(lhs_p, rhs_p, group_sizes, transpose_rhs=transpose_rhs, interpret=interpret)
+        return out[:, :n_out]
+
+    def tgmm(lhs, dout, group_sizes, num_groups):
+        kk, n = lhs.shape[1], dout.shape[1]
+        out = k.tgmm(
+            _pad_to(lhs, 1, mult), _pad_to(dout, 1, mult), group_sizes, num_groups=num_groups, interpret=interpret
+        )
+        return out[:, :kk, :n]
+
     return gmm, tgmm
 
 
@@ -73,7 +109,7 @@ def _gmm_pallas_bwd(path, interpret, res, g):
     gmm, tgmm = _kernels(path, interpret)
     g = g.astype(lhs.dtype)
     dlhs = gmm(g, rhs, group_sizes, transpose_rhs=True)  # [M, K]
-    drhs = tgmm(lhs, g, group_sizes, num_groups=rhs.shape[0])  # [E, K, N]
+    drhs = tgmm(lhs, g, group_sizes, rhs.shape[0])  # [E, K, N]
     return dlhs, drhs.astype(rhs.dtype), None
 
 
@@ -97,7 +133,7 @@ def grouped_matmul(
     """
     validate.check_grouped_matmul_args(lhs, rhs, group_sizes, checked=checked)
     group_sizes = group_sizes.astype(jnp.int32)
-    path = resolve_implementation(implementation, interpret, kernel_backend)
+    path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
     if path == "xla":
         return grouped_matmul_ragged(lhs, rhs, group_sizes)
     return _gmm_pallas(lhs, rhs, group_sizes, path, interpret)

@@ -27,7 +27,7 @@ _xla = _loss(lambda a, b, g: grouped_matmul(a, b, g, implementation="xla"))
 _dense = _loss(grouped_matmul_dense)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(gs=group_sizes_strategy(E, M))
 def test_grouped_matmul_xla_matches_dense(gs):
     lhs, rhs = random_gmm_inputs(0, M, K, N, E, jnp.float32)

@@ -1,0 +1,354 @@
+"""Grouped matmuls for Hopper in Pallas Mosaic GPU (``plgpu``): ``gmm`` and ``tgmm``.
+
+``gmm``   out[rows of group e] = lhs[rows of e] @ rhs[e]       (forward, and dlhs with rhsᵀ)
+``tgmm``  out[e] = lhs[rows of e]ᵀ @ dout[rows of e]            (drhs; zero for empty groups)
+
+Both are persistent kernels (one CTA per SM looping over output tiles) with a
+warp-specialised pipeline: one memory warpgroup streams TMA copies into a ring of shared
+memory slots, two compute warpgroups issue ``wgmma`` into float32 register accumulators,
+each owning half of the CTA tile along N.
+
+Algorithm of ``gmm``:
+1. In XLA, cut the rows into work tiles: every ``tile_m`` row block, once per group that
+   owns a row of it (a block straddling a group boundary is computed once per group).
+   Rows past ``sum(group_sizes)`` form one extra pseudo-group whose tiles store zeros.
+2. The kernel walks (work tile, N tile) pairs; a tile streams its row block and its group's
+   weight panel over K, and stores only its group's rows: a TMA store box has a static row
+   count, so a dynamic count ``c`` is written as the sum of its power-of-two parts.
+Algorithm of ``tgmm``: per (group, K tile, N tile) stream the group's row blocks; the
+compute warpgroup zeroes the ``dout`` rows of a boundary block that belong to other groups
+before its ``wgmma`` (TMA already zero-fills rows past M).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_COMPUTE_WGS = 2
+_DETECT_RACES = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiling:
+    """Tile sizes; the CTA tile is ``tile_m × 2·tile_n`` with ``stages`` shared-memory slots.
+
+    In ``gmm`` ``tile_k`` is the contraction step; in ``tgmm`` the contraction runs over
+    rows in steps of ``tile_m`` and ``tile_k`` is the output-row tile.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 3
+    grid_tile_width: int = 8
+
+    def cta_n(self) -> int:
+        return _COMPUTE_WGS * self.tile_n
+
+
+GMM_TILING = GpuTiling()
+TGMM_TILING = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
+
+
+def required_multiple() -> int:
+    """K and N must be multiples of this (K, N swap roles between gmm, dlhs and tgmm)."""
+    g, t = GMM_TILING, TGMM_TILING
+    return math.lcm(g.tile_k, g.cta_n(), t.tile_k, t.cta_n())
+
+
+def _num_sms(interpret: bool) -> int:
+    return 2 if interpret else jax.devices()[0].core_count
+
+
+def _swizzled(minor_elems: int, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _compiler_params(interpret: bool):
+    del interpret
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _interpret_arg(interpret: bool):
+    return plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None
+
+
+def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
+    """Work tiles of ``gmm``: int32 ``[4, cdiv(m, tile_m) + E]`` rows = (group, row block,
+    first row inside the block, row count); group ``E`` = zero tail, ``-1`` = no work."""
+    e = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    total = ends[-1]
+    starts = jnp.concatenate([ends - group_sizes, total[None]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
+    first = starts // tile_m
+    counts = jnp.where(ends > starts, (ends - 1) // tile_m - first + 1, 0)
+    bounds = jnp.cumsum(counts)
+    n_tiles = pl.cdiv(m, tile_m) + e
+    i = jnp.arange(n_tiles, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(bounds, i, side="right"), e).astype(jnp.int32)
+    block = first[grp] + i - (bounds[grp] - counts[grp])
+    lo = jnp.maximum(starts[grp] - block * tile_m, 0)
+    hi = jnp.minimum(ends[grp] - block * tile_m, tile_m)
+    active = i < bounds[-1]
+    grp = jnp.where(active, grp, -1)
+    return jnp.stack([grp, block, lo, jnp.where(active, hi - lo, 0)]).astype(jnp.int32)
+
+
+def _store_rows(o_smem, o_gmem, row0, lo, count, n_slice, max_rows: int):
+    """TMA-store rows ``[lo, lo + count)`` of ``o_smem`` to ``o_gmem[row0 + lo + …]``."""
+    offset = lo
+    size = 1 << (max_rows.bit_length() - 1)
+    while size >= 1:
+        part = count & size
+
+        @pl.when(part != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(offset, size)], o_gmem.at[pl.ds(row0 + offset, size), n_slice]
+            )
+
+        offset = offset + part
+        size //= 2
+
+
+def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
+    cols = pl.ds(0, cta_n)
+    return rhs_gmem.at[0, cols] if transpose_rhs else rhs_gmem.at[0, :, cols]
+
+
+def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_n = cfg.cta_n()
+    dtype = lhs_gmem.dtype
+    n_work = meta.shape[1]
+    grid_n = n // cta_n
+    b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
+
+    def pipeline(body, compute_context, block=0):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // tk,),
+            memory_registers=40,
+            in_specs=[
+                # indexed by block over the whole lhs so TMA zero-fills a block past M
+                plgpu.BlockSpec(
+                    (tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype)
+                ),
+                plgpu.BlockSpec(
+                    b_block,
+                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                    transforms=_swizzled(b_block[1], dtype),
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=_COMPUTE_WGS,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, _b_alloc_view(rhs_gmem, cta_n, transpose_rhs)),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, tn), out_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, o_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((n_work * grid_n,), collective_axes="sm")
+        def _tiles(info):
+            wi, ni = plgpu.planar_snake(info.index[0], (n_work, grid_n), 1, cfg.grid_tile_width)
+            grp, block, lo, count = meta[0, wi], meta[1, wi], meta[2, wi], meta[3, wi]
+            is_tail = grp == rhs_gmem.shape[0]
+            g = jnp.minimum(grp, rhs_gmem.shape[0] - 1)
+            wg_n = pl.ds(wg * tn, tn)
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    val = acc[...]
+                    val = jnp.where(is_tail, jnp.zeros_like(val), val).astype(out_gmem.dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = val
+                    plgpu.commit_smem()
+                    _store_rows(
+                        o_smem.at[wg], out_gmem, block * tm, lo, count,
+                        pl.ds(ni * cta_n + wg * tn, tn), min(tm, m),
+                    )
+
+            def mma(_, a_smem, b_smem, acc):
+                b = b_smem.at[wg_n].T if transpose_rhs else b_smem.at[:, wg_n]
+                plgpu.wgmma(acc, a_smem, b)
+                # a slot is released when the body returns, and the warp-specialised pipeline
+                # does not guard a delayed release across calls: finish the wgmma here (the
+                # other compute warpgroup keeps the tensor cores busy meanwhile)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            n_cols = pl.ds(ni * cta_n, cta_n)
+            b_view = rhs_gmem.at[g, n_cols] if transpose_rhs else rhs_gmem.at[g, :, n_cols]
+
+            @pl.when(grp >= 0)
+            def _():
+                pipeline(mma, compute_context, block)(lhs_gmem, b_view, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
+    """``lhs [M,K]``, ``rhs [E,K,N]`` (``[E,N,K]`` read transposed when ``transpose_rhs``)."""
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    cfg = tiling or GMM_TILING
+    if k % cfg.tile_k or n % cfg.cta_n():
+        raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
+    meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
+    body = functools.partial(_gmm_body, cfg=cfg, m=m, k=k, n=n, transpose_rhs=transpose_rhs)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(interpret),
+        interpret=_interpret_arg(interpret),
+        kernel_name="moe_gmm_transposed" if transpose_rhs else "moe_gmm",
+    )(meta, lhs, rhs)
+
+
+def _group_rows(group_sizes: jax.Array, tile_m: int) -> jax.Array:
+    """Per group: int32 ``[3, E]`` rows = (start row, end row, number of row blocks)."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    blocks = jnp.where(group_sizes > 0, (ends - 1) // tile_m - starts // tile_m + 1, 0)
+    return jnp.stack([starts, ends, blocks]).astype(jnp.int32)
+
+
+def _mask_rows(ref, lo, hi):
+    """Zero the rows of a ``[rows, cols]`` shared-memory tile outside ``[lo, hi)``."""
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+    keep = (rows >= lo) & (rows < hi)
+    ref[...] = jnp.where(keep, ref[...], jnp.zeros((), ref.dtype))
+    plgpu.commit_smem()
+
+
+def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k  # tm: contraction (rows), tk: out rows
+    cta_n = cfg.cta_n()
+    dtype = lhs_gmem.dtype
+    e = out_gmem.shape[0]
+    grid_k, grid_n = k // tk, n // cta_n
+
+    # the allocation-only call passes a static grid of `stages` steps so every slot exists
+    def pipeline(body, compute_context, first=0, num_blocks=cfg.stages):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(num_blocks,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (tm, tk), lambda i: (first + i, 0), transforms=_swizzled(tk, dtype)
+                ),
+                plgpu.BlockSpec(
+                    (tm, cta_n), lambda i: (first + i, 0), transforms=_swizzled(cta_n, dtype)
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=_COMPUTE_WGS,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None
+    alloc_views = (lhs_gmem.at[:, pl.ds(0, tk)], dout_gmem.at[:, pl.ds(0, cta_n)])
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
+        collective_axes="wg",
+    )
+    def _scope(allocs, o_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((e, grid_k * grid_n), collective_axes="sm")
+        def _tiles(info):
+            g = info.index[0]
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)
+            start, end, num_blocks = rows[0, g], rows[1, g], rows[2, g]
+            first = start // tm
+            wg_n = pl.ds(wg * tn, tn)
+            out_tile = out_gmem.at[g, pl.ds(ki * tk, tk), pl.ds(ni * cta_n + wg * tn, tn)]
+
+            def store(val):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_smem[wg] = val.astype(out_gmem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, tn), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    store(acc[...])
+
+            def mma(idx, a_smem, b_smem, acc):
+                row0 = (first + idx[0]) * tm
+                lo, hi = start - row0, end - row0
+                b = b_smem.at[:, wg_n]
+
+                @pl.when((lo > 0) | (hi < tm))
+                def _():
+                    _mask_rows(b, lo, hi)
+
+                plgpu.wgmma(acc, a_smem.T, b)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            @pl.when(num_blocks > 0)
+            def _():
+                views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
+                pipeline(mma, compute_context, first, num_blocks)(*views, allocations=allocs)
+
+            @pl.when((num_blocks == 0) & (wg < _COMPUTE_WGS))
+            def _():
+                store(plgpu.layout_cast(jnp.zeros((tk, tn), jnp.float32), plgpu.Layout.WGMMA))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
+    """``out[e] = lhs[rows of e]ᵀ @ dout[rows of e]``: ``[M,K] × [M,N] -> [E,K,N]`` (float32)."""
+    m, k = lhs.shape
+    n = dout.shape[1]
+    cfg = tiling or TGMM_TILING
+    if k % cfg.tile_k or n % cfg.cta_n():
+        raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
+    if group_sizes.shape != (num_groups,):
+        raise ValueError(f"group_sizes must have shape ({num_groups},), got {group_sizes.shape}")
+    rows = _group_rows(group_sizes, cfg.tile_m)
+    body = functools.partial(_tgmm_body, cfg=cfg, k=k, n=n)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_groups, k, n), jnp.float32),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(interpret),
+        interpret=_interpret_arg(interpret),
+        kernel_name="moe_tgmm",
+    )(rows, lhs, dout)

@@ -1,0 +1,101 @@
+"""Mosaic GPU kernels run by the GPU interpreter on CPU (the same tests run compiled with -m gpu).
+
+Interpretation is slow, so the shapes are tiny and each jitted function is traced once per
+shape and reused across group-size cases (group sizes are traced values).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe import grouped_matmul, kernel_gpu
+from pallas_kernels.moe.reference import grouped_matmul_dense
+from tests.pallas_kernels.moe.conftest import random_gmm_inputs
+from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
+
+E = 4
+# empty groups, all rows in one group, a ragged tail of rows in no group, boundaries off-tile
+GROUP_CASES = [[40, 0, 70, 0], [0, 150, 0, 0]]
+SLOW_GROUP_CASES = [[13, 77, 0, 31], [0, 0, 0, 0], [50, 0, 50, 50]]
+# small tiles keep the interpreter's work (tiles × pipeline steps) low
+SMALL = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
+
+
+@pytest.fixture
+def small_gpu_tiles(monkeypatch):
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", SMALL)
+    monkeypatch.setattr(kernel_gpu, "TGMM_TILING", SMALL)
+
+
+def _loss_and_grads(impl_kwargs):
+    def loss(lhs, rhs, gs, cot):
+        out = grouped_matmul(lhs, rhs, gs, **impl_kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cot), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+class GpuKernelCase:
+    impl = dict(implementation="pallas", interpret=True, kernel_backend="gpu")
+    m, k, n = 150, 128, 128
+
+    def test_forward_and_grads(self):
+        self.check(GROUP_CASES)
+
+    @pytest.mark.slow
+    def test_forward_and_grads_more_groups(self):
+        self.check(SLOW_GROUP_CASES)
+
+    def check(self, cases):
+        lhs, rhs = random_gmm_inputs(0, self.m, self.k, self.n, E, jnp.bfloat16)
+        cot = jax.random.normal(jax.random.PRNGKey(1), (self.m, self.n))
+        ours, ref = _loss_and_grads(self.impl), _loss_and_grads(dict(implementation="xla"))
+        f32 = lambda x: x.astype(jnp.float32)
+        for case in cases:
+            gs = jnp.asarray(case, jnp.int32)
+            (_, out), (dl, dr) = ours(lhs, rhs, gs, cot)
+            (_, _), (el, er) = ref(f32(lhs), f32(rhs), gs, cot)
+            want = grouped_matmul_dense(f32(lhs), f32(rhs), gs)
+            total = int(gs.sum())
+            assert np.all(np.asarray(out[total:], np.float32) == 0), case
+            if total:
+                assert rel_rmse(f32(out), want) < BF16_FWD_RTOL, case
+                assert rel_rmse(f32(dl), el) < BF16_GRAD_RTOL, case
+                assert rel_rmse(f32(dr), er) < BF16_GRAD_RTOL, case
+            else:
+                assert not np.any(np.asarray(dl, np.float32)) and not np.any(np.asarray(dr, np.float32))
+            empty = np.asarray(case) == 0
+            assert not np.any(np.asarray(dr, np.float32)[empty]), case
+
+
+@pytest.mark.usefixtures("small_gpu_tiles")
+class TestGpuInterpret(GpuKernelCase):
+    pass
+
+
+def test_tile_schedule_covers_every_row_once():
+    gs = jnp.asarray([50, 0, 90, 60, 0], jnp.int32)
+    m, tm = 230, 64
+    meta = np.asarray(kernel_gpu.m_tile_schedule(gs, m, tm))
+    owner = np.full(m, -2)
+    for grp, block, lo, count in meta.T:
+        if grp < 0:
+            assert count == 0
+            continue
+        rows = slice(block * tm + lo, block * tm + lo + count)
+        assert np.all(owner[rows] == -2)
+        owner[rows] = grp
+    want = np.concatenate([np.full(s, i) for i, s in enumerate(np.asarray(gs))] + [np.full(m - 200, 5)])
+    np.testing.assert_array_equal(owner, want)
+
+
+def test_pallas_on_cpu_needs_interpret():
+    lhs, rhs = random_gmm_inputs(0, 8, 8, 8, E, jnp.bfloat16)
+    with pytest.raises(ValueError, match="interpret"):
+        grouped_matmul(lhs, rhs, jnp.asarray([2, 2, 2, 2]), implementation="pallas")
+    with pytest.raises(ValueError, match="bfloat16"):
+        grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray([2, 2, 2, 2]),
+                       implementation="pallas", interpret=True)
