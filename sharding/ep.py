@@ -189,6 +189,7 @@ def moe_ffn_ep(
     gmm = functools.partial(grouped_matmul, implementation=implementation)
     body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
     stats_spec = {"ep_overflow": P(), "ep_dropped": P()}
-    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
+    # check_vma=False: the kernels' internal zero-initialised carries are not typed as varying.
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
                        out_specs=(tok_spec, stats_spec))
     return fn(x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)
