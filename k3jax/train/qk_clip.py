@@ -20,14 +20,19 @@ from jaxtyping import Array, Float
 from k3jax.config import MLAConfig
 
 
-def max_logits_from_stats(stats: Any) -> dict[str, Float[Array, "H"]]:
-    """``{"layers_{i}": max_logit [H]}`` from the model's ``stats`` collection (sown as 1-tuples)."""
+def max_logits_from_stats(stats: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Float[Array, "H"]]:
+    """``{path of the MLA module: max_logit [H]}`` from a ``stats`` tree (values sown as 1-tuples).
+
+    The path addresses the MLA's parameters in the params tree of the same structure, e.g.
+    ``("layers_3", "mla")``.
+    """
     out = {}
-    for name, layer in stats.items():
-        mla = layer.get("mla", {}) if isinstance(layer, dict) else {}
-        if "max_logit" in mla:
-            value = mla["max_logit"]
-            out[name] = value[0] if isinstance(value, tuple) else value
+    for name, child in stats.items():
+        if name == "max_logit":
+            values = child if isinstance(child, tuple) else (child,)
+            out[prefix] = jnp.max(jnp.stack(values), axis=0)
+        elif isinstance(child, dict):
+            out.update(max_logits_from_stats(child, prefix + (name,)))
     return out
 
 
@@ -45,22 +50,28 @@ def _scale_heads(kernel, first: Float[Array, "H"], second: Float[Array, "H"], sp
     return (kernel.astype(jnp.float32) * scale).astype(kernel.dtype)
 
 
-def qk_clip(params: Any, max_logits: dict[str, Float[Array, "H"]], mla: MLAConfig,
-            tau: float) -> tuple[Any, dict[str, Float[Array, "H"]]]:
-    """Rescaled params and the applied γ per MLA layer (1 for unclipped heads)."""
-    dn = mla.qk_nope_head_dim
-    params = dict(params)
+def _clip_mla(mla: dict, gamma: Float[Array, "H"], dn: int) -> dict:
+    root, ones = jnp.sqrt(gamma), jnp.ones_like(gamma)
+    mla = dict(mla)
+    q_name = "q_b" if "q_b" in mla else "q_proj"
+    mla[q_name] = {**mla[q_name], "kernel": _scale_heads(mla[q_name]["kernel"], root, gamma, dn)}
+    mla["kv_b"] = {**mla["kv_b"], "kernel": _scale_heads(mla["kv_b"]["kernel"], root, ones, dn)}
+    return mla
+
+
+def _replace_at(tree: dict, path: tuple[str, ...], fn) -> dict:
+    if not path:
+        return fn(tree)
+    if not isinstance(tree, dict) or path[0] not in tree:
+        raise ValueError(f"QK-Clip: max_logit reported for {path} but params have no such module")
+    return {**tree, path[0]: _replace_at(tree[path[0]], path[1:], fn)}
+
+
+def qk_clip(params: Any, max_logits: dict[tuple[str, ...], Float[Array, "H"]], mla: MLAConfig,
+            tau: float) -> tuple[Any, dict[tuple[str, ...], Float[Array, "H"]]]:
+    """Params with every reported MLA module clipped, and the applied γ per module (1 = untouched)."""
     gammas = {}
-    for layer, s in max_logits.items():
-        if layer not in params or "mla" not in params[layer]:
-            raise ValueError(f"max_logits names layer {layer!r} but params have no {layer}/mla")
-        gamma = clip_factors(s, tau)
-        root = jnp.sqrt(gamma)
-        attn = dict(params[layer]["mla"])
-        q_name = "q_b" if "q_b" in attn else "q_proj"
-        attn[q_name] = {**attn[q_name], "kernel": _scale_heads(attn[q_name]["kernel"], root, gamma, dn)}
-        ones = jnp.ones_like(gamma)
-        attn["kv_b"] = {**attn["kv_b"], "kernel": _scale_heads(attn["kv_b"]["kernel"], root, ones, dn)}
-        params[layer] = {**params[layer], "mla": attn}
-        gammas[layer] = gamma
+    for path, s in max_logits.items():
+        gammas[path] = clip_factors(s, tau)
+        params = _replace_at(params, path, lambda m, g=gammas[path]: _clip_mla(m, g, mla.qk_nope_head_dim))
     return params, gammas

@@ -39,14 +39,14 @@ def test_planted_logit_is_clipped_to_tau_and_other_heads_untouched():
     new, gammas = qk_clip(params, max_logits_from_stats(stats), MLA, tau)
     after = _max_logits(new["layers_1"]["mla"], cq, ckv, k_rope)
     assert after[2] <= tau * (1 + 1e-5) and after[2] > tau * (1 - 1e-5)
-    np.testing.assert_array_equal(np.asarray(gammas["layers_1"])[[0, 1, 3]], 1.0)
+    np.testing.assert_array_equal(np.asarray(gammas[("layers_1", "mla")])[[0, 1, 3]], 1.0)
     old_mla, new_mla = params["layers_1"]["mla"], new["layers_1"]["mla"]
     for name in ("q_b", "kv_b"):
         keep = [0, 1, 3]
         np.testing.assert_array_equal(new_mla[name]["kernel"][:, keep], old_mla[name]["kernel"][:, keep])
     np.testing.assert_array_equal(new_mla["kv_b"]["kernel"][..., toy.DN:], old_mla["kv_b"]["kernel"][..., toy.DN:])
     np.testing.assert_array_equal(new_mla["kv_a"]["kernel"], old_mla["kv_a"]["kernel"])
-    g = float(gammas["layers_1"][2])
+    g = float(gammas[("layers_1", "mla")][2])
     np.testing.assert_allclose(new_mla["q_b"]["kernel"][:, 2, toy.DN:], g * old_mla["q_b"]["kernel"][:, 2, toy.DN:],
                                rtol=1e-6)
     assert new["layers_0"] is params["layers_0"]
@@ -63,7 +63,7 @@ def test_q_proj_without_q_lora():
     mla["q_proj"] = mla.pop("q_b")
     params["layers_1"] = {"mla": mla}
     cfg = dataclasses.replace(MLA, q_lora_rank=None)
-    new, _ = qk_clip(params, {"layers_1": jnp.asarray([1.0, 400.0, 1.0, 1.0])}, cfg, 100.0)
+    new, _ = qk_clip(params, {("layers_1", "mla"): jnp.asarray([1.0, 400.0, 1.0, 1.0])}, cfg, 100.0)
     ratio = new["layers_1"]["mla"]["q_proj"]["kernel"] / mla["q_proj"]["kernel"]
     np.testing.assert_allclose(ratio[:, 1, :toy.DN], 0.5, rtol=1e-6)
     np.testing.assert_allclose(ratio[:, 1, toy.DN:], 0.25, rtol=1e-6)

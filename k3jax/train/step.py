@@ -1,0 +1,250 @@
+"""The training step: one jitted, donated ``train_step(state, batch) -> (state, metrics)``.
+
+1. Split the global batch into ``micro_batches`` and accumulate gradients with ``lax.scan``; each
+   micro-batch's loss is normalised by the *whole* batch's target count, so the summed gradient is
+   exactly the gradient of the big batch.
+2. Loss = CE(logits, labels) + λ/D · Σ_j CE_j (MTP depth j; SPEC §8), fp32, masked by ``loss_mask``.
+3. Statistics sown by the forward (router loads, QB histograms or margins, MLA max logits) are
+   combined over micro-batches (`k3jax.train.stats`).
+4. A non-finite loss or gradient norm skips the update, QK-Clip and QB, and is counted.
+5. Optimizer (clip → per-head Muon / AdamW) → QK-Clip from the max logits (SPEC §7) → Quantile
+   Balancing of every router bias from the step's statistics (SPEC §6).
+
+A batch is ``{tokens, segment_ids, labels: [B, T] int32, loss_mask: [B, T]}`` with ``labels[:, i]``
+the target at position i (the next token) and ``loss_mask`` 0 where there is none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax.model import Transformer
+from k3jax.train import stats as st
+from k3jax.train.config import TrainConfig
+from k3jax.train.mtp import MTP, mtp_targets
+from k3jax.train.optimizer import logical_axes, make_optimizer
+from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
+from k3jax.train.schedule import make_schedule
+
+BATCH_KEYS = ("tokens", "segment_ids", "labels", "loss_mask")
+_INIT_TOKENS = 64  # parameter shapes do not depend on T; keep init cheap
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything that changes during training (the data iterator's position lives with the host)."""
+
+    step: jax.Array  # int32: batches consumed
+    params: Any  # {"model": docs/params.md tree, "mtp": MTP tree (when cfg.mtp.num_layers > 0)}
+    opt_state: Any
+    balance: Any  # {"model": router biases, "mtp": …}
+    nonfinite_streak: jax.Array  # int32: consecutive skipped steps
+    nonfinite_total: jax.Array  # int32: skipped steps so far
+
+
+def masked_ce(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+    """Σ over positions of the fp32 cross-entropy × ``mask``."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return jnp.sum(ce * mask)
+
+
+class Trainer:
+    """Model, MTP, optimizer and the jitted step for one ``TrainConfig`` (and optional mesh)."""
+
+    def __init__(self, cfg: TrainConfig, mesh=None):
+        self.cfg = cfg
+        self.model = Transformer(cfg.model, remat=cfg.remat)
+        self.mtp = MTP(cfg.model, remat=cfg.remat) if cfg.model.mtp.num_layers else None
+        self.schedule = make_schedule(cfg.schedule, cfg.optimizer.learning_rate, cfg.steps)
+        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.axes = {"params": logical_axes(boxed["params"]), "balance": logical_axes(boxed["balance"])}
+        self.abstract = nn.unbox(boxed)
+        self.tx = make_optimizer(cfg.optimizer, self.schedule, self.abstract["params"], self.axes["params"])
+        self.mesh = mesh
+        self.shardings = None
+        if mesh is not None:
+            from k3jax.train.parallel import state_and_batch_shardings
+
+            self.shardings = state_and_batch_shardings(self, mesh)
+        self._jit_step = self._build_step()
+
+    # ---------------------------------------------------------------- init
+    def _init_boxed(self, rng):
+        cfg = self.cfg.model
+        tokens = jnp.zeros((1, min(self.cfg.seq_len, _INIT_TOKENS)), jnp.int32)
+        k_model, k_mtp = jax.random.split(rng)
+        variables = self.model.init(k_model, tokens)
+        params, balance = {"model": variables["params"]}, {"model": variables.get("balance", {})}
+        if self.mtp is not None:
+            unboxed = nn.unbox(variables["params"])
+            hidden = jnp.zeros(tokens.shape + (cfg.hidden,), cfg.compute_dtype)
+            mtp_vars = self.mtp.init(k_mtp, hidden, tokens, unboxed["embed"]["embedding"],
+                                     self._head(unboxed), None)
+            params["mtp"], balance["mtp"] = mtp_vars["params"], mtp_vars.get("balance", {})
+        return {"params": params, "balance": balance}
+
+    @staticmethod
+    def _head(model_params):
+        return model_params["head"]["kernel"] if "head" in model_params else model_params["embed"]["embedding"].T
+
+    def init_state(self, rng: jax.Array) -> TrainState:
+        """A fresh state (sharded on the mesh when there is one)."""
+
+        def init(rng):
+            v = nn.unbox(self._init_boxed(rng))
+            zero = jnp.zeros([], jnp.int32)
+            return TrainState(step=zero, params=v["params"], opt_state=self.tx.init(v["params"]),
+                              balance=v["balance"], nonfinite_streak=zero, nonfinite_total=zero)
+
+        out = None if self.shardings is None else self.shardings["state"]
+        with self._context():
+            return jax.jit(init, out_shardings=out)(rng)
+
+    def abstract_state(self) -> TrainState:
+        """``ShapeDtypeStruct`` tree of the state (with shardings on a mesh): the restore target."""
+        abstract = jax.eval_shape(self.init_state, jax.random.key(0))
+        if self.shardings is None:
+            return abstract
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, self.shardings["state"])
+
+    def _context(self):
+        import contextlib
+
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        import sharding
+
+        return sharding.use_mesh(self.mesh)
+
+    # ---------------------------------------------------------------- loss
+    def loss(self, params, balance, batch, denom, mtp_denoms):
+        """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts."""
+        mcfg = self.cfg.model
+        seg = batch["segment_ids"]
+        mask = batch["loss_mask"].astype(jnp.float32)
+        variables = {"params": params["model"], "balance": balance["model"]}
+        (logits, hidden), mut = self.model.apply(variables, batch["tokens"], segment_ids=seg,
+                                                 return_hidden=True, mutable=["stats"])
+        ce = masked_ce(logits, batch["labels"], mask)
+        stats = {"model": st.combine_stats(mut.get("stats", {}))}
+        objective = ce / denom
+        mtp_ce = []
+        if self.mtp is not None:
+            mtp_vars = {"params": params["mtp"], "balance": balance["mtp"]}
+            all_logits, mut = self.mtp.apply(mtp_vars, hidden, batch["labels"], params["model"]["embed"]["embedding"],
+                                             self._head(params["model"]), seg, mutable=["stats"])
+            weight = mcfg.mtp.loss_weight / mcfg.mtp.num_layers
+            for j, depth_logits in enumerate(all_logits, start=1):
+                _, target, depth_mask = mtp_targets(batch["labels"], mask, seg, j)
+                mtp_ce.append(masked_ce(depth_logits, target, depth_mask))
+                objective = objective + weight * mtp_ce[-1] / mtp_denoms[j - 1]
+            stats["mtp"] = st.combine_stats(mut.get("stats", {}))
+        aux = {"ce": ce, "mtp_ce": jnp.stack(mtp_ce) if mtp_ce else jnp.zeros([0]), "stats": stats}
+        return objective, aux
+
+    def _grads(self, state: TrainState, batch):
+        """Summed gradients and aux over the micro-batches (``lax.scan``)."""
+        cfg = self.cfg
+        mask = batch["loss_mask"].astype(jnp.float32)
+        denom = jnp.maximum(jnp.sum(mask), 1.0)
+        mtp_denoms = [jnp.maximum(jnp.sum(mtp_targets(batch["labels"], mask, batch["segment_ids"], j)[2]), 1.0)
+                      for j in range(1, cfg.model.mtp.num_layers + 1)]
+        grad_fn = jax.grad(self.loss, has_aux=True)
+
+        def one(mb):
+            return grad_fn(state.params, state.balance, mb, denom, mtp_denoms)
+
+        if cfg.micro_batches == 1:
+            return one(batch), denom, mtp_denoms
+        micro = jax.tree.map(lambda x: x.reshape((cfg.micro_batches, -1) + x.shape[1:]), batch)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(one, first)
+        rest_shape, _ = st.split_margins(shapes[1]["stats"])
+
+        def zero(path, s):
+            fill = -jnp.inf if st._name(path) == "max_logit" else 0
+            return jnp.full(s.shape, fill, s.dtype)
+
+        init = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]),
+                {"ce": jnp.zeros([], jnp.float32), "mtp_ce": jnp.zeros(shapes[1]["mtp_ce"].shape, jnp.float32),
+                 "stats": jax.tree_util.tree_map_with_path(zero, rest_shape)})
+
+        def body(carry, mb):
+            grads, aux = one(mb)
+            rest, margins = st.split_margins(aux["stats"])
+            acc_g, acc = carry
+            acc = {"ce": acc["ce"] + aux["ce"], "mtp_ce": acc["mtp_ce"] + aux["mtp_ce"],
+                   "stats": st.accumulate_stats(acc["stats"], rest)}
+            return (jax.tree.map(jnp.add, acc_g, grads), acc), margins
+
+        (grads, aux), margins = jax.lax.scan(body, init, micro)
+        margins = jax.tree.map(lambda m: m.reshape((-1,) + m.shape[2:]), margins)
+        aux["stats"] = st.merge_margins(aux["stats"], margins)
+        return (grads, aux), denom, mtp_denoms
+
+    # ---------------------------------------------------------------- step
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step (un-jitted; `step` is the jitted, donated version)."""
+        cfg = self.cfg
+        (grads, aux), denom, mtp_denoms = self._grads(state, batch)
+        grad_norm = optax.global_norm(grads)
+        loss = aux["ce"] / denom
+        mtp_loss = sum((aux["mtp_ce"][j] / d for j, d in enumerate(mtp_denoms)), jnp.zeros([]))
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(mtp_loss)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        max_logits = max_logits_from_stats(aux["stats"])
+        metrics = {}
+        if cfg.optimizer.qk_clip_tau is not None and max_logits:
+            params, gammas = qk_clip(params, max_logits, cfg.model.mla, cfg.optimizer.qk_clip_tau)
+            metrics["qk_clipped_heads"] = sum(jnp.sum(g < 1) for g in gammas.values())
+        balance = st.update_balance(cfg.model, state.balance, aux["stats"])
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        streak = jnp.where(ok, 0, state.nonfinite_streak + 1)
+        new_state = TrainState(
+            step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+            balance=keep(balance, state.balance), nonfinite_streak=streak,
+            nonfinite_total=state.nonfinite_total + (~ok).astype(jnp.int32))
+        metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, skipped=~ok, nonfinite_streak=streak,
+                       lr=self.schedule(state.step - state.nonfinite_total))
+        if mtp_denoms:
+            metrics["mtp_loss"] = mtp_loss
+        if max_logits:
+            metrics["max_logit"] = jnp.max(jnp.stack([m.max() for m in max_logits.values()]))
+        metrics.update(st.balance_metrics(aux["stats"]))
+        return new_state, metrics
+
+    def _build_step(self):
+        if self.shardings is None:
+            return jax.jit(self.train_step, donate_argnums=0)
+        s = self.shardings
+        return jax.jit(self.train_step, donate_argnums=0, in_shardings=(s["state"], s["batch"]),
+                       out_shardings=(s["state"], s["replicated"]))
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The jitted, donated step; ``state`` must not be used afterwards."""
+        check_batch(batch, self.cfg)
+        with self._context():
+            return self._jit_step(state, batch)
+
+    def model_variables(self, state: TrainState) -> dict[str, Any]:
+        """``{"params", "balance"}`` of the main model (for evaluation and inference)."""
+        return {"params": state.params["model"], "balance": state.balance["model"]}
+
+
+def check_batch(batch, cfg: TrainConfig) -> None:
+    """``ValueError`` naming the key when a batch does not match the config (before any compute)."""
+    want = (cfg.batch_size, cfg.seq_len)
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch is missing {missing}; a batch has keys {BATCH_KEYS}")
+    for key in BATCH_KEYS:
+        shape = tuple(batch[key].shape)
+        if shape != want:
+            raise ValueError(f"batch[{key!r}] has shape {shape}; expected [batch_size, seq_len] = {want}")
