@@ -28,11 +28,11 @@ def _inputs(seed, B, T, H, K, V, lengths, state=True):
     return (q, k, v, g, beta, s0), seg
 
 
-def _ours(interpret, seg):
+def _ours(interpret, seg, block_v=None):
     def fn(q, k, v, g, beta, s0):
         scale = q.shape[-1] ** -0.5
         return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=s0,
-                                segment_ids=seg, interpret=interpret)
+                                segment_ids=seg, interpret=interpret, block_v=block_v)
     return fn
 
 
@@ -84,15 +84,15 @@ def test_forward_matches_reference(interpret, B, T, H, K, V, lengths, state):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "B,T,H,K,V,lengths",
+    "B,T,H,K,V,lengths,block_v",
     [
-        (1, 90, 1, 64, 64, (30, 1, 59)),  # documents + initial state, odd T
-        (1, 70, 1, 128, 128, None),
+        (1, 90, 1, 64, 64, (30, 1, 59), 32),  # documents + initial state, odd T
+        (1, 70, 1, 128, 128, None, 64),
     ],
 )
-def test_gradients_match_reference(interpret, B, T, H, K, V, lengths):
+def test_gradients_match_reference(interpret, B, T, H, K, V, lengths, block_v):
     args, seg = _inputs(1, B, T, H, K, V, lengths)
-    got = _grads(_ours(interpret, seg), args)
+    got = _grads(_ours(interpret, seg, block_v), args)
     want = _grads(_reference(seg), args)
     for name, a, b in zip(ARG_NAMES, got, want):
         assert a.shape == b.shape, name
