@@ -126,6 +126,38 @@ def torch_sync(_):
     torch.cuda.synchronize()
 
 
+def breakdown(shape, iters):
+    """Where our time goes at one shape: XLA prep vs the scan kernels, and the V block."""
+    from pallas_kernels.kda import kernel_gpu, kernel_gpu_intra
+
+    (q, k, v, g, b), do = make_inputs(5, *shape)
+    scale = shape[-1] ** -0.5
+    prep = lambda q, k, v, g, b: kernel_gpu_intra.prepare(q, k, v, g, b, scale=scale, segment_ids=None,
+                                                            chunk=kernel_gpu.CHUNK)
+    outs = jax.jit(prep)(q, k, v, g, b)
+    cot = [jax.random.normal(jax.random.PRNGKey(i), x.shape, x.dtype) for i, x in enumerate(outs)]
+
+    @jax.jit
+    def prep_fb(q, k, v, g, b):
+        loss = lambda *a: sum(jnp.sum(x * c) for x, c in zip(prep(*a), cot))
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+
+    res = {"prep_fwd": median_ms(jax.jit(prep), [(q, k, v, g, b)], iters, jax_sync),
+           "prep_fwdbwd": median_ms(prep_fb, [(q, k, v, g, b)], iters, jax_sync)}
+    for bv in (32, 64):
+        def run(q, k, v, g, b, bv=bv):
+            return kernel_gpu.chunk_kda_pallas(q, k, v, g, b, scale=scale, block_v=bv)[0]
+
+        fb = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
+        for mode, fn in (("fwd", jax.jit(run)), ("fwdbwd", fb)):
+            try:
+                res[f"bv{bv}_{mode}"] = median_ms(fn, [(q, k, v, g, b)], iters, jax_sync)
+            except Exception as err:
+                res[f"bv{bv}_{mode}_error"] = f"{type(err).__name__}: {err}"[:400]
+    print(f"breakdown {shape}: {res}", flush=True)
+    return res
+
+
 # --- checks and ceilings ------------------------------------------------------------------------
 
 
@@ -230,6 +262,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
     parser.add_argument("--peers", default="ours,jla,fla")
+    parser.add_argument("--breakdown", action="store_true", help="also time prep vs scan and V blocks")
     args = parser.parse_args()
     factories = {"ours": ours, "jla": jla, "fla": fla}
     impls = {}
@@ -247,6 +280,12 @@ def main():
     report["check"] = check_against_reference(impls)
     report["matmul_tflops"] = ceiling = matmul_ceiling_tflops()
     print(f"matmul ceiling {ceiling:.0f} TFLOP/s", flush=True)
+    if args.breakdown:
+        try:
+            report["breakdown"] = breakdown(SHAPES[0], args.iters)
+        except Exception as err:
+            report["breakdown"] = {"error": f"{type(err).__name__}: {err}"[:600]}
+            traceback.print_exc()
     for shape in [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]:
         report["results"][",".join(map(str, shape))] = time_shape(impls, shape, args.iters)
         with open(args.out, "w") as f:

@@ -34,7 +34,8 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
-from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, smem
+from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
+from pallas_kernels.kda.kernel_gpu_util import smem as _smem
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -98,6 +99,7 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
     out_type = [jax.ShapeDtypeStruct((BH, Tp, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), F32)]
     if store_states:
         out_type.append(jax.ShapeDtypeStruct((BH, n * K, V), BF16))
+    smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
     scratch = [
         smem((C, K)), smem((C, K)), smem((C, K)), smem((C, bv)), smem((C, C)),
         smem((1, K), F32, mma=False),
@@ -144,8 +146,11 @@ def _scan_vjp_bwd(cfg, out_dtype, res, cts):
 _scan.defvjp(_scan_vjp_fwd, _scan_vjp_bwd)
 
 
-def _block_v(V: int) -> int:
-    return 64 if V % 64 == 0 else 32
+def _block_v(V: int, programs: int) -> int:
+    """64-wide V blocks, or 32 when that still leaves SMs idle (few heads, long sequences)."""
+    if V % 64 or programs * (V // 64) < 132:
+        return 32
+    return 64
 
 
 def supports(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
@@ -172,8 +177,12 @@ def chunk_kda_pallas(
     segment_ids: Int[Array, "B T"] | None = None,
     chunk_size: int = CHUNK,
     interpret: bool = False,
+    block_v: int | None = None,
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
-    """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32."""
+    """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
+
+    ``block_v`` (None = by occupancy) is the V width of one scan program.
+    """
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
             f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V multiples of 32 up to 128 and no "
@@ -184,7 +193,10 @@ def chunk_kda_pallas(
     w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK)
     s0 = jnp.zeros((B * H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     out_dtype = BF16 if v.dtype == BF16 else F32
-    cfg = ScanConfig(bv=_block_v(V), interpret=bool(interpret))
+    bv = _block_v(V, B * H) if block_v is None else block_v
+    if V % bv or bv % 32:
+        raise ValueError(f"block_v must be a multiple of 32 dividing V={V}, got {bv}")
+    cfg = ScanConfig(bv=bv, interpret=bool(interpret))
     o, S = _scan(w, u, qg, kg, aqk, d, s0.reshape(B * H, K, V), cfg, out_dtype)
     o = o.reshape(B, H, -1, V)[:, :, :T_len]
     return jnp.moveaxis(o, 1, 2).astype(v.dtype), S.reshape(B, H, K, V)

@@ -14,13 +14,16 @@ straight from registers to global memory: no smem staging, so two input slots st
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, smem
+from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
+from pallas_kernels.kda.kernel_gpu_util import smem as _smem
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -80,6 +83,7 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
         jax.ShapeDtypeStruct((BH, Tp, V), F32), part(K), part(K), part(K), part(C),
         jax.ShapeDtypeStruct((nv, BH, n, K), F32), jax.ShapeDtypeStruct((BH, K, V), F32),
     ]
+    smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
     scratch = [
         smem((C, K)), smem((C, K)), smem((C, K)), smem((C, bv)), smem((C, C)),
         smem((1, K), F32, mma=False), smem((K, bv)), smem((C, bv)),

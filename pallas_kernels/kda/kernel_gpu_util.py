@@ -17,20 +17,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 SLOTS = 2
 
 
-def mma_transforms(cols: int, dtype=jnp.bfloat16):
-    """Tiling + swizzle that wgmma needs for a 2D smem operand with ``cols`` minor elements."""
-    width = cols * jnp.dtype(dtype).itemsize
-    swizzle = min(128, width)
+def mma_transforms(cols: int, dtype=jnp.bfloat16, swizzle: int = 128):
+    """Tiling + swizzle that wgmma needs for a 2D smem operand with ``cols`` minor elements.
+
+    Both operands of one wgmma must share a swizzle, so a kernel with a 32-wide bf16 operand
+    passes ``swizzle=64`` for all of them.
+    """
+    swizzle = min(swizzle, cols * jnp.dtype(dtype).itemsize)
     return (
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
 
 
-def smem(shape, dtype=jnp.bfloat16, *, mma: bool = True, slots: int | None = SLOTS):
+def smem(shape, dtype=jnp.bfloat16, *, mma: bool = True, slots: int | None = SLOTS, swizzle: int = 128):
     """A (slotted) smem scratch; wgmma operands get the swizzled layout."""
     full = shape if slots is None else (slots, *shape)
-    transforms = mma_transforms(shape[-1], dtype) if mma else ()
+    transforms = mma_transforms(shape[-1], dtype, swizzle) if mma else ()
     return plgpu.SMEM(full, dtype, transforms=transforms)
 
 
