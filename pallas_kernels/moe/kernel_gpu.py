@@ -103,6 +103,10 @@ def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     return jnp.stack([grp, block, lo, jnp.where(active, hi - lo, 0)]).astype(jnp.int32)
 
 
+def _zeros_wgmma(shape, dtype):
+    return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
+
+
 def _store_rows(o_smem, o_gmem, row0, lo, count, n_slice, max_rows: int):
     """TMA-store rows ``[lo, lo + count)`` of ``o_smem`` to ``o_gmem[row0 + lo + …]``."""
     offset = lo
@@ -178,10 +182,16 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc):
                     run(acc)
-                    val = acc[...]
-                    val = jnp.where(is_tail, jnp.zeros_like(val), val).astype(out_gmem.dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[wg] = val
+
+                    @pl.when(is_tail)
+                    def _():
+                        o_smem[wg] = _zeros_wgmma((tm, tn), out_gmem.dtype)
+
+                    @pl.when(~is_tail)
+                    def _():
+                        o_smem[wg] = acc[...].astype(out_gmem.dtype)
+
                     plgpu.commit_smem()
                     _store_rows(
                         o_smem.at[wg], out_gmem, block * tm, lo, count,
@@ -325,13 +335,14 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
 
             @pl.when((num_blocks == 0) & (wg < _COMPUTE_WGS))
             def _():
-                store(plgpu.layout_cast(jnp.zeros((tk, tn), jnp.float32), plgpu.Layout.WGMMA))
+                store(_zeros_wgmma((tk, tn), jnp.float32))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
-    """``out[e] = lhs[rows of e]ᵀ @ dout[rows of e]``: ``[M,K] × [M,N] -> [E,K,N]`` (float32)."""
+    """``out[e] = lhs[rows of e]ᵀ @ dout[rows of e]``: ``[M,K] × [M,N] -> [E,K,N]``, accumulated
+    in float32 and stored in ``lhs.dtype`` (a float32 staging tile would not fit in SMEM)."""
     m, k = lhs.shape
     n = dout.shape[1]
     cfg = tiling or TGMM_TILING
@@ -343,7 +354,7 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     body = functools.partial(_tgmm_body, cfg=cfg, k=k, n=n)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_groups, k, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
         num_threads=_COMPUTE_WGS + 1,

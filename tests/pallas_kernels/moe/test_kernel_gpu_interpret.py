@@ -99,3 +99,9 @@ def test_pallas_on_cpu_needs_interpret():
     with pytest.raises(ValueError, match="bfloat16"):
         grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray([2, 2, 2, 2]),
                        implementation="pallas", interpret=True)
+
+
+@pytest.mark.gpu
+class TestGpuCompiled(GpuKernelCase):
+    impl = dict(implementation="pallas")
+    m, k, n = 1000, 512, 768

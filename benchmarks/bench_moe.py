@@ -1,0 +1,321 @@
+"""MoE grouped-matmul and routed-layer benchmark on one GPU (the lent H200).
+
+Checks our kernels against the XLA reference first, then times forward and forward+backward
+of: ours (``grouped_matmul(implementation="pallas")``), ``jax.lax.ragged_dot``, tokamax
+0.0.17 ``ragged_dot(implementation="mosaic")``, jax-linear-attention 0.1.0 ``ragged_dot`` and
+the dense equal-group batched einsum (the no-routing ceiling); then the whole LatentMoE routed
+layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragged_dot with
+XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
+BENCHMARKS.md); a missing or failing peer is recorded, not fatal.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, moe_ffn
+from pallas_kernels.moe.activations import situ_glu
+from pallas_kernels.moe.reference import grouped_matmul_dense
+
+GMM_SHAPES = [(65536, 64, 3584, 3072), (65536, 64, 3072, 3584), (32768, 128, 2048, 1024)]
+LAYER = dict(T=8192, D=7168, L=3584, F=3072, E=56, k=16)
+
+
+def timeit(fn, *args, reps=20, warmup=3):
+    """Median wall time (ms) of ``fn(*args)`` to completion, after warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_group_sizes(key, m, e):
+    """Uneven sizes summing to m: a multinomial draw with probabilities in [0.5, 1.5]/Σ."""
+    p = np.asarray(jax.random.uniform(key, (e,), minval=0.5, maxval=1.5), np.float64)
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    return jnp.asarray(rng.multinomial(m, p / p.sum()), jnp.int32)
+
+
+def peers():
+    """name -> ragged_dot(lhs, rhs, group_sizes) for each importable peer."""
+    out = {"lax.ragged_dot": lambda a, b, g: jax.lax.ragged_dot(a, b, g)}
+    try:
+        import tokamax
+
+        out["tokamax"] = lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")
+    except Exception as e:  # noqa: BLE001 (a peer that fails to import is recorded)
+        print("tokamax unavailable:", repr(e))
+    try:
+        from jla.ops.mosaic_gpu.ragged_dot import ragged_dot as jla_ragged_dot
+
+        out["jla"] = jla_ragged_dot
+    except Exception as e:  # noqa: BLE001
+        print("jax-linear-attention unavailable:", repr(e))
+    return out
+
+
+def fwd_and_train(gmm):
+    """Jitted forward and forward+backward (both gradients) of a grouped matmul."""
+    fwd = jax.jit(gmm)
+
+    def train(lhs, rhs, gs, cot):
+        out, vjp = jax.vjp(lambda a, b: gmm(a, b, gs), lhs, rhs)
+        return vjp(cot.astype(out.dtype))
+
+    return fwd, jax.jit(train)
+
+
+def check_ours(results):
+    """Ours vs the XLA reference at a mid shape: outputs and both gradients, several groupings."""
+    m, e, k, n = 4096, 8, 512, 768
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, (m, n), jnp.bfloat16)
+    ours = fwd_and_train(functools.partial(grouped_matmul, implementation="pallas"))
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = fwd_and_train(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))
+    cases = {
+        "uneven": random_group_sizes(k3, m, e),
+        "empty+tail": jnp.asarray([700, 0, 1000, 0, 333, 0, 1, 2000], jnp.int32),
+        "all_in_one": jnp.asarray([0, 0, 0, m, 0, 0, 0, 0], jnp.int32),
+    }
+    for name, gs in cases.items():
+        out = ours[0](lhs, rhs, gs)
+        dl, dr = ours[1](lhs, rhs, gs, cot)
+        el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
+        total = int(gs.sum())
+        results["checks"][f"gmm_{name}"] = dict(
+            fwd=rel(f32(out), grouped_matmul_dense(f32(lhs), f32(rhs), gs)),
+            dlhs=rel(f32(dl), el),
+            drhs=rel(f32(dr), er),
+            tail_zero=bool(np.all(np.asarray(f32(out[total:])) == 0)),
+            finite=bool(np.isfinite(np.asarray(f32(out))).all()),
+        )
+        print("check", name, results["checks"][f"gmm_{name}"])
+
+
+def check_moe_ffn(results):
+    """moe_ffn with our kernels vs the XLA path: output and every gradient."""
+    t, l, f, e, k = 512, 512, 768, 8, 4
+    ks = jax.random.split(jax.random.PRNGKey(3), 7)
+    x = jax.random.normal(ks[0], (t, l), jnp.bfloat16)
+    ids = jnp.argsort(jax.random.uniform(ks[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[2], (t, k)), -1)
+    w1, w3 = [(jax.random.normal(kk, (e, l, f)) / np.sqrt(l)).astype(jnp.bfloat16) for kk in ks[3:5]]
+    w2 = (jax.random.normal(ks[5], (e, f, l)) / np.sqrt(f)).astype(jnp.bfloat16)
+    cot = jax.random.normal(ks[6], (t, l), jnp.bfloat16)
+
+    def run(impl):
+        fn = lambda x, w, w1, w3, w2: moe_ffn(x, ids, w, w1, w3, w2, implementation=impl)
+        out, vjp = jax.vjp(fn, x, w, w1, w3, w2)
+        return (out,) + vjp(cot)
+
+    ours, ref = jax.jit(lambda: run("pallas"))(), jax.jit(lambda: run("xla"))()
+    names = ["out", "dx", "dweights", "dw1", "dw3", "dw2"]
+    results["checks"]["moe_ffn"] = {n: rel(a.astype(jnp.float32), b.astype(jnp.float32)) for n, a, b in zip(names, ours, ref)}
+    print("check moe_ffn", results["checks"]["moe_ffn"])
+
+
+def tune(results, m, e, k, n):
+    """Pick the fastest forward tiling for our kernel at one shape; keep it for the rest."""
+    key = jax.random.PRNGKey(1)
+    lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(key, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    gs = random_group_sizes(key, m, e)
+    configs = [
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3),
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, grid_tile_width=16),
+        kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
+    ]
+    best = None
+    for cfg in configs:
+        try:
+            ms = timeit(jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg)), lhs, rhs, gs, reps=10)
+        except Exception as ex:  # noqa: BLE001 (a config over the shared-memory budget)
+            ms = None
+            print("tiling", cfg, "failed:", repr(ex)[:300])
+        results["tuning"].append(dict(tiling=dataclasses.asdict(cfg), fwd_ms=ms))
+        print("tiling", cfg, ms)
+        if ms is not None and (best is None or ms < best[1]):
+            best = (cfg, ms)
+    if best is not None:
+        kernel_gpu.GMM_TILING = best[0]
+
+
+def bench_gmm(results, shape, impls):
+    m, e, k, n = shape
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
+    lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, (m, n), jnp.bfloat16)
+    gs = random_group_sizes(k4, m, e)
+    flops = 2 * m * k * n
+    row = dict(shape=dict(M=m, E=e, K=k, N=n), group_sizes_minmax=[int(gs.min()), int(gs.max())])
+
+    def dense(a, b, g):
+        del g  # equal groups: the no-routing ceiling
+        return jnp.einsum("EMK,EKN->EMN", a.reshape(e, m // e, k), b).reshape(m, n)
+
+    ref_out = None
+    for name, fn in [("ours", functools.partial(grouped_matmul, implementation="pallas"))] + list(impls.items()) + [
+        ("dense_einsum", dense)
+    ]:
+        try:
+            fwd, train = fwd_and_train(fn)
+            out = fwd(lhs, rhs, gs)
+            if name != "dense_einsum":
+                if ref_out is None:
+                    ref_out = out
+                err = rel(out.astype(jnp.float32), ref_out.astype(jnp.float32))
+            else:
+                err = None
+            reps = 5 if name == "lax.ragged_dot" else 20
+            f_ms = timeit(fwd, lhs, rhs, gs, reps=reps)
+            t_ms = timeit(train, lhs, rhs, gs, cot, reps=reps)
+            row[name] = dict(fwd_ms=f_ms, train_ms=t_ms, fwd_tflops=flops / f_ms / 1e9, rel_vs_ours=err)
+        except Exception as ex:  # noqa: BLE001 (record and go on)
+            row[name] = dict(error=repr(ex)[:500])
+            traceback.print_exc()
+        print(shape, name, row[name])
+    results["gmm"].append(row)
+
+
+def _layer_params(key):
+    c = LAYER
+    ks = jax.random.split(key, 8)
+    bf = jnp.bfloat16
+    nrm = lambda k, s, fan: (jax.random.normal(k, s) / np.sqrt(fan)).astype(bf)
+    return dict(
+        w_router=nrm(ks[0], (c["D"], c["E"]), c["D"]).astype(jnp.float32),
+        w_down=nrm(ks[1], (c["D"], c["L"]), c["D"]),
+        w_up=nrm(ks[2], (c["L"], c["D"]), c["L"]),
+        w1=nrm(ks[3], (c["E"], c["L"], c["F"]), c["L"]),
+        w3=nrm(ks[4], (c["E"], c["L"], c["F"]), c["L"]),
+        w2=nrm(ks[5], (c["E"], c["F"], c["L"]), c["F"]),
+        norm=jnp.ones((c["L"],), jnp.float32),
+    )
+
+
+def _routed_layer(params, x, experts):
+    """Router → down-proj D→L → routed experts → RMSNorm → up-proj L→D (SPEC §4 LatentMoE)."""
+    s = jax.nn.sigmoid(x.astype(jnp.float32) @ params["w_router"])  # [T, E]
+    top_s, ids = jax.lax.top_k(s, LAYER["k"])
+    w = top_s / (top_s.sum(-1, keepdims=True) + 1e-20)
+    lat = x @ params["w_down"]  # [T, L]
+    y = experts(lat, ids, w, params["w1"], params["w3"], params["w2"]).astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-5) * params["norm"]
+    return y.astype(x.dtype) @ params["w_up"]
+
+
+def _experts_from_gmm(gmm):
+    """Routed experts built from an off-the-shelf grouped matmul with XLA gather/scatter-add."""
+
+    def experts(lat, ids, w, w1, w3, w2):
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tok = order // k
+        gs = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
+        xs = lat[tok]  # [T·k, L]
+        a = situ_glu(gmm(xs, w1, gs), gmm(xs, w3, gs)).astype(lat.dtype)
+        y = gmm(a, w2, gs).astype(jnp.float32) * w.reshape(-1)[order][:, None]
+        return jnp.zeros((t, lat.shape[1]), jnp.float32).at[tok].add(y).astype(lat.dtype)
+
+    return experts
+
+
+def bench_layer(results, impls):
+    c = LAYER
+    params = _layer_params(jax.random.PRNGKey(7))
+    x = jax.random.normal(jax.random.PRNGKey(8), (c["T"], c["D"]), jnp.bfloat16)
+    cot = jax.random.normal(jax.random.PRNGKey(9), (c["T"], c["D"]), jnp.bfloat16)
+    variants = {"ours": functools.partial(moe_ffn, implementation="pallas")}
+    variants.update({f"{n}_xla_gather": _experts_from_gmm(f) for n, f in impls.items() if n != "lax.ragged_dot"})
+    row = dict(config=c)
+    ref = None
+    for name, experts in variants.items():
+        try:
+            fwd = jax.jit(lambda p, x: _routed_layer(p, x, experts))
+            train = jax.jit(lambda p, x, g: jax.vjp(lambda p, x: _routed_layer(p, x, experts), p, x)[1](g))
+            out = fwd(params, x)
+            ref = out if ref is None else ref
+            row[name] = dict(
+                rel_vs_ours=rel(out.astype(jnp.float32), ref.astype(jnp.float32)),
+                fwd_ms=timeit(fwd, params, x),
+                train_ms=timeit(train, params, x, cot),
+            )
+        except Exception as ex:  # noqa: BLE001
+            row[name] = dict(error=repr(ex)[:500])
+            traceback.print_exc()
+        print("layer", name, row[name])
+    results["layer"] = row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_moe.json")
+    ap.add_argument("--skip-tune", action="store_true")
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    results = dict(device=str(dev.device_kind), jax=jax.__version__, checks={}, tuning=[], gmm=[], layer={})
+    save = lambda: json.dump(results, open(args.out, "w"), indent=1)
+    check_ours(results)
+    check_moe_ffn(results)
+    save()
+    if not args.skip_tune:
+        tune(results, *GMM_SHAPES[0])
+        save()
+    results["gmm_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
+    impls = peers()
+    for shape in GMM_SHAPES:
+        bench_gmm(results, shape, impls)
+        save()
+    bench_layer(results, impls)
+    save()
+    print_table(results)
+
+
+def print_table(results):
+    print(f"\n{results['device']} jax {results['jax']}  tiling {results.get('gmm_tiling')}")
+    for row in results["gmm"]:
+        s = row["shape"]
+        ceil = row.get("dense_einsum", {})
+        print(f"M={s['M']} E={s['E']} K={s['K']} N={s['N']}")
+        for name, r in row.items():
+            if not isinstance(r, dict) or "fwd_ms" not in r:
+                if isinstance(r, dict) and "error" in r:
+                    print(f"  {name:16s} ERROR {r['error'][:120]}")
+                continue
+            frac = ""
+            if "fwd_ms" in ceil:
+                frac = f" ceil× fwd {ceil['fwd_ms'] / r['fwd_ms']:.2f} train {ceil['train_ms'] / r['train_ms']:.2f}"
+            print(f"  {name:16s} fwd {r['fwd_ms']:8.2f} ms ({r['fwd_tflops']:5.0f} TF/s)  fwd+bwd {r['train_ms']:8.2f} ms{frac}")
+    for name, r in results["layer"].items():
+        if isinstance(r, dict) and "fwd_ms" in r:
+            print(f"layer {name:22s} fwd {r['fwd_ms']:8.2f} ms  fwd+bwd {r['train_ms']:8.2f} ms  rel {r['rel_vs_ours']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
