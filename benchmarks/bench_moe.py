@@ -145,7 +145,6 @@ def tune(results, m, e, k, n):
     gs = random_group_sizes(key, m, e)
     configs = [
         kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, grid_tile_width=16),
         kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
         kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
     ]
