@@ -30,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe.schedule import tile_schedule
+
 _COMPUTE_WGS = 2
 _DETECT_RACES = False
 
@@ -82,25 +84,8 @@ def _interpret_arg(interpret: bool):
 
 
 def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
-    """Work tiles of ``gmm``: int32 ``[4, cdiv(m, tile_m) + E]`` rows = (group, row block,
-    first row inside the block, row count); group ``E`` = zero tail, ``-1`` = no work."""
-    e = group_sizes.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    total = ends[-1]
-    starts = jnp.concatenate([ends - group_sizes, total[None]])
-    ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
-    first = starts // tile_m
-    counts = jnp.where(ends > starts, (ends - 1) // tile_m - first + 1, 0)
-    bounds = jnp.cumsum(counts)
-    n_tiles = pl.cdiv(m, tile_m) + e
-    i = jnp.arange(n_tiles, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(bounds, i, side="right"), e).astype(jnp.int32)
-    block = first[grp] + i - (bounds[grp] - counts[grp])
-    lo = jnp.maximum(starts[grp] - block * tile_m, 0)
-    hi = jnp.minimum(ends[grp] - block * tile_m, tile_m)
-    active = i < bounds[-1]
-    grp = jnp.where(active, grp, -1)
-    return jnp.stack([grp, block, lo, jnp.where(active, hi - lo, 0)]).astype(jnp.int32)
+    """Work tiles of ``gmm`` (see ``schedule.tile_schedule``); group ``E`` is the zero tail."""
+    return tile_schedule(group_sizes, m, tile_m, tail=True, empty_tiles=False)
 
 
 def _zeros_wgmma(shape, dtype):
@@ -173,9 +158,8 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
         @plgpu.nd_loop((n_work * grid_n,), collective_axes="sm")
         def _tiles(info):
             wi, ni = plgpu.planar_snake(info.index[0], (n_work, grid_n), 1, cfg.grid_tile_width)
-            grp, block, lo, count = meta[0, wi], meta[1, wi], meta[2, wi], meta[3, wi]
+            grp, block, lo, count, g = (meta[r, wi] for r in range(5))
             is_tail = grp == rhs_gmem.shape[0]
-            g = jnp.minimum(grp, rhs_gmem.shape[0] - 1)
             wg_n = pl.ds(wg * tn, tn)
 
             def compute_context(run):

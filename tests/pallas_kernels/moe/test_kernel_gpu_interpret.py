@@ -81,7 +81,7 @@ def test_tile_schedule_covers_every_row_once():
     m, tm = 230, 64
     meta = np.asarray(kernel_gpu.m_tile_schedule(gs, m, tm))
     owner = np.full(m, -2)
-    for grp, block, lo, count in meta.T:
+    for grp, block, lo, count, _ in meta.T:
         if grp < 0:
             assert count == 0
             continue

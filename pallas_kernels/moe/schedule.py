@@ -1,0 +1,49 @@
+"""Work-tile schedules shared by the grouped-matmul kernels (computed in XLA, read by kernels).
+
+Rows are sorted by group; a row block of ``tile_m`` rows that straddles group boundaries is
+visited once per group owning a row of it, so every (group, block) pair is one work tile.
+The schedule has a static length (an upper bound); tiles past the real count are inactive.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# rows of the schedule array
+GROUP, BLOCK, LO, COUNT, INDEX_GROUP = range(5)
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, *, tail: bool, empty_tiles: bool) -> jax.Array:
+    """int32 ``[5, W]``: per work tile (group, row block, first row inside the block, row
+    count, group to index weights with).
+
+    ``tail``: rows past ``sum(group_sizes)`` form a pseudo-group ``E`` (the forward stores
+    zeros there). ``empty_tiles``: an empty group still gets one tile with no rows (the
+    weight gradient must write its zeros). Inactive tiles have group ``-1``, no rows, and
+    repeat the last active tile's block and index group, so a kernel that keeps an output
+    block resident while its index is unchanged never writes elsewhere.
+    """
+    e = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    if tail:
+        starts = jnp.concatenate([starts, ends[-1:]])
+        ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
+    num_blocks = pl.cdiv(m, tile_m)
+    first = jnp.minimum(starts // tile_m, num_blocks - 1)
+    nonempty = ends > starts
+    counts = jnp.where(nonempty, (ends - 1) // tile_m - first + 1, 1 if empty_tiles else 0)
+    bound = num_blocks + e + (e if empty_tiles else 0)
+    cum = jnp.cumsum(counts)
+    i = jnp.arange(bound, dtype=jnp.int32)
+    active = i < cum[-1]
+    last = jnp.maximum(cum[-1] - 1, 0)
+    j = jnp.where(active, i, last)
+    grp = jnp.minimum(jnp.searchsorted(cum, j, side="right"), starts.shape[0] - 1).astype(jnp.int32)
+    block = first[grp] + j - (cum[grp] - counts[grp])
+    lo = jnp.clip(starts[grp] - block * tile_m, 0, tile_m)
+    hi = jnp.clip(ends[grp] - block * tile_m, 0, tile_m)
+    count = jnp.where(active & nonempty[grp], hi - lo, 0)
+    return jnp.stack(
+        [jnp.where(active, grp, -1), block, lo, count, jnp.minimum(grp, e - 1)]
+    ).astype(jnp.int32)
