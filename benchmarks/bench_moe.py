@@ -151,16 +151,17 @@ def tune(results, m, e, k, n):
     best = None
     for cfg in configs:
         try:
-            ms = timeit(jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg)), lhs, rhs, gs, reps=10)
+            ms = timeit(jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg)), lhs, rhs, gs, reps=5, warmup=2)
         except Exception as ex:  # noqa: BLE001 (a config over the shared-memory budget)
             ms = None
             print("tiling", cfg, "failed:", repr(ex)[:300])
-        results["tuning"].append(dict(tiling=dataclasses.asdict(cfg), fwd_ms=ms))
+        results["tuning"].append(dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg), fwd_ms=ms))
         print("tiling", cfg, ms)
         if ms is not None and (best is None or ms < best[1]):
             best = (cfg, ms)
     if best is not None:
         kernel_gpu.GMM_TILING = best[0]
+    return best
 
 
 def bench_gmm(results, shape, impls):
@@ -283,21 +284,25 @@ def main():
     check_ours(results)
     check_moe_ffn(results)
     save()
-    if not args.skip_tune:
-        tune(results, *GMM_SHAPES[0])
-        save()
-    results["gmm_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
     impls = peers()
+    tilings = {}
     for shape in GMM_SHAPES:
+        if not args.skip_tune:
+            tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
+        tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
         bench_gmm(results, shape, impls)
         save()
+    results["gmm_tiling"] = tilings
+    if not args.skip_tune:
+        tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
+    results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
     bench_layer(results, impls)
     save()
     print_table(results)
 
 
 def print_table(results):
-    print(f"\n{results['device']} jax {results['jax']}  tiling {results.get('gmm_tiling')}")
+    print(f"\n{results['device']} jax {results['jax']}")
     for row in results["gmm"]:
         s = row["shape"]
         ceil = row.get("dense_einsum", {})
