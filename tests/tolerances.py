@@ -12,6 +12,10 @@ BF16_FWD_RTOL = 5e-3
 BF16_GRAD_RTOL = 1e-2
 # Golden Kimi-Linear (PyTorch float32 vs ours float32).
 KIMI_LINEAR_RTOL = 1e-4
+# Golden float32 runs (full-precision matmuls) against a reference's own float32 outputs: at most this
+# many times that reference's float32-vs-float64 gap (both float32 runs sit about one gap from the
+# exact result, so they differ by up to ~2 gaps).
+F32_GOLDEN_GAP_FACTOR = 3.0
 
 
 def rel_rmse(a, b) -> float:
