@@ -73,8 +73,9 @@ class ParallelConfig:
 
     @property
     def token_axes(self) -> tuple[str, ...]:
-        """Every mesh axis that carries distinct tokens: psum token statistics over these."""
-        return tuple(a for a in self.batch_axes + self.length_axes if self.axis_size(a) > 1)
+        """Every mesh axis that carries distinct tokens (batch, then length): psum token statistics
+        over these inside ``shard_map`` bodies whose in_specs come from the same rules."""
+        return self.batch_axes + self.length_axes
 
     def spec(self, *logical: str | None) -> PartitionSpec:
         return spec(self.rules, *logical)

@@ -74,7 +74,11 @@ def _entering_state(M, N, first, last, axis: str):
     return jnp.stack(entering)[lax.axis_index(axis)]
 
 
-def _kda_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, implementation):
+def _kda_body(q, k, v, g, beta, seg, *, axis, shards, scale, chunk_size, implementation):
+    run = functools.partial(chunk_kda, q, k, v, g, beta, scale=scale, segment_ids=seg,
+                            chunk_size=chunk_size, implementation=implementation)
+    if shards == 1:  # rows whole on this device: no state crosses devices
+        return run()[0]
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt = jnp.promote_types(jnp.result_type(k, v, g, beta), jnp.float32)
@@ -83,9 +87,7 @@ def _kda_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, implementation)
     v_ext = jnp.concatenate([jnp.zeros((B, T, H, K), v.dtype), v], axis=-1)  # [0 | v]
     MN = chunk_kda_state(k, v_ext, g, beta, initial_state=start, segment_ids=seg, chunk_size=chunk_size)
     S0 = _entering_state(MN[..., :K], MN[..., K:], seg[:, 0], seg[:, -1], axis)
-    o, _ = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=seg,
-                     chunk_size=chunk_size, implementation=implementation)
-    return o
+    return run(initial_state=S0)[0]
 
 
 def chunk_kda_cp(
@@ -104,12 +106,13 @@ def chunk_kda_cp(
     """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis."""
     ctx = _require_ctx(ctx, "chunk_kda_cp")
     B, T, H, K = q.shape
-    _check_length("chunk_kda_cp", T, ctx, chunk_size)
+    # Shards must hold whole chunks, so each shard's chunking equals the unsplit one's.
+    _check_length("chunk_kda_cp", T, ctx, chunk_size if ctx.sequence_parallel else 1)
     _check_batch("chunk_kda_cp", B, ctx)
     scale = K**-0.5 if scale is None else float(scale)
     head = ctx.spec("batch", "length", "heads", "head_dim")
-    body = functools.partial(_kda_body, axis=ctx.sequence_axis, scale=scale, chunk_size=chunk_size,
-                             implementation=implementation)
+    body = functools.partial(_kda_body, axis=ctx.sequence_axis, shards=ctx.sequence_size, scale=scale,
+                             chunk_size=chunk_size, implementation=implementation)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=head,
                        in_specs=(head, head, head, head, ctx.spec("batch", "length", "heads"),
                                  ctx.spec("batch", "length")))
@@ -118,6 +121,8 @@ def chunk_kda_cp(
 
 def _conv_body(x, weight, seg, *, axis, shards):
     W = weight.shape[1]
+    if shards == 1 or W == 1:
+        return causal_conv1d(x, weight, segment_ids=seg)[0]
     # The last W-1 inputs of this shard's last document (zeros where an earlier one).
     _, tail = causal_conv1d(x[:, -(W - 1):], weight, segment_ids=seg[:, -(W - 1):])
     to_next = [(r, r + 1) for r in range(shards - 1)]
@@ -147,8 +152,6 @@ def causal_conv1d_cp(
     _check_batch("causal_conv1d_cp", B, ctx)
     if W > 1 and T // ctx.sequence_size < W - 1:
         raise ValueError(f"causal_conv1d_cp: each shard's T={T // ctx.sequence_size} must be >= W-1={W - 1}")
-    if W == 1:
-        return causal_conv1d(x, weight, segment_ids=segment_ids)[0]
     act = ctx.spec("batch", "length", "heads")
     body = functools.partial(_conv_body, axis=ctx.sequence_axis, shards=ctx.sequence_size)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=act,

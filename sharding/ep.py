@@ -106,7 +106,7 @@ def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, rese
     lead = x.shape[:-1]
     x, ids, weights = x.reshape(-1, x.shape[-1]), ids.reshape(-1, ids.shape[-1]), weights.reshape(-1, ids.shape[-1])
     n, k = ids.shape
-    tok_axes = ctx.batch_axes + ctx.length_axes
+    tok_axes = ctx.token_axes
     shards = math.prod(ctx.axis_size(a) for a in tok_axes)
     paths = dict(axis=axis, act=act, gmm=gmm)
     gather = functools.partial(_gather_path, **paths)
