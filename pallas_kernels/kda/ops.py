@@ -12,6 +12,7 @@ same arguments that returns a Python bool at trace time.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import Literal
@@ -68,12 +69,42 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids) -> None:
             raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
 
 
-def _tpu_chunk_kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _tpu_kernel_with_reference_vjp(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret):
     from pallas_kernels.kda import kernel_tpu
 
-    return kernel_tpu.chunk_kda_tpu(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        segment_ids=segment_ids, chunk_size=chunk_size, interpret=interpret,
+    return kernel_tpu.chunk_kda_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=segment_ids,
+        chunk_size=chunk_size, interpret=interpret,
+    )
+
+
+def _tpu_fwd(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret):
+    out = _tpu_kernel_with_reference_vjp(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret)
+    return out, (q, k, v, g, beta, s0, segment_ids)
+
+
+def _tpu_bwd(scale, chunk_size, interpret, residuals, cotangents):
+    """No TPU backward kernel yet: differentiate the XLA chunked reference (same math, fp32)."""
+    *diff_args, segment_ids = residuals
+    reference = lambda q, k, v, g, beta, s0: chunk_kda_reference(
+        q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=segment_ids, chunk_size=chunk_size
+    )
+    _, vjp = jax.vjp(reference, *diff_args)
+    return (*vjp(cotangents), None)
+
+
+_tpu_kernel_with_reference_vjp.defvjp(_tpu_fwd, _tpu_bwd)
+
+
+def _tpu_chunk_kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, interpret):
+    B, T, H, K = q.shape
+    if initial_state is None:
+        initial_state = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+    if segment_ids is None:
+        segment_ids = jnp.zeros((B, T), jnp.int32)
+    return _tpu_kernel_with_reference_vjp(
+        q, k, v, g, beta, initial_state, segment_ids, scale, chunk_size, interpret
     )
 
 
