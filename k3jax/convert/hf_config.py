@@ -97,6 +97,18 @@ def _mla_layers_from(f: _Fields, num_layers: int) -> tuple[int, ...] | None:
     return None if mla == hybrid_mla_layers(num_layers) else mla
 
 
+def _check_quantization(f: _Fields) -> None:
+    """Only the release's MXFP4 experts (compressed-tensors, group 32) are decoded on load."""
+    q = f.opt(None, "quantization_config")
+    if q is None:
+        return
+    fmt = q.get("format")
+    groups = [g.get("weights", {}).get("group_size") for g in q.get("config_groups", {}).values()]
+    if fmt != "mxfp4-pack-quantized" or any(g != 32 for g in groups):
+        raise ValueError(f"{f.where}.quantization_config format={fmt!r}, group sizes {groups} must be "
+                         "'mxfp4-pack-quantized' with group_size 32 (the K3 release format)")
+
+
 def _first_dense(f: _Fields, num_layers: int) -> int:
     """Dense layers lead the stack: ``first_k_dense_replace``, checked against transformers' ``mlp_layer_types``."""
     first = f.opt(1, "first_k_dense_replace")
@@ -138,6 +150,7 @@ def _text_config(d: dict, where: str) -> ModelConfig:
                latent=f.opt(None, "routed_expert_hidden_size"), latent_norm=bool(f.opt(False, "latent_moe_use_norm")),
                renorm=f.opt(True, "moe_renormalize", "norm_topk_prob"),
                groups=("num_expert_group", "n_group"), router_fn="moe_router_activation_func")
+    _check_quantization(f)
     eps = f.need("rms_norm_eps")
     block = f.opt(None, "attn_res_block_size")
     return ModelConfig(

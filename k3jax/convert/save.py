@@ -60,17 +60,36 @@ def _hf_dtype(entry: Entry, leaf, dtype) -> np.dtype:
     return np.dtype(np.float32) if entry.hf_f32 else np.dtype(dtype)
 
 
+class _HostLeaf:
+    """A leaf copied to host memory when first needed and dropped after its last use, so the writer
+    holds one layer's tensors at a time (keys are written in sorted order, a layer's keys together)."""
+
+    def __init__(self, leaf, uses: int):
+        self.leaf, self.uses, self.value = leaf, uses, None
+
+    def get(self) -> np.ndarray:
+        if self.value is None:
+            self.value = np.asarray(jax.device_get(self.leaf))
+        value = self.value
+        self.uses -= 1
+        if self.uses == 0:
+            self.value = None
+        return value
+
+
 def _pending(entry: Entry, leaf, dtype, use_mxfp4: bool) -> list[tuple[str, PendingTensor]]:
     layout = LAYOUTS[entry.layout]
     out_dtype = _hf_dtype(entry, leaf, dtype)
     if not entry.is_experts:
-        make = lambda: layout.to_hf(np.asarray(leaf)).astype(out_dtype)  # noqa: E731
+        host = _HostLeaf(leaf, 1)
+        make = lambda: layout.to_hf(host.get()).astype(out_dtype)  # noqa: E731
         return [(entry.hf, PendingTensor(entry.hf_shape, out_dtype, make))]
     rows, cols = entry.hf_shape
+    host = _HostLeaf(leaf, entry.shape[0])
     items = []
     for e in range(entry.shape[0]):
         key = entry.expert_key(e)
-        matrix = lambda e=e: layout.to_hf(np.asarray(leaf[e]))  # noqa: E731
+        matrix = lambda e=e: layout.to_hf(host.get()[e])  # noqa: E731
         if not use_mxfp4:
             items.append((key, PendingTensor(entry.hf_shape, out_dtype, lambda m=matrix: m().astype(out_dtype))))
             continue
@@ -141,7 +160,7 @@ def save_hf(cfg: ModelConfig, variables: dict, path: str, *, dtype: Any = None, 
     for entry in table:
         leaf = _get(variables[entry.collection], entry.path, entry.collection)
         _check_leaf(entry, leaf)
-        tensors += _pending(entry, jax.device_get(leaf), dtype, mxfp4 and entry.is_experts)
+        tensors += _pending(entry, leaf, dtype, mxfp4 and entry.is_experts)
     os.makedirs(path, exist_ok=True)
     write_folder(path, tensors, max_shard_bytes=max_shard_bytes)
     embed = variables["params"]["embed"]["embedding"]

@@ -83,6 +83,7 @@ def _mutate(d, path, value):
     (("text_config", "num_key_value_heads"), 2, "num_key_value_heads"),
     (("text_config", "attn_res_block_size"), KeyError, "attn_res_block_size is required"),
     (("k3jax_overrides",), {"kda.nope": 1}, "k3jax_overrides key 'kda.nope'"),
+    (("text_config", "quantization_config"), {"format": "nvfp4-pack-quantized"}, "quantization_config format"),
 ])
 def test_errors_name_the_field(path, value, match):
     with pytest.raises(ValueError, match=match):
