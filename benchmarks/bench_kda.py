@@ -52,8 +52,7 @@ def make_inputs(seed, B, T, H, D):
 
 
 def median_ms(fn, arg_sets, iters, sync):
-    for a in arg_sets:  # warm-up: compile / autotune on every input set
-        sync(fn(*a))
+    for a in arg_sets:  # warm-up: compile / autotune, and touch every input set once
         sync(fn(*a))
     times = []
     for i in range(iters):
@@ -126,7 +125,7 @@ def torch_sync(_):
     torch.cuda.synchronize()
 
 
-def breakdown(shape, iters):
+def breakdown(shape, iters, block_vs=""):
     """Where our time goes at one shape: XLA prep vs the scan kernels, and the V block."""
     from pallas_kernels.kda import kernel_gpu, kernel_gpu_intra
 
@@ -144,7 +143,7 @@ def breakdown(shape, iters):
 
     res = {"prep_fwd": median_ms(jax.jit(prep), [(q, k, v, g, b)], iters, jax_sync),
            "prep_fwdbwd": median_ms(prep_fb, [(q, k, v, g, b)], iters, jax_sync)}
-    for bv in (32, 64):
+    for bv in [int(x) for x in block_vs.split(",") if x]:
         def run(q, k, v, g, b, bv=bv):
             return kernel_gpu.chunk_kda_pallas(q, k, v, g, b, scale=scale, block_v=bv)[0]
 
@@ -262,7 +261,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
     parser.add_argument("--peers", default="ours,jla,fla")
-    parser.add_argument("--breakdown", action="store_true", help="also time prep vs scan and V blocks")
+    parser.add_argument("--breakdown", action="store_true", help="also time the XLA prep alone")
+    parser.add_argument("--breakdown-block-v", default="", help="V blocks to time in the breakdown, e.g. 32,64")
     args = parser.parse_args()
     factories = {"ours": ours, "jla": jla, "fla": fla}
     impls = {}
@@ -280,12 +280,6 @@ def main():
     report["check"] = check_against_reference(impls)
     report["matmul_tflops"] = ceiling = matmul_ceiling_tflops()
     print(f"matmul ceiling {ceiling:.0f} TFLOP/s", flush=True)
-    if args.breakdown:
-        try:
-            report["breakdown"] = breakdown(SHAPES[0], args.iters)
-        except Exception as err:
-            report["breakdown"] = {"error": f"{type(err).__name__}: {err}"[:600]}
-            traceback.print_exc()
     for shape in [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]:
         report["results"][",".join(map(str, shape))] = time_shape(impls, shape, args.iters)
         with open(args.out, "w") as f:
@@ -295,6 +289,12 @@ def main():
         print("decode", report["decode"])
     except Exception as err:
         report["decode"] = {"error": f"{type(err).__name__}: {err}"[:600]}
+    if args.breakdown:
+        try:
+            report["breakdown"] = breakdown(SHAPES[0], args.iters, args.breakdown_block_v)
+        except Exception as err:
+            report["breakdown"] = {"error": f"{type(err).__name__}: {err}"[:600]}
+            traceback.print_exc()
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(report["results"], ceiling)
