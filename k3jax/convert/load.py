@@ -115,6 +115,7 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
         cfg = dataclasses.replace(cfg, dtype=dtype)
     if param_dtype is not None:
         cfg = dataclasses.replace(cfg, param_dtype=param_dtype)
+    _check_dtype("dtype", cfg.dtype)
     _check_dtype("param_dtype", cfg.param_dtype)
     reader = SafetensorsReader(path)
     table = [_resolve(entry, reader) for entry in entries(cfg)]
