@@ -116,11 +116,12 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh as ``((axis, size), …)``; empty: single device, no sharding. Axis names and the
-    rule table (``rules``) are interpreted by ``sharding/``."""
+    """Device mesh as ``((axis, size), …)`` over ``sharding.AXES`` (data, fsdp, expert, sequence,
+    tensor); empty: single device, no sharding. ``rules``: a table of ``sharding.STRATEGIES``, or
+    None for the one that fits the mesh (``sharding.rules_for_mesh``)."""
 
     axes: tuple[tuple[str, int], ...] = ()
-    rules: str = "fsdp"
+    rules: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "axes", tuple((str(n), int(s)) for n, s in self.axes))

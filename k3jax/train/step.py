@@ -120,7 +120,7 @@ class Trainer:
             return contextlib.nullcontext()
         import sharding
 
-        return sharding.use_mesh(self.mesh)
+        return sharding.use_mesh(self.mesh, self.shardings["rules"])
 
     # ---------------------------------------------------------------- loss
     def loss(self, params, balance, batch, denom, mtp_denoms):

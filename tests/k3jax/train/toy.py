@@ -44,3 +44,27 @@ def boxed_params(key=0):
     boxed = [nn.LogicallyPartitioned(0.1 * jax.random.normal(k, s, jnp.float32), names)
              for k, (s, names) in zip(keys, leaves)]
     return jax.tree.unflatten(treedef, boxed)
+
+
+def micro_train_config(**changes):
+    """A two-layer K3-shaped model (KDA + dense, MLA + MoE, Block AttnRes) and a short recall task."""
+    import dataclasses
+
+    from k3jax.config import tiny
+    from k3jax.train.config import DataConfig, RecallConfig, ScheduleConfig, TrainConfig
+
+    model = dataclasses.replace(tiny(), num_layers=2, vocab_size=64)
+    base = TrainConfig(model=model, batch_size=4, seq_len=32, steps=20, log_every=5,
+                       schedule=ScheduleConfig(warmup_fraction=0.1),
+                       data=DataConfig(source="recall", recall=RecallConfig(num_pairs=6, num_queries=6,
+                                                                            num_keys=24, num_values=24)))
+    return dataclasses.replace(base, **changes)
+
+
+def use_compilation_cache(path="/tmp/k3jax_test_jax_cache"):
+    """Share compiled steps between the processes of one test (same executable, same bits)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,1 @@
+"""Training: per-head Muon + AdamW, QK-Clip, MTP, Quantile Balancing, orbax checkpoints, the CLI."""
