@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe.schedule import tile_schedule
+from pallas_kernels.moe.schedule import aligned_tile_schedule, tile_schedule
 
 _COMPUTE_WGS = 2
 _DETECT_RACES = False
@@ -49,6 +49,7 @@ class GpuTiling:
     tile_k: int = 64
     stages: int = 3
     grid_tile_width: int = 8
+    aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -123,6 +124,7 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
 
     def pipeline(body, compute_context, block=0):
+        # aligned tiles pass a per-tile lhs view of tm rows and block 0
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k // tk,),
@@ -159,6 +161,8 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
         def _tiles(info):
             wi, ni = plgpu.planar_snake(info.index[0], (n_work, grid_n), 1, cfg.grid_tile_width)
             grp, block, lo, count, g = (meta[r, wi] for r in range(5))
+            # aligned: BLOCK holds the tile's first row (a multiple of 8)
+            row0 = pl.multiple_of(block, 8) if cfg.aligned else block * tm
             is_tail = grp == rhs_gmem.shape[0]
             wg_n = pl.ds(wg * tn, tn)
 
@@ -178,7 +182,7 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
 
                     plgpu.commit_smem()
                     _store_rows(
-                        o_smem.at[wg], out_gmem, block * tm, lo, count,
+                        o_smem.at[wg], out_gmem, row0, lo, count,
                         pl.ds(ni * cta_n + wg * tn, tn), min(tm, m),
                     )
 
@@ -196,7 +200,10 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
 
             @pl.when(grp >= 0)
             def _():
-                pipeline(mma, compute_context, block)(lhs_gmem, b_view, allocations=allocs)
+                if cfg.aligned:
+                    pipeline(mma, compute_context)(lhs_gmem.at[pl.ds(row0, tm)], b_view, allocations=allocs)
+                else:
+                    pipeline(mma, compute_context, block)(lhs_gmem, b_view, allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -208,11 +215,17 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     cfg = tiling or GMM_TILING
     if k % cfg.tile_k or n % cfg.cta_n():
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
-    meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
-    body = functools.partial(_gmm_body, cfg=cfg, m=m, k=k, n=n, transpose_rhs=transpose_rhs)
-    return plgpu.kernel(
+    m_run = m
+    if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
+        m_run = max(cfg.tile_m, m + (-m % 8))
+        lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0))) if m_run != m else lhs
+        meta = aligned_tile_schedule(group_sizes, m_run, cfg.tile_m)
+    else:
+        meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
+    body = functools.partial(_gmm_body, cfg=cfg, m=m_run, k=k, n=n, transpose_rhs=transpose_rhs)
+    out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((m_run, n), lhs.dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
         num_threads=_COMPUTE_WGS + 1,
@@ -221,6 +234,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         interpret=_interpret_arg(interpret),
         kernel_name="moe_gmm_transposed" if transpose_rhs else "moe_gmm",
     )(meta, lhs, rhs)
+    return out[:m] if m_run != m else out
 
 
 def _group_rows(group_sizes: jax.Array, tile_m: int) -> jax.Array:

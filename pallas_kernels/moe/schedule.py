@@ -47,3 +47,32 @@ def tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, *, tail: bool, em
     return jnp.stack(
         [jnp.where(active, grp, -1), block, lo, count, jnp.minimum(grp, e - 1)]
     ).astype(jnp.int32)
+
+
+def aligned_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, align: int = 8) -> jax.Array:
+    """Work tiles that start at their group's first row (rounded down to ``align``) instead of
+    at a multiple of ``tile_m``: a group of ``s`` rows takes ``ceil((s + start % align) / tile_m)``
+    tiles, about half the boundary waste of ``tile_schedule``. Same rows as ``tile_schedule``
+    with BLOCK replaced by the tile's first row (clamped to ``m - tile_m``, so no tile reads
+    past M; needs ``m >= tile_m`` and ``m % align == 0``). Rows past the groups form group E.
+    """
+    e = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = jnp.concatenate([ends - group_sizes, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
+    base = starts - starts % align
+    counts = jnp.where(ends > starts, pl.cdiv(ends - base, tile_m), 0)
+    bound = pl.cdiv(m + (e + 1) * (tile_m + align), tile_m)
+    cum = jnp.cumsum(counts)
+    i = jnp.arange(bound, dtype=jnp.int32)
+    active = i < cum[-1]
+    j = jnp.where(active, i, jnp.maximum(cum[-1] - 1, 0))
+    grp = jnp.minimum(jnp.searchsorted(cum, j, side="right"), e).astype(jnp.int32)
+    tile_start = base[grp] + (j - (cum[grp] - counts[grp])) * tile_m
+    row0 = jnp.minimum(tile_start, m - tile_m)
+    lo = jnp.maximum(starts[grp], tile_start) - row0
+    hi = jnp.minimum(ends[grp], tile_start + tile_m) - row0
+    count = jnp.where(active, jnp.maximum(hi - lo, 0), 0)
+    return jnp.stack(
+        [jnp.where(active, grp, -1), row0, lo, count, jnp.minimum(grp, e - 1)]
+    ).astype(jnp.int32)

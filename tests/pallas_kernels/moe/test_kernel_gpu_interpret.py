@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import grouped_matmul, kernel_gpu
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, schedule
 from pallas_kernels.moe.reference import grouped_matmul_dense
 from tests.pallas_kernels.moe.conftest import random_gmm_inputs
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
@@ -76,19 +76,25 @@ class TestGpuInterpret(GpuKernelCase):
     pass
 
 
-def test_tile_schedule_covers_every_row_once():
-    gs = jnp.asarray([50, 0, 90, 60, 0], jnp.int32)
-    m, tm = 230, 64
-    meta = np.asarray(kernel_gpu.m_tile_schedule(gs, m, tm))
+@pytest.mark.parametrize("aligned", [False, True])
+def test_tile_schedule_covers_every_row_once(aligned):
+    gs = jnp.asarray([50, 0, 90, 61, 0], jnp.int32)
+    m, tm = 232, 64
+    if aligned:
+        meta = np.asarray(schedule.aligned_tile_schedule(gs, m, tm))
+    else:
+        meta = np.asarray(schedule.tile_schedule(gs, m, tm, tail=True, empty_tiles=False))
     owner = np.full(m, -2)
     for grp, block, lo, count, _ in meta.T:
         if grp < 0:
             assert count == 0
             continue
-        rows = slice(block * tm + lo, block * tm + lo + count)
+        row0 = block if aligned else block * tm
+        assert 0 <= row0 and row0 + (tm if aligned else 0) <= m and (not aligned or row0 % 8 == 0)
+        rows = slice(row0 + lo, row0 + lo + count)
         assert np.all(owner[rows] == -2)
         owner[rows] = grp
-    want = np.concatenate([np.full(s, i) for i, s in enumerate(np.asarray(gs))] + [np.full(m - 200, 5)])
+    want = np.concatenate([np.full(s, i) for i, s in enumerate(np.asarray(gs))] + [np.full(m - 201, 5)])
     np.testing.assert_array_equal(owner, want)
 
 
