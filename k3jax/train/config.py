@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from k3jax.config import ModelConfig, tiny
+from k3jax.data.config import CopyConfig, TextConfig
 
 REMAT_POLICIES = ("none", "layer", "moe")
 SCHEDULES = ("cosine", "wsd")
@@ -91,12 +92,15 @@ class RecallConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """``source``: "recall" (synthetic MQAR, built in), "random" (uniform tokens, for benchmarks), or a
-    source of ``k3jax.data`` ("text", …) reading ``path``."""
+    source of ``k3jax.data``: "copy" (synthetic), "text" (local files at ``path``), "stdlib" (the
+    interpreter's standard library); ``copy`` and ``text`` hold their options."""
 
     source: str = "recall"
     path: str | None = None
     seed: int = 0
     recall: RecallConfig = RecallConfig()
+    copy: CopyConfig = CopyConfig()
+    text: TextConfig = TextConfig()
 
 
 @dataclasses.dataclass(frozen=True)
