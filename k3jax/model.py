@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
 from k3jax.layers.block import DecoderLayer
-from k3jax.layers.linear import proj
+from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
 
 REMAT = ("none", "layer", "moe")
@@ -68,8 +68,9 @@ class Transformer(nn.Module):
         self.layers = [layer_cls(cfg, i, remat_moe=self.remat == "moe") for i in range(cfg.num_layers)]
         self.final_norm = norm(cfg, None)
         self.out_res = attn_res(cfg, None) if cfg.attn_res is not None else None
-        self.head = proj(cfg, "BTD,DV->BTV", (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), None,
-                         out_dtype=cfg.fp32_dtype)
+        if not cfg.tie_embeddings:
+            self.head = proj(cfg, "BTD,DV->BTV", (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), None,
+                             out_dtype=cfg.fp32_dtype)
 
     def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
                  return_hidden: bool = False):
@@ -85,5 +86,13 @@ class Transformer(nn.Module):
         for layer in self.layers:
             stream = layer(stream, segment_ids)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
-        logits = self.head(self.final_norm(hidden))  # [B, T, V]
+        logits = self.logits(self.final_norm(hidden))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
+
+    def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """The output head (untied in every Kimi release; tied: the embedding transposed), fp32."""
+        cfg = self.cfg
+        if not cfg.tie_embeddings:
+            return self.head(h)
+        table = self.embed.embedding.astype(cfg.compute_dtype)
+        return einsum("BTD,VD->BTV", h.astype(cfg.compute_dtype), table, preferred_element_type=cfg.fp32_dtype)

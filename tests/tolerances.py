@@ -10,6 +10,8 @@ F32_RTOL = 1e-5
 # Kernels with bf16 inputs against fp32 references.
 BF16_FWD_RTOL = 5e-3
 BF16_GRAD_RTOL = 1e-2
+# A whole model in bf16 compute against the same weights in float32 (logits; tiny() at T=4096 measured 1.7e-2).
+BF16_MODEL_RTOL = 5e-2
 # Golden Kimi-Linear (PyTorch float32 vs ours float32).
 KIMI_LINEAR_RTOL = 1e-4
 # Golden float32 runs (full-precision matmuls) against a reference's own float32 outputs: at most this

@@ -23,8 +23,10 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import param, proj, wide_param_dtype
-from k3jax.layers.norm import l2_normalize, rms_norm
+from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda
+from sharding import current as parallel_context
+from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 
 # fla's l2norm_fwd: eps inside the square root.
 QK_L2_EPS = 1e-6
@@ -60,8 +62,11 @@ class KDA(nn.Module):
         W, (B, T, H, K) = c.conv_size, x.shape
         w = param(self, name, _conv_init, (W, H, K), ("conv", "heads", "head_dim"), wide_param_dtype(self.cfg))
         w = w.reshape(W, H * K).T  # [C, W]
-        y, _ = causal_conv1d(x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype),
-                             segment_ids=segment_ids)
+        xf, wf = x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype)
+        if parallel_context() is None:
+            y, _ = causal_conv1d(xf, wf, segment_ids=segment_ids)
+        else:  # the previous sequence shard's last W-1 inputs come by ppermute (sharding/cp.py)
+            y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
     def _log_decay(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
@@ -94,9 +99,14 @@ class KDA(nn.Module):
         beta = jax.nn.sigmoid(beta.astype(cfg.fp32_dtype))  # [B, T, H]
         g = self._log_decay(x)  # [B, T, H, K]
         dt = cfg.compute_dtype
-        o, _ = chunk_kda(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale=K ** -0.5,
-                         segment_ids=segment_ids, implementation=c.implementation, chunk_size=c.chunk_size)
-        o_norm = param(self, "o_norm", nn.initializers.ones, (K,), ("head_dim",), wide_param_dtype(cfg))
+        kda_args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta)
+        kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.implementation,
+                          chunk_size=c.chunk_size)
+        if parallel_context() is None:
+            o, _ = chunk_kda(*kda_args, **kda_kwargs)
+        else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
+            o = chunk_kda_cp(*kda_args, **kda_kwargs)
+        o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
         gate = jax.nn.sigmoid(self._output_gate(x).astype(cfg.fp32_dtype))
-        o = (rms_norm(o, o_norm, cfg.rms_norm_eps, cfg.fp32_dtype) * gate).astype(dt)  # [B, T, H, K]
+        o = (o * gate).astype(dt)  # [B, T, H, K]
         return proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)

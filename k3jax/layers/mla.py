@@ -24,6 +24,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
+from sharding import current as parallel_context
+from sharding.cp import mla_attention_cp
 
 # Query rows per attention block when T is long: bounds the [B,H,C,T] logits in memory.
 QUERY_BLOCK = 512
@@ -76,13 +78,23 @@ class MLA(nn.Module):
         return proj(cfg, "BTR,RHK->BTHK", (R, H, Dq), ("q_lora", "heads", "head_dim"), "q_b")(c)
 
     def _keys_values(self, x):
+        """The normalised latent ``c [B,T,Rkv]``, the shared rope key ``[B,T,dr]`` and the ``kv_b``
+        projection that expands ``c`` into per-head ``[k_nope, v]``."""
         cfg, m = self.cfg, self.cfg.mla
         D, H, R, dn, dv = cfg.hidden, m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
         ckr = proj(cfg, "BTD,DR->BTR", (D, R + m.qk_rope_head_dim), ("embed", "kv_lora"), "kv_a")(x)
         c, k_rope = ckr[..., :R], ckr[..., R:]  # [B, T, Rkv], [B, T, dr]
         c = norm(cfg, "kv_norm", eps=m.lora_norm_eps, axis="kv_lora")(c)
-        kv = proj(cfg, "BTR,RHK->BTHK", (R, H, dn + dv), ("kv_lora", "heads", "head_dim"), "kv_b")(c)
-        return kv[..., :dn], k_rope, kv[..., dn:]  # [B,T,H,dn], [B,T,dr], [B,T,H,dv]
+        kv_b = proj(cfg, "BTR,RHK->BTHK", (R, H, dn + dv), ("kv_lora", "heads", "head_dim"), "kv_b")
+        return c, k_rope, kv_b
+
+    def _attend_cp(self, q, c, k_rope, kv_b, segment_ids, scale):
+        """Sequence-parallel attention: shards all-gather only ``[c, k_rope]`` (sharding/cp.py)."""
+        kv_b(c[:, :0])  # creates or binds the kernel; each shard expands the gathered latent itself
+        kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(self.cfg.compute_dtype)
+        return mla_attention_cp(q, c.astype(self.cfg.compute_dtype), k_rope[:, :, 0], kernel, scale=scale,
+                                nope_dim=self.cfg.mla.qk_nope_head_dim, segment_ids=segment_ids,
+                                attend=causal_attention)
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
@@ -90,7 +102,7 @@ class MLA(nn.Module):
         B, T, D = x.shape
         H, dn, dv, wide = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, cfg.fp32_dtype
         q = self._query(x).astype(wide)  # [B, T, H, dn+dr]
-        k_nope, k_rope, v = self._keys_values(x)
+        c, k_rope, kv_b = self._keys_values(x)
         k_rope = k_rope.astype(wide)[:, :, None, :]  # [B, T, 1, dr]
         q_nope, q_rope = q[..., :dn], q[..., dn:]
         if m.rope is not None:
@@ -98,9 +110,15 @@ class MLA(nn.Module):
             q_rope = rope_lib.apply_rope(q_rope, positions, m.rope, wide)
             k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
         scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
-        o, max_logit = causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
+        ctx = parallel_context()
+        if ctx is not None and ctx.sequence_parallel:
+            o, max_logit = self._attend_cp(q, c, k_rope, kv_b, segment_ids, scale)
+        else:
+            kv = kv_b(c)
+            k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
+            k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
+            o, max_logit = causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
         if not self.is_initializing():
             self.sow("stats", "max_logit", max_logit)
         if m.output_gate:

@@ -24,6 +24,8 @@ from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
 from pallas_kernels.moe import moe_ffn
+from sharding import current as parallel_context
+from sharding.ep import moe_ffn_ep
 
 # Guards the renormalisation of the top-k weights against an all-zero row (the references' value).
 RENORM_EPS = 1e-20
@@ -66,9 +68,16 @@ class MoE(nn.Module):
         w3 = param(self, "w3", init, (E, L, F), ("experts", "latent", "expert_mlp"), cfg.param_dtype)
         w2 = param(self, "w2", init, (E, F, L), ("experts", "expert_mlp", "latent"), cfg.param_dtype)
         dt = cfg.compute_dtype
-        return moe_ffn(u.astype(dt), ids, weights, w1.astype(dt), w3.astype(dt), w2.astype(dt),
-                       activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
-                       situ_linear_beta=cfg.mlp.situ_linear_beta, implementation=m.implementation)
+        args = (u.astype(dt), ids, weights, w1.astype(dt), w3.astype(dt), w2.astype(dt))
+        kwargs = dict(activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
+                      situ_linear_beta=cfg.mlp.situ_linear_beta, implementation=m.implementation)
+        if parallel_context() is None:
+            return moe_ffn(*args, **kwargs)
+        # On a mesh: experts sharded over the expert axis, tokens travel by all-to-all (sharding/ep.py).
+        y, ep_stats = moe_ffn_ep(*args, **kwargs)
+        for name, value in ep_stats.items():
+            self.sow("stats", name, value)
+        return y
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:

@@ -1,0 +1,155 @@
+"""The layers' math against direct numpy statements of SPEC §2-5, and per-family switches."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config
+from k3jax.layers import KDA, MLA, MoE, attn_res_mix, causal_attention, decay_gate, l2_normalize, rms_norm, route
+from k3jax.layers import mla as mla_lib
+from k3jax.layers import rope
+from k3jax.layers.attn_res import ResidualStream
+from tests.tolerances import F32_RTOL, rel_rmse
+
+RNG = np.random.default_rng(0)
+
+
+def test_rms_norm_and_l2_normalize():
+    x = RNG.normal(size=(3, 5, 8)).astype(np.float32) * 1e-3
+    w = RNG.uniform(0.5, 1.5, size=8).astype(np.float32)
+    want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6) * w
+    assert rel_rmse(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6, jnp.float32), want) <= F32_RTOL
+    want = x / np.sqrt(np.sum(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6)  # eps inside the sqrt
+    assert rel_rmse(l2_normalize(jnp.asarray(x), 1e-6), want) <= F32_RTOL
+
+
+def test_decay_gates():
+    z = jnp.asarray(RNG.normal(size=(1, 4, 2, 3)) * 3, jnp.float32)
+    a_log = jnp.asarray(np.log([1.5, 12.0]), jnp.float32)
+    rate = np.array([1.5, 12.0])[:, None]
+    bounded = np.asarray(decay_gate(z, a_log, -5.0))
+    assert np.all((bounded >= -5) & (bounded <= 0))  # open interval, closed by fp32 saturation
+    assert rel_rmse(bounded, -5.0 / (1 + np.exp(-rate * np.asarray(z)))) <= F32_RTOL
+    softplus = np.asarray(decay_gate(z, a_log, None))
+    assert rel_rmse(softplus, -rate * np.log1p(np.exp(np.asarray(z)))) <= F32_RTOL
+
+
+def test_route_uses_bias_for_selection_only():
+    scores = jax.nn.sigmoid(jnp.asarray(RNG.normal(size=(6, 8)), jnp.float32))
+    bias = jnp.zeros(8).at[7].set(10.0)  # expert 7 always chosen, whatever its score
+    ids, w = route(scores, bias, 3, renormalize=True, scaling=2.5)
+    s, ids = np.asarray(scores), np.asarray(ids)
+    assert np.all(ids[:, 0] == 7)
+    for t in range(6):
+        rest = np.argsort(-s[t, :7])[:2]
+        assert set(ids[t, 1:]) == set(rest)
+        chosen = s[t, ids[t]]
+        np.testing.assert_allclose(np.asarray(w[t]), 2.5 * chosen / (chosen.sum() + 1e-20), rtol=1e-6)
+
+
+def test_attn_res_mix_matches_formula():
+    n, d, eps = 3, 16, 1e-5
+    blocks = RNG.normal(size=(5, 2, 4, d)).astype(np.float32)  # buffer of 5, only 3 stored
+    partial = RNG.normal(size=(2, 4, d)).astype(np.float32)
+    direction = RNG.normal(size=d).astype(np.float32)
+    got = attn_res_mix(jnp.asarray(blocks), n, jnp.asarray(partial), jnp.asarray(direction), eps, jnp.float32)
+    src = np.concatenate([blocks[:n], partial[None]]).astype(np.float64)
+    keys = src / np.sqrt(np.mean(src ** 2, -1, keepdims=True) + eps)
+    logits = keys @ direction
+    p = np.exp(logits - logits.max(0)) / np.exp(logits - logits.max(0)).sum(0)
+    assert rel_rmse(got, np.einsum("nbt,nbtd->btd", p, src)) <= F32_RTOL
+
+
+def test_residual_stream_push():
+    s = ResidualStream.start(jnp.ones((1, 2, 4)), max_blocks=3)
+    s = s.push().add(2 * jnp.ones((1, 2, 4))).push()
+    assert s.count == 2 and float(s.partial.sum()) == 0
+    np.testing.assert_array_equal(np.asarray(s.blocks[:, 0, 0, 0]), [1, 2, 0])
+
+
+def test_query_blocked_attention_equals_full(monkeypatch):
+    b, t, h, k = 2, 16, 3, 8
+    q, kk, v = (jnp.asarray(RNG.normal(size=(b, t, h, k)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([[0] * 5 + [1] * 11, [0] * 16], jnp.int32)
+    mask = mla_lib.attention_mask(seg, b, t)
+    full, full_max = causal_attention(q, kk, v, mask, 0.3)
+    monkeypatch.setattr(mla_lib, "QUERY_BLOCK", 4)
+    blocked, blocked_max = causal_attention(q, kk, v, mask, 0.3)
+    assert rel_rmse(blocked, full) <= F32_RTOL
+    np.testing.assert_array_equal(np.asarray(blocked_max), np.asarray(full_max))
+
+
+def test_rope_is_relative_and_yarn_blends_frequencies():
+    cfg = config.RopeConfig(theta=50000.0, yarn_factor=32.0, yarn_original_max_position=4096)
+    inv = rope.inverse_frequencies(cfg, 64)
+    plain = 1.0 / 50000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(inv[:4], plain[:4])  # high frequencies extrapolate
+    np.testing.assert_allclose(inv[-4:], plain[-4:] / 32.0)  # low frequencies interpolate
+    q = jnp.asarray(RNG.normal(size=(1, 1, 64)), jnp.float32)
+    k = jnp.asarray(RNG.normal(size=(1, 1, 64)), jnp.float32)
+    dot = lambda m, n: float(jnp.sum(rope.apply_rope(q, jnp.full((1, 1), m), cfg, jnp.float32)
+                                     * rope.apply_rope(k, jnp.full((1, 1), n), cfg, jnp.float32)))
+    assert dot(7, 3) == pytest.approx(dot(107, 103), rel=1e-4)
+    assert rope.softmax_scale_factor(cfg) == pytest.approx((0.1 * np.log(32.0) + 1) ** 2)
+
+
+def _family(name: str) -> config.ModelConfig:
+    """tiny-sized variants of the other two families."""
+    base = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    if name == "kimi_linear":
+        return dataclasses.replace(
+            base, kda=dataclasses.replace(base.kda, gate_lower_bound=None, output_gate_rank=8),
+            mla=dataclasses.replace(base.mla, q_lora_rank=None, output_gate=False),
+            mlp=dataclasses.replace(base.mlp, activation="swiglu"),
+            moe=dataclasses.replace(base.moe, latent_dim=None, latent_norm=False, routed_scaling_factor=2.446),
+            attn_res=None)
+    return dataclasses.replace(
+        base, kda=None, mla=dataclasses.replace(base.mla, output_gate=False, rope=config.RopeConfig(yarn_factor=4.0)),
+        mlp=dataclasses.replace(base.mlp, activation="swiglu"),
+        moe=dataclasses.replace(base.moe, latent_dim=None, latent_norm=False), attn_res=None)
+
+
+def _layer_is_causal(module, x):
+    """Initialise ``module`` and check d y[:, t] / d x[:, >t] == 0 (and != 0 up to t), jitted."""
+    variables = jax.jit(module.init)(jax.random.key(0, impl="unsafe_rbg"), x)
+
+    @jax.jit
+    def grad_of_middle_token(x):
+        y, vjp = jax.vjp(lambda x: module.apply(variables, x, mutable=["stats"])[0], x)
+        return vjp(jnp.zeros_like(y).at[:, x.shape[1] // 2].set(1.0))[0]
+
+    g, t = np.asarray(grad_of_middle_token(x)), x.shape[1] // 2
+    return variables, bool(np.all(g[:, t + 1:] == 0) and np.abs(g[:, : t + 1]).max() > 0)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k2"])
+def test_family_mixers_are_causal_with_their_parameters(family):
+    cfg = _family(family)
+    x = jnp.asarray(RNG.normal(size=(1, 12, cfg.hidden)), jnp.float32)
+    mla_vars, causal = _layer_is_causal(MLA(cfg), x)
+    assert causal
+    mla = nn.meta.unbox(mla_vars["params"])
+    assert "g_proj" not in mla
+    if family == "kimi_k2":  # LoRA query, RoPE + YaRN on the rope slices
+        assert mla["q_b"]["kernel"].shape == (24, 4, 24)
+        return
+    assert "q_a" not in mla and mla["q_proj"]["kernel"].shape == (cfg.hidden, 4, 24)
+    kda_vars, causal = _layer_is_causal(KDA(cfg), x)  # softplus decay, low-rank output gate
+    assert causal
+    kda = nn.meta.unbox(kda_vars["params"])
+    assert kda["g_a"]["kernel"].shape == (cfg.hidden, 8) and "g_proj" not in kda
+
+
+def test_non_latent_moe_has_no_projections_and_scales_weights():
+    cfg = _family("kimi_linear")
+    x = jnp.asarray(RNG.normal(size=(1, 6, cfg.hidden)), jnp.float32)
+    variables = jax.jit(MoE(cfg).init)(jax.random.key(0, impl="unsafe_rbg"), x)
+    params = nn.meta.unbox(variables["params"])
+    assert "down_proj" not in params and "latent_norm" not in params
+    assert params["w1"].shape == (cfg.moe.num_experts, cfg.hidden, cfg.moe.expert_intermediate)
+    y, stats = jax.jit(lambda v, x: MoE(cfg).apply(v, x, mutable=["stats"]))(variables, x)
+    assert y.shape == x.shape and int(stats["stats"]["loads"][0].sum()) == 6 * cfg.moe.top_k
