@@ -107,7 +107,7 @@ def _kda(cfg: ModelConfig, p: str, lp: tuple[str, ...]) -> list[Entry]:
         Entry(f"{p}A_log", lp + ("A_log",), (H,), a_log, True, True),
         Entry(f"{p}dt_bias", lp + ("dt_bias",), (H, K), "hk", True, True),
         Entry(f"{p}b_proj.weight", lp + ("b_proj", "kernel"), (D, H), "T"),
-        Entry(f"{p}o_norm.weight", lp + ("o_norm",), (K,), "same", True, True),  # the model: kda/o_norm [K]
+        Entry(f"{p}o_norm.weight", lp + ("o_norm", "scale"), (K,), "same", True, True),  # docs/params.md: kda/o_norm/scale
         Entry(f"{p}o_proj.weight", lp + ("o_proj", "kernel"), (H, K, D), "hk_out"),
     ]
     if k.output_gate_rank is None:
