@@ -170,13 +170,13 @@ def _attend(q, k, v, mask, scale):
 
 def _mla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, attend):
     B, Tl, H, _ = q.shape
-    R = c.shape[-1]
-    latent = lax.all_gather(jnp.concatenate([c, k_rope.astype(c.dtype)], -1), axis, axis=1, tiled=True)
-    seg_all = lax.all_gather(seg, axis, axis=1, tiled=True)  # [B, T]
-    kv = jnp.einsum("BSR,RHK->BSHK", latent[..., :R], kv_b.astype(c.dtype))  # [B, T, H, dn+dv]
-    k_r = jnp.broadcast_to(latent[:, :, None, R:], kv.shape[:3] + (latent.shape[-1] - R,))
+    gather = functools.partial(lax.all_gather, axis_name=axis, axis=1, tiled=True)
+    c_all, k_r = gather(c), gather(k_rope)  # [B, T, R], [B, T, dr]: the only activations that move
+    seg_all = gather(seg)  # [B, T]
+    kv = jnp.einsum("BSR,RHK->BSHK", c_all, kv_b.astype(c.dtype))  # [B, T, H, dn+dv]
     wide = q.dtype
-    k = jnp.concatenate([kv[..., :nope_dim], k_r], axis=-1).astype(wide)
+    k_r = jnp.broadcast_to(k_r[:, :, None, :].astype(wide), kv.shape[:3] + k_r.shape[-1:])
+    k = jnp.concatenate([kv[..., :nope_dim].astype(wide), k_r], axis=-1)
     v = kv[..., nope_dim:].astype(wide)
     q_pos = lax.axis_index(axis) * Tl + jnp.arange(Tl)
     causal = q_pos[:, None] >= jnp.arange(seg_all.shape[1])[None]  # [Tl, T]

@@ -45,6 +45,27 @@ def _compare(mesh, args, **kw):
             "overflow": int(stats["ep_overflow"]), "dropped": int(stats["ep_dropped"])}
 
 
+def check_reductions(mesh):
+    """QB histogram pooled over every token axis == the single-device update; token_mean == mean."""
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax import balance
+    from sharding.reduce import quantile_bias_hist_sharded, token_mean
+
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    scores = jax.nn.sigmoid(jax.random.normal(keys[0], (N, E)))
+    bias = 0.1 * jax.random.normal(keys[1], (E,))
+    kw = dict(num_bins=64, margin_range=(-1.0, 1.0))
+    ref = balance.quantile_bias_hist(scores, bias, K_TOP, **kw)
+    with use_mesh(mesh) as ctx:
+        got = jax.jit(lambda s, b: quantile_bias_hist_sharded(s, b, K_TOP, **kw))(scores, bias)
+        mean = jax.jit(jax.shard_map(lambda s: token_mean(jnp.sum(s), jnp.float32(s.size)), mesh=mesh,
+                                     in_specs=P(ctx.token_axes, None), out_specs=P(), check_vma=False))(scores)
+    local = balance.quantile_bias_hist(scores[: N // 8], bias, K_TOP, **kw)  # one shard alone
+    return {"qb": rel_rmse(got, ref), "qb_local_differs": rel_rmse(local, ref) > 1e-3,
+            "mean": rel_rmse(mean, jnp.mean(scores))}
+
+
 def main():
     out = {}
     balanced, skewed = _inputs(0.0), _inputs(4.0)
@@ -60,6 +81,7 @@ def main():
         out["err_experts"] = value_error(lambda: moe_ffn_ep(bad[0], bad[1] % 12, bad[2], w1, w1, jnp.zeros((12, F, L))))
     with use_mesh(mesh):
         out["err_tokens"] = value_error(lambda: moe_ffn_ep(bad[0][:6], *[a[:6] for a in bad[1:3]], *bad[3:]))
+    out["reductions"] = check_reductions(make_mesh(data=2, expert=2, sequence=2))
     emit(out)
 
 

@@ -32,3 +32,9 @@ def test_skewed_router_overflows_and_stays_exact(results):
 def test_bad_input_names_sizes(results):
     assert "num_experts=12" in results["err_experts"] and "8" in results["err_experts"]
     assert "tokens=6" in results["err_tokens"] and "8" in results["err_tokens"]
+
+
+def test_qb_histogram_pooled_over_every_token_axis(results):
+    r = results["reductions"]
+    assert r["qb"] <= F32_RTOL and r["mean"] <= F32_RTOL, r
+    assert r["qb_local_differs"]  # one shard's histogram alone would give another bias

@@ -1,0 +1,146 @@
+"""Sharded train-step throughput: forward + backward of ``small()`` on 1 GPU vs a mesh.
+
+For every layout it builds the mesh, places the parameters by their logical names
+(``sharding.shard_params``), jits ``value_and_grad`` of a next-token cross entropy (computed in
+``--loss-chunk``-token chunks so the 163840-wide logits never exist for the whole sequence) and
+times ``--iters`` steps after ``--warmup``. Printed: tokens/s in total and per GPU, and per-GPU
+throughput relative to the 1-GPU run (1.0 = perfect scaling).
+
+Layouts (the tokens per step grow with the devices that split the batch):
+  1gpu            mesh of one device, B = 1
+  data_expert     data × expert over every device (experts split, tokens travel all-to-all)
+  sequence        sequence = 2, the rest data (KDA/MLA context parallel, T split in two)
+
+Run on the 2-GPU machine:
+  PYTHONPATH=$PWD python3 benchmarks/bench_sharding.py --seq-len 65536
+CPU smoke run (no timing value):
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=$PWD python3 \\
+      benchmarks/bench_sharding.py --preset tiny --seq-len 128 --iters 1 --warmup 1 --f32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import preset
+from k3jax.model import Transformer
+from sharding import logical_axes, make_mesh, shard_params, use_mesh
+
+
+def chunked_ce(hidden, params, cfg, labels, chunk: int):
+    """Mean next-token CE from the final-norm input, ``chunk`` tokens at a time (rematerialised)."""
+    B, T, D = hidden.shape
+    scale = params["final_norm"]["scale"]
+    head = params["head"]["kernel"]
+    chunk = min(chunk, T)
+
+    @jax.checkpoint
+    def one(args):
+        h, y = args  # [B, C, D], [B, C]
+        h = h.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps) * scale
+        logits = jnp.einsum("BCD,DV->BCV", h.astype(cfg.compute_dtype), head.astype(cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+        return jnp.sum(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[..., None], -1)[..., 0])
+
+    n = T // chunk
+    hs = jnp.moveaxis(hidden.reshape(B, n, chunk, D), 1, 0)
+    ys = jnp.moveaxis(labels.reshape(B, n, chunk), 1, 0)
+    return jnp.sum(jax.lax.map(one, (hs, ys))) / (B * T)
+
+
+def make_step(model, cfg, chunk):
+    def loss_fn(params, variables, tokens, labels):
+        _, hidden = model.apply({**variables, "params": params}, tokens, return_hidden=True,
+                                mutable=["stats"])[0]
+        return chunked_ce(hidden, params, cfg, labels, chunk)
+
+    @jax.jit
+    def step(variables, tokens, labels):
+        return jax.value_and_grad(loss_fn)(variables["params"], variables, tokens, labels)
+
+    return step
+
+
+def run_layout(name, mesh_axes, devices, model, cfg, boxed, variables, args):
+    mesh = make_mesh(**mesh_axes, devices=devices)
+    batch_split = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    B, T = args.batch * batch_split, args.seq_len
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
+    labels = jnp.roll(tokens, -1, axis=1)
+    placed = shard_params(variables, logical_axes(boxed), mesh)
+    with use_mesh(mesh) as ctx:
+        tokens = jax.device_put(tokens, ctx.sharding("batch", "length"))
+        labels = jax.device_put(labels, ctx.sharding("batch", "length"))
+        step = make_step(model, cfg, args.loss_chunk)
+        start = time.perf_counter()
+        loss, grads = step(placed, tokens, labels)
+        jax.block_until_ready(grads)
+        compile_s = time.perf_counter() - start
+        for _ in range(args.warmup - 1):
+            jax.block_until_ready(step(placed, tokens, labels))
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            loss, grads = step(placed, tokens, labels)
+        jax.block_until_ready(grads)
+        seconds = (time.perf_counter() - start) / args.iters
+    n = len(devices)
+    tps = B * T / seconds
+    print(f"{name:12s} mesh={dict(mesh.shape)} B={B} T={T} loss={float(loss):.4f} "
+          f"step={seconds * 1e3:.1f} ms  tokens/s={tps:,.0f}  per GPU={tps / n:,.0f}  "
+          f"(first call {compile_s:.1f} s)", flush=True)
+    return tps / n
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--batch", type=int, default=1, help="rows per batch-splitting device")
+    parser.add_argument("--loss-chunk", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--remat", default="layer", choices=["none", "layer", "moe"])
+    parser.add_argument("--f32", action="store_true", help="float32 compute (CPU smoke runs)")
+    parser.add_argument("--layouts", default="1gpu,data_expert,sequence")
+    args = parser.parse_args()
+
+    cfg = preset(args.preset)
+    if args.f32:
+        cfg = dataclasses.replace(cfg, dtype=jnp.float32)
+    model = Transformer(cfg, remat=args.remat)
+    devices = jax.devices()
+    n = len(devices)
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 128), jnp.int32))
+    variables = jax.jit(lambda k: nn.unbox(model.init(k, jnp.zeros((1, 128), jnp.int32))))(jax.random.PRNGKey(0))
+    print(f"{args.preset}: {n} x {devices[0].device_kind}, T={args.seq_len}, remat={args.remat}", flush=True)
+    layouts = {
+        "1gpu": (dict(data=1), devices[:1]),
+        "data_expert": (dict(data=-1, expert=min(n, 2) if n > 1 else 1), devices),
+        "sequence": (dict(data=-1, sequence=2), devices),
+    }
+    base = None
+    for name in args.layouts.split(","):
+        axes, devs = layouts[name]
+        if name == "sequence" and n % 2:
+            print("sequence: needs an even number of devices; skipped")
+            continue
+        try:
+            per_gpu = run_layout(name, axes, devs, model, cfg, boxed, variables, args)
+        except Exception as err:  # an out-of-memory layout should not hide the others
+            print(f"{name:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}", flush=True)
+            continue
+        if name == "1gpu":
+            base = per_gpu
+        elif base:
+            print(f"{'':12s} per-GPU throughput vs 1 GPU: {per_gpu / base:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

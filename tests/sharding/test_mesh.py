@@ -1,0 +1,68 @@
+"""Mesh sizes, rule tables and the parallel context (one process, no fake devices needed)."""
+
+import flax.linen as nn
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from sharding import AXES, DATA, EXPERT, SEQUENCE, TENSOR, current, make_mesh, rules_for_mesh, use_mesh
+from sharding.mesh import resolve_axis_sizes
+
+
+def _abstract(**sizes):
+    shape = tuple(sizes.get(a, 1) for a in AXES)
+    return AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def test_rest_axis_fills_the_devices():
+    assert resolve_axis_sizes(dict(data=-1, expert=2, sequence=2), 8) == dict(data=2, expert=2, sequence=2)
+
+
+@pytest.mark.parametrize("sizes, devices, needle", [
+    (dict(data=3, expert=2), 8, "multiply to 6 but there are 8 devices"),
+    (dict(data=-1, expert=3), 8, "multiply to 3, which does not divide the 8 devices"),
+    (dict(data=-1, expert=-1), 8, "at most one mesh axis may be -1"),
+    (dict(data=0), 8, "must be positive"),
+])
+def test_bad_sizes_name_the_sizes(sizes, devices, needle):
+    with pytest.raises(ValueError, match=needle):
+        resolve_axis_sizes(sizes, devices)
+
+
+def test_make_mesh_on_one_device():
+    mesh = make_mesh(data=-1, devices=jax.devices()[:1])
+    assert mesh.axis_names == AXES and mesh.devices.size == 1
+    with pytest.raises(ValueError, match="expert"):
+        make_mesh(data=1, expert=2, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("sizes, rules", [
+    (dict(data=8), DATA), (dict(data=2, fsdp=4), DATA), (dict(data=2, expert=4), EXPERT),
+    (dict(data=2, expert=2, sequence=2), SEQUENCE), (dict(sequence=4, tensor=2), TENSOR),
+])
+def test_smallest_table_covering_the_mesh(sizes, rules):
+    assert rules_for_mesh(_abstract(**sizes)) == rules
+
+
+def test_params_and_activations_share_one_table():
+    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, TENSOR)
+    # Activations: batch takes fsdp first, so the hidden axis stays whole.
+    assert to_mesh("batch", "length", "embed") == PartitionSpec(("data", "fsdp", "expert"), "sequence", None)
+    assert to_mesh("batch", "length", "heads", "head_dim") == PartitionSpec(
+        ("data", "fsdp", "expert"), "sequence", "tensor", None)
+    # Parameters (docs/params.md names): ZeRO-3 on embed, experts whole per expert rank.
+    assert to_mesh("embed", "heads", "head_dim") == PartitionSpec("fsdp", "tensor", None)
+    assert to_mesh("experts", "latent", "expert_mlp") == PartitionSpec("expert", "fsdp", "tensor")
+    assert to_mesh("vocab", "embed") == PartitionSpec("tensor", "fsdp")
+
+
+def test_context_is_scoped():
+    mesh = make_mesh(devices=jax.devices()[:1])
+    assert current() is None
+    with use_mesh(mesh, ep_reserve=0.5) as ctx:
+        assert current() is ctx and ctx.ep_reserve == 0.5 and not ctx.expert_parallel
+        assert nn.get_logical_axis_rules() == ctx.rules
+    assert current() is None
+    with pytest.raises(ValueError, match="ep_strategy"):
+        with use_mesh(mesh, ep_strategy="ring"):
+            pass
