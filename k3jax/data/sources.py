@@ -70,7 +70,8 @@ class JsonlReader:
         data = np.frombuffer(file.read_bytes(), np.uint8)
         starts = np.concatenate([[0], np.flatnonzero(data == ord("\n")) + 1])
         ends = np.concatenate([starts[1:], [len(data)]])
-        blank = np.array([not data[s:e].tobytes().strip() for s, e in zip(starts, ends)], bool)
+        visible = np.concatenate([[0], np.cumsum(~np.isin(data, np.frombuffer(b" \t\r\n\f\v", np.uint8)))])
+        blank = visible[ends] == visible[starts]
         rows = starts[~blank].astype(np.int64)
         if len(rows):
             self._parse(file, rows[0])  # a wrong field name fails here, before any compute
@@ -129,13 +130,16 @@ class Corpus:
 
     def __init__(self, files: list[Path], root: Path, fmt: str, *, text_field: str = "text",
                  split: str = "train", validation_fraction: float = 0.05):
+        if not files:
+            raise ValueError(f"files={files} must name at least one file")
         self.reader = READERS[fmt](files, text_field)
         file_of, rows, ordinal, hashes = [], [], [], []
         for i, file in enumerate(files):
             r = self.reader.rows(file)
             file_of.append(np.full(len(r), i, np.int32))
             rows.append(r)
-            # jsonl rows are byte offsets; the split hashes the ordinal so editing a line moves nothing else
+            # jsonl rows are byte offsets; the split hashes the line's ordinal, so editing one line's
+            # text moves no document between splits
             ordinal.append(np.arange(len(r), dtype=np.int64))
             hashes.append(np.full(len(r), _name_hash(file.relative_to(root).as_posix()), np.uint64))
         file_of, rows, ordinal, hashes = (np.concatenate(a) for a in (file_of, rows, ordinal, hashes))
