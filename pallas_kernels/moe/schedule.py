@@ -39,7 +39,10 @@ def tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, *, tail: bool, em
     active = i < cum[-1]
     last = jnp.maximum(cum[-1] - 1, 0)
     j = jnp.where(active, i, last)
-    grp = jnp.minimum(jnp.searchsorted(cum, j, side="right"), starts.shape[0] - 1).astype(jnp.int32)
+    # compare_all: one fused kernel; the default binary search is a while loop, whose
+    # predicate the GPU runtime reads back on the host every iteration
+    grp = jnp.searchsorted(cum, j, side="right", method="compare_all")
+    grp = jnp.minimum(grp, starts.shape[0] - 1).astype(jnp.int32)
     block = first[grp] + j - (cum[grp] - counts[grp])
     lo = jnp.clip(starts[grp] - block * tile_m, 0, tile_m)
     hi = jnp.clip(ends[grp] - block * tile_m, 0, tile_m)
@@ -67,7 +70,10 @@ def aligned_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, align: in
     i = jnp.arange(bound, dtype=jnp.int32)
     active = i < cum[-1]
     j = jnp.where(active, i, jnp.maximum(cum[-1] - 1, 0))
-    grp = jnp.minimum(jnp.searchsorted(cum, j, side="right"), e).astype(jnp.int32)
+    # compare_all: one fused kernel; the default binary search is a while loop, whose
+    # predicate the GPU runtime reads back on the host every iteration
+    grp = jnp.searchsorted(cum, j, side="right", method="compare_all")
+    grp = jnp.minimum(grp, e).astype(jnp.int32)
     tile_start = base[grp] + (j - (cum[grp] - counts[grp])) * tile_m
     row0 = jnp.minimum(tile_start, m - tile_m)
     lo = jnp.maximum(starts[grp], tile_start) - row0

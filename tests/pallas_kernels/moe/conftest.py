@@ -7,12 +7,23 @@ from hypothesis import strategies as st
 
 
 def group_sizes_strategy(num_groups: int, m: int):
-    """Group sizes summing to at most ``m``: arbitrary splits, empty groups, all in one group."""
-    uneven = st.lists(st.integers(0, m), min_size=num_groups, max_size=num_groups).filter(
-        lambda s: sum(s) <= m
+    """Group sizes summing to at most ``m``: cut points of ``[0, total]`` (equal cuts give empty
+    groups), plus explicit all-rows-in-one-group cases."""
+
+    def cuts_to_sizes(total_and_cuts):
+        total, cuts = total_and_cuts
+        edges = np.concatenate([[0], np.sort(cuts), [total]])
+        return np.diff(edges).astype(np.int32)
+
+    uneven = st.integers(0, m).flatmap(
+        lambda total: st.tuples(
+            st.just(total), st.lists(st.integers(0, total), min_size=num_groups - 1, max_size=num_groups - 1)
+        )
+    ).map(cuts_to_sizes)
+    all_in_one = st.integers(0, num_groups - 1).map(
+        lambda i: np.asarray([m if j == i else 0 for j in range(num_groups)], np.int32)
     )
-    all_in_one = st.integers(0, num_groups - 1).map(lambda i: [m if j == i else 0 for j in range(num_groups)])
-    return st.one_of(all_in_one, uneven).map(lambda s: np.asarray(s, np.int32))
+    return st.one_of(all_in_one, uneven)
 
 
 def random_gmm_inputs(seed: int, m: int, k: int, n: int, e: int, dtype):
