@@ -153,6 +153,7 @@ def tune(results, m, e, k, n):
         kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, aligned=False),
         kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
         kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=2),
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
     ]
     best = None
     for cfg in configs:
