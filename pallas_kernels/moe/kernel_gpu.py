@@ -115,37 +115,51 @@ def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
     return rhs_gmem.at[0, cols] if transpose_rhs else rhs_gmem.at[0, :, cols]
 
 
-def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
-    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    cta_n = cfg.cta_n()
-    dtype = lhs_gmem.dtype
-    n_work = meta.shape[1]
-    grid_n = n // cta_n
+def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0):
+    """K-loop of one gmm tile; aligned tiles pass a per-tile lhs view and block 0."""
+    tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k // tk,),
+        memory_registers=40,
+        in_specs=[
+            # block-indexed over the whole lhs (unaligned mode): TMA zero-fills rows past M
+            plgpu.BlockSpec((tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype)),
+            plgpu.BlockSpec(
+                b_block,
+                (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                transforms=_swizzled(b_block[1], dtype),
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=_COMPUTE_WGS,
+        max_concurrent_steps=cfg.stages,
+        compute_context=compute_context,
+    )
 
-    def pipeline(body, compute_context, block=0):
-        # aligned tiles pass a per-tile lhs view of tm rows and block 0
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k // tk,),
-            memory_registers=40,
-            in_specs=[
-                # indexed by block over the whole lhs so TMA zero-fills a block past M
-                plgpu.BlockSpec(
-                    (tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype)
-                ),
-                plgpu.BlockSpec(
-                    b_block,
-                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                    transforms=_swizzled(b_block[1], dtype),
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=_COMPUTE_WGS,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
 
+def _gmm_epilogue(acc, o_smem, out_gmem, is_tail, row0, lo, count, n_slice, max_rows):
+    """Stage one warpgroup's tile in SMEM (zeros for the tail group) and store its rows."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(is_tail)
+    def _():
+        o_smem[...] = _zeros_wgmma(o_smem.shape, out_gmem.dtype)
+
+    @pl.when(~is_tail)
+    def _():
+        o_smem[...] = acc[...].astype(out_gmem.dtype)
+
+    plgpu.commit_smem()
+    _store_rows(o_smem, out_gmem, row0, lo, count, n_slice, max_rows)
+
+
+def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
+    tm, tn = cfg.tile_m, cfg.tile_n
+    cta_n = cfg.cta_n()
+    n_work, grid_n = meta.shape[1], n // cta_n
+    pipeline = functools.partial(_gmm_pipeline, cfg, k, lhs_gmem.dtype, transpose_rhs)
     ignore = lambda *_, **__: None
 
     @functools.partial(
@@ -163,28 +177,15 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
             grp, block, lo, count, g = (meta[r, wi] for r in range(5))
             # aligned: BLOCK holds the tile's first row (a multiple of 8)
             row0 = pl.multiple_of(block, 8) if cfg.aligned else block * tm
-            is_tail = grp == rhs_gmem.shape[0]
             wg_n = pl.ds(wg * tn, tn)
 
             def compute_context(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc):
                     run(acc)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-                    @pl.when(is_tail)
-                    def _():
-                        o_smem[wg] = _zeros_wgmma((tm, tn), out_gmem.dtype)
-
-                    @pl.when(~is_tail)
-                    def _():
-                        o_smem[wg] = acc[...].astype(out_gmem.dtype)
-
-                    plgpu.commit_smem()
-                    _store_rows(
-                        o_smem.at[wg], out_gmem, row0, lo, count,
-                        pl.ds(ni * cta_n + wg * tn, tn), min(tm, m),
-                    )
+                    out_cols = pl.ds(ni * cta_n + wg * tn, tn)
+                    is_tail = grp == rhs_gmem.shape[0]
+                    _gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
 
             def mma(_, a_smem, b_smem, acc):
                 b = b_smem.at[wg_n].T if transpose_rhs else b_smem.at[:, wg_n]
@@ -253,33 +254,30 @@ def _mask_rows(ref, lo, hi):
     plgpu.commit_smem()
 
 
+def _tgmm_pipeline(cfg, dtype, body, compute_context, first=0, num_blocks=None):
+    """Row-block loop of one tgmm tile. The allocation-only call leaves ``num_blocks`` None:
+    a static grid of ``stages`` steps, so every slot gets allocated."""
+    tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(cfg.stages if num_blocks is None else num_blocks,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tm, tk), lambda i: (first + i, 0), transforms=_swizzled(tk, dtype)),
+            plgpu.BlockSpec((tm, cta_n), lambda i: (first + i, 0), transforms=_swizzled(cta_n, dtype)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=_COMPUTE_WGS,
+        max_concurrent_steps=cfg.stages,
+        compute_context=compute_context,
+    )
+
+
 def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k  # tm: contraction (rows), tk: out rows
     cta_n = cfg.cta_n()
-    dtype = lhs_gmem.dtype
-    e = out_gmem.shape[0]
     grid_k, grid_n = k // tk, n // cta_n
-
-    # the allocation-only call passes a static grid of `stages` steps so every slot exists
-    def pipeline(body, compute_context, first=0, num_blocks=cfg.stages):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(num_blocks,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (tm, tk), lambda i: (first + i, 0), transforms=_swizzled(tk, dtype)
-                ),
-                plgpu.BlockSpec(
-                    (tm, cta_n), lambda i: (first + i, 0), transforms=_swizzled(cta_n, dtype)
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=_COMPUTE_WGS,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
-
+    pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
     ignore = lambda *_, **__: None
     alloc_views = (lhs_gmem.at[:, pl.ds(0, tk)], dout_gmem.at[:, pl.ds(0, cta_n)])
 
@@ -292,7 +290,7 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
     def _scope(allocs, o_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((e, grid_k * grid_n), collective_axes="sm")
+        @plgpu.nd_loop((out_gmem.shape[0], grid_k * grid_n), collective_axes="sm")
         def _tiles(info):
             g = info.index[0]
             ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)
