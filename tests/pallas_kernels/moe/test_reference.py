@@ -1,5 +1,7 @@
 """The XLA path (sort + ragged_dot) against the dense one-hot oracles, plus input checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +79,7 @@ def test_permute_combine_gradients():
         rep = jnp.repeat(x, k, axis=0) * scale  # [T·k, D]
         return jnp.sum(jnp.sin(jnp.einsum("TkD,Tk->TD", rep.reshape(t, k, d), w)))
 
-    for a, b in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(naive, (0, 1))(x, w)):
+    for a, b in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.jit(jax.grad(naive, (0, 1)))(x, w)):
         assert rel_rmse(a, b) < 1e-6
 
 
@@ -86,9 +88,9 @@ def test_moe_ffn_xla_float64_matches_dense(activation):
     with jax.enable_x64(True):
         args = random_moe_inputs(8, 12, 8, 6, E, 2, jnp.float64)
         args = args[:2] + (args[2].astype(jnp.float64),) + args[3:]
-        out = moe_ffn(*args, activation=activation, implementation="xla")
+        out = jax.jit(functools.partial(moe_ffn, activation=activation, implementation="xla"))(*args)
         assert out.dtype == jnp.float64
-        assert rel_rmse(out, moe_ffn_dense(*args, activation=activation)) < F64_RTOL
+        assert rel_rmse(out, jax.jit(functools.partial(moe_ffn_dense, activation=activation))(*args)) < F64_RTOL
 
         def loss(fn):
             return lambda x, w, w1, w3, w2: jnp.sum(
@@ -97,8 +99,8 @@ def test_moe_ffn_xla_float64_matches_dense(activation):
 
         diff = (0, 1, 2, 3, 4)
         rest = (args[0],) + args[2:]
-        ga = jax.grad(loss(lambda *a, **kw: moe_ffn(*a, implementation="xla", **kw)), diff)(*rest)
-        gb = jax.grad(loss(moe_ffn_dense), diff)(*rest)
+        ga = jax.jit(jax.grad(loss(lambda *a, **kw: moe_ffn(*a, implementation="xla", **kw)), diff))(*rest)
+        gb = jax.jit(jax.grad(loss(moe_ffn_dense), diff))(*rest)
         for a, b in zip(ga, gb):
             assert a.dtype == jnp.float64
             assert rel_rmse(a, b) < F64_RTOL
@@ -106,9 +108,9 @@ def test_moe_ffn_xla_float64_matches_dense(activation):
 
 def test_moe_ffn_bf16_matches_dense():
     args = random_moe_inputs(9, 16, 16, 8, E, 3, jnp.bfloat16)
-    out = moe_ffn(*args, implementation="xla")
+    out = jax.jit(functools.partial(moe_ffn, implementation="xla"))(*args)
     assert out.dtype == jnp.bfloat16
-    ref = moe_ffn_dense(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args])
+    ref = jax.jit(moe_ffn_dense)(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args])
     print("bf16 moe_ffn rel_rmse", rel_rmse(out, ref))
     assert rel_rmse(out, ref) < BF16_FWD_RTOL
 
