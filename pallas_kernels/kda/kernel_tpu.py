@@ -95,7 +95,7 @@ def _intra_scores(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, sub: int):
     row_in_tile = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
 
     def column(j, carry):
-        a = pl.multiple_of((j // sub) * sub, sub)
+        a = pl.multiple_of(lax.div(j, sub) * sub, sub)  # j >= 0: no floor fix-up
         rows = pl.ds(a, sub)
         G_j = g_ref[0, 0, pl.ds(j, 1), :]  # [1,K]
         k_j = k_ref[0, 0, pl.ds(j, 1), :].astype(jnp.float32)
@@ -130,7 +130,7 @@ def _chunk_kernel(
     a_qk = jnp.where(same_doc & (row >= col), aqk_ref[...], 0.0) * scale
     a_kk = jnp.where(same_doc & (row > col), akk_ref[...], 0.0) * beta
 
-    same_tile = (row // sub) == (col // sub)
+    same_tile = lax.div(row, sub) == lax.div(col, sub)
     t_diag = _unit_lower_inverse(jnp.where(same_tile, a_kk, 0.0), steps=(sub - 1).bit_length())
     merge = _dot(t_diag, jnp.where(same_tile, 0.0, a_kk))  # strictly block-lower
     t_full = _dot(_unit_lower_inverse(merge, steps=max(1, (C // sub - 1).bit_length())), t_diag)

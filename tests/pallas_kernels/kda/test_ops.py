@@ -51,18 +51,18 @@ def test_dtypes_and_optional_state():
     args = _args()
     for name in ("q", "k", "v"):
         args[name] = args[name].astype(jnp.bfloat16)
-    o, state = chunk_kda(**args)
+    o, state = jax.jit(lambda a: chunk_kda(**a))(args)
     assert o.dtype == jnp.bfloat16 and state is None
-    o, state = chunk_kda(**args, output_final_state=True, implementation="xla")
+    o, state = jax.jit(lambda a: chunk_kda(**a, output_final_state=True, implementation="xla"))(args)
     assert state.dtype == jnp.float32 and state.shape == (B, H, K, V)
 
 
 def test_decode_steps_equal_recurrence(x64):
     q, k, v, g, beta, s0 = kda_inputs(1, B, 12, H, K, V)
-    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    o_ref, s_ref = jax.jit(lambda *a: naive_recurrent_kda(*a, initial_state=s0))(q, k, v, g, beta)
     step = jax.jit(recurrent_kda_step)
     outs, state, start = [], s0, 0
-    for n in (1, 1, 3, 1, 6):
+    for n in (1, 1, 3, 3, 1, 3):
         sl = slice(start, start + n)
         o, state = step(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
         outs.append(o)
@@ -72,7 +72,7 @@ def test_decode_steps_equal_recurrence(x64):
     assert rel_rmse(state, s_ref) <= F64_RTOL
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     shape=st.tuples(*(st.integers(1, n) for n in (2, 40, 3, 6, 6))),
     chunk=st.sampled_from([4, 8, 16]),
