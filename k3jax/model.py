@@ -7,6 +7,10 @@
    being Block AttnRes (K3) or the plain pre-norm residual (the others).
 3. Output mix (AttnRes only), final RMSNorm, untied head → fp32 logits ``[B, T, V]``.
 
+Decode: ``Transformer(cfg).apply(variables, tokens, caches, method=Transformer.decode)`` continues
+per-layer caches (``k3jax.infer.cache``; prefill is the same call on a fresh cache) and returns
+``(logits, new_caches)``; the cache-free ``__call__`` is the full forward.
+
 ``variables = {"params": …, "balance": …}`` (docs/params.md); run with ``mutable=["stats"]`` to
 collect router loads, QB histograms and MLA max logits. ``remat`` ("none" | "layer" | "moe") is a
 training choice, not part of the model config.
@@ -35,18 +39,24 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> None:
         raise ValueError(f"tokens must be a [B, T] integer array, got {getattr(tokens, 'shape', type(tokens))}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must have an integer dtype (int32), got {tokens.dtype}")
-    B, T = tokens.shape
-    if not 1 <= T <= cfg.max_position:
-        raise ValueError(f"tokens length T={T} must lie in [1, max_position={cfg.max_position}]")
     if not isinstance(tokens, jax.core.Tracer):
         ids = np.asarray(tokens)
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise ValueError(f"tokens must lie in [0, vocab_size={cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
-    if segment_ids is not None:
-        if getattr(segment_ids, "shape", None) != (B, T):
-            raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {getattr(segment_ids, 'shape', None)}")
-        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
+    _validate_positions(cfg, tokens.shape, segment_ids)
+
+
+def _validate_positions(cfg: ModelConfig, shape: tuple[int, ...], segment_ids) -> None:
+    B, T = shape
+    if not 1 <= T <= cfg.max_position:
+        raise ValueError(f"tokens length T={T} must lie in [1, max_position={cfg.max_position}]")
+    if segment_ids is None:
+        return
+    got = getattr(segment_ids, "shape", type(segment_ids))
+    if got != (B, T):
+        raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {got}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
 
 
 class Transformer(nn.Module):
@@ -82,12 +92,39 @@ class Transformer(nn.Module):
                         return_hidden: bool = False):
         """The model after the embedding lookup (causality tests differentiate through ``x``)."""
         cfg = self.cfg
+        if x.ndim != 3 or x.shape[-1] != cfg.hidden:
+            raise ValueError(f"x must have shape [B, T, D] with D = hidden = {cfg.hidden}, got {x.shape}")
+        _validate_positions(cfg, x.shape[:2], segment_ids)
         stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
         for layer in self.layers:
             stream = layer(stream, segment_ids)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
         logits = self.logits(self.final_norm(hidden))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
+
+    def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
+               return_hidden: bool = False):
+        """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
+
+        ``caches`` holds one mixer cache per layer. ``num_new`` (default T) is how many of each row's
+        tokens are real (a ragged prefill; the rest are padding that leaves the caches as if unseen).
+        With ``return_hidden`` the first result is ``(logits, hidden, blocks)``: the final-norm input
+        and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes).
+        """
+        cfg = self.cfg
+        validate_inputs(cfg, tokens, None)
+        if len(caches) != cfg.num_layers:
+            raise ValueError(f"caches must hold one cache per layer ({cfg.num_layers}), got {len(caches)}")
+        valid = None if num_new is None else jnp.arange(tokens.shape[1])[None] < num_new[:, None]  # [B, T]
+        stream = ResidualStream.start(self.embed(tokens).astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            stream, cache = layer(stream, cache=cache, valid=valid)
+            new_caches.append(cache)
+        hidden = stream.partial if self.out_res is None else self.out_res(stream)
+        logits = self.logits(self.final_norm(hidden))  # [B, T, V]
+        out = (logits, hidden, stream.blocks) if return_hidden else logits
+        return out, tuple(new_caches)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """The output head (untied in every Kimi release; tied: the embedding transposed), fp32."""

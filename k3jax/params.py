@@ -34,8 +34,8 @@ def _abstract_variables(cfg: ModelConfig):
 def _leaves(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, tuple[str, ...] | None]]:
     """``(path, size, logical axis names)`` of every parameter and balance leaf."""
     out = []
-    flat = jax.tree_util.tree_flatten_with_path(_abstract_variables(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
-    for path, leaf in flat:
+    is_boxed = lambda x: isinstance(x, nn.Partitioned)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(_abstract_variables(cfg), is_leaf=is_boxed)[0]:
         keys = tuple(str(getattr(p, "key", p)) for p in path)
         axes = leaf.names if isinstance(leaf, nn.Partitioned) else None
         value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf

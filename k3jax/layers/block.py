@@ -9,12 +9,15 @@ if index % S == 0: push         # partial -> blocks, partial = 0
 partial += Mixer(Norm1(h)) ; partial += FFN(Norm2(MIX_mlp(stream)))
 ```
 Without it, the plain pre-norm residual ``x += Mixer(Norm1(x)); x += FFN(Norm2(x))``.
+
+Decode: with a mixer ``cache`` the layer returns ``(stream, new_cache)``. The AttnRes block sums are
+per token, so a decoded token needs only its own stream, never the history of the others.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
@@ -42,18 +45,27 @@ class DecoderLayer(nn.Module):
         return moe_cls(cfg, name="moe")
 
     @nn.compact
-    def __call__(self, stream: ResidualStream, segment_ids: Int[Array, "B T"] | None = None) -> ResidualStream:
+    def __call__(self, stream: ResidualStream, segment_ids: Int[Array, "B T"] | None = None, *,
+                 cache=None, valid: Bool[Array, "B T"] | None = None):
         cfg = self.cfg
         mixer_cls, mixer_name = MIXERS[cfg.layer_kinds[self.index]]
         mixer = mixer_cls(cfg, name=mixer_name)
         ffn = self._ffn()
         attn_norm, mlp_norm = norm(cfg, "attn_norm"), norm(cfg, "mlp_norm")
+        if cache is None:
+            mix = lambda h: (mixer(h, segment_ids), None)
+        else:
+            mix = lambda h: mixer(h, cache=cache, valid=valid)
         if cfg.attn_res is None:
-            stream = stream.add(mixer(attn_norm(stream.partial), segment_ids))
-            return stream.add(ffn(mlp_norm(stream.partial)))
+            y, cache = mix(attn_norm(stream.partial))
+            stream = stream.add(y)
+            stream = stream.add(ffn(mlp_norm(stream.partial)))
+            return stream if cache is None else (stream, cache)
         h = attn_res(cfg, "attn_res")(stream)
         if self.index % cfg.attn_res.block_size == 0:
             stream = stream.push()
-        stream = stream.add(mixer(attn_norm(h), segment_ids))
+        y, cache = mix(attn_norm(h))
+        stream = stream.add(y)
         h = attn_res(cfg, "mlp_res")(stream)
-        return stream.add(ffn(mlp_norm(h)))
+        stream = stream.add(ffn(mlp_norm(h)))
+        return stream if cache is None else (stream, cache)

@@ -10,7 +10,11 @@ On pre-normed ``x [B,T,D]``:
 5. The gated delta rule, chunkwise (``pallas_kernels.kda.chunk_kda``), state reset per document.
 6. ``W_o (RMSNorm_head(o) ⊙ sigmoid(gate))`` with gate ``W_g x`` (K3) or ``W_gb W_ga x`` (low rank).
 
-The layer takes ``(x, segment_ids)``; a decode cache (state, conv tails) is a later argument.
+Decode (SPEC §2): with ``cache`` (any pytree with ``state [B,H,K,V]`` fp32 and ``conv [3,B,W-1,H·K]``,
+the last W-1 conv inputs of q, k, v; ``k3jax.infer.cache``) the layer continues the cached sequence
+and returns ``(y, new_cache)``. ``valid [B,T]`` marks the real new tokens of a ragged batch (a prefix
+of each row): the rest are made no-ops for the state (``β = 0``, ``g = 0``) and the conv tails end at
+each row's last real token.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
-from pallas_kernels.kda import causal_conv1d, chunk_kda
+from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
 from sharding import current as parallel_context
 from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 
@@ -32,7 +36,8 @@ from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 QK_L2_EPS = 1e-6
 
 
-def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"], lower_bound: float | None) -> Float[Array, "B T H K"]:
+def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"],
+               lower_bound: float | None) -> Float[Array, "B T H K"]:
     """Per-channel log decay ``g <= 0`` from the gate pre-activation ``z`` (in ``z``'s wide dtype)."""
     rate = jnp.exp(a_log.astype(z.dtype))[:, None]  # [H, 1]
     if lower_bound is None:
@@ -51,18 +56,29 @@ def _conv_init(key, shape, dtype):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def conv_tail(x: Float[Array, "B T C"], tail: Float[Array, "B Wm1 C"], num_new: Int[Array, "B"]) -> Float[Array, "B Wm1 C"]:
+    """The W-1 conv inputs ending at each row's token ``num_new - 1`` (continuing ``tail``)."""
+    ext = jnp.concatenate([tail, x.astype(tail.dtype)], axis=1)  # [B, W-1+T, C]
+    idx = num_new[:, None] + jnp.arange(tail.shape[1])[None]  # [B, W-1]
+    return jnp.take_along_axis(ext, idx[:, :, None], axis=1)
+
+
 class KDA(nn.Module):
     """One KDA token mixer; ``segment_ids`` resets the state and the conv history per document."""
 
     cfg: ModelConfig
 
-    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids) -> Float[Array, "B T H K"]:
-        """SiLU(causal depthwise conv) in the wide dtype; weights ``[W, H, K]``."""
+    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids, tail=None, num_new=None):
+        """SiLU(causal depthwise conv) in the wide dtype; weights ``[W, H, K]``. With a cached ``tail``
+        ``[B, W-1, H·K]`` returns ``(y, new_tail)``."""
         c = self.cfg.kda
         W, (B, T, H, K) = c.conv_size, x.shape
         w = param(self, name, _conv_init, (W, H, K), ("conv", "heads", "head_dim"), wide_param_dtype(self.cfg))
         w = w.reshape(W, H * K).T  # [C, W]
         xf, wf = x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype)
+        if tail is not None:
+            y, _ = causal_conv1d(xf, wf, initial_state=tail)
+            return jax.nn.silu(y).reshape(B, T, H, K), conv_tail(xf, tail, num_new)
         if parallel_context() is None:
             y, _ = causal_conv1d(xf, wf, segment_ids=segment_ids)
         else:  # the previous sequence shard's last W-1 inputs come by ppermute (sharding/cp.py)
@@ -88,13 +104,24 @@ class KDA(nn.Module):
         return proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("gate_rank", "heads", "head_dim"), "g_b")(r)
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
+                 cache=None, valid: Bool[Array, "B T"] | None = None):
         cfg, c = self.cfg, self.cfg.kda
-        D, H, K = cfg.hidden, c.num_heads, c.head_dim
+        B, T, D = x.shape
+        H, K = c.num_heads, c.head_dim
         head_proj = lambda name: proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), name)
-        q = l2_normalize(self._short_conv("q_conv", head_proj("q_proj")(x), segment_ids), QK_L2_EPS)
-        k = l2_normalize(self._short_conv("k_conv", head_proj("k_proj")(x), segment_ids), QK_L2_EPS)
-        v = self._short_conv("v_conv", head_proj("v_proj")(x), segment_ids)
+        if cache is None:
+            conv = lambda i, name, y: self._short_conv(name, y, segment_ids)
+        else:
+            num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
+            tails = []
+            def conv(i, name, y):
+                y, tail = self._short_conv(name, y, None, cache.conv[i], num_new)
+                tails.append(tail)
+                return y
+        q = l2_normalize(conv(0, "q_conv", head_proj("q_proj")(x)), QK_L2_EPS)
+        k = l2_normalize(conv(1, "k_conv", head_proj("k_proj")(x)), QK_L2_EPS)
+        v = conv(2, "v_conv", head_proj("v_proj")(x))
         beta = proj(cfg, "BTD,DH->BTH", (D, H), ("embed", "heads"), "b_proj")(x)
         beta = jax.nn.sigmoid(beta.astype(cfg.fp32_dtype))  # [B, T, H]
         g = self._log_decay(x)  # [B, T, H, K]
@@ -102,11 +129,29 @@ class KDA(nn.Module):
         kda_args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta)
         kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.implementation,
                           chunk_size=c.chunk_size)
-        if parallel_context() is None:
+        if cache is not None:
+            o, cache = self._continue(kda_args, cache, valid, jnp.stack(tails))
+        elif parallel_context() is None:
             o, _ = chunk_kda(*kda_args, **kda_kwargs)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs)
         o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
         gate = jax.nn.sigmoid(self._output_gate(x).astype(cfg.fp32_dtype))
         o = (o * gate).astype(dt)  # [B, T, H, K]
-        return proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
+        y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
+        return y if cache is None else (y, cache)
+
+    def _continue(self, kda_args, cache, valid, tails):
+        """The gated delta rule from the cached state; padding tokens leave the state unchanged."""
+        c = self.cfg.kda
+        q, k, v, g, beta = kda_args
+        if valid is not None:
+            g = jnp.where(valid[:, :, None, None], g, 0.0)
+            beta = jnp.where(valid[:, :, None], beta, 0.0)
+        scale = c.head_dim ** -0.5
+        if q.shape[1] < c.chunk_size:  # decode: a few tokens, the plain recurrence
+            o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
+        else:  # prefill: the chunked kernel from the cached state
+            o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=cache.state, output_final_state=True,
+                                 implementation=c.implementation, chunk_size=c.chunk_size)
+        return o, cache.replace(state=state.astype(cache.state.dtype), conv=tails.astype(cache.conv.dtype))

@@ -10,7 +10,10 @@ MLA: DeepSeek-V2 (arXiv:2405.04434) §2.1; output gate and NoPE: the K3 technica
 5. Optional output gate ``o ⊙ sigmoid(W_g x)`` per head·channel (K3), then ``W_o``.
 
 Sows ``max_logit [H]`` (the largest scaled pre-softmax logit per head) for QK-Clip.
-The layer takes ``(x, segment_ids)``: a decode cache (``c``, ``k_r`` per token) is a later argument.
+Decode (SPEC §3): with ``cache`` (any pytree with ``latent [B,Tmax,Rkv+dr]`` and ``lengths [B]``;
+``k3jax.infer.cache``) the layer writes its new ``[RMSNorm(c), k_r]`` rows at each sequence's
+length, attends over the compressed cache with ``W_kvb`` absorbed into the query and the output
+(the cache is never expanded per head), and returns ``(y, new_cache)``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from sharding.cp import mla_attention_cp
 
 # Query rows per attention block when T is long: bounds the [B,H,C,T] logits in memory.
 QUERY_BLOCK = 512
+# Cached keys per block of the decode attention (a longer cache must be a multiple of it).
+KEY_BLOCK = 2048
 
 
 def attention_mask(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Bool[Array, "B T S"]:
@@ -60,6 +65,47 @@ def causal_attention(q: Float[Array, "B T H K"], k: Float[Array, "B S H K"], v: 
     out, max_logit = jax.lax.map(lambda qm: _attend_block(qm[0], k, v, qm[1], scale), (blocks(q), blocks(mask)))
     out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
     return out, jnp.max(max_logit, axis=0)
+
+
+def _cached_block(q_c, q_r, latent, first, last, scale, R):
+    """Logits of the absorbed query against cache rows, masked to ``first <= s <= last[b, t]``."""
+    S = latent.shape[1]
+    logits = einsum("BTHR,BSR->BHTS", q_c, latent[..., :R].astype(q_c.dtype))
+    logits = logits + einsum("BTHK,BSK->BHTS", q_r, latent[..., R:].astype(q_r.dtype))
+    pos = first + jnp.arange(S)
+    return jnp.where((pos[None, None, :] <= last[:, :, None])[:, None], logits * scale, -jnp.inf)
+
+
+def cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], latent: Float[Array, "B S C"],
+                     last: Int[Array, "B T"], scale: float) -> Float[Array, "B T H R"]:
+    """Softmax attention of absorbed queries over the compressed cache, key position ``<= last``.
+
+    Returns the attention-weighted latent (``W_v`` is applied by the caller). Long caches go block
+    by block with an online softmax over only the blocks some query can see.
+    """
+    R, S = q_c.shape[-1], latent.shape[1]
+    if S <= KEY_BLOCK:
+        p = jax.nn.softmax(_cached_block(q_c, q_r, latent, 0, last, scale, R), axis=-1)
+        return einsum("BHTS,BSR->BTHR", p, latent[..., :R].astype(q_c.dtype))
+    if S % KEY_BLOCK:
+        raise ValueError(f"cache length {S} must be <= {KEY_BLOCK} or a multiple of it")
+
+    def body(i, carry):
+        m, l, acc = carry  # running max [B,H,T], normaliser [B,H,T], output [B,T,H,R]
+        rows = jax.lax.dynamic_slice_in_dim(latent, i * KEY_BLOCK, KEY_BLOCK, axis=1)
+        logits = _cached_block(q_c, q_r, rows, i * KEY_BLOCK, last, scale, R)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+        p = jnp.exp(logits - m_new[..., None])
+        fix = jnp.exp(m - m_new)
+        acc = acc * jnp.moveaxis(fix, 1, 2)[..., None] + einsum("BHTS,BSR->BTHR", p, rows[..., :R].astype(q_c.dtype))
+        return m_new, l * fix + jnp.sum(p, axis=-1), acc
+
+    B, T, H = q_c.shape[:3]
+    # Block 0 always holds a visible key (position 0), so the running max is finite from the start.
+    init = (jnp.full((B, H, T), -jnp.inf, q_c.dtype), jnp.zeros((B, H, T), q_c.dtype), jnp.zeros_like(q_c))
+    num_blocks = jnp.max(last) // KEY_BLOCK + 1
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    return acc / jnp.moveaxis(l, 1, 2)[..., None]
 
 
 class MLA(nn.Module):
@@ -96,8 +142,26 @@ class MLA(nn.Module):
                                 nope_dim=self.cfg.mla.qk_nope_head_dim, segment_ids=segment_ids,
                                 attend=causal_attention)
 
+    def _attend_cached(self, q, c, k_rope, kv_b, cache, scale):
+        """Absorbed decode attention (SPEC §3): write ``[c, k_r]`` at each row's length, then
+        ``q_nope W_k`` attends over the latent and ``W_v`` expands only the weighted latent."""
+        m, wide = self.cfg.mla, self.cfg.fp32_dtype
+        B, T = q.shape[:2]
+        dn = m.qk_nope_head_dim
+        latent = cache.latent
+        rows = jnp.concatenate([c, k_rope[:, :, 0]], axis=-1).astype(latent.dtype)  # [B, T, Rkv+dr]
+        pos = cache.lengths[:, None] + jnp.arange(T)[None]  # [B, T]
+        latent = latent.at[jnp.arange(B)[:, None], pos].set(rows, mode="drop")  # past Tmax: dropped
+        kv_b(c[:, :0])  # creates or binds the kernel
+        kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(wide)  # [Rkv, H, dn+dv]
+        q_c = einsum("BTHK,RHK->BTHR", q[..., :dn], kernel[..., :dn])  # W_k absorbed into the query
+        o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale)  # [B, T, H, Rkv]
+        o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
+        return o, cache.replace(latent=latent)
+
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
+                 cache=None, valid: Bool[Array, "B T"] | None = None):
         cfg, m = self.cfg, self.cfg.mla
         B, T, D = x.shape
         H, dn, dv, wide = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, cfg.fp32_dtype
@@ -106,23 +170,29 @@ class MLA(nn.Module):
         k_rope = k_rope.astype(wide)[:, :, None, :]  # [B, T, 1, dr]
         q_nope, q_rope = q[..., :dn], q[..., dn:]
         if m.rope is not None:
-            positions = jnp.arange(T)[None]  # RoPE is relative: within a document only differences matter
+            # RoPE is relative: within a document only differences matter
+            positions = jnp.arange(T)[None] if cache is None else cache.lengths[:, None] + jnp.arange(T)[None]
             q_rope = rope_lib.apply_rope(q_rope, positions, m.rope, wide)
             k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
         ctx = parallel_context()
-        if ctx is not None and ctx.sequence_parallel:
+        if cache is not None:
+            o, cache = self._attend_cached(q, c, k_rope, kv_b, cache, scale)
+            num_new = T if valid is None else jnp.sum(valid, axis=1, dtype=cache.lengths.dtype)
+            cache = cache.replace(lengths=cache.lengths + num_new)
+        elif ctx is not None and ctx.sequence_parallel:
             o, max_logit = self._attend_cp(q, c, k_rope, kv_b, segment_ids, scale)
         else:
             kv = kv_b(c)
             k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
             k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
             o, max_logit = causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
-        if not self.is_initializing():
+        if cache is None and not self.is_initializing():
             self.sow("stats", "max_logit", max_logit)
         if m.output_gate:
             gate = proj(cfg, "BTD,DHV->BTHV", (D, H, dv), ("embed", "heads", "head_dim"), "g_proj")(x)
             o = o * jax.nn.sigmoid(gate.astype(wide))
         o = o.astype(cfg.compute_dtype)  # [B, T, H, dv]
-        return proj(cfg, "BTHV,HVD->BTD", (H, dv, D), ("heads", "head_dim", "embed"), "o_proj")(o)
+        y = proj(cfg, "BTHV,HVD->BTD", (H, dv, D), ("heads", "head_dim", "embed"), "o_proj")(o)
+        return y if cache is None else (y, cache)
