@@ -1,13 +1,15 @@
 """Public KDA ops: ``chunk_kda`` (training / prefill) and ``recurrent_kda_step`` (decode).
 
 ``implementation`` picks the path: ``"xla"`` is :func:`chunk_kda_reference` (always available,
-exact for any gate and dtype, float64 included); ``"pallas"`` is a backend kernel, looked up in
-``_PALLAS_BACKENDS`` by platform; ``None`` takes Pallas when the platform has a kernel that
+exact for any gate and dtype, float64 included); ``"pallas"`` is the platform's kernel (or, with
+``interpret``, a named kernel in its interpreter); ``None`` takes Pallas when the platform has a kernel that
 supports the inputs, else XLA.
 
-A backend entry is a function with the signature of :func:`_tpu_chunk_kda` returning
-``(o, final_state)`` and differentiable, plus an optional ``supports(...)`` predicate with the
-same arguments that returns a Python bool at trace time.
+A backend is ``(fn, supports)``: ``fn(q, k, v, g, beta, *, scale, initial_state, segment_ids,
+chunk_size, interpret) -> (o, final_state)`` is differentiable, returns ``o`` in ``v.dtype`` and the
+state in fp32; ``supports`` (same arguments, or None) is a trace-time bool. ``_pallas_backend``
+maps a platform to its backend: "tpu" is ``kernel_tpu`` (forward kernel, reference VJP, wired
+here), "gpu" is ``kernel_gpu.chunk_kda_pallas``/``kernel_gpu.supports`` when that module exists.
 """
 
 from __future__ import annotations

@@ -93,3 +93,21 @@ def test_random_shapes_xla_matches_recurrence(shape, chunk, cuts, seed):
         o_ref, s_ref = jax.jit(lambda *a: naive_recurrent_kda(*a, **kw))(q, k, v, g, beta)
         assert rel_rmse(o, o_ref) <= F64_RTOL
         assert rel_rmse(s, s_ref) <= F64_RTOL
+
+
+def test_dispatch_paths():
+    from pallas_kernels.kda.ops import _resolve
+
+    args = dict(_args(), scale=0.5, initial_state=None, segment_ids=None, chunk_size=16, interpret=True)
+    assert _resolve("xla", False, args)[0] == "xla"
+    assert _resolve(None, True, args)[0] == "pallas-tpu-interpret"
+    assert _resolve("pallas", "tpu", args)[0] == "pallas-tpu-interpret"
+    if jax.default_backend() == "cpu":
+        assert _resolve(None, False, args)[0] == "xla"
+    with jax.enable_x64(True):  # no kernel takes float64: None falls back, "pallas" refuses
+        args64 = dict(args, q=jnp.zeros((B, T, H, K), jnp.float64))
+        assert _resolve(None, True, args64)[0] == "xla"
+        with pytest.raises(ValueError, match="does not support these inputs"):
+            _resolve("pallas", True, args64)
+    with pytest.raises(ValueError, match="interpret must be"):
+        _resolve(None, "cpu", args)
