@@ -1,0 +1,91 @@
+"""Decode caches (SPEC §2 "Decode", §3; DESIGN "One decode step").
+
+Per layer kind:
+
+- KDA: the recurrent state ``S [B,H,K,V]`` (fp32) and the last ``W-1`` inputs of the q, k, v short
+  convs ``[3,B,W-1,H·K]`` (fp32), i.e. a constant size per sequence whatever its length.
+- MLA: the compressed rows ``[RMSNorm(c_kv), k_r]`` ``[B,Tmax,Rkv+dr]`` (compute dtype), pre-allocated
+  to ``Tmax``, and each sequence's length ``[B]``. Decode absorbs ``W_kvb`` into the query and
+  output, so nothing per head is ever cached.
+
+``Cache`` bundles one per-layer cache with the per-sequence lengths.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from k3jax.config import LayerKind, ModelConfig
+from k3jax.layers.mla import KEY_BLOCK
+
+
+@flax.struct.dataclass
+class KDACache:
+    state: Float[Array, "B H K V"]  # fp32 recurrent state
+    conv: Float[Array, "3 B Wm1 C"]  # last W-1 short-conv inputs of q, k, v (oldest first), C = H·K
+
+
+@flax.struct.dataclass
+class MLACache:
+    latent: Float[Array, "B S C"]  # [RMSNorm(c_kv), k_rope] per cached token, C = Rkv + dr
+    lengths: Int[Array, "B"]  # tokens cached per sequence
+
+
+@flax.struct.dataclass
+class Cache:
+    layers: tuple  # one KDACache / MLACache per decoder layer
+    lengths: Int[Array, "B"]  # tokens consumed per sequence (all layers agree)
+
+    @property
+    def max_len(self) -> int:
+        return next(c.latent.shape[1] for c in self.layers if isinstance(c, MLACache))
+
+
+def cache_length(max_len: int) -> int:
+    """The allocated MLA length: ``max_len``, rounded up to whole key blocks when longer than one."""
+    if max_len <= KEY_BLOCK:
+        return max_len
+    return -(-max_len // KEY_BLOCK) * KEY_BLOCK
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, *, dtype=None) -> Cache:
+    """Empty caches for ``batch`` sequences of up to ``max_len`` tokens (MLA rows in ``dtype``,
+    default the compute dtype; KDA state and conv tails in fp32)."""
+    if not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a positive int")
+    if not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= cfg.max_position:
+        raise ValueError(f"max_len={max_len!r} must be an int in [1, max_position={cfg.max_position}]")
+    dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
+    wide, lengths = cfg.fp32_dtype, jnp.zeros((batch,), jnp.int32)
+    layers = []
+    for kind in cfg.layer_kinds:
+        if kind is LayerKind.KDA:
+            c = cfg.kda
+            layers.append(KDACache(
+                state=jnp.zeros((batch, c.num_heads, c.head_dim, c.head_dim), wide),
+                conv=jnp.zeros((3, batch, c.conv_size - 1, c.num_heads * c.head_dim), wide)))
+        else:
+            layers.append(MLACache(latent=jnp.zeros((batch, cache_length(max_len), cfg.mla.cache_width), dtype),
+                                   lengths=lengths))
+    return Cache(layers=tuple(layers), lengths=lengths)
+
+
+def bytes_per_token(cfg: ModelConfig, dtype=None) -> dict[str, int]:
+    """Cache bytes per token per layer by kind: MLA ``(Rkv+dr)·itemsize`` (grows with T); KDA is a
+    constant ``(H·K·V + 3·(W-1)·H·K)·4`` per sequence, reported under ``kda_per_sequence``."""
+    dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
+    out = {"mla": cfg.mla.cache_width * jnp.dtype(dtype).itemsize}
+    if cfg.kda is not None:
+        c = cfg.kda
+        wide = jnp.dtype(cfg.fp32_dtype).itemsize
+        out["kda_per_sequence"] = (c.num_heads * c.head_dim * c.head_dim + 3 * (c.conv_size - 1) * c.num_heads * c.head_dim) * wide
+    return out
+
+
+def tree_bytes(tree) -> int:
+    """Bytes held by the arrays of a pytree."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))

@@ -1,0 +1,96 @@
+"""Prefill and decode on the cache (DESIGN "One decode step"), and token sampling.
+
+Both are ``Transformer.decode`` on a ``Cache``: prefill feeds a right-padded ragged batch of prompts
+(``lengths`` real tokens per row) in chunks of ``chunk`` tokens, so activations stay bounded
+whatever the prompt length; decode feeds one (or a few) tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from k3jax.config import ModelConfig
+from k3jax.infer.cache import Cache
+from k3jax.model import Transformer
+
+
+def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,
+                   num_new: Int[Array, "B"] | None = None, return_hidden: bool = False):
+    """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``."""
+    out, layers = Transformer(cfg).apply(variables, tokens, cache.layers, num_new=num_new,
+                                         return_hidden=return_hidden, method=Transformer.decode)
+    consumed = tokens.shape[1] if num_new is None else num_new
+    return out, Cache(layers=layers, lengths=cache.lengths + consumed)
+
+
+def prefill(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
+            cache: Cache, *, chunk: int = 2048) -> tuple[Float[Array, "B V"], Cache]:
+    """Feed right-padded prompts (row b: ``tokens[b, :lengths[b]]``) into ``cache`` chunk by chunk.
+
+    Returns the logits after each row's last prompt token and the filled cache. Rows may be empty
+    (``lengths[b] = 0``): their logits are zero and their cache untouched.
+    """
+    B, T = tokens.shape
+    last = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    for start in range(0, T, chunk):
+        piece = tokens[:, start:start + chunk]
+        n = jnp.clip(lengths - start, 0, piece.shape[1]).astype(jnp.int32)  # real tokens of each row here
+        logits, cache = forward_cached(variables, cfg, piece, cache, num_new=n)
+        at = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, V]
+        last = jnp.where((n > 0)[:, None], at.astype(jnp.float32), last)
+    return last, cache
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+    """``ValueError`` for sampling parameters outside their domain (before anything compiles)."""
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
+
+
+def warp(logits: Float[Array, "B V"], temperature: float, top_k: int | None, top_p: float) -> Float[Array, "B V"]:
+    """Log-probabilities of the sampling distribution: temperature, then top-k, then nucleus (top-p).
+
+    ``temperature == 0`` is greedy: a one-hot on the argmax (lowest id on ties).
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature == 0:
+        return jnp.where(jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=bool), 0.0, -jnp.inf)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        keep_sorted = before < top_p  # the smallest prefix reaching top_p (always the top token)
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def sample(key: Array, logits: Float[Array, "B V"], temperature: float, top_k: int | None,
+           top_p: float) -> Int[Array, "B"]:
+    """One token per row from the warped distribution (argmax when ``temperature == 0``)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, warp(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+def prefill_jit(variables, cfg, tokens, lengths, cache, chunk=2048):
+    return prefill(variables, cfg, tokens, lengths, cache, chunk=chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def decode_step(variables, cfg, tokens: Int[Array, "B Tn"], cache: Cache):
+    """Advance every sequence by ``tokens`` (one or a few per row): ``(logits [B,Tn,V], cache)``."""
+    return forward_cached(variables, cfg, tokens, cache)

@@ -1,0 +1,101 @@
+"""Decode == forward (DESIGN): token-by-token decode, prefill-then-decode from any split, ragged
+prefill, for tiny() K3 and a tiny Kimi-Linear-shaped model, in float32 with full-precision matmuls."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config
+from k3jax.infer.cache import init_cache
+from k3jax.infer.decode import decode_step, forward_cached, prefill_jit
+from k3jax.model import Transformer
+from tests.tolerances import F32_RTOL, rel_rmse
+
+T = 20  # > tiny()'s KDA chunk (16): prefill takes the chunked path, decode the recurrence
+
+
+def kimi_linear_tiny() -> config.ModelConfig:
+    """Kimi-Linear's features at tiny() sizes: softplus decay, low-rank gate, plain residual, SwiGLU,
+    full-width experts, no q LoRA, no MLA output gate."""
+    t = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    return dataclasses.replace(
+        t, name="kimi_linear_tiny", attn_res=None,
+        kda=dataclasses.replace(t.kda, gate_lower_bound=None, output_gate_rank=8),
+        mla=dataclasses.replace(t.mla, q_lora_rank=None, output_gate=False),
+        mlp=dataclasses.replace(t.mlp, activation="swiglu"),
+        moe=dataclasses.replace(t.moe, latent_dim=None, latent_norm=False, routed_scaling_factor=2.446))
+
+
+@pytest.fixture(scope="module", params=["tiny", "kimi_linear_tiny"])
+def model(request, tiny_model):
+    if request.param == "tiny":
+        return tiny_model.cfg, tiny_model.variables
+    cfg = kimi_linear_tiny()
+    variables = nn.meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(1, impl="unsafe_rbg"),
+                                                            jnp.zeros((1, 8), jnp.int32)))
+    return cfg, variables
+
+
+def _forward(cfg, variables, tokens):
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(Transformer(cfg).apply)(variables, tokens)
+
+
+def _tokens(seed, B=2, length=T):
+    return jax.random.randint(jax.random.PRNGKey(seed), (B, length), 0, 256, dtype=jnp.int32)
+
+
+def test_token_by_token_and_split_prefill(model):
+    cfg, variables = model
+    tokens = _tokens(0)
+    ref = np.asarray(_forward(cfg, variables, tokens))
+    with jax.default_matmul_precision("highest"):
+        for split in (0, 13):  # 0: pure token-by-token decode
+            cache = init_cache(cfg, 2, T + 4)
+            outs = []
+            if split:
+                last, cache = prefill_jit(variables, cfg, tokens[:, :split], jnp.full((2,), split, jnp.int32), cache)
+                np.testing.assert_array_equal(np.asarray(cache.lengths), [split, split])
+                assert rel_rmse(last, ref[:, split - 1]) <= F32_RTOL
+            for t in range(split, T):
+                logits, cache = decode_step(variables, cfg, tokens[:, t:t + 1], cache)
+                outs.append(np.asarray(logits[:, 0]))
+            err = rel_rmse(np.stack(outs, axis=1), ref[:, split:])
+            assert err <= F32_RTOL, (split, err)
+
+
+def test_multi_token_steps(model):
+    """Decoding 4 tokens per call equals the forward."""
+    cfg, variables = model
+    tokens = _tokens(1)
+    ref = np.asarray(_forward(cfg, variables, tokens))
+    with jax.default_matmul_precision("highest"):
+        cache, outs = init_cache(cfg, 2, T + 4), []
+        for t in range(0, T, 4):
+            logits, cache = decode_step(variables, cfg, tokens[:, t:t + 4], cache)
+            outs.append(np.asarray(logits))
+    assert rel_rmse(np.concatenate(outs, 1), ref) <= F32_RTOL
+
+
+def test_ragged_chunked_prefill_then_decode(model):
+    """Rows of different prompt lengths in one right-padded batch, prefilled in chunks of 7 (row 1 has
+    no token in the last chunk), then one decode step: each row equals its own forward."""
+    cfg, variables = model
+    tokens = _tokens(2)
+    lengths = jnp.asarray([16, 6], jnp.int32)
+    nxt = jnp.asarray([[5], [7]], jnp.int32)
+    padded = jnp.where(jnp.arange(16)[None] < lengths[:, None], tokens[:, :16], 0)
+    with jax.default_matmul_precision("highest"):
+        last, cache = prefill_jit(variables, cfg, padded, lengths, init_cache(cfg, 2, T + 4), chunk=7)
+        step, cache = decode_step(variables, cfg, nxt, cache)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [17, 7])
+    rows = tokens.at[jnp.arange(2), lengths].set(nxt[:, 0])  # row b: its prompt, then its decoded token
+    ref = np.asarray(_forward(cfg, variables, rows))
+    for b in range(2):
+        n = int(lengths[b])
+        assert rel_rmse(last[b], ref[b, n - 1]) <= F32_RTOL, b
+        assert rel_rmse(step[b, 0], ref[b, n]) <= F32_RTOL, b

@@ -1,0 +1,101 @@
+"""generate(): greedy equals argmax of the forward, ragged rows, stop tokens, streaming, bad input,
+cache sizes against SPEC §2/§3."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config
+from k3jax.infer.cache import KDACache, MLACache, bytes_per_token, init_cache, tree_bytes
+from k3jax.infer.decode import warp
+from k3jax.infer.generate import generate
+from k3jax.model import Transformer
+
+
+def _greedy_reference(cfg, variables, prompt, n):
+    seq = list(prompt)
+    fwd = jax.jit(Transformer(cfg).apply)
+    for _ in range(n):
+        with jax.default_matmul_precision("highest"):
+            logits = fwd(variables, jnp.asarray([seq + [0] * (16 - len(seq))], jnp.int32))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_ragged_matches_forward_and_streams(tiny_model):
+    cfg, variables = tiny_model.cfg, tiny_model.variables
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
+    seen = []
+    with jax.default_matmul_precision("highest"):
+        out = generate(variables, cfg, prompts, max_new_tokens=4, temperature=0.0, seed=0,
+                       stream=lambda i, tok, alive: seen.append((i, tok.tolist(), alive.tolist())))
+    for p, o in zip(prompts, out):
+        assert o == _greedy_reference(cfg, variables, p, 4)
+    assert [s[0] for s in seen] == [0, 1, 2, 3]
+    assert [s[1] for s in seen] == [[a, b] for a, b in zip(*out)]
+
+
+def test_stop_tokens_and_sampling_is_seeded(tiny_model):
+    cfg, variables = tiny_model.cfg, tiny_model.variables
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    a = generate(variables, cfg, prompts, max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    b = generate(variables, cfg, prompts, max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    assert a == b and all(len(r) == 6 for r in a)
+    stop = a[0][2]
+    c = generate(variables, cfg, prompts, max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, seed=3,
+                 stop_tokens=[stop])
+    assert c[0] == a[0][:a[0].index(stop) + 1]  # ends at (and keeps) the first stop token
+    assert c[1] == (a[1][:a[1].index(stop) + 1] if stop in a[1] else a[1])
+
+
+def test_warp_top_k_top_p():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    p = np.exp(np.asarray(warp(logits, 1.0, 2, 1.0)))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]], rtol=1e-6)
+    p = np.exp(np.asarray(warp(logits, 1.0, None, 0.8)))  # 0.5 + 0.3 reaches 0.8: two tokens
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]], rtol=1e-6)
+    p = np.exp(np.asarray(warp(logits, 1.0, None, 0.81)))
+    np.testing.assert_allclose(p, [[0.5, 0.3, 0.15, 0]] / np.float32(0.95), rtol=1e-6)
+    np.testing.assert_array_equal(np.exp(np.asarray(warp(logits, 0.0, None, 1.0))), [[1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[[1] * 10], max_len=12), "cache length"),
+    (dict(prompts=[[]]), r"prompts\[0\]"),
+    (dict(prompts=[]), "prompts"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(prompts=[[1, 256]]), r"vocab_size=256"),
+    (dict(prompts=[[-1]]), r"vocab_size=256"),
+    (dict(stop_tokens=[300]), "stop_tokens"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_input_raises_before_compiling(tiny_model, kwargs, match, monkeypatch):
+    from k3jax.infer import generate as gen
+
+    monkeypatch.setattr(gen, "_run", lambda *a, **k: pytest.fail("compiled despite bad input"))
+    args = dict(prompts=[[1, 2]], max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_model.variables, tiny_model.cfg, **args)
+
+
+def test_cache_bytes_match_spec():
+    """SPEC §3: 576 values per token per MLA layer for K3; §2: S [H,K,V] fp32 + 3 conv tails of W-1."""
+    k3 = config.kimi_k3()
+    per = bytes_per_token(k3)
+    assert per["mla"] == (512 + 64) * 2  # bf16
+    assert per["kda_per_sequence"] == (96 * 128 * 128 + 3 * 3 * 96 * 128) * 4
+    cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    B, S = 3, 40
+    cache = jax.eval_shape(lambda: init_cache(cfg, B, S))
+    for layer in cache.layers:
+        if isinstance(layer, MLACache):
+            assert tree_bytes(layer.latent) == B * S * bytes_per_token(cfg)["mla"]
+        else:
+            assert isinstance(layer, KDACache)
+            assert tree_bytes(layer) == B * bytes_per_token(cfg)["kda_per_sequence"]
