@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
 from k3jax.layers.block import DecoderLayer
-from k3jax.layers.linear import einsum, proj
+from k3jax.layers.linear import constrain, einsum, proj
 from k3jax.layers.norm import norm
 
 REMAT = ("none", "layer", "moe")
@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             stream = layer(stream, segment_ids)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
-        logits = self.logits(self.final_norm(hidden))  # [B, T, V]
+        logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
@@ -122,7 +122,7 @@ class Transformer(nn.Module):
             stream, cache = layer(stream, cache=cache, valid=valid)
             new_caches.append(cache)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
-        logits = self.logits(self.final_norm(hidden))  # [B, T, V]
+        logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         out = (logits, hidden, stream.blocks) if return_hidden else logits
         return out, tuple(new_caches)
 

@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from k3jax.layers.linear import einsum, param
+from k3jax.layers.linear import constrain, einsum, param
+
+HIDDEN_AXES = ("batch", "length", "embed")
 
 
 @flax.struct.dataclass
@@ -33,9 +35,10 @@ class ResidualStream:
 
     @classmethod
     def start(cls, embeddings: Float[Array, "B T D"], max_blocks: int) -> "ResidualStream":
+        embeddings = constrain(embeddings, HIDDEN_AXES)
         if max_blocks == 0:
             return cls(partial=embeddings)
-        blocks = jnp.zeros((max_blocks,) + embeddings.shape, embeddings.dtype)
+        blocks = constrain(jnp.zeros((max_blocks,) + embeddings.shape, embeddings.dtype), (None,) + HIDDEN_AXES)
         return cls(partial=embeddings, blocks=blocks, count=0)
 
     def push(self) -> "ResidualStream":
@@ -44,7 +47,7 @@ class ResidualStream:
         return ResidualStream(partial=jnp.zeros_like(self.partial), blocks=blocks, count=self.count + 1)
 
     def add(self, y: Float[Array, "B T D"]) -> "ResidualStream":
-        return self.replace(partial=self.partial + y.astype(self.partial.dtype))
+        return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES))
 
 
 def attn_res_mix(blocks: Float[Array, "N B T D"], count: int, partial: Float[Array, "B T D"],

@@ -26,6 +26,11 @@ def einsum(eq: str, *operands, preferred_element_type=None):
     return jnp.einsum(eq, *operands, precision=PRECISION, preferred_element_type=preferred_element_type)
 
 
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Name an activation's logical axes for the sharding rules (a no-op outside a mesh context)."""
+    return nn.with_logical_constraint(x, axes)
+
+
 def wide_param_dtype(cfg: ModelConfig):
     """Storage dtype of the fp32 parameters (convs, gate biases, router): float32 or wider."""
     return jnp.promote_types(cfg.param_dtype, jnp.float32)
