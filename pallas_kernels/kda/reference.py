@@ -92,11 +92,33 @@ def naive_recurrent_kda(
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
 
 
-def _decay_pairs(G, mask):
-    """``exp(G_i - G_j)`` per channel where ``mask[i, j]``, else 0; masked before exp (no inf)."""
-    m = mask[:, None, :, :, None]  # [B,1,C,C,1]
-    diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B,H,C,C,K]
-    return jnp.where(m, jnp.exp(jnp.where(m, diff, 0.0)), 0.0)
+SUB_TILE = 16  # rows per intra-chunk tile (chunks that are not a multiple use one dense tile)
+
+
+def _intra_scores(xs, k, G, sub: int):
+    """``sum_c x_ic k_jc e^{G_ic - G_jc}`` for each x in ``xs``, valid for j <= i (0 above).
+
+    Across tiles, rows of tile t meet earlier columns through one matmul anchored at t's first
+    row a (``e^{G_i - G_a}``, ``e^{G_a - G_j}``: both exponents <= 0, any gate). Inside a tile the
+    exponent is taken per pair, masked before ``exp`` (an overflowed ``inf`` would poison grads).
+    """
+    B, H, C, K = k.shape
+    n = C // sub
+    tiled = lambda x: x.reshape(B, H, n, sub, K)
+    G_t = tiled(G)
+    anchor = G_t[:, :, :, :1, :]  # [B,H,n,1,K]
+    before = jnp.arange(C)[None, :] < (jnp.arange(n) * sub)[:, None]  # [n,C]
+    m = before[:, :, None]
+    k_out = jnp.where(m, k[:, :, None] * jnp.exp(jnp.where(m, anchor - G[:, :, None], 0.0)), 0.0)
+    tri = jnp.tril(jnp.ones((sub, sub), bool))[:, :, None]
+    decay = jnp.where(tri, jnp.exp(jnp.where(tri, G_t[..., :, None, :] - G_t[..., None, :, :], 0.0)), 0.0)
+    place = jnp.eye(C, dtype=k.dtype).reshape(n, sub, C)  # tile column j -> chunk column t*sub+j
+    scores = []
+    for x in xs:
+        cross = _einsum("BHNIK,BHNJK->BHNIJ", tiled(x) * jnp.exp(G_t - anchor), k_out)  # [B,H,n,sub,C]
+        diag = _einsum("BHNIK,BHNJK,BHNIJK->BHNIJ", tiled(x), tiled(k), decay)  # [B,H,n,sub,sub]
+        scores.append((cross + _einsum("BHNIJ,NJC->BHNIC", diag, place)).reshape(B, H, C, C))
+    return scores
 
 
 def _chunk_step(S, xs, *, scale: float, with_output: bool):
@@ -112,10 +134,9 @@ def _chunk_step(S, xs, *, scale: float, with_output: bool):
     causal = same & jnp.tril(jnp.ones((C, C), bool))
     strict = causal & ~jnp.eye(C, dtype=bool)
     fresh = (sidx == sprev[:, None])[:, None, :, None]  # [B,1,C,1]: S still reaches token i
-    decay = _decay_pairs(G, causal)  # [B,H,C,C,K]
-
-    a_kk = beta[..., None] * _einsum("BHIK,BHJK,BHIJK->BHIJ", k, k, decay)
-    a_kk = jnp.where(strict[:, None], a_kk, 0.0)
+    sub = SUB_TILE if C % SUB_TILE == 0 else C
+    scores = _intra_scores((k, scale * q) if with_output else (k,), k, G, sub)
+    a_kk = jnp.where(strict[:, None], beta[..., None] * scores[0], 0.0)
     eye = jnp.eye(C, dtype=a_kk.dtype)
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * jnp.exp(G) * fresh], axis=-1)
     sol = jsl.solve_triangular(eye + a_kk, rhs, lower=True, unit_diagonal=True)
@@ -124,7 +145,7 @@ def _chunk_step(S, xs, *, scale: float, with_output: bool):
 
     o = None
     if with_output:
-        a_qk = _einsum("BHIK,BHJK,BHIJK->BHIJ", scale * q, k, decay)
+        a_qk = jnp.where(causal[:, None], scores[1], 0.0)
         o = _einsum("BHCK,BHKV->BHCV", scale * q * jnp.exp(G) * fresh, S)
         o = o + _einsum("BHIJ,BHJV->BHIV", a_qk, v_new)
 

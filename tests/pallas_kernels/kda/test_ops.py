@@ -75,7 +75,7 @@ def test_decode_steps_equal_recurrence(x64):
 @settings(max_examples=4, deadline=None)
 @given(
     shape=st.tuples(*(st.integers(1, n) for n in (2, 40, 3, 6, 6))),
-    chunk=st.sampled_from([4, 8, 16]),
+    chunk=st.sampled_from([4, 8, 32]),
     cuts=st.lists(st.integers(1, 39), max_size=3),
     seed=st.integers(0, 2**16),
 )
