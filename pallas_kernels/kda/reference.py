@@ -13,9 +13,10 @@ Packed documents (``segment_ids``): a change of id at token t zeroes the state b
 ``initial_state`` is the state entering token 0 (so it only reaches the first segment).
 
 The chunkwise form (SPEC §2, the paper's Eq. 6-9) is what kernels compute; this module keeps an
-exact, gate-agnostic XLA version of it. Every exponent is masked *before* ``exp`` so no ``inf``
-reaches a gradient, and the cumulative log-decay is never reset at document boundaries (a reset
-cumsum makes ``exp`` overflow before the mask).
+exact, gate-agnostic XLA version of it. Intra-chunk tiles of 16 rows are anchored causally (at
+their first row) so cross-tile factors only ever see exponents <= 0; inside a tile every exponent
+is masked *before* ``exp`` so no ``inf`` reaches a gradient; and the cumulative log-decay is never
+reset at document boundaries (a reset cumsum makes ``exp`` overflow before the mask).
 """
 
 from __future__ import annotations
