@@ -92,22 +92,21 @@ class Trainer:
     def _head(model_params):
         return model_params["head"]["kernel"] if "head" in model_params else model_params["embed"]["embedding"].T
 
+    def _init(self, rng: jax.Array) -> TrainState:
+        v = nn.unbox(self._init_boxed(rng))
+        zero = jnp.zeros([], jnp.int32)
+        return TrainState(step=zero, params=v["params"], opt_state=self.tx.init(v["params"]),
+                          balance=v["balance"], nonfinite_streak=zero, nonfinite_total=zero)
+
     def init_state(self, rng: jax.Array) -> TrainState:
         """A fresh state (sharded on the mesh when there is one)."""
-
-        def init(rng):
-            v = nn.unbox(self._init_boxed(rng))
-            zero = jnp.zeros([], jnp.int32)
-            return TrainState(step=zero, params=v["params"], opt_state=self.tx.init(v["params"]),
-                              balance=v["balance"], nonfinite_streak=zero, nonfinite_total=zero)
-
         out = None if self.shardings is None else self.shardings["state"]
         with self._context():
-            return jax.jit(init, out_shardings=out)(rng)
+            return jax.jit(self._init, out_shardings=out)(rng)
 
     def abstract_state(self) -> TrainState:
         """``ShapeDtypeStruct`` tree of the state (with shardings on a mesh): the restore target."""
-        abstract = jax.eval_shape(self.init_state, jax.random.key(0))
+        abstract = jax.eval_shape(self._init, jax.random.key(0))
         if self.shardings is None:
             return abstract
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -1,0 +1,31 @@
+"""Demo: tiny() Kimi K3 learns multi-query associative recall on a laptop CPU.
+
+Hypothesis: the full K3 stack at toy width (KDA + gated MLA, LatentMoE with Quantile Balancing,
+Block AttnRes, per-head Muon + QK-Clip) learns to recall values bound to keys earlier in the
+sequence (Zoology MQAR, arXiv 2312.04927) far above chance (1/num_values) within a few minutes
+on 2 CPU cores.
+Differs from the baseline TrainConfig: the recall task, a short cosine schedule with 5 % warmup,
+checkpoints every 100 steps.
+Run: ``python -m k3jax.train.demo`` (train, reload the checkpoint, report accuracy, show examples),
+or just train: ``python -m k3jax.train --config experiments/demo_recall.py``.
+"""
+
+import dataclasses
+
+from k3jax.config import tiny
+from k3jax.train.config import (CheckpointConfig, DataConfig, OptimizerConfig, RecallConfig,
+                                ScheduleConfig, TrainConfig)
+
+
+def get_config() -> TrainConfig:
+    base = TrainConfig()
+    return dataclasses.replace(
+        base,
+        model=tiny(),
+        data=DataConfig(source="recall", seed=0,
+                        recall=RecallConfig(num_pairs=8, num_queries=8, num_keys=64, num_values=64)),
+        optimizer=dataclasses.replace(base.optimizer, learning_rate=3e-3),
+        schedule=ScheduleConfig(kind="cosine", warmup_fraction=0.05, final_lr_ratio=0.1),
+        checkpoint=CheckpointConfig(dir="runs/demo_recall/checkpoints", every_steps=100, keep_last=2, keep_best=1),
+        steps=400, batch_size=32, seq_len=48, log_every=20, log_dir="runs/demo_recall",
+    )

@@ -1,0 +1,78 @@
+"""Bad input fails with a clear ValueError before any compute: mesh, data path, checkpoint of another
+model shape, config overrides, the CLI."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax.train.__main__ import load_config, main
+from k3jax.train.checkpoint import Checkpointer, CheckpointMismatchError
+from k3jax.train.config import CheckpointConfig, DataConfig, MeshConfig, TrainConfig, override
+from k3jax.train.loop import train
+from k3jax.train.step import Trainer
+from tests.k3jax.train import toy
+
+
+def _no_compile(monkeypatch):
+    """Any attempt to build the jitted step or initialise parameters fails the test."""
+    monkeypatch.setattr(Trainer, "init_state", lambda *a, **k: pytest.fail("init_state ran"))
+    monkeypatch.setattr(Trainer, "step", lambda *a, **k: pytest.fail("a step ran"))
+
+
+def test_config_that_does_not_fit_the_mesh(monkeypatch):
+    _no_compile(monkeypatch)
+    cfg = toy.micro_train_config(mesh=MeshConfig(axes=(("data", 3),)))
+    with pytest.raises(ValueError, match=r"spans 3 devices but 1 are available"):
+        train(cfg, progress=False)
+    with pytest.raises(ValueError, match="axes must be among"):
+        train(toy.micro_train_config(mesh=MeshConfig(axes=(("pipeline", 1),))), progress=False)
+
+
+def test_missing_data_path(monkeypatch, tmp_path):
+    _no_compile(monkeypatch)
+    cfg = toy.micro_train_config(data=DataConfig(source="text", path=str(tmp_path / "nope.txt")))
+    with pytest.raises(ValueError, match=r"data.path=.*nope.txt' does not exist"):
+        train(cfg, progress=False)
+
+
+def test_resume_from_checkpoint_of_another_model(monkeypatch, tmp_path):
+    ck = CheckpointConfig(dir=str(tmp_path / "ck"))
+    small = toy.micro_train_config(checkpoint=ck)
+    abstract = Trainer(small).abstract_state()
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+    saver = Checkpointer(ck, small)
+    saver.save(10, zeros, {"kind": "recall", "seed": 0, "position": 10})
+    saver.close()
+    _no_compile(monkeypatch)
+    wider = toy.micro_train_config(checkpoint=ck, model=dataclasses.replace(small.model, hidden=96))
+    with pytest.raises(CheckpointMismatchError, match=r"model config differences: \['hidden=64 \(checkpoint\) vs 96'\]"):
+        train(wider, progress=False)
+
+
+def test_bad_overrides_and_fields():
+    cfg = TrainConfig()
+    assert override(cfg, ["optimizer.learning_rate=1", "steps=7"]).optimizer.learning_rate == 1.0
+    with pytest.raises(ValueError, match="has no field 'learnin_rate'"):
+        override(cfg, ["optimizer.learnin_rate=1e-3"])
+    with pytest.raises(ValueError, match="key=value"):
+        override(cfg, ["steps"])
+    with pytest.raises(ValueError, match="divisible by micro_batches"):
+        TrainConfig(batch_size=6, micro_batches=4)
+    with pytest.raises(ValueError, match="remat"):
+        TrainConfig(remat="all")
+
+
+def test_cli_reports_bad_config_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "missing.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config():\n    return 3\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "expected TrainConfig" in capsys.readouterr().err
+
+
+def test_demo_config_loads():
+    cfg = load_config("experiments/demo_recall.py", ["steps=5"])
+    assert cfg.steps == 5 and cfg.model.name == "tiny" and cfg.data.source == "recall"

@@ -1,0 +1,113 @@
+"""The train step: accumulation == one batch, non-finite skip, MTP targets, mixed precision."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.config import MTPConfig
+from k3jax.train.config import DataConfig
+from k3jax.train.loop import NonFiniteLossError, make_data, train
+from k3jax.train.mtp import mtp_targets
+from k3jax.train.step import Trainer
+from tests.k3jax.train import toy
+from tests.tolerances import F32_RTOL, rel_rmse
+
+toy.use_compilation_cache()
+
+
+def _f32(cfg):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=jnp.float32))
+
+
+def test_micro_batch_accumulation_equals_one_batch():
+    cfg = _f32(toy.micro_train_config())
+    batch = next(make_data(cfg))
+    results = []
+    for micro in (1, 2):
+        trainer = Trainer(dataclasses.replace(cfg, micro_batches=micro))
+        state = trainer.init_state(jax.random.key(0))
+        (grads, aux), _, _ = jax.jit(trainer._grads)(state, batch)
+        results.append((grads, aux))
+    (g1, a1), (g2, a2) = results
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        assert rel_rmse(y, x) < 10 * F32_RTOL
+    np.testing.assert_allclose(a2["ce"], a1["ce"], rtol=1e-5)
+    s1, s2 = a1["stats"]["model"]["layers_1"], a2["stats"]["model"]["layers_1"]
+    np.testing.assert_array_equal(s1["moe"]["loads"], s2["moe"]["loads"])  # integer statistics add exactly
+    np.testing.assert_array_equal(s1["moe"]["hist"], s2["moe"]["hist"])
+    np.testing.assert_allclose(s1["mla"]["max_logit"], s2["mla"]["max_logit"], rtol=1e-5)
+
+
+def test_nonfinite_step_is_skipped_and_counted():
+    cfg = toy.micro_train_config()
+    trainer = Trainer(cfg)
+    state = trainer.init_state(jax.random.key(0))
+    bad = state.replace(params={**state.params, "model": {**state.params["model"], "final_norm": {
+        "scale": state.params["model"]["final_norm"]["scale"].at[0].set(jnp.nan)}}})
+    before = jax.device_get(bad)
+    new, metrics = trainer.step(bad, next(make_data(cfg)))
+    new = jax.device_get(new)
+    assert bool(metrics["skipped"]) and int(new.nonfinite_streak) == 1 and int(new.nonfinite_total) == 1
+    assert int(new.step) == 1
+    for x, y in zip(jax.tree.leaves((before.params, before.opt_state, before.balance)),
+                    jax.tree.leaves((new.params, new.opt_state, new.balance))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_training_stops_after_n_nonfinite_steps():
+    cfg = dataclasses.replace(toy.micro_train_config(), max_consecutive_nonfinite=2, steps=6)
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=1e30,
+                                                                 grad_clip_norm=None))
+    with pytest.raises(NonFiniteLossError, match="2 consecutive"):
+        train(cfg, progress=False)
+
+
+def test_mtp_targets_respect_documents_and_mask():
+    labels = jnp.asarray([[11, 12, 13, 14, 15, 16]])
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 0]])
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2]])
+    inputs, target, m = mtp_targets(labels, mask, seg, 1)
+    np.testing.assert_array_equal(inputs, labels)
+    np.testing.assert_array_equal(target, [[12, 13, 14, 15, 16, 0]])
+    np.testing.assert_array_equal(m, [[1, 1, 0, 1, 0, 0]])  # no target across the document border
+    _, target2, m2 = mtp_targets(labels, mask, seg, 2)
+    np.testing.assert_array_equal(target2[0, :3], [13, 14, 15])
+    np.testing.assert_array_equal(m2, [[1, 0, 0, 0, 0, 0]])
+
+
+def test_mtp_step_trains_its_module_with_shared_embedding_and_head():
+    model = dataclasses.replace(toy.micro_train_config().model, mtp=MTPConfig(num_layers=1, loss_weight=0.3))
+    cfg = toy.micro_train_config(model=model, data=DataConfig(source="random"))  # dense targets
+    trainer = Trainer(cfg)
+    state = trainer.init_state(jax.random.key(0))
+    assert set(state.params) == {"model", "mtp"} and "embed" not in state.params["mtp"]["depth_1"]
+    old = jax.device_get(state.params["mtp"])
+    new, metrics = trainer.step(state, next(make_data(cfg)))
+    assert np.isfinite(float(metrics["mtp_loss"])) and 0.5 * np.log(64) < float(metrics["mtp_loss"]) < 2 * np.log(64)
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new.params["mtp"]))]
+    assert all(changed[:3]) and sum(changed) > len(changed) // 2
+
+
+def test_mixed_precision_fp32_master_params_bf16_matmuls():
+    cfg = toy.micro_train_config()
+    trainer = Trainer(cfg)
+    abstract = trainer.abstract_state()
+    floats = {x.dtype for x in jax.tree.leaves((abstract.params, abstract.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert floats == {jnp.dtype(jnp.float32)}
+    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
+    jaxpr = jax.make_jaxpr(lambda s: trainer._grads(s, batch))(abstract)
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    bf16 = [e for e in dots if all(v.aval.dtype == jnp.bfloat16 for v in e.invars)]
+    assert len(bf16) > len(dots) // 2  # the projections; fp32 islands (router, softmax, AttnRes) stay fp32
+    grads = jax.eval_shape(lambda s: trainer._grads(s, batch)[0][0], abstract)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
