@@ -153,3 +153,57 @@ def test_non_latent_moe_has_no_projections_and_scales_weights():
     assert params["w1"].shape == (cfg.moe.num_experts, cfg.hidden, cfg.moe.expert_intermediate)
     y, stats = jax.jit(lambda v, x: MoE(cfg).apply(v, x, mutable=["stats"]))(variables, x)
     assert y.shape == x.shape and int(stats["stats"]["loads"][0].sum()) == 6 * cfg.moe.top_k
+
+
+_DEEPSEEK_V3_MLA = """
+import sys, numpy as np, torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+torch.manual_seed(0)
+cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, num_hidden_layers=1,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    rope_interleave=True, attention_bias=False)
+cfg._attn_implementation = "eager"
+attn = m.DeepseekV3Attention(cfg, 0).double()
+for p in attn.parameters():
+    torch.nn.init.normal_(p, std=0.3)
+T = 40
+x = torch.randn(2, T, 64, dtype=torch.float64)
+cos, sin = m.DeepseekV3RotaryEmbedding(cfg).double()(x, torch.arange(T)[None].expand(2, T))
+mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None].expand(2, 1, T, T)
+with torch.no_grad():
+    out = attn(x, (cos, sin), mask)[0]
+np.savez(sys.argv[1], x=x.numpy(), out=out.numpy(), **{k: v.numpy() for k, v in attn.state_dict().items()})
+"""
+
+
+def test_k2_mla_with_yarn_matches_transformers_deepseek_v3(tmp_path):
+    """K2's MLA (LoRA query, RoPE + YaRN on the rope slices, mscale² on the softmax scale) against
+    transformers' DeepseekV3Attention in float64; its rotary tables are float32, hence F32_RTOL."""
+    import subprocess
+
+    from tests.reference.env import reference_python
+
+    python = reference_python()
+    if python is None:
+        pytest.skip("PyTorch reference venv not found (set K3JAX_REF_PYTHON or run `make refvenv`)")
+    out = tmp_path / "mla.npz"
+    done = subprocess.run([python, "-c", _DEEPSEEK_V3_MLA, str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = dict(np.load(out))
+    rope_cfg = config.RopeConfig(theta=50000.0, yarn_factor=4.0, yarn_original_max_position=64, yarn_beta_fast=1.0,
+                                 yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=1.0)
+    cfg = dataclasses.replace(config.to_float64(config.tiny()), kda=None, mla=config.MLAConfig(
+        num_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        output_gate=False, rope=rope_cfg))
+    params = {"q_a": {"kernel": r["q_a_proj.weight"].T}, "q_norm": {"scale": r["q_a_layernorm.weight"]},
+              "q_b": {"kernel": r["q_b_proj.weight"].T.reshape(24, 4, 24)},
+              "kv_a": {"kernel": r["kv_a_proj_with_mqa.weight"].T}, "kv_norm": {"scale": r["kv_a_layernorm.weight"]},
+              "kv_b": {"kernel": r["kv_b_proj.weight"].T.reshape(16, 4, 32)},
+              "o_proj": {"kernel": r["o_proj.weight"].T.reshape(4, 16, 64)}}
+    with jax.enable_x64(True):
+        y, _ = jax.jit(lambda p, x: MLA(cfg).apply({"params": p}, x, mutable=["stats"]))(params, r["x"])
+        assert y.dtype == jnp.float64
+    assert rel_rmse(y, r["out"]) <= F32_RTOL
