@@ -62,7 +62,9 @@ def causal_attention(q: Float[Array, "B T H K"], k: Float[Array, "B S H K"], v: 
         return _attend_block(q, k, v, mask, scale)
     n = T // QUERY_BLOCK
     blocks = lambda a: jnp.moveaxis(a.reshape(a.shape[0], n, QUERY_BLOCK, *a.shape[2:]), 1, 0)
-    out, max_logit = jax.lax.map(lambda qm: _attend_block(qm[0], k, v, qm[1], scale), (blocks(q), blocks(mask)))
+    # Rematerialised per block: the backward pass keeps q, k, v, not n blocks of [B,H,C,T] probabilities.
+    attend = jax.checkpoint(lambda qm: _attend_block(qm[0], k, v, qm[1], scale))
+    out, max_logit = jax.lax.map(attend, (blocks(q), blocks(mask)))
     out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
     return out, jnp.max(max_logit, axis=0)
 

@@ -76,11 +76,16 @@ def test_query_blocked_attention_equals_full(monkeypatch):
     q, kk, v = (jnp.asarray(RNG.normal(size=(b, t, h, k)), jnp.float32) for _ in range(3))
     seg = jnp.asarray([[0] * 5 + [1] * 11, [0] * 16], jnp.int32)
     mask = mla_lib.attention_mask(seg, b, t)
+    w = jnp.asarray(RNG.normal(size=(b, t, h, k)), jnp.float32)
+    loss = lambda q, kk, v: jnp.sum(causal_attention(q, kk, v, mask, 0.3)[0] * w)
     full, full_max = causal_attention(q, kk, v, mask, 0.3)
+    full_grads = jax.grad(loss, argnums=(0, 1, 2))(q, kk, v)
     monkeypatch.setattr(mla_lib, "QUERY_BLOCK", 4)
     blocked, blocked_max = causal_attention(q, kk, v, mask, 0.3)
     assert rel_rmse(blocked, full) <= F32_RTOL
     np.testing.assert_array_equal(np.asarray(blocked_max), np.asarray(full_max))
+    for got, want in zip(jax.grad(loss, argnums=(0, 1, 2))(q, kk, v), full_grads):  # remat per block
+        assert rel_rmse(got, want) <= F32_RTOL
 
 
 def test_rope_is_relative_and_yarn_blends_frequencies():
