@@ -97,13 +97,17 @@ def _intra_scores(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, sub: int):
     def column(j, carry):
         a = pl.multiple_of(lax.div(j, sub) * sub, sub)  # j >= 0: no floor fix-up
         rows = pl.ds(a, sub)
-        G_j = g_ref[0, 0, pl.ds(j, 1), :]  # [1,K]
-        k_j = k_ref[0, 0, pl.ds(j, 1), :].astype(jnp.float32)
-        causal = row_in_tile >= j - a  # [sub,1]
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, g_ref[0, 0, rows, :] - G_j, 0.0)), 0.0)
-        onehot = (col == j).astype(jnp.float32)  # [sub,C]
+        # Row j is picked from its aligned tile by a masked sum, not a 1-row dynamic load,
+        # which packed (bf16) layouts do not allow at arbitrary offsets.
+        pick = row_in_tile == j - a  # [sub,1]
+        G_t = g_ref[0, 0, rows, :]
         q_t = q_ref[0, 0, rows, :].astype(jnp.float32)
         k_t = k_ref[0, 0, rows, :].astype(jnp.float32)
+        G_j = jnp.sum(jnp.where(pick, G_t, 0.0), axis=0, keepdims=True)  # [1,K]
+        k_j = jnp.sum(jnp.where(pick, k_t, 0.0), axis=0, keepdims=True)
+        causal = row_in_tile >= j - a  # [sub,1]
+        decay = jnp.where(causal, jnp.exp(jnp.where(causal, G_t - G_j, 0.0)), 0.0)
+        onehot = (col == j).astype(jnp.float32)  # [sub,C]
         aqk_ref[rows, :] += jnp.sum(q_t * k_j * decay, axis=1, keepdims=True) * onehot
         akk_ref[rows, :] += jnp.sum(k_t * k_j * decay, axis=1, keepdims=True) * onehot
         return carry
