@@ -47,8 +47,10 @@ def _unbounded_gate(shape):
 @pytest.mark.parametrize(
     "B,T,H,K,V,chunk,lengths,unbounded",
     [
-        (1, 130, 2, 8, 4, 64, None, False),  # several chunks of the default size plus a tail
-        (2, 10, 3, 5, 7, 64, None, True),  # T < chunk; unbounded gate must not overflow
+        # several chunks of the default size plus a tail; an unbounded gate (decays to e^-40 per
+        # token) must neither overflow nor poison gradients, inside tiles or across them
+        (1, 130, 2, 8, 4, 64, None, True),
+        (2, 10, 3, 5, 7, 64, None, False),  # T < chunk
         # odd T and head dims; documents starting mid-chunk and at a chunk start, a 1-token one
         (2, 37, 3, 5, 7, 8, (5, 11, 1, 20), False),
     ],
@@ -129,3 +131,22 @@ def test_transition_identity(x64):
     _assert_close(jnp.einsum("bhij,bhjv->bhiv", M, s0) + N, S, "M S0 + N")
     _assert_close(M[:1], _explicit_transition(k[:1], g[:1], beta[:1]), "M vs explicit product")
     assert np.all(np.asarray(M[1]) == 0.0)
+
+
+def test_state_only_scan_gradients(x64):
+    """``chunk_kda_state`` (the CP increment, no output) differentiates like the recurrence."""
+    _, k, v, g, beta, s0 = kda_inputs(6, 2, 29, 2, 3, 4)
+    seg = jnp.stack([segments_from_lengths((29,)), segments_from_lengths((9, 20))])
+    w = jax.random.normal(jax.random.PRNGKey(8), s0.shape, jnp.float64)
+
+    def loss(fn, *a):
+        return jnp.sum(fn(*a) * w)
+
+    chunked = lambda k, v, g, b, s: chunk_kda_state(k, v, g, b, initial_state=s, segment_ids=seg, chunk_size=16)
+    recurrent = lambda k, v, g, b, s: naive_recurrent_kda(
+        k, k, v, g, b, initial_state=s, segment_ids=seg)[1]  # q does not reach the state
+    args = (k, v, g, beta, s0)
+    got = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=range(5)))(*args)
+    want = jax.jit(jax.grad(functools.partial(loss, recurrent), argnums=range(5)))(*args)
+    for name, a, b in zip(("k", "v", "g", "beta", "initial_state"), got, want):
+        _assert_close(a, b, f"d{name}")
