@@ -105,7 +105,9 @@ def biased_topk(
 
     The cutoff comes from the same top-(k+1) call as the route, so QB costs no extra sort.
     """
-    biased, ids = lax.top_k(scores + bias, k + 1)  # [T, k+1]
+    # The barrier keeps XLA:CPU from rewriting this TopK into a full sort of [T, E] when both
+    # outputs are sliced (measured 1.7 s vs 0.13 s per update at T=4096, E=896).
+    biased, ids = lax.optimization_barrier(lax.top_k(scores + bias, k + 1))  # [T, k+1]
     return ids[:, :k], biased[:, k]
 
 
@@ -194,13 +196,17 @@ def margin_histogram(
     the edge bins so that counts above every interior edge stay exact.
     """
     _check_hist_args(num_bins, margin_range)
-    rel = routing_margins(scores, bias, k, check_values=check_values)  # [T, E]
-    num_experts = scores.shape[1]
+    margins = routing_margins(scores, bias, k, check_values=check_values)  # [T, E]
+    return _bin_counts(margins, num_bins, margin_range)
+
+
+def _bin_counts(margins, num_bins, margin_range):
+    num_experts = margins.shape[1]
     lo, hi = margin_range
     # Bins are (e_i, e_{i+1}]: each token's (k+1)-th expert has a biased margin of exactly 0, so
     # with 0 on an edge the routed tokens (> 0) and these ties (= 0) never share a bin, and an
     # expert holding exactly q tokens reads its threshold at exactly 0 (its bias stays put).
-    bins = jnp.ceil((rel - lo) * (num_bins / (hi - lo))).astype(jnp.int32) - 1
+    bins = jnp.ceil((margins - lo) * (num_bins / (hi - lo))).astype(jnp.int32) - 1
     bins = jnp.clip(bins, 0, num_bins - 1) + jnp.arange(num_experts, dtype=jnp.int32) * num_bins
     hist = jnp.zeros(num_experts * num_bins, jnp.int32).at[bins.reshape(-1)].add(1)
     return hist.reshape(num_experts, num_bins)
@@ -300,14 +306,13 @@ def step_statistics(
     separate). For qb_exact, "margins" [T, E]: concatenate over micro-batches along T instead.
     """
     _check_router_inputs(scores, bias, k, check_values=False)
-    ids, _ = biased_topk(scores, bias, k)
+    ids, cutoff = biased_topk(scores, bias, k)  # one top-(k+1) for the loads and the margins
     stats = {"loads": expert_loads(ids, scores.shape[1])}
+    margins = scores + bias - cutoff[:, None]  # as routing_margins
     if cfg.method == "qb_hist":
-        stats["hist"] = margin_histogram(
-            scores, bias, k, num_bins=cfg.num_bins, margin_range=cfg.margin_range
-        )
+        stats["hist"] = _bin_counts(margins, cfg.num_bins, cfg.margin_range)
     elif cfg.method == "qb_exact":
-        stats["margins"] = routing_margins(scores, bias, k)
+        stats["margins"] = margins
     return stats
 
 
