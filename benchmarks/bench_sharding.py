@@ -13,6 +13,9 @@ Layouts (the tokens per step grow with the devices that split the batch):
 
 Run on the 2-GPU machine:
   PYTHONPATH=$PWD python3 benchmarks/bench_sharding.py --seq-len 65536
+EP strategies alone (a2a vs all-gather/reduce-scatter), e.g. on 8 fake CPU devices:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python3 \\
+      benchmarks/bench_sharding.py --ep-bench --f32 --iters 3
 CPU smoke run (no timing value):
   XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=$PWD python3 \\
       benchmarks/bench_sharding.py --preset tiny --seq-len 128 --iters 1 --warmup 1 --f32
@@ -98,6 +101,34 @@ def run_layout(name, mesh_axes, devices, model, cfg, boxed, variables, args):
     return tps / n
 
 
+def bench_ep(args):
+    """Time ``moe_ffn_ep`` fwd+bwd with each strategy on every device (expert axis = all of them)."""
+    from sharding.ep import moe_ffn_ep
+
+    n = len(jax.devices())
+    E, k, L, F, N = args.ep_shape
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    dt = jnp.float32 if args.f32 else jnp.bfloat16
+    x = jax.random.normal(keys[0], (N * n, L), dt)
+    logits = jax.random.normal(keys[1], (N * n, E))
+    _, ids = jax.lax.top_k(logits, k)
+    w = jax.nn.softmax(jnp.take_along_axis(logits, ids, 1), -1)
+    ws = [(0.05 * jax.random.normal(kk, s)).astype(dt) for kk, s in zip(keys[2:], [(E, L, F), (E, L, F), (E, F, L)])]
+    mesh = make_mesh(data=1, expert=n)
+    for strategy in ("a2a", "gather"):
+        with use_mesh(mesh, ep_strategy=strategy, ep_reserve=0.5):
+            loss = lambda x, w1: jnp.sum(moe_ffn_ep(x, ids, w, w1, ws[1], ws[2])[0].astype(jnp.float32))
+            f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+            jax.block_until_ready(f(x, ws[0]))
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                out = f(x, ws[0])
+            jax.block_until_ready(out)
+            ms = (time.perf_counter() - start) / args.iters * 1e3
+        print(f"ep {strategy:6s} E={E} k={k} L={L} F={F} tokens/device={N} devices={n}: {ms:.1f} ms fwd+bwd",
+              flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -109,7 +140,12 @@ def main():
     parser.add_argument("--remat", default="layer", choices=["none", "layer", "moe"])
     parser.add_argument("--f32", action="store_true", help="float32 compute (CPU smoke runs)")
     parser.add_argument("--layouts", default="1gpu,data_expert,sequence")
+    parser.add_argument("--ep-bench", action="store_true", help="only compare the EP strategies")
+    parser.add_argument("--ep-shape", type=int, nargs=5, default=[64, 8, 512, 512, 1024],
+                        metavar=("E", "K", "L", "F", "N"), help="experts, top-k, width, expert F, tokens/device")
     args = parser.parse_args()
+    if args.ep_bench:
+        return bench_ep(args)
 
     cfg = preset(args.preset)
     if args.f32:

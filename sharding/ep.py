@@ -104,7 +104,7 @@ def capacity(tokens: int, top_k: int, ep: int, reserve: float) -> int:
 def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, reserve, act, gmm):
     axis, ep = ctx.expert_axis, ctx.expert_size
     lead = x.shape[:-1]
-    x, ids, weights = x.reshape(-1, x.shape[-1]), ids.reshape(-1, ids.shape[-1]), weights.reshape(-1, ids.shape[-1])
+    x, ids, weights = (a.reshape(-1, a.shape[-1]) for a in (x, ids, weights))
     n, k = ids.shape
     tok_axes = ctx.token_axes
     shards = math.prod(ctx.axis_size(a) for a in tok_axes)
@@ -127,8 +127,11 @@ def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, rese
     return out.reshape(lead + out.shape[-1:]), {"ep_overflow": overflow, "ep_dropped": dropped}
 
 
-def _check(x, topk_ids, w1, ctx: ParallelConfig) -> None:
+def _check(x, topk_ids, topk_weights, w1, ctx: ParallelConfig) -> None:
     ep = ctx.expert_size
+    if topk_ids.shape[:-1] != x.shape[:-1] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must be [*N, k] with *N = x.shape[:-1] = {x.shape[:-1]}, "
+                         f"got {topk_ids.shape} and {topk_weights.shape}")
     if w1.shape[0] % ep:
         raise ValueError(
             f"num_experts={w1.shape[0]} must be divisible by the expert mesh axis size {ep}"
@@ -181,7 +184,7 @@ def moe_ffn_ep(
     reserve = ctx.ep_reserve if reserve is None else reserve
     if strategy not in ("a2a", "gather"):
         raise ValueError(f"strategy={strategy!r} must be 'a2a' or 'gather'")
-    _check(x, topk_ids, w1, ctx)
+    _check(x, topk_ids, topk_weights, w1, ctx)
     if x.ndim == 3:
         tok = (ctx.batch_axes or None, ctx.length_axes or None)
     else:
@@ -194,6 +197,6 @@ def moe_ffn_ep(
     body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
     stats_spec = {"ep_overflow": P(), "ep_dropped": P()}
     # check_vma=False: the kernels' internal zero-initialised carries are not typed as varying.
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
-                       out_specs=(tok_spec, stats_spec))
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
+                       in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec))
     return fn(x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)

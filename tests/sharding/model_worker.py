@@ -52,8 +52,8 @@ def main():
     cfg = dataclasses.replace(tiny(), dtype=jnp.float32)
     model = Transformer(cfg)
     tokens, seg = _batch()
-    boxed = model.init(jax.random.PRNGKey(0), tokens)
-    variables = nn.unbox(boxed)
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+    variables = jax.jit(lambda *a: nn.unbox(model.init(*a)))(jax.random.PRNGKey(0), tokens)
     logits_ref, grads_ref, stats_ref = _step(model)(variables, tokens, seg)
     loads_ref = _loads(stats_ref)
     out = {}
@@ -65,9 +65,11 @@ def main():
             logits, grads, stats = _step(model)(placed, tokens, seg)
         grad_err = jax.tree.map(rel_rmse, grads, grads_ref)
         loads = _loads(stats)
+        worst = max(jax.tree_util.tree_flatten_with_path(grad_err)[0], key=lambda kv: kv[1])
         out[name] = {
             "fwd": rel_rmse(logits, logits_ref),
-            "grad": max(jax.tree.leaves(grad_err)),
+            "grad": worst[1],
+            "worst_grad_leaf": jax.tree_util.keystr(worst[0]),
             "loads_equal": all(bool(jnp.all(loads[k] == loads_ref[k])) for k in loads_ref),
             "ep_dropped": sum(int(v) for k, v in jax.tree_util.tree_flatten_with_path(stats)[0]
                               if "ep_dropped" in jax.tree_util.keystr(k)),
@@ -76,9 +78,8 @@ def main():
     mesh = make_mesh(data=2, expert=4)
     init_sharded, _ = sharded_init(model.init, mesh, jax.random.PRNGKey(0), tokens)
     # Same key, same values: jit(init) on one device vs jit(init, out_shardings) on the mesh.
-    init_single = jax.jit(lambda *a: nn.unbox(model.init(*a)))(jax.random.PRNGKey(0), tokens)
-    out["sharded_init_equal"] = jax.tree.structure(init_sharded) == jax.tree.structure(init_single) and all(
-        bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(init_sharded), jax.tree.leaves(init_single)))
+    out["sharded_init_equal"] = jax.tree.structure(init_sharded) == jax.tree.structure(variables) and all(
+        bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(init_sharded), jax.tree.leaves(variables)))
     w1 = init_sharded["params"]["layers_1"]["moe"]["w1"]
     out["w1_shard_shape"] = list(w1.addressable_shards[0].data.shape)
     emit(out)
