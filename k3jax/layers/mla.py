@@ -105,7 +105,7 @@ def cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"],
     B, T, H = q_c.shape[:3]
     # Block 0 always holds a visible key (position 0), so the running max is finite from the start.
     init = (jnp.full((B, H, T), -jnp.inf, q_c.dtype), jnp.zeros((B, H, T), q_c.dtype), jnp.zeros_like(q_c))
-    num_blocks = jnp.max(last) // KEY_BLOCK + 1
+    num_blocks = jnp.minimum(jnp.max(last) // KEY_BLOCK + 1, S // KEY_BLOCK)  # rows past the cache see all of it
     m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     return acc / jnp.moveaxis(l, 1, 2)[..., None]
 
