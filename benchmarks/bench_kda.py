@@ -81,6 +81,21 @@ def ours():
     return fwd, fwdbwd, _jax_conv, jax_sync
 
 
+def ours_fused():
+    """Ours with the Mosaic GPU intra-chunk kernel (``prep="fused"``) instead of the XLA prep."""
+    from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
+
+    run = lambda q, k, v, g, b: chunk_kda_pallas(q, k, v, g, b, scale=q.shape[-1] ** -0.5, prep="fused")[0]
+    fwd = jax.jit(run)
+
+    @jax.jit
+    def fwdbwd(q, k, v, g, b, do):
+        loss = lambda *a: jnp.sum(run(*a).astype(jnp.float32) * do)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+
+    return fwd, fwdbwd, _jax_conv, jax_sync
+
+
 def _jax_conv(x, grad=False):
     return x
 
@@ -239,16 +254,16 @@ def time_shape(impls, shape, iters):
 
 def print_table(results, ceiling):
     print(f"\nbf16 matmul ceiling: {ceiling:.0f} TFLOP/s (fwd+bwd FLOPs counted as 3x forward)")
-    head = f"{'B,T,H,D':>18} {'impl':>5} {'fwd ms':>8} {'Mtok/s':>7} {'%TC':>5} {'f+b ms':>8} {'%TC':>5}"
+    head = f"{'B,T,H,D':>18} {'impl':>10} {'fwd ms':>8} {'Mtok/s':>7} {'%TC':>5} {'f+b ms':>8} {'%TC':>5}"
     print(head + "  ours/fla fwd, f+b   ours/jla fwd, f+b  (>1 = ours faster)")
     for key, row in results.items():
         B, T, H, D = map(int, key.split(","))
         fl = flops_forward(B, T, H, D)
         for name, r in row.items():
             f, fb = r.get("fwd", float("nan")), r.get("fwdbwd", float("nan"))
-            line = (f"{key:>18} {name:>5} {f:8.2f} {B * T / f / 1e3:7.1f} {100 * fl / f / 1e9 / ceiling:5.1f}"
+            line = (f"{key:>18} {name:>10} {f:8.2f} {B * T / f / 1e3:7.1f} {100 * fl / f / 1e9 / ceiling:5.1f}"
                     f" {fb:8.2f} {100 * 3 * fl / fb / 1e9 / ceiling:5.1f}")
-            if name == "ours":
+            if name.startswith("ours"):
                 for peer in ("fla", "jla"):
                     p = row.get(peer, {})
                     line += f"  {p.get('fwd', float('nan')) / f:5.2f}x {p.get('fwdbwd', float('nan')) / fb:5.2f}x"
@@ -260,11 +275,11 @@ def main():
     parser.add_argument("--out", default="bench_kda.json")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
-    parser.add_argument("--peers", default="ours,jla,fla")
+    parser.add_argument("--peers", default="ours,ours-fused,jla,fla")
     parser.add_argument("--breakdown", action="store_true", help="also time the XLA prep alone")
     parser.add_argument("--breakdown-block-v", default="", help="V blocks to time in the breakdown, e.g. 32,64")
     args = parser.parse_args()
-    factories = {"ours": ours, "jla": jla, "fla": fla}
+    factories = {"ours": ours, "ours-fused": ours_fused, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):
         try:

@@ -1,10 +1,12 @@
-"""Chunked Kimi Delta Attention on Hopper: XLA intra-chunk prep + a Mosaic GPU inter-chunk scan.
+"""Chunked Kimi Delta Attention on Hopper: intra-chunk prep + a Mosaic GPU inter-chunk scan.
 
 Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split in two:
 
-1. :func:`kernel_gpu_intra.prepare` (XLA, parallel over all chunks): the lower-bounded gate lets
-   each 16-token sub-tile use one causal anchor at its first row, so ``A_kk``/``A_qk`` are dense
-   matmuls; then the WY solve gives ``W, U`` and the decayed ``qg, kg, d``.
+1. Intra-chunk prep, parallel over all chunks: the lower-bounded gate lets each 16-token
+   sub-tile use one causal anchor at its first row, so ``A_kk``/``A_qk`` are dense matmuls; then
+   the WY solve gives ``W, U`` and the decayed ``qg, kg, d``. ``prep="xla"``
+   (:mod:`kernel_gpu_intra`, default) or ``prep="fused"`` (:mod:`kernel_gpu_prep`, one Mosaic GPU
+   kernel per chunk; its backward is autodiff of the XLA version).
 2. ``kda_scan_fwd`` (this module, Pallas Mosaic GPU): one warpgroup per (head, V block) walks the
    chunks in order with the fp32 state in registers and a bf16 copy in smem as the wgmma operand:
    ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk
@@ -17,7 +19,8 @@ Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pall
 since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,
 ``qg^T``, ``W^T``) and TMA directly, lowers fully on the CPU host (so layout errors are caught
 before the GPU) and runs under the CPU interpreter for the default tests. Only the Mosaic GPU path
-was built and measured (benchmarks/RESULTS.md); a Triton variant was not written.
+was written; the H200 measurements (benchmarks/RESULTS.md) are of ``prep="xla"``, whose XLA prep
+dominates the time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
+from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
+from pallas_kernels.kda.reference import segment_index
 from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
 from pallas_kernels.kda.kernel_gpu_util import smem as _smem
 
@@ -178,11 +183,16 @@ def chunk_kda_pallas(
     chunk_size: int = CHUNK,
     interpret: bool = False,
     block_v: int | None = None,
+    prep: str = "xla",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
-    ``block_v`` (None = by occupancy) is the V width of one scan program.
+    ``block_v`` (None = by occupancy) is the V width of one scan program. ``prep`` picks the
+    intra-chunk step: ``"xla"`` (:func:`kernel_gpu_intra.prepare`, the measured default) or
+    ``"fused"`` (the Mosaic GPU kernel of :mod:`kernel_gpu_prep`; backward through the XLA one).
     """
+    if prep not in ("xla", "fused"):
+        raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
             f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V multiples of 32 up to 128 and no "
@@ -190,7 +200,13 @@ def chunk_kda_pallas(
         )
     B, T_len, H, K = k.shape
     V = v.shape[-1]
-    w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK)
+    if prep == "fused" and (K % 64 or V % 64):
+        raise ValueError(f"prep='fused' needs K and V multiples of 64, got K={K}, V={V}")
+    if prep == "fused":
+        sidx = segment_index(segment_ids, B, T_len).astype(F32)
+        w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret))
+    else:
+        w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK)
     s0 = jnp.zeros((B * H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     out_dtype = BF16 if v.dtype == BF16 else F32
     bv = _block_v(V, B * H) if block_v is None else block_v

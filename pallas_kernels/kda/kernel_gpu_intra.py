@@ -87,13 +87,30 @@ def prepare(q, k, v, g, beta, *, scale: float, segment_ids, chunk: int):
 
     Shapes: w, qg, kg ``[B*H, Tp, K]``; u ``[B*H, Tp, V]``; aqk ``[B*H, Tp, C]``; d ``[B*H, N, K]``.
     """
+    B, T = k.shape[:2]
+    return prepare_from_index(q, k, v, g, beta, segment_index(segment_ids, B, T), scale=scale, chunk=chunk)
+
+
+def document_masks(sidx, chunk: int):
+    """Padded document index ``[B,N,C]`` and the per-row masks ``fresh``, ``to_end`` (bool ``[B,N,C]``)."""
+    B, T = sidx.shape
+    n = -(-T // chunk)
+    sprev = jnp.concatenate([jnp.zeros((B, 1), sidx.dtype), sidx[:, :-1]], axis=1)[:, ::chunk]
+    sidx = jnp.pad(sidx, [(0, 0), (0, n * chunk - T)], mode="edge").reshape(B, n, chunk)
+    fresh = sidx == sprev[..., None]  # row still sees the state entering the chunk
+    to_end = sidx == sidx[..., -1:]  # row's write survives to the chunk end
+    return sidx, fresh, to_end
+
+
+def prepare_from_index(q, k, v, g, beta, sidx, *, scale: float, chunk: int):
+    """:func:`prepare` with the running document index ``sidx [B,T]`` already computed."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = -(-T // chunk)
     pad = n * chunk - T
-    sidx = segment_index(segment_ids, B, T)
-    sprev = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), sidx[:, :-1]], axis=1)[:, ::chunk]
-    sidx = jnp.pad(sidx, [(0, 0), (0, pad)], mode="edge").reshape(B, 1, n, chunk)
+    sidx, fresh, to_end = document_masks(sidx, chunk)
+    sidx = sidx[:, None]  # [B,1,N,C]
+    fresh, to_end = fresh[:, None, ..., None], to_end[:, None, ..., None]  # [B,1,N,C,1]
     # Padded tokens (k = v = beta = g = 0) leave the state unchanged.
     padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g = (_head_major(padded(x), n, chunk) for x in (q, k, v, g))
@@ -107,13 +124,11 @@ def prepare(q, k, v, g, beta, *, scale: float, segment_ids, chunk: int):
     a_qk = jnp.where(causal, scale * a_qk, 0.0)
     a_kk = jnp.where(strict, b * a_kk, 0.0)
 
-    fresh = (sidx == sprev.reshape(B, 1, n, 1))[..., None]  # [B,1,N,C,1] row still sees S
     rhs = jnp.concatenate([b * v, jnp.where(fresh, b * k * jnp.exp(G), 0.0)], axis=-1)
     sol = _solve_unit_lower(a_kk, rhs, SUB)
     u, w = sol[..., :V], sol[..., V:]
 
     G_last = G[..., -1:, :]  # [B,H,N,1,K]
-    to_end = (sidx == sidx[..., -1:])[..., None]  # token j's write survives to the chunk end
     kg = jnp.where(to_end, k * jnp.exp(G_last - G), 0.0)
     qg = jnp.where(fresh, scale * q * jnp.exp(G), 0.0)
     d = jnp.where(fresh[..., -1:, :], jnp.exp(G_last), 0.0)[..., 0, :]  # [B,H,N,K]

@@ -28,11 +28,11 @@ def _inputs(seed, B, T, H, K, V, lengths, state=True):
     return (q, k, v, g, beta, s0), seg
 
 
-def _ours(interpret, seg, block_v=None):
+def _ours(interpret, seg, block_v=None, prep="xla"):
     def fn(q, k, v, g, beta, s0):
         scale = q.shape[-1] ** -0.5
-        return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=s0,
-                                segment_ids=seg, interpret=interpret, block_v=block_v)
+        return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=seg,
+                                interpret=interpret, block_v=block_v, prep=prep)
     return fn
 
 
@@ -84,20 +84,30 @@ def test_forward_matches_reference(interpret, B, T, H, K, V, lengths, state):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "B,T,H,K,V,lengths,block_v",
+    "B,T,H,K,V,lengths,block_v,prep",
     [
-        (1, 90, 1, 64, 64, (30, 1, 59), 32),  # documents + initial state, odd T
-        (1, 70, 1, 128, 128, None, 64),
+        (1, 90, 1, 64, 64, (30, 1, 59), 32, "xla"),  # documents + initial state, odd T
+        (1, 70, 1, 128, 128, None, 64, "fused"),  # the Mosaic GPU intra-chunk kernel
     ],
 )
-def test_gradients_match_reference(interpret, B, T, H, K, V, lengths, block_v):
+def test_gradients_match_reference(interpret, B, T, H, K, V, lengths, block_v, prep):
     args, seg = _inputs(1, B, T, H, K, V, lengths)
-    got = _grads(_ours(interpret, seg, block_v), args)
+    got = _grads(_ours(interpret, seg, block_v, prep), args)
     want = _grads(_reference(seg), args)
     for name, a, b in zip(ARG_NAMES, got, want):
         assert a.shape == b.shape, name
         err = rel_rmse(a, b)
         assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_fused_prep_forward_with_documents(interpret):
+    """The Mosaic GPU intra-chunk kernel: documents mid-chunk, K != V, initial state."""
+    args, seg = _inputs(5, 2, 150, 1, 64, 128, (5, 80, 1, 64))
+    o, S = jax.jit(_ours(interpret, seg, prep="fused"))(*args)
+    o_r, S_r = jax.jit(_reference(seg))(*args)
+    assert rel_rmse(o, o_r) <= BF16_FWD_RTOL, rel_rmse(o, o_r)
+    assert rel_rmse(S, S_r) <= BF16_FWD_RTOL, rel_rmse(S, S_r)
 
 
 def test_unsupported_inputs_are_refused():
@@ -108,6 +118,8 @@ def test_unsupported_inputs_are_refused():
     assert not supports(q, k, v, g, beta, chunk_size=32)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, chunk_size=32)
+    with pytest.raises(ValueError, match="prep"):
+        chunk_kda_pallas(q, k, v, g, beta, scale=1.0, prep="triton")
 
 
 @pytest.mark.gpu
