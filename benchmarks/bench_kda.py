@@ -261,12 +261,14 @@ def print_table(results, ceiling):
         fl = flops_forward(B, T, H, D)
         for name, r in row.items():
             f, fb = r.get("fwd", float("nan")), r.get("fwdbwd", float("nan"))
-            line = (f"{key:>18} {name:>10} {f:8.2f} {B * T / f / 1e3:7.1f} {100 * fl / f / 1e9 / ceiling:5.1f}"
-                    f" {fb:8.2f} {100 * 3 * fl / fb / 1e9 / ceiling:5.1f}")
+            tc = lambda flops, ms: 100 * flops / ms / 1e9 / ceiling
+            line = (f"{key:>18} {name:>10} {f:8.2f} {B * T / f / 1e3:7.1f} {tc(fl, f):5.1f}"
+                    f" {fb:8.2f} {tc(3 * fl, fb):5.1f}")
             if name.startswith("ours"):
                 for peer in ("fla", "jla"):
                     p = row.get(peer, {})
-                    line += f"  {p.get('fwd', float('nan')) / f:5.2f}x {p.get('fwdbwd', float('nan')) / fb:5.2f}x"
+                    pf, pfb = p.get("fwd", float("nan")), p.get("fwdbwd", float("nan"))
+                    line += f"  {pf / f:5.2f}x {pfb / fb:5.2f}x"
             print(line)
 
 
@@ -277,7 +279,7 @@ def main():
     parser.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
     parser.add_argument("--peers", default="ours,ours-fused,jla,fla")
     parser.add_argument("--breakdown", action="store_true", help="also time the XLA prep alone")
-    parser.add_argument("--breakdown-block-v", default="", help="V blocks to time in the breakdown, e.g. 32,64")
+    parser.add_argument("--breakdown-block-v", default="", help="V blocks to time, e.g. 32,64")
     args = parser.parse_args()
     factories = {"ours": ours, "ours-fused": ours_fused, "jla": jla, "fla": fla}
     impls = {}

@@ -97,7 +97,8 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
                 plgpu.copy_smem_to_gmem(sb, h_g.at[bh, pl.ds(c * K, K), vs])
             return S
 
-        S = pipelined_chunks(n, streams, bar, body, plgpu.load(s0_g.at[bh, :, vs], layout=WGMMA, optimized=False))
+        s0 = plgpu.load(s0_g.at[bh, :, vs], layout=WGMMA, optimized=False)  # once: no TMA needed
+        S = pipelined_chunks(n, streams, bar, body, s0)
         sT_g.at[bh, :, vs][...] = S
         plgpu.wait_smem_to_gmem(0)
 

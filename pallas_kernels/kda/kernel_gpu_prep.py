@@ -65,6 +65,47 @@ def _mma_split(a_hi, a_lo, b_hi, b_lo, shape):
     return pl.run_scoped(scope, plgpu.ACC(shape, F32))
 
 
+def _anchored_scores(q, k, G, anc_s, ops, col_vec):
+    """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same with k_i)`` [C, C], one causal anchor per tile."""
+    C, K = G.shape
+    opa, opb, opc = ops
+    r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+
+    def scope(acc_qk, acc_kk):
+        for t in range(C // SUB):
+            a = col_vec(anc_s.at[t])
+            in_t = (r >= t * SUB) & (r < (t + 1) * SUB)
+            ec = jnp.exp(jnp.where(r < (t + 1) * SUB, a - G, -jnp.inf))  # masked before exp
+            er = jnp.exp(jnp.where(in_t, G - a, 0.0))
+            opa[...] = _wg(jnp.where(in_t, q * er, 0.0).astype(BF16))
+            opb[...] = _wg(jnp.where(in_t, k * er, 0.0).astype(BF16))
+            opc[...] = _wg((k * ec).astype(BF16))
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_qk, opa, T(opc))
+            plgpu.wgmma(acc_kk, opb, T(opc))
+            plgpu.wgmma_wait(0)  # the next tile overwrites the operands
+        return acc_qk[...], acc_kk[...]
+
+    return pl.run_scoped(scope, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
+
+
+def _unit_lower_inverse(p, ri, cj, bufs):
+    """``(I - P)^{-1} = prod_{k<6} (I + P^{2^k})`` for strictly lower P [64, 64] (P^64 = 0)."""
+    xh, xl, ph, pl_ = bufs
+    C = p.shape[0]
+    x = _wg(jnp.where(ri == cj, 1.0, 0.0) + p)
+    for _ in range(C.bit_length() - 2):  # square P, then X <- X + X P
+        ph[...], pl_[...] = _split(p)
+        xh[...], xl[...] = _split(p)  # wgmma cannot read one ref as both operands
+        plgpu.commit_smem()
+        p = _wg(_mma_split(xh, xl, ph, pl_, (C, C)))
+        xh[...], xl[...] = _split(x)
+        ph[...], pl_[...] = _split(p)
+        plgpu.commit_smem()
+        x = _wg(x + _mma_split(xh, xl, ph, pl_, (C, C)))
+    return x
+
+
 def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
     """``(w, u, qg, kg, aqk)`` bf16, head-major like :func:`kernel_gpu_intra.prepare`.
 
@@ -90,44 +131,21 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
         G = plgpu.load(G_s, layout=WGMMA)
         q = plgpu.load(q_s, layout=WGMMA).astype(F32)
         k = plgpu.load(k_s, layout=WGMMA).astype(F32)
-        r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-        col_vec = lambda ref: _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, K), [1]))
-        row_vec = lambda i, n_cols: _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (C, n_cols), [0]))
 
-        def scores(acc_qk, acc_kk):
-            for t in range(nt):
-                a = col_vec(anc_s.at[t])
-                in_t = (r >= t * SUB) & (r < (t + 1) * SUB)
-                ec = jnp.exp(jnp.where(r < (t + 1) * SUB, a - G, -jnp.inf))  # masked before exp
-                er = jnp.exp(jnp.where(in_t, G - a, 0.0))
-                opa[...] = _wg(jnp.where(in_t, q * er, 0.0).astype(BF16))
-                opb[...] = _wg(jnp.where(in_t, k * er, 0.0).astype(BF16))
-                opc[...] = _wg((k * ec).astype(BF16))
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_qk, opa, T(opc))
-                plgpu.wgmma(acc_kk, opb, T(opc))
-                plgpu.wgmma_wait(0)  # the next tile overwrites the operands
-            return acc_qk[...], acc_kk[...]
+        def col_vec(ref, n_rows=C, n_cols=K):  # a [n_cols] smem row, repeated down the rows
+            return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (n_rows, n_cols), [1]))
 
-        a_qk, a_kk = pl.run_scoped(scores, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
+        def row_vec(i, n_cols):  # row i of the vector block, one value per token row
+            return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (C, n_cols), [0]))
+
+        a_qk, a_kk = _anchored_scores(q, k, G, anc_s, (opa, opb, opc), col_vec)
         ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-        seg_c = _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[SEG_T], layout=COL), (C, C), [1]))
-        same = row_vec(SEG, C) == seg_c
+        same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], n_cols=C)
         aqk = _wg(jnp.where((cj <= ri) & same, scale * a_qk, 0.0))
-        p = jnp.where((cj < ri) & same, -row_vec(BETA, C) * a_kk, 0.0)  # P = -L
+        p = _wg(jnp.where((cj < ri) & same, -row_vec(BETA, C) * a_kk, 0.0))  # P = -L
 
-        p = _wg(p)
-        x = _wg(jnp.where(ri == cj, 1.0, 0.0) + p)
-        for _ in range(5):  # X = prod (I + P^{2^k}): square P, then X <- X + X P
-            ph[...], pl_[...] = _split(p)
-            xh[...], xl[...] = _split(p)  # wgmma cannot read one ref as both operands
-            plgpu.commit_smem()
-            p = _wg(_mma_split(xh, xl, ph, pl_, (C, C)))
-            xh[...], xl[...] = _split(x)
-            ph[...], pl_[...] = _split(p)
-            plgpu.commit_smem()
-            x = _wg(x + _mma_split(xh, xl, ph, pl_, (C, C)))
+        x = _unit_lower_inverse(p, ri, cj, (xh, xl, ph, pl_))
 
         xh[...], xl[...] = _split(x)
         expG = jnp.exp(G)
