@@ -161,14 +161,11 @@ def _block_v(V: int, programs: int) -> int:
 
 def supports(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
              chunk_size=CHUNK, interpret=False) -> bool:
-    """Static check: chunk 64, K and V multiples of 32 up to 128, no float64."""
+    """Static check: chunk 64, K and V in {64, 128} (the tested tile shapes), no float64."""
     K, V = k.shape[-1], v.shape[-1]
     dtypes = [x.dtype for x in (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))]
-    return (
-        chunk_size == CHUNK
-        and K % 32 == 0 and V % 32 == 0 and K <= 128 and V <= 128
-        and all(dt != jnp.float64 for dt in dtypes)
-    )
+    tiles_ok = chunk_size == CHUNK and K in (64, 128) and V in (64, 128)
+    return tiles_ok and all(dt != jnp.float64 for dt in dtypes)
 
 
 def chunk_kda_pallas(
@@ -196,13 +193,11 @@ def chunk_kda_pallas(
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
-            f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V multiples of 32 up to 128 and no "
-            f"float64; got chunk_size={chunk_size}, K={k.shape[-1]}, V={v.shape[-1]}"
+            f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V in (64, 128) and no float64; "
+            f"got chunk_size={chunk_size}, K={k.shape[-1]}, V={v.shape[-1]}"
         )
     B, T_len, H, K = k.shape
     V = v.shape[-1]
-    if prep == "fused" and (K % 64 or V % 64):
-        raise ValueError(f"prep='fused' needs K and V multiples of 64, got K={K}, V={V}")
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret))

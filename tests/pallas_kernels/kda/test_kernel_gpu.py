@@ -115,6 +115,7 @@ def test_unsupported_inputs_are_refused():
     q, k, v, g, beta, s0 = args
     assert supports(q, k, v, g, beta)
     assert not supports(q, k, v[..., :48], g, beta)
+    assert not supports(q, k, v[..., :32], g, beta)
     assert not supports(q, k, v, g, beta, chunk_size=32)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, chunk_size=32)
