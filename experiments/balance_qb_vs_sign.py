@@ -58,6 +58,8 @@ class SimConfig:
     weight_drift: float = 0.0  # per-step random-walk std of W (token-level churn, logit units)
     fresh_tokens: bool = True
     seed: int = 0
+    num_bins: int = balance.BalanceConfig.num_bins  # qb_hist histogram
+    margin_range: tuple[float, float] = balance.BalanceConfig.margin_range
 
 
 def get_config(steps=250, tokens_896=4096, tokens_64=16384, drift=1e-3) -> dict[str, SimConfig]:
@@ -78,16 +80,16 @@ def get_config(steps=250, tokens_896=4096, tokens_64=16384, drift=1e-3) -> dict[
 def simulate(sim: SimConfig, method: str) -> dict[str, jax.Array]:
     """Per-step load metrics of `method` on the simulated router (one lax.scan over steps)."""
     shape = (sim.num_experts, sim.k, sim.tokens, sim.steps, sim.rank)
+    cfg = balance.BalanceConfig(method, num_bins=sim.num_bins, margin_range=sim.margin_range)
     knobs = jnp.array([sim.skew, sim.drift, sim.weight_drift, float(sim.fresh_tokens)])
-    return _simulate(shape, method, knobs, sim.seed)
+    return _simulate(shape, cfg, knobs, sim.seed)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "method"))
-def _simulate(shape, method, knobs, seed):
-    # Only shapes and the method are static, so the three regimes share one compilation.
+@functools.partial(jax.jit, static_argnames=("shape", "cfg"))
+def _simulate(shape, cfg, knobs, seed):
+    # Only shapes and the balancing config are static: the three regimes share one compilation.
     num_experts, k, tokens, steps, rank = shape
     skew, drift, weight_drift, fresh = knobs
-    cfg = balance.BalanceConfig(method=method)
     kx, kw, kp, kwalk = jax.random.split(jax.random.PRNGKey(seed), 4)
     x0 = jax.random.normal(kx, (tokens, rank))
     w0 = jax.random.normal(kw, (num_experts, rank))

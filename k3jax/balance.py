@@ -47,13 +47,16 @@ class BalanceConfig:
     `margin_range` is the range of the histogram of *biased* margins `s_ij + b_j − c_i` (the margin
     relative to the current bias, whose quantile is 0 once balanced). Values outside it are
     clipped into the edge bins, so one update moves a bias by at most ~max(|lo|, |hi|): the range
-    doubles as a trust region. [ours] 512 bins over (−0.5, 0.5): bin width 1/512 ≈ 0.002 in
-    sigmoid-score units (SPEC §6 leaves range and bin count open).
+    doubles as a trust region. [ours] 512 bins over (−1/8, 1/8): bin width 2^-11 in sigmoid-score
+    units (SPEC §6 leaves range and bin count open). In experiments/balance_qb_vs_sign.py (E=896,
+    k=16, 4096 fixed tokens) a bin width of 2^-9 left the load CV at 0.017 against 0.005 for exact
+    QB; widths of 0.0004–0.0005 gave 0.011. 0 must be a bin edge (lo < 0 < hi, −lo a whole
+    number of bins).
     """
 
     method: Method = "qb_hist"
     num_bins: int = 512
-    margin_range: tuple[float, float] = (-0.5, 0.5)
+    margin_range: tuple[float, float] = (-0.125, 0.125)
     sign_rate: float = 1e-3
 
     def __post_init__(self):
@@ -64,12 +67,21 @@ class BalanceConfig:
             raise ValueError(f"{self.sign_rate=} must be a finite number >= 0")
 
 
-def _check_hist_args(num_bins, margin_range):
-    if not isinstance(num_bins, int) or num_bins < 2:
+def _check_hist_args(num_bins, margin_range) -> tuple[float, int]:
+    """(bin width, index of the bin edge at 0) after checking the histogram arguments."""
+    if not isinstance(num_bins, (int, np.integer)) or num_bins < 2:
         raise ValueError(f"num_bins={num_bins!r} must be an int >= 2")
     lo, hi = margin_range
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise ValueError(f"margin_range={margin_range!r} must be finite (lo, hi) with lo < hi")
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < 0 < hi):
+        raise ValueError(f"margin_range={margin_range!r} must be finite (lo, hi) with lo < 0 < hi")
+    width = (hi - lo) / num_bins
+    zero_edge = round(-lo / width)
+    if abs(-lo / width - zero_edge) > 1e-6:
+        raise ValueError(
+            f"margin_range={margin_range!r} with num_bins={num_bins} must put 0 on a bin edge "
+            "(e.g. symmetric with an even num_bins)"
+        )
+    return width, zero_edge
 
 
 def _check_router_inputs(scores, bias, k, check_values):
@@ -105,10 +117,11 @@ def biased_topk(
 
     The cutoff comes from the same top-(k+1) call as the route, so QB costs no extra sort.
     """
-    # The barrier keeps XLA:CPU from rewriting this TopK into a full sort of [T, E] when both
-    # outputs are sliced (measured 1.7 s vs 0.13 s per update at T=4096, E=896).
-    biased, ids = lax.optimization_barrier(lax.top_k(scores + bias, k + 1))  # [T, k+1]
-    return ids[:, :k], biased[:, k]
+    biased, ids = lax.top_k(scores + bias, k + 1)  # [T, k+1]
+    # Without the barrier XLA:CPU turns this TopK into a full sort of [T, E] once the ids feed a
+    # scatter (the loads) and the values the margins: 1.7 s vs 0.2 s per QB update at T=4096,
+    # E=896. A barrier on the (values, ids) pair instead crashes XLA under shard_map.
+    return lax.optimization_barrier(ids)[:, :k], biased[:, k]
 
 
 def expert_loads(ids: Int[Array, "T k"], num_experts: int) -> Int[Array, "E"]:
@@ -188,7 +201,7 @@ def margin_histogram(
 ) -> Int[Array, "E nbins"]:
     """Per-expert counts of biased margins `s_ij + b_j − c_i` over `num_bins` equal bins.
 
-    Choose `margin_range` so that 0 is a bin edge (e.g. symmetric with an even `num_bins`).
+    `margin_range` must put 0 on a bin edge (e.g. symmetric with an even `num_bins`).
 
     Binning relative to the current bias keeps the fixed range centred on where the quantile lives
     (0 once balanced) for every expert, whatever its bias. The statistic is additive: sum it over
@@ -202,11 +215,12 @@ def margin_histogram(
 
 def _bin_counts(margins, num_bins, margin_range):
     num_experts = margins.shape[1]
-    lo, hi = margin_range
-    # Bins are (e_i, e_{i+1}]: each token's (k+1)-th expert has a biased margin of exactly 0, so
-    # with 0 on an edge the routed tokens (> 0) and these ties (= 0) never share a bin, and an
-    # expert holding exactly q tokens reads its threshold at exactly 0 (its bias stays put).
-    bins = jnp.ceil((margins - lo) * (num_bins / (hi - lo))).astype(jnp.int32) - 1
+    width, zero_edge = _check_hist_args(num_bins, margin_range)
+    # Bins are (e_i, e_{i+1}] with e_i = (i − zero_edge)·w: each token's (k+1)-th expert has a
+    # margin of exactly 0, so with 0 on an edge the routed tokens (> 0) and these ties (= 0) never
+    # share a bin, and an expert holding exactly q tokens reads its threshold at exactly 0 (its
+    # bias stays put). Anchoring at 0 (not lo) keeps that exact whatever rounding lo has.
+    bins = jnp.ceil(margins * (1.0 / width)).astype(jnp.int32) - 1 + zero_edge
     bins = jnp.clip(bins, 0, num_bins - 1) + jnp.arange(num_experts, dtype=jnp.int32) * num_bins
     hist = jnp.zeros(num_experts * num_bins, jnp.int32).at[bins.reshape(-1)].add(1)
     return hist.reshape(num_experts, num_bins)
@@ -235,19 +249,18 @@ def histogram_thresholds(
         |θ'_hist − θ'_exact| ≤ w + (m_(n) − m_(n+1)) / 2.
     Counts are int32 (exact); q and the in-bin offset are fp32, exact below 2^24 tokens.
     """
-    _check_hist_args(hist.shape[-1], margin_range)
+    width, zero_edge = _check_hist_args(hist.shape[-1], margin_range)
     num_experts, num_bins = hist.shape
     if not isinstance(k, (int, np.integer)) or not 1 <= k < num_experts:
         raise ValueError(f"k={k!r} must be an int with 1 <= k < E={num_experts}")
-    lo, hi = margin_range
-    width = (hi - lo) / num_bins
     q = k * jnp.asarray(total_tokens, jnp.float32) / num_experts
     above = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]  # [E, nbins]: G_i = count in bins >= i
     i = jnp.clip(jnp.sum(above.astype(jnp.float32) > q, axis=1) - 1, 0, num_bins - 1)  # [E]
     count = jnp.take_along_axis(hist, i[:, None], axis=1)[:, 0]
     above_next = jnp.take_along_axis(above, i[:, None], axis=1)[:, 0] - count
     frac = (q - above_next.astype(jnp.float32)) / jnp.maximum(count, 1).astype(jnp.float32)
-    return lo + (i + 1).astype(jnp.float32) * width - jnp.clip(frac, 0.0, 1.0) * width
+    upper_edge = (i + 1 - zero_edge).astype(jnp.float32) * width
+    return upper_edge - jnp.clip(frac, 0.0, 1.0) * width
 
 
 def bias_from_histogram(
