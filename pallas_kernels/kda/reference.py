@@ -94,6 +94,7 @@ def naive_recurrent_kda(
 
 
 SUB_TILE = 16  # rows per intra-chunk tile (chunks that are not a multiple use one dense tile)
+PREPARE_GROUP = 16  # chunks prepared at once
 
 
 def _intra_scores(xs, k, G, sub: int):
@@ -122,11 +123,12 @@ def _intra_scores(xs, k, G, sub: int):
     return scores
 
 
-def _chunk_step(S, xs, *, scale: float, with_output: bool):
-    """One chunk of the WY-form delta rule (SPEC §2): returns ``(S_next, o_chunk or None)``.
+def _chunk_prepare(xs, *, scale: float, with_output: bool):
+    """Everything of one chunk that does not depend on its entering state (SPEC §2, WY form).
 
     Inputs are head-major ``[B,H,C,·]``; ``sidx [B,C]`` is the document index and ``sprev [B]``
-    the document index of the token before the chunk (the one ``S`` belongs to).
+    the document index of the token before the chunk (the one the entering state belongs to).
+    Returns ``(w, u, k_end, s_decay, q_dec, a_qk)`` (the last two None without output).
     """
     q, k, v, g, beta, sidx, sprev = xs
     C = g.shape[-2]
@@ -134,7 +136,7 @@ def _chunk_step(S, xs, *, scale: float, with_output: bool):
     same = sidx[:, :, None] == sidx[:, None, :]  # [B,C,C]
     causal = same & jnp.tril(jnp.ones((C, C), bool))
     strict = causal & ~jnp.eye(C, dtype=bool)
-    fresh = (sidx == sprev[:, None])[:, None, :, None]  # [B,1,C,1]: S still reaches token i
+    fresh = (sidx == sprev[:, None])[:, None, :, None]  # [B,1,C,1]: the state still reaches token i
     sub = SUB_TILE if C % SUB_TILE == 0 else C
     scores = _intra_scores((k, scale * q) if with_output else (k,), k, G, sub)
     a_kk = jnp.where(strict[:, None], beta[..., None] * scores[0], 0.0)
@@ -142,21 +144,25 @@ def _chunk_step(S, xs, *, scale: float, with_output: bool):
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * jnp.exp(G) * fresh], axis=-1)
     sol = jsl.solve_triangular(eye + a_kk, rhs, lower=True, unit_diagonal=True)
     u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1] :]
-    v_new = u - _einsum("BHCK,BHKV->BHCV", w, S)  # [B,H,C,V]
-
-    o = None
-    if with_output:
-        a_qk = jnp.where(causal[:, None], scores[1], 0.0)
-        o = _einsum("BHCK,BHKV->BHCV", scale * q * jnp.exp(G) * fresh, S)
-        o = o + _einsum("BHIJ,BHJV->BHIV", a_qk, v_new)
 
     G_last = G[:, :, -1, :]  # [B,H,K]
     to_end = (sidx == sidx[:, -1:])[:, None, :, None]  # [B,1,C,1]: token j's write survives
     k_end = jnp.where(to_end, k * jnp.exp(G_last[:, :, None, :] - G), 0.0)
-    keep = fresh[:, :, -1, :, None]  # [B,1,1,1]
-    S_next = jnp.where(keep, S * jnp.exp(G_last)[..., None], 0.0)
-    S_next = S_next + _einsum("BHCK,BHCV->BHKV", k_end, v_new)
-    return S_next, o
+    s_decay = jnp.where(fresh[:, :, -1], jnp.exp(G_last), 0.0)  # [B,H,K]
+    if not with_output:
+        return w, u, k_end, s_decay, None, None
+    q_dec = scale * q * jnp.exp(G) * fresh
+    return w, u, k_end, s_decay, q_dec, jnp.where(causal[:, None], scores[1], 0.0)
+
+
+def _chunk_carry(S, prepared):
+    """The only sequential part: ``v_new = u - w S``, the output, and the next state."""
+    w, u, k_end, s_decay, q_dec, a_qk = prepared
+    v_new = u - _einsum("BHCK,BHKV->BHCV", w, S)  # [B,H,C,V]
+    S_next = s_decay[..., None] * S + _einsum("BHCK,BHCV->BHKV", k_end, v_new)
+    if q_dec is None:
+        return S_next, None
+    return S_next, _einsum("BHCK,BHKV->BHCV", q_dec, S) + _einsum("BHIJ,BHJV->BHIV", a_qk, v_new)
 
 
 def _to_chunks(x, n_chunks: int, chunk: int, dt):
@@ -183,9 +189,11 @@ def _chunk_scan(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_si
     xs.append(jnp.moveaxis(sidx.reshape(B, n, chunk_size), 1, 0))  # [N,B,C]
     xs.append(jnp.moveaxis(sprev[:, ::chunk_size], 1, 0))  # [N,B]
 
-    # Recompute each chunk in the backward pass: only the carried state is stored per chunk.
-    step = jax.checkpoint(functools.partial(_chunk_step, scale=scale, with_output=with_output))
-    S, o = lax.scan(step, _zero_state(B, H, K, V, initial_state, dt), tuple(xs))
+    # Chunks are prepared in parallel, PREPARE_GROUP at a time to bound the pairwise-decay memory,
+    # and recomputed in the backward pass; only the state recursion is a scan.
+    prepare = jax.checkpoint(functools.partial(_chunk_prepare, scale=scale, with_output=with_output))
+    prepared = lax.map(prepare, tuple(xs), batch_size=min(n, PREPARE_GROUP))
+    S, o = lax.scan(_chunk_carry, _zero_state(B, H, K, V, initial_state, dt), prepared)
     if with_output:
         o = jnp.moveaxis(o, 0, 1)  # [B,N,H,C,V]
         o = jnp.moveaxis(o, 2, 3).reshape(B, n * chunk_size, H, V)[:, :T]
