@@ -183,7 +183,8 @@ def chunk_kda(
     q, k must already be L2-normalised; g is the per-channel log-decay (fp32, ``<= 0``); beta in
     (0, 1). ``o`` has ``v.dtype``; the final state is fp32 (float64 for float64 inputs).
     ``segment_ids`` (None = one document per row): a change of id at t zeroes the state before
-    token t; ``initial_state`` enters token 0.
+    token t; ``initial_state`` enters token 0. ``scale`` is a Python number (default ``K**-0.5``).
+    ``interpret`` runs a Pallas kernel in its interpreter on any host (True = the TPU kernel).
     """
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
