@@ -12,7 +12,6 @@ import enum
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from k3jax.balance import BalanceConfig
 
@@ -59,6 +58,15 @@ class KDAConfig:
                  f"output_gate_rank={self.output_gate_rank!r} must be > 0 or None (full rank)")
         _require(self.implementation in _IMPLEMENTATIONS,
                  f"implementation={self.implementation!r} must be one of {_IMPLEMENTATIONS}")
+        _require(not (self.implementation == "pallas" and self.gate_lower_bound is None),
+                 "implementation='pallas' needs gate_lower_bound < 0: the kernels assume the bounded "
+                 "gate (SPEC §2); the softplus gate runs on the XLA path")
+
+    @property
+    def scan_implementation(self) -> str | None:
+        """The chunk-scan path: the Pallas kernels rely on the lower-bounded gate, so the unbounded
+        softplus gate always takes the XLA path."""
+        return "xla" if self.gate_lower_bound is None else self.implementation
 
     @property
     def decay_rank(self) -> int:
@@ -399,6 +407,3 @@ def from_hf_config(config: dict | str) -> ModelConfig:
 
     return _from_hf(config)
 
-
-def dtype_name(dtype) -> str:
-    return np.dtype(dtype).name

@@ -127,7 +127,7 @@ class KDA(nn.Module):
         g = self._log_decay(x)  # [B, T, H, K]
         dt = cfg.compute_dtype
         kda_args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta)
-        kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.implementation,
+        kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.scan_implementation,
                           chunk_size=c.chunk_size)
         if cache is not None:
             o, cache = self._continue(kda_args, cache, valid, jnp.stack(tails))
@@ -153,5 +153,5 @@ class KDA(nn.Module):
             o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
         else:  # prefill: the chunked kernel from the cached state
             o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=cache.state, output_final_state=True,
-                                 implementation=c.implementation, chunk_size=c.chunk_size)
+                                 implementation=c.scan_implementation, chunk_size=c.chunk_size)
         return o, cache.replace(state=state.astype(cache.state.dtype), conv=tails.astype(cache.conv.dtype))
