@@ -99,6 +99,22 @@ def test_exact_reaches_balance_within_20_updates(num_experts, k):
     assert loads.max() / loads.min() <= 1.1, (loads.max(), loads.min())
 
 
+def test_hist_with_default_config_reaches_balance_within_20_updates():
+    cfg, k = balance.BalanceConfig(), 8
+    scores = _skewed_scores(jax.random.PRNGKey(0), 16384, 64)
+
+    @jax.jit
+    def run(scores):
+        update = functools.partial(
+            balance.quantile_bias_hist, k=k, num_bins=cfg.num_bins, margin_range=cfg.margin_range
+        )
+        bias = jax.lax.fori_loop(0, 20, lambda _, b: update(scores, b), jnp.zeros(64))
+        return balance.expert_loads(balance.biased_topk(scores, bias, k)[0], 64)
+
+    loads = np.asarray(run(scores))
+    assert loads.max() / loads.min() <= 1.1, (loads.max(), loads.min())
+
+
 @pytest.mark.parametrize("num_experts,k", [(64, 8), (896, 16)])
 def test_each_update_admits_exactly_n_tokens(num_experts, k):
     """Given the cutoffs an update was computed from, every expert's threshold admits n tokens."""
@@ -214,8 +230,16 @@ def test_bad_input_raises_value_error():
         balance.BalanceConfig(num_bins=1)
     with pytest.raises(ValueError, match="margin_range"):
         balance.quantile_bias_hist(scores, bias, 1, num_bins=8, margin_range=(1.0, -1.0))
+    with pytest.raises(ValueError, match="0 on a bin edge"):
+        balance.BalanceConfig(num_bins=4, margin_range=(-0.25, 0.5))
+    with pytest.raises(ValueError, match="lo < 0 < hi"):
+        balance.margin_histogram(scores, bias, 1, num_bins=8, margin_range=(0.1, 0.5))
     with pytest.raises(ValueError, match="method"):
         balance.BalanceConfig(method="aux_loss")
+    with pytest.raises(ValueError, match="qb_exact"):
+        cfg = balance.BalanceConfig(method="qb_exact")
+        stats = balance.step_statistics(cfg, scores, bias, 1)
+        balance.update_bias(cfg, bias, stats, 1, axis_names=("data",))
     with pytest.raises(ValueError, match=r"scores must have shape \[T, E\]"):
         balance.quantile_bias_exact(jnp.zeros((2, 8, 4)), bias, 1)
     with pytest.raises(ValueError, match=r"bias must have shape \[E\]"):
