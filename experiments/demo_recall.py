@@ -23,9 +23,9 @@ def get_config() -> TrainConfig:
         base,
         model=tiny(),
         data=DataConfig(source="recall", seed=0,
-                        recall=RecallConfig(num_pairs=8, num_queries=8, num_keys=64, num_values=64)),
-        optimizer=dataclasses.replace(base.optimizer, learning_rate=3e-3),
+                        recall=RecallConfig(num_pairs=4, num_queries=4, num_keys=16, num_values=16)),
+        optimizer=dataclasses.replace(base.optimizer, learning_rate=1e-2),
         schedule=ScheduleConfig(kind="cosine", warmup_fraction=0.05, final_lr_ratio=0.1),
         checkpoint=CheckpointConfig(dir="runs/demo_recall/checkpoints", every_steps=100, keep_last=2, keep_best=1),
-        steps=400, batch_size=32, seq_len=48, log_every=20, log_dir="runs/demo_recall",
+        steps=300, batch_size=32, seq_len=32, log_every=10, log_dir="runs/demo_recall",
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.train.config import TrainConfig
@@ -72,6 +71,27 @@ def _axes_size(mesh, names) -> int:
     return n
 
 
+def mirror_shardings(opt_state: Any, params: Any, param_shardings: Any, default) -> Any:
+    """A sharding per optimizer-state leaf: its parameter's where the leaf's key path ends in that
+    parameter's path with the same shape (moments), ``default`` otherwise (counters).
+
+    (``optax.tree_utils.tree_map_params`` cannot be used: Muon's labels depend on the params' structure.)
+    """
+    by_path = {}
+    for (path, leaf), (_, sh) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                     jax.tree_util.tree_flatten_with_path(param_shardings)[0]):
+        by_path[tuple(path)] = (tuple(leaf.shape), sh)
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            hit = by_path.get(tuple(path[start:]))
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
 def state_and_batch_shardings(trainer, mesh) -> dict[str, Any]:
     """``{"state": TrainState of NamedShardings, "batch": …, "replicated": …}`` for ``trainer``."""
     import sharding
@@ -81,9 +101,8 @@ def state_and_batch_shardings(trainer, mesh) -> dict[str, Any]:
     replicated = NamedSharding(mesh, PartitionSpec())
     params = sharding.shardings_for(trainer.abstract["params"], _specs(trainer.axes["params"]), mesh, rules)
     balance = sharding.shardings_for(trainer.abstract["balance"], _specs(trainer.axes["balance"]), mesh, rules)
-    abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract["params"])
-    opt = optax.tree_utils.tree_map_params(trainer.tx, lambda _, s: s, abstract_opt, params,
-                                           transform_non_params=lambda _: replicated)
+    opt = mirror_shardings(jax.eval_shape(trainer.tx.init, trainer.abstract["params"]),
+                           trainer.abstract["params"], params, replicated)
     state = TrainState(step=replicated, params=params, opt_state=opt, balance=balance,
                        nonfinite_streak=replicated, nonfinite_total=replicated)
     batch = NamedSharding(mesh, sharding.rules.spec(rules, "batch", "length"))

@@ -100,9 +100,10 @@ class Trainer:
 
     def init_state(self, rng: jax.Array) -> TrainState:
         """A fresh state (sharded on the mesh when there is one)."""
+        # Traced outside the parallel context: init runs the model on one short row, which the
+        # expert- and context-parallel paths would reject; parameters land sharded all the same.
         out = None if self.shardings is None else self.shardings["state"]
-        with self._context():
-            return jax.jit(self._init, out_shardings=out)(rng)
+        return jax.jit(self._init, out_shardings=out)(rng)
 
     def abstract_state(self) -> TrainState:
         """``ShapeDtypeStruct`` tree of the state (with shardings on a mesh): the restore target."""
