@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from k3jax.config import LayerKind, ModelConfig
-from k3jax.layers.mla import KEY_BLOCK
+from k3jax.layers import mla
 
 
 @flax.struct.dataclass
@@ -47,9 +47,9 @@ class Cache:
 
 def cache_length(max_len: int) -> int:
     """The allocated MLA length: ``max_len``, rounded up to whole key blocks when longer than one."""
-    if max_len <= KEY_BLOCK:
+    if max_len <= mla.KEY_BLOCK:
         return max_len
-    return -(-max_len // KEY_BLOCK) * KEY_BLOCK
+    return -(-max_len // mla.KEY_BLOCK) * mla.KEY_BLOCK
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, *, dtype=None) -> Cache:

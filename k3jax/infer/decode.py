@@ -27,22 +27,43 @@ def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"],
     return out, Cache(layers=layers, lengths=cache.lengths + consumed)
 
 
+def head(variables: dict, cfg: ModelConfig, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+    """Final norm and output head on final-norm inputs (``return_hidden``'s hidden)."""
+    return Transformer(cfg).apply(variables, hidden, method=lambda m, h: m.logits(m.final_norm(h)))
+
+
 def prefill(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
             cache: Cache, *, chunk: int = 2048) -> tuple[Float[Array, "B V"], Cache]:
     """Feed right-padded prompts (row b: ``tokens[b, :lengths[b]]``) into ``cache`` chunk by chunk.
 
     Returns the logits after each row's last prompt token and the filled cache. Rows may be empty
-    (``lengths[b] = 0``): their logits are zero and their cache untouched.
+    (``lengths[b] = 0``): their logits are zero and their cache untouched. The chunks run in a
+    ``lax.scan``, so one chunk's program is compiled whatever the prompt length.
     """
     B, T = tokens.shape
-    last = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-    for start in range(0, T, chunk):
-        piece = tokens[:, start:start + chunk]
+    chunks = chunked(tokens, chunk)  # [N, B, C]
+
+    def body(carry, piece):
+        cache, last, start = carry
         n = jnp.clip(lengths - start, 0, piece.shape[1]).astype(jnp.int32)  # real tokens of each row here
-        logits, cache = forward_cached(variables, cfg, piece, cache, num_new=n)
-        at = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, V]
-        last = jnp.where((n > 0)[:, None], at.astype(jnp.float32), last)
+        # Only the rows' last positions need the head: the full [B, C, V] logits are never used (DCE).
+        (_, hidden, _), cache = forward_cached(variables, cfg, piece, cache, num_new=n, return_hidden=True)
+        at = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
+        last = jnp.where((n > 0)[:, None], head(variables, cfg, at)[:, 0].astype(jnp.float32), last)
+        return (cache, last, start + piece.shape[1]), None
+
+    last = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    (cache, last, _), _ = jax.lax.scan(body, (cache, last, jnp.int32(0)), chunks)
     return last, cache
+
+
+def chunked(tokens: Int[Array, "B T"], chunk: int) -> Int[Array, "N B C"]:
+    """``tokens`` zero-padded to whole chunks of ``min(chunk, T)`` and split along T (scan-major)."""
+    B, T = tokens.shape
+    C = min(chunk, T)
+    N = -(-T // C)
+    padded = jnp.pad(tokens, ((0, 0), (0, N * C - T)))
+    return jnp.moveaxis(padded.reshape(B, N, C), 1, 0)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:

@@ -16,6 +16,8 @@ Training (``train_draft``): the target frozen, a 7-step unroll on
 
 from __future__ import annotations
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -167,17 +169,18 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, s
     return step
 
 
-def train_draft(variables: dict, cfg: ModelConfig, batches, *, num_steps: int, learning_rate: float = 1e-3,
+def train_draft(variables: dict, cfg: ModelConfig, batches, *, num_steps: int | None, learning_rate: float = 1e-3,
                 seed: int = 0, steps: int = UNROLL, log=None) -> dict:
-    """Train a fresh draft for ``num_steps`` on ``batches`` (an iterator of ``[B,T]`` token arrays)."""
-    if not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f"num_steps={num_steps!r} must be an int >= 0")
+    """Train a fresh draft on ``batches`` (an iterator of ``[B,T]`` token arrays) for ``num_steps``
+    steps, or until the iterator ends when ``num_steps`` is None."""
+    if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 0):
+        raise ValueError(f"num_steps={num_steps!r} must be None or an int >= 0")
     params = init_draft(cfg, jax.random.key(seed))
     optimizer = optax.adamw(learning_rate, weight_decay=0.0)
     opt_state = optimizer.init(params)
     train_step = make_train_step(cfg, optimizer, steps)
-    for i in range(num_steps):
-        params, opt_state, loss, rates = train_step(params, opt_state, variables, jnp.asarray(next(batches)))
+    for i, tokens in enumerate(batches if num_steps is None else itertools.islice(batches, num_steps)):
+        params, opt_state, loss, rates = train_step(params, opt_state, variables, jnp.asarray(tokens))
         if log is not None:
             log(i, float(loss), [float(r) for r in rates])
     return params

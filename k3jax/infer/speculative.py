@@ -24,7 +24,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import MLACache, cache_length, init_cache
-from k3jax.infer.decode import check_sampling, forward_cached, warp
+from k3jax.infer.decode import check_sampling, chunked, forward_cached, warp
 from k3jax.infer.draft import Draft, draft_features, embed, target_head
 from k3jax.infer.generate import DONE, as_variables, check_prompts, check_stop_tokens
 
@@ -65,22 +65,26 @@ def _prefill(variables, draft_params, cfg, tokens, lengths, t_cache, d_cache, ch
     """Target over ``t_0..t_{n-2}``, draft over positions ``0..n-3``; returns the caches and the
     pending draft input (features at ``n-2``)."""
     B, T = tokens.shape
-    D = cfg.hidden
-    ext = jnp.concatenate([tokens, jnp.zeros((B, 1), tokens.dtype)], axis=1)
-    pend = jnp.zeros((B, 3, D), cfg.compute_dtype)
-    for s in range(0, T - 1, chunk):
-        piece = ext[:, s:min(s + chunk, T - 1)]
+    targets, nexts = chunked(tokens[:, :-1], chunk), chunked(tokens[:, 1:], chunk)  # [N, B, C] each
+
+    def body(carry, pieces):
+        t_cache, d_cache, pend, s = carry
+        piece, nxt = pieces
         C = piece.shape[1]
         n_t = jnp.clip(lengths - 1 - s, 0, C)
-        (_, hidden, blocks), t_cache = forward_cached(variables, cfg, piece, t_cache, num_new=n_t, return_hidden=True)
+        (_, hidden, blocks), t_cache = forward_cached(variables, cfg, piece, t_cache, num_new=n_t,
+                                                      return_hidden=True)
         feats = draft_features(cfg, hidden, blocks)  # [B, C, 3, D]
-        n_d = jnp.clip(lengths - 2 - s, 0, C)
-        valid = jnp.arange(C)[None] < n_d[:, None]
-        _, _, d_cache = _draft_call(draft_params, cfg, _fuse(draft_params, cfg, feats), ext[:, s + 1:s + 1 + C],
-                                    variables["params"], d_cache, valid)
+        valid = jnp.arange(C)[None] < jnp.clip(lengths - 2 - s, 0, C)[:, None]
+        _, _, d_cache = _draft_call(draft_params, cfg, _fuse(draft_params, cfg, feats), nxt, variables["params"],
+                                    d_cache, valid)
         at = jnp.clip(lengths - 2 - s, 0, C - 1)
         here = (lengths - 2 >= s) & (lengths - 2 < s + C)
         pend = jnp.where(here[:, None, None], jnp.take_along_axis(feats, at[:, None, None, None], 1)[:, 0], pend)
+        return (t_cache, d_cache, pend, s + C), None
+
+    pend = jnp.zeros((B, 3, cfg.hidden), cfg.compute_dtype)
+    (t_cache, d_cache, pend, _), _ = jax.lax.scan(body, (t_cache, d_cache, pend, jnp.int32(0)), (targets, nexts))
     return t_cache, d_cache, pend
 
 
