@@ -49,10 +49,10 @@ def prefill(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], length
         # Only the rows' last positions need the head: the full [B, C, V] logits are never used (DCE).
         (_, hidden, _), cache = forward_cached(variables, cfg, piece, cache, num_new=n, return_hidden=True)
         at = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
-        last = jnp.where((n > 0)[:, None], head(variables, cfg, at)[:, 0].astype(jnp.float32), last)
+        last = jnp.where((n > 0)[:, None], head(variables, cfg, at)[:, 0].astype(last.dtype), last)
         return (cache, last, start + piece.shape[1]), None
 
-    last = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    last = jnp.zeros((B, cfg.vocab_size), cfg.fp32_dtype)
     (cache, last, _), _ = jax.lax.scan(body, (cache, last, jnp.int32(0)), chunks)
     return last, cache
 
