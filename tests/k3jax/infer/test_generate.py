@@ -99,3 +99,19 @@ def test_cache_bytes_match_spec():
         else:
             assert isinstance(layer, KDACache)
             assert tree_bytes(layer) == B * bytes_per_token(cfg)["kda_per_sequence"]
+
+
+def test_cli_loads_an_orbax_run(tiny_model, tmp_path):
+    """The CLI's orbax path: the model config comes back from the checkpoint metadata, the
+    variables from the train state's "model" entries."""
+    from k3jax.generate import load
+    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.config import CheckpointConfig, TrainConfig
+
+    cfg, v = tiny_model.cfg, tiny_model.variables
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path), async_save=False), TrainConfig(model=cfg))
+    ckpt.save(3, {"params": {"model": v["params"]}, "balance": {"model": v["balance"]}}, None)
+    ckpt.close()
+    got_cfg, got = load(str(tmp_path))
+    assert got_cfg == cfg
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), got, v))
