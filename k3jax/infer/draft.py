@@ -16,6 +16,7 @@ Training (``train_draft``): the target frozen, a 7-step unroll on
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import flax.linen as nn
@@ -103,7 +104,9 @@ def embed(params: dict, tokens: Int[Array, "B T"], dtype) -> Float[Array, "B T D
 
 
 def init_draft(cfg: ModelConfig, key) -> dict:
-    """Draft parameters (unboxed) for the target ``cfg``."""
+    """Draft parameters (unboxed) for the target ``cfg``, stored in float32 (or wider) whatever the
+    target's parameter dtype: they are trained, and the layers cast them to the compute dtype."""
+    cfg = dataclasses.replace(cfg, param_dtype=jnp.promote_types(cfg.param_dtype, jnp.float32))
     D = cfg.hidden
     h = jnp.zeros((1, 2, D), cfg.compute_dtype)
     head = jnp.zeros((D, cfg.vocab_size), cfg.param_dtype)

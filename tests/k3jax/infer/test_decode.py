@@ -13,7 +13,7 @@ from k3jax import config
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_step, forward_cached, prefill_jit
 from k3jax.model import Transformer
-from tests.tolerances import F32_RTOL, rel_rmse
+from tests.tolerances import BF16_MODEL_RTOL, F32_RTOL, rel_rmse
 
 T = 20  # > tiny()'s KDA chunk (16): prefill takes the chunked path, decode the recurrence
 
@@ -117,3 +117,19 @@ def test_blocked_cached_attention_equals_dense(monkeypatch):
         monkeypatch.setattr(mla, "KEY_BLOCK", 8)
         blocked = mla.cached_attention(q_c, q_r, latent, last, 0.3)
     assert rel_rmse(blocked, dense) <= F32_RTOL
+
+
+def test_bfloat16_decode_tracks_forward(tiny_model):
+    """The deployment dtypes (bf16 compute, bf16 MLA latents, fp32 KDA state): prefill-then-decode
+    stays within the bf16 model tolerance of the bf16 forward."""
+    cfg = dataclasses.replace(tiny_model.cfg, dtype=jnp.bfloat16)
+    variables, tokens = tiny_model.variables, _tokens(3)
+    ref = np.asarray(jax.jit(Transformer(cfg).apply)(variables, tokens))
+    cache = init_cache(cfg, 2, T)
+    assert cache.layers[3].latent.dtype == jnp.bfloat16 and cache.layers[0].state.dtype == jnp.float32
+    last, cache = prefill_jit(variables, cfg, tokens[:, :16], jnp.full((2,), 16, jnp.int32), cache)
+    outs = [np.asarray(last)[:, None]]
+    for t in range(16, T - 1):
+        logits, cache = decode_step(variables, cfg, tokens[:, t:t + 1], cache)
+        outs.append(np.asarray(logits))
+    assert rel_rmse(np.concatenate(outs, 1), ref[:, 15:T - 1]) <= BF16_MODEL_RTOL
