@@ -193,7 +193,7 @@ class Trainer:
         """One optimizer step (un-jitted; `step` is the jitted, donated version)."""
         cfg = self.cfg
         (grads, aux), denom, mtp_denoms = self._grads(state, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         loss = aux["ce"] / denom
         mtp_loss = sum((aux["mtp_ce"][j] / d for j, d in enumerate(mtp_denoms)), jnp.zeros([]))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(mtp_loss)

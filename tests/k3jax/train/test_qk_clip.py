@@ -67,3 +67,27 @@ def test_q_proj_without_q_lora():
     ratio = new["layers_1"]["mla"]["q_proj"]["kernel"] / mla["q_proj"]["kernel"]
     np.testing.assert_allclose(ratio[:, 1, :toy.DN], 0.5, rtol=1e-6)
     np.testing.assert_allclose(ratio[:, 1, toy.DN:], 0.25, rtol=1e-6)
+
+
+def test_real_mla_layer_clipped_to_tau():
+    """The model's own max-logit statistic: after QK-Clip the planted head's max logit is τ."""
+    from k3jax.model import Transformer
+    from k3jax.train.loop import make_data
+
+    toy.use_compilation_cache()
+    cfg = toy.micro_train_config()
+    model = Transformer(dataclasses.replace(cfg.model, dtype=jnp.float32))
+    batch = next(make_data(cfg))
+    variables = nn.unbox(model.init(jax.random.key(0), batch["tokens"][:1]))
+    params = variables["params"]
+    q_b = params["layers_1"]["mla"]["q_b"]["kernel"]
+    params["layers_1"]["mla"]["q_b"]["kernel"] = q_b.at[:, 1].multiply(300.0)
+    forward = jax.jit(lambda p: model.apply({**variables, "params": p}, batch["tokens"],
+                                            segment_ids=batch["segment_ids"], mutable=["stats"])[1]["stats"])
+    before = max_logits_from_stats(forward(params))[("layers_1", "mla")]
+    tau = 0.5 * float(before[1])
+    assert float(jnp.max(before.at[1].set(0))) < tau
+    clipped, _ = qk_clip(params, max_logits_from_stats(forward(params)), cfg.model.mla, tau)
+    after = max_logits_from_stats(forward(clipped))[("layers_1", "mla")]
+    np.testing.assert_allclose(after[1], tau, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(after)[[0, 2, 3]], np.asarray(before)[[0, 2, 3]], rtol=1e-6)
