@@ -2,6 +2,7 @@
 cache sizes against SPEC §2/§3."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,7 @@ def test_warp_top_k_top_p():
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])
 def test_bad_input_raises_before_compiling(tiny_model, kwargs, match, monkeypatch):
-    from k3jax.infer import generate as gen
-
+    gen = importlib.import_module("k3jax.infer.generate")  # the module (the package exports the function)
     monkeypatch.setattr(gen, "_run", lambda *a, **k: pytest.fail("compiled despite bad input"))
     args = dict(prompts=[[1, 2]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
