@@ -26,8 +26,8 @@ Command (E = 896, k = 16 with 4096 tokens/step and E = 64, k = 8 with 16384; 250
 Writes experiments/results/balance_qb_vs_sign.{json,png}.
 
 The short tiny-model training comparison is `tiny_training_run`, kept separate (it needs the
-trainer in k3jax/train); `--train [--train_steps 60]` runs only it and writes
-experiments/results/balance_qb_vs_sign_train.json.
+trainer in k3jax/train); `--train [--train_steps 60] [--train_data stdlib]` runs only it and
+writes experiments/results/balance_qb_vs_sign_train_<data>.json.
 """
 
 import argparse
@@ -199,15 +199,19 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def tiny_training_run(steps: int = 60, methods=METHODS, batch_size: int = 8, seq_len: int = 64) -> dict:
+def tiny_training_run(
+    steps: int = 60, methods=METHODS, batch_size: int = 8, seq_len: int = 64, source: str = "stdlib"
+) -> dict:
     """Short tiny-model training per balancing method: loss and router balance per step.
 
     Separate from the simulation: it needs the trainer (k3jax.train), imported here. Same data,
     seed and init for every method; only `ModelConfig.balance.method` differs. The trainer reports
     the worst layer's max/mean load, the mean CV over layers and the experts without tokens.
+    Byte-level text ("stdlib") by default: in the "recall" task about half the tokens of a batch
+    are one padding id, and identical router rows cannot be split by any bias.
     """
     from k3jax.config import tiny
-    from k3jax.train.config import TrainConfig
+    from k3jax.train.config import DataConfig, TrainConfig
     from k3jax.train.loop import make_data
     from k3jax.train.step import Trainer
 
@@ -216,7 +220,7 @@ def tiny_training_run(steps: int = 60, methods=METHODS, batch_size: int = 8, seq
     for method in methods:
         model = dataclasses.replace(tiny(), balance=balance.BalanceConfig(method=method))
         cfg = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len,
-                          tensorboard=False)
+                          data=DataConfig(source=source), tensorboard=False)
         trainer, data = Trainer(cfg), make_data(cfg)
         state = trainer.init_state(jax.random.key(cfg.seed))
         history = {key: [] for key in keys}
@@ -233,7 +237,7 @@ def tiny_training_run(steps: int = 60, methods=METHODS, batch_size: int = 8, seq
         }
         print(f"train {method:>8}: tail means {runs[method]['tail_mean']}", flush=True)
     return {"model": "tiny", "num_experts": model.moe.num_experts, "k": model.moe.top_k,
-            "tokens_per_step": batch_size * seq_len, "steps": steps, "runs": runs}
+            "tokens_per_step": batch_size * seq_len, "steps": steps, "data": source, "runs": runs}
 
 
 def main():
@@ -246,10 +250,11 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS / "balance_qb_vs_sign")
     parser.add_argument("--train", action="store_true", help="run tiny_training_run instead")
     parser.add_argument("--train_steps", type=int, default=60)
+    parser.add_argument("--train_data", default="stdlib", help="recall, random or stdlib")
     args = parser.parse_args()
     if args.train:
-        train = tiny_training_run(args.train_steps)
-        path = args.out.with_name(args.out.name + "_train.json")
+        train = tiny_training_run(args.train_steps, source=args.train_data)
+        path = args.out.with_name(f"{args.out.name}_train_{args.train_data}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(train))
         print(f"wrote {path}")
