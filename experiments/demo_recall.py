@@ -27,5 +27,5 @@ def get_config() -> TrainConfig:
         optimizer=dataclasses.replace(base.optimizer, learning_rate=1e-2),
         schedule=ScheduleConfig(kind="cosine", warmup_fraction=0.05, final_lr_ratio=0.1),
         checkpoint=CheckpointConfig(dir="runs/demo_recall/checkpoints", every_steps=100, keep_last=2, keep_best=1),
-        steps=300, batch_size=32, seq_len=32, log_every=10, log_dir="runs/demo_recall",
+        steps=500, batch_size=32, seq_len=32, log_every=10, log_dir="runs/demo_recall",
     )

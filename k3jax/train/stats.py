@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from k3jax import balance as qb
 
 
-def _name(path) -> str:
+def stat_name(path) -> str:
     return str(getattr(path[-1], "key", path[-1]))
 
 
@@ -21,7 +21,7 @@ def combine_stats(stats: Any) -> Any:
     """One value per statistic from the sown tuples: loads/hist summed, max logits max-ed, margins joined."""
 
     def reduce(path, values):
-        name = _name(path)
+        name = stat_name(path)
         values = values if isinstance(values, tuple) else (values,)
         if name == "max_logit":
             return jnp.max(jnp.stack(values), axis=0)
@@ -36,7 +36,7 @@ def accumulate_stats(total: Any, new: Any) -> Any:
     """Fold one micro-batch's combined statistics into the running ones (margins excluded)."""
 
     def fold(path, a, b):
-        name = _name(path)
+        name = stat_name(path)
         return jnp.maximum(a, b) if name == "max_logit" else a + b
 
     return jax.tree_util.tree_map_with_path(fold, total, new)
@@ -44,7 +44,7 @@ def accumulate_stats(total: Any, new: Any) -> Any:
 
 def split_margins(stats: Any) -> tuple[Any, Any]:
     """(stats without margins, margins only) — margins are concatenated, not summed, over micro-batches."""
-    is_margin = lambda path: _name(path) == "margins"
+    is_margin = lambda path: stat_name(path) == "margins"
     flat, treedef = jax.tree_util.tree_flatten_with_path(stats)
     rest = [None if is_margin(p) else v for p, v in flat]
     margins = [v if is_margin(p) else None for p, v in flat]
@@ -69,7 +69,7 @@ def update_balance(cfg, bias_tree: Any, stats: Any) -> Any:
 def balance_metrics(stats: Any) -> dict[str, jax.Array]:
     """Worst-layer max/mean load, mean coefficient of variation, experts without tokens (all layers)."""
     loads = [v for p, v in jax.tree_util.tree_flatten_with_path(stats)[0]
-             if _name(p) == "loads"]
+             if stat_name(p) == "loads"]
     if not loads:
         return {}
     m = qb.load_metrics(jnp.stack(loads))  # each [layers]

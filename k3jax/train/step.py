@@ -16,6 +16,7 @@ the target at position i (the next token) and ``loss_mask`` 0 where there is non
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -114,8 +115,6 @@ class Trainer:
                             abstract, self.shardings["state"])
 
     def _context(self):
-        import contextlib
-
         if self.mesh is None:
             return contextlib.nullcontext()
         import sharding
@@ -168,7 +167,7 @@ class Trainer:
         rest_shape, _ = st.split_margins(shapes[1]["stats"])
 
         def zero(path, s):
-            fill = -jnp.inf if st._name(path) == "max_logit" else 0
+            fill = -jnp.inf if st.stat_name(path) == "max_logit" else 0
             return jnp.full(s.shape, fill, s.dtype)
 
         init = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]),

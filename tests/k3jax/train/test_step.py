@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,7 +111,10 @@ def test_mixed_precision_fp32_master_params_bf16_matmuls():
     jaxpr = jax.make_jaxpr(lambda s: trainer._grads(s, batch))(abstract)
     dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     bf16 = [e for e in dots if all(v.aval.dtype == jnp.bfloat16 for v in e.invars)]
-    assert len(bf16) > len(dots) // 2  # the projections; fp32 islands (router, softmax, AttnRes) stay fp32
+    # the ~22 projection kernels each give a bf16 forward and two bf16 backward matmuls; the fp32
+    # islands (KDA chunk algebra, router, softmax, AttnRes) account for the rest
+    kernels = [p for p, _ in jax.tree_util.tree_flatten_with_path(abstract.params)[0] if "kernel" in jax.tree_util.keystr(p)]
+    assert len(bf16) >= 2 * len(kernels), (len(bf16), len(kernels), len(dots))
     grads = jax.eval_shape(lambda s: trainer._grads(s, batch)[0][0], abstract)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
@@ -118,5 +122,5 @@ def test_mixed_precision_fp32_master_params_bf16_matmuls():
 def _eqns(jaxpr):
     for e in jaxpr.eqns:
         yield e
-        for sub in jax.core.jaxprs_in_params(e.params):
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
             yield from _eqns(sub)
