@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test venv refvenv test-gpu clean-venv
 
 demo: venv
-	$(PY) -m k3jax.demo
+	$(PY) -m k3jax.train.demo
 
 test: venv refvenv
 	$(PY) -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS)
