@@ -41,7 +41,9 @@ def make_train_mesh(cfg: TrainConfig, devices=None):
     import sharding
     from sharding.rules import mesh_axes_of
 
-    devices = jax.devices() if devices is None else devices
+    if devices is None:
+        sharding.maybe_initialize_distributed()  # multi-host: before the first look at the devices
+        devices = jax.devices()
     unknown = [name for name, _ in cfg.mesh.axes if name not in sharding.AXES]
     if unknown:
         raise ValueError(f"mesh.axes names {unknown}; axes must be among {sharding.AXES}")
