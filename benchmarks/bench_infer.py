@@ -177,6 +177,7 @@ def main():
         variables = build(cfg)
     results = {"device": jax.devices()[0].device_kind, "config": cfg.name, "hbm_tbps": args.hbm_tbps,
                "target": args.target or "random init"}
+    print(f"{cfg.name} built on {results['device']}; timing decode at batches {batches}", flush=True)
     results["decode"] = [bench_decode(cfg, variables, b, args.prompt, args.decode_steps, args.hbm_tbps)
                          for b in batches]
     for r in results["decode"]:

@@ -39,12 +39,16 @@ def main() -> None:
                       remat=a.remat, steps=a.warmup + a.steps + 1, data=DataConfig(source="random"))
     cfg = override(cfg, a.assignments)
     trainer = Trainer(cfg)
+    t0 = time.perf_counter()
     state = trainer.init_state(jax.random.key(0))
+    jax.block_until_ready(state)
+    print(f"init {time.perf_counter() - t0:.1f} s", flush=True)  # long GPU runs must show where time goes
     data = make_data(cfg)
     t0 = time.perf_counter()
     state, m = trainer.step(state, next(data))
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    print(f"first step (compile + run) {compile_s:.1f} s", flush=True)
     for _ in range(a.warmup):
         state, m = trainer.step(state, next(data))
     jax.block_until_ready(m)
