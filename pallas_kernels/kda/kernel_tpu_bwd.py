@@ -16,11 +16,13 @@ forward). With ``do`` and ``dS`` (the gradient of ``S'``):
    ``dx_i = sum_j dA_ij k_j e^{G_i - G_j}`` and column gradient ``dk_j = sum_i dA_ij x_i e^{G_i - G_j}``
    with the forward's tiling (one MXU matmul per later sub-tile anchored at its first row, a masked
    per-column walk inside a tile), so every exponent is <= 0 and no ``inf`` appears for any gate.
-4. ``dG`` collects ``x * dx`` minus ``k * dk_col`` and the decay terms; ``dg`` is its in-chunk
-   suffix sum plus ``dG_last`` (every token's gate reaches ``G_last``).
+4. ``dG`` collects ``x * dx`` minus ``k * dk_col`` and the ``e^G`` terms; ``dg_l`` is its suffix
+   sum over rows of l's document, plus the prefix sum of ``dkg * kg`` (``g_l`` enters
+   ``G_last - G_j`` for j < l) and ``dd * d``.
 
-The gradients of tokens before a document start never see ``dS`` of a later document: ``d``,
-``qd``, ``w`` and the masks are the forward's. Everything runs in fp32 with HIGHEST precision.
+No gradient crosses a document start, not even rounding: ``d``, ``qd``, ``w`` and the masks are
+the forward's, and the gate sums of step 4 only add terms of l's own document (the plain suffix
+sum plus ``dG_last`` would cancel them only up to rounding). Everything runs in fp32, HIGHEST.
 """
 
 from __future__ import annotations
@@ -158,14 +160,15 @@ def _bwd_kernel(
     dk_ref[0, 0] = dk.astype(dk_ref.dtype)
     dv_ref[0, 0] = (beta * dr_v).astype(dv_ref.dtype)
 
-    # 3. the gate: dG per token, then g -> G is an in-chunk cumsum (and G_last sees all of g)
-    dG = q * dqr_ref[...] + k * (dkr_ref[...] - dkc_ref[...]) + dr_k * beta * k * e_G + dqd * qd - dkg * kg
+    # 3. the gate. g_l reaches G_i (i >= l) and G_last - G_j (j < l): a same-document suffix sum
+    # and a prefix sum, so no rounding residue of other documents' terms reaches g_l.
+    dG = q * dqr_ref[...] + k * (dkr_ref[...] - dkc_ref[...]) + dr_k * beta * k * e_G + dqd * qd
     d_last = jnp.exp(G[C - 1 : C]) * fresh_ref[0][C - 1 : C]  # [1,K]: the state's decay d
-    dG_last = jnp.sum(dkg * kg, axis=0, keepdims=True) + dd * d_last
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    suffix = (col >= row).astype(jnp.float32)
-    dg_ref[0, 0] = dot_f32(suffix, dG) + dG_last
+    later = (row > col).astype(jnp.float32)
+    dg = dot_f32(causal.astype(jnp.float32), dG, _T) + dot_f32(later, dkg * kg) + dd * d_last
+    dg_ref[0, 0] = dg
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _():

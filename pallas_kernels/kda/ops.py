@@ -8,8 +8,9 @@ supports the inputs, else XLA.
 A backend is ``(fn, supports)``: ``fn(q, k, v, g, beta, *, scale, initial_state, segment_ids,
 chunk_size, interpret) -> (o, final_state)`` is differentiable, returns ``o`` in ``v.dtype`` and the
 state in fp32; ``supports`` (same arguments, or None) is a trace-time bool. ``_pallas_backend``
-maps a platform to its backend: "tpu" is ``kernel_tpu`` (forward kernel, reference VJP, wired
-here), "gpu" is ``kernel_gpu.chunk_kda_pallas``/``kernel_gpu.supports`` when that module exists.
+maps a platform to its backend: "tpu" is ``kernel_tpu`` (forward) with ``kernel_tpu_bwd``
+(backward) wired here by ``custom_vjp``, "gpu" is ``kernel_gpu.chunk_kda_pallas``/``kernel_gpu.supports``
+when that module exists.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _tpu_kernel_with_reference_vjp(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret):
+def _tpu_kernel(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret):
     from pallas_kernels.kda import kernel_tpu
 
     return kernel_tpu.chunk_kda_fwd(
@@ -82,21 +83,29 @@ def _tpu_kernel_with_reference_vjp(q, k, v, g, beta, s0, segment_ids, scale, chu
 
 
 def _tpu_fwd(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret):
-    out = _tpu_kernel_with_reference_vjp(q, k, v, g, beta, s0, segment_ids, scale, chunk_size, interpret)
-    return out, (q, k, v, g, beta, s0, segment_ids)
+    from pallas_kernels.kda import kernel_tpu
+
+    o, s_final, states = kernel_tpu.chunk_kda_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=segment_ids,
+        chunk_size=chunk_size, interpret=interpret, return_states=True,
+    )
+    return (o, s_final), (q, k, v, g, beta, s0, segment_ids, states)
 
 
 def _tpu_bwd(scale, chunk_size, interpret, residuals, cotangents):
-    """No TPU backward kernel yet: differentiate the XLA chunked reference (same math, fp32)."""
-    *diff_args, segment_ids = residuals
-    reference = lambda q, k, v, g, beta, s0: chunk_kda_reference(
-        q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=segment_ids, chunk_size=chunk_size
+    """The TPU backward kernel: chunks in reverse from the forward's per-chunk entering states."""
+    from pallas_kernels.kda import kernel_tpu_bwd
+
+    q, k, v, g, beta, s0, segment_ids, states = residuals
+    do, d_final = cotangents
+    dq, dk, dv, dg, dbeta, ds0 = kernel_tpu_bwd.chunk_kda_bwd(
+        q, k, v, g, beta, states, do, d_final, scale=scale, segment_ids=segment_ids,
+        chunk_size=chunk_size, interpret=interpret,
     )
-    _, vjp = jax.vjp(reference, *diff_args)
-    return (*vjp(cotangents), None)
+    return dq, dk, dv, dg, dbeta, ds0.astype(s0.dtype), None
 
 
-_tpu_kernel_with_reference_vjp.defvjp(_tpu_fwd, _tpu_bwd)
+_tpu_kernel.defvjp(_tpu_fwd, _tpu_bwd)
 
 
 def _tpu_chunk_kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size, interpret):
@@ -105,7 +114,7 @@ def _tpu_chunk_kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk
         initial_state = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
     if segment_ids is None:
         segment_ids = jnp.zeros((B, T), jnp.int32)
-    return _tpu_kernel_with_reference_vjp(
+    return _tpu_kernel(
         q, k, v, g, beta, initial_state, segment_ids, scale, chunk_size, interpret
     )
 

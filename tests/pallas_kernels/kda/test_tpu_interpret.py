@@ -57,7 +57,7 @@ def test_default_chunk_unbounded_gate():
 
 
 def test_public_op_pallas_interpret_gradients():
-    """chunk_kda(implementation='pallas', interpret=True): kernel forward, reference VJP."""
+    """chunk_kda(implementation='pallas', interpret=True): forward and backward kernels, fp32."""
     q, k, v, g, beta, s0 = kda_inputs(3, 1, 40, 2, 4, 3, dtype=jnp.float32)
     seg = segments_from_lengths((13, 27))[None]
     w_o = jax.random.normal(jax.random.PRNGKey(9), v.shape)
