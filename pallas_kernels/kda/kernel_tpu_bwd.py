@@ -112,6 +112,21 @@ def _score_grads(q_ref, k_ref, g_ref, daqk_ref, dakk_ref, dqr_ref, dkr_ref, dkc_
     lax.fori_loop(0, C, column, 0)
 
 
+def _gate_grad(dG, dkg_kg, dd, G, fresh, causal):
+    """``dg [C, K]`` from the gradients of G (``dG``), of ``kg`` (as ``dkg * kg``) and of ``d``.
+
+    g_l reaches G_i for i >= l (a suffix sum over l's own document: the terms of other documents
+    cancel exactly rather than up to rounding), ``G_last - G_j`` for j < l (a prefix sum) and the
+    state decay ``d = e^{G_last}`` (every l, 0 when a document starts in the chunk).
+    """
+    C = G.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    d_last = jnp.exp(G[C - 1 : C]) * fresh[C - 1 : C]  # [1,K]
+    own_suffix = dot_f32(causal.astype(jnp.float32), dG, _T)
+    return own_suffix + dot_f32((row > col).astype(jnp.float32), dkg_kg) + dd * d_last
+
+
 def _bwd_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, sid_col_ref, sid_row_ref, fresh_ref, to_end_ref,
     s_decay_ref, h_ref, do_ref, dsT_ref,
@@ -143,7 +158,8 @@ def _bwd_kernel(
     dv_new = dot_f32(a_qk, do, _T) + dot_f32(kg, dS)  # [C,V]
     ds_scr[...] = s_decay_ref[0, 0, 0] * dS + dot_f32(qd, do, _T) - dot_f32(w, dv_new, _T)
     dqd, dkg = dot_f32(do, S, _BT), dot_f32(v_new, dS, _BT)  # [C,K]
-    dd = dot_f32(jnp.ones((1, dS.shape[1]), jnp.float32), dS * S, _BT)  # [1,K]
+    # rowsum(dS * S) as a row [1,K]: an 8-row matmul, not a sublane -> lane transpose
+    dd = dot_f32(jnp.ones((8, dS.shape[1]), jnp.float32), dS * S, _BT)[0:1]
     dr_v = dot_f32(t_full, dv_new, _T)
     dr_k = -dot_f32(t_full, dot_f32(dv_new, S, _BT), _T)
     da_kk = jnp.where(strict, -(dot_f32(dr_v, u, _BT) + dot_f32(dr_k, w, _BT)), 0.0)
@@ -160,15 +176,9 @@ def _bwd_kernel(
     dk_ref[0, 0] = dk.astype(dk_ref.dtype)
     dv_ref[0, 0] = (beta * dr_v).astype(dv_ref.dtype)
 
-    # 3. the gate. g_l reaches G_i (i >= l) and G_last - G_j (j < l): a same-document suffix sum
-    # and a prefix sum, so no rounding residue of other documents' terms reaches g_l.
+    # 3. the gate
     dG = q * dqr_ref[...] + k * (dkr_ref[...] - dkc_ref[...]) + dr_k * beta * k * e_G + dqd * qd
-    d_last = jnp.exp(G[C - 1 : C]) * fresh_ref[0][C - 1 : C]  # [1,K]: the state's decay d
-    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    later = (row > col).astype(jnp.float32)
-    dg = dot_f32(causal.astype(jnp.float32), dG, _T) + dot_f32(later, dkg * kg) + dd * d_last
-    dg_ref[0, 0] = dg
+    dg_ref[0, 0] = _gate_grad(dG, dkg * kg, dd, G, fresh_ref[0], causal)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _():
