@@ -59,6 +59,7 @@ def supports(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64) -> b
 
 
 def dot_f32(a, b, contract=((1,), (0,))):
+    """fp32 MXU matmul at HIGHEST precision, contracting ``contract`` (default ``a @ b``)."""
     return lax.dot_general(
         a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
@@ -242,6 +243,9 @@ def chunk_kda_fwd(
     interpret: bool = False,
     tiles: TpuKdaTiles | None = None,
     return_states: bool = False,
+) -> (
+    tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]
+    | tuple[Float[Array, "B T H V"], Float[Array, "B H K V"], Float[Array, "B H N K V"]]
 ):
     """Forward: ``(o in v.dtype, final_state fp32)``; same contract as ``chunk_kda_reference``.
 

@@ -200,7 +200,10 @@ def chunk_kda_bwd(
     chunk_size: int = 64,
     interpret: bool = False,
     tiles: TpuKdaTiles | None = None,
-):
+) -> tuple[
+    Float[Array, "B T H K"], Float[Array, "B T H K"], Float[Array, "B T H V"],
+    Float[Array, "B T H K"], Float[Array, "B T H"], Float[Array, "B H K V"],
+]:
     """Gradients ``(dq, dk, dv, dg, dbeta, d_initial_state)`` of ``chunk_kda_fwd`` given the
     cotangents ``do`` (of o) and ``d_final`` (of the final state) and the per-chunk entering
     ``states`` returned by ``chunk_kda_fwd(..., return_states=True)``.
