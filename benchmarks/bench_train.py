@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/bench_train.py --steps 10 --batch 8 --seq 4096 --remat layer
 
-Compiles once, runs ``--warmup`` untimed steps, then times ``--steps`` steps (blocking on the
+Compiles ahead of time (trace, lower and compile seconds printed for the init and the step), runs ``--warmup`` untimed steps, then times ``--steps`` steps (blocking on the
 result). MFU = model FLOPs per token (``k3jax.train.metrics.flops_per_token``) × tokens/s ÷ the
 device's dense bf16 peak (``--peak-flops`` to override). Data: uniform random tokens.
 """
@@ -22,6 +22,19 @@ from k3jax.train.metrics import flops_per_token, peak_flops
 from k3jax.train.step import Trainer
 
 
+def _staged(name, jitted, *args):
+    """``jitted`` compiled ahead of time, printing trace / lower / compile seconds."""
+    t0 = time.perf_counter()
+    traced = jitted.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    print(f"{name}: trace {t1 - t0:.1f} s, lower {t2 - t1:.1f} s, compile {t3 - t2:.1f} s", flush=True)
+    return compiled, t3 - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
@@ -39,23 +52,25 @@ def main() -> None:
                       remat=a.remat, steps=a.warmup + a.steps + 1, data=DataConfig(source="random"))
     cfg = override(cfg, a.assignments)
     trainer = Trainer(cfg)
-    t0 = time.perf_counter()
-    state = trainer.init_state(jax.random.key(0))
+    # Long GPU runs must show where the time goes: each stage is timed and printed as it ends.
+    init, _ = _staged("init", jax.jit(trainer._init), jax.random.key(0))
+    state = init(jax.random.key(0))
     jax.block_until_ready(state)
-    print(f"init {time.perf_counter() - t0:.1f} s", flush=True)  # long GPU runs must show where time goes
     data = make_data(cfg)
-    t0 = time.perf_counter()
-    state, m = trainer.step(state, next(data))
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    print(f"first step (compile + run) {compile_s:.1f} s", flush=True)
-    for _ in range(a.warmup):
-        state, m = trainer.step(state, next(data))
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        state, m = trainer.step(state, next(data))
-    jax.block_until_ready(m)
+    batch = next(data)
+    with trainer._context():
+        step, compile_s = _staged("step", trainer._jit_step, state, batch)
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        print(f"first step run {time.perf_counter() - t0:.1f} s", flush=True)
+        for _ in range(a.warmup):
+            state, m = step(state, next(data))
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            state, m = step(state, next(data))
+        jax.block_until_ready(m)
     seconds = (time.perf_counter() - t0) / a.steps
     tokens_per_s = cfg.tokens_per_step / seconds
     fpt = flops_per_token(cfg.model, cfg.seq_len, trainer.abstract["params"].get("mtp"))
