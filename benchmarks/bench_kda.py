@@ -81,11 +81,11 @@ def ours():
     return fwd, fwdbwd, _jax_conv, jax_sync
 
 
-def ours_fused():
-    """Ours with the Mosaic GPU intra-chunk kernel (``prep="fused"``) instead of the XLA prep."""
+def _ours_gpu(**knobs):
+    """Ours through ``chunk_kda_pallas`` with non-default knobs (``prep``, ``prep_precision``)."""
     from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
 
-    run = lambda q, k, v, g, b: chunk_kda_pallas(q, k, v, g, b, scale=q.shape[-1] ** -0.5, prep="fused")[0]
+    run = lambda q, k, v, g, b: chunk_kda_pallas(q, k, v, g, b, scale=q.shape[-1] ** -0.5, **knobs)[0]
     fwd = jax.jit(run)
 
     @jax.jit
@@ -94,6 +94,16 @@ def ours_fused():
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
     return fwd, fwdbwd, _jax_conv, jax_sync
+
+
+def ours_fused():
+    """Ours with the Mosaic GPU intra-chunk kernel (``prep="fused"``) instead of the XLA prep."""
+    return _ours_gpu(prep="fused")
+
+
+def ours_tf32():
+    """Ours with the XLA prep's matmuls at TF32 (``prep_precision="tf32"``)."""
+    return _ours_gpu(prep_precision="tf32")
 
 
 def _jax_conv(x, grad=False):
@@ -146,18 +156,22 @@ def breakdown(shape, iters, block_vs=""):
 
     (q, k, v, g, b), do = make_inputs(5, *shape)
     scale = shape[-1] ** -0.5
-    prep = lambda q, k, v, g, b: kernel_gpu_intra.prepare(q, k, v, g, b, scale=scale, segment_ids=None,
-                                                            chunk=kernel_gpu.CHUNK)
-    outs = jax.jit(prep)(q, k, v, g, b)
-    cot = [jax.random.normal(jax.random.PRNGKey(i), x.shape, x.dtype) for i, x in enumerate(outs)]
+    res = {}
+    for precision in ("highest", "tf32"):
+        prep = lambda q, k, v, g, b, p=precision: kernel_gpu_intra.prepare(
+            q, k, v, g, b, scale=scale, segment_ids=None, chunk=kernel_gpu.CHUNK, precision=p)
+        outs = jax.jit(prep)(q, k, v, g, b)
+        cot = [jax.random.normal(jax.random.PRNGKey(i), x.shape, x.dtype) for i, x in enumerate(outs)]
 
-    @jax.jit
-    def prep_fb(q, k, v, g, b):
-        loss = lambda *a: sum(jnp.sum(x * c) for x, c in zip(prep(*a), cot))
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+        @jax.jit
+        def prep_fb(q, k, v, g, b, prep=prep, cot=cot):
+            loss = lambda *a: sum(jnp.sum(x * c) for x, c in zip(prep(*a), cot))
+            return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
-    res = {"prep_fwd": median_ms(jax.jit(prep), [(q, k, v, g, b)], iters, jax_sync),
-           "prep_fwdbwd": median_ms(prep_fb, [(q, k, v, g, b)], iters, jax_sync)}
+        res[f"prep_{precision}_fwd"] = median_ms(jax.jit(prep), [(q, k, v, g, b)], iters, jax_sync)
+        res[f"prep_{precision}_fwdbwd"] = median_ms(prep_fb, [(q, k, v, g, b)], iters, jax_sync)
+        print(f"breakdown {shape}: {res}", flush=True)
+        del outs, cot
     for bv in [int(x) for x in block_vs.split(",") if x]:
         def run(q, k, v, g, b, bv=bv):
             return kernel_gpu.chunk_kda_pallas(q, k, v, g, b, scale=scale, block_v=bv)[0]
@@ -281,7 +295,7 @@ def main():
     parser.add_argument("--breakdown", action="store_true", help="also time the XLA prep alone")
     parser.add_argument("--breakdown-block-v", default="", help="V blocks to time, e.g. 32,64")
     args = parser.parse_args()
-    factories = {"ours": ours, "ours-fused": ours_fused, "jla": jla, "fla": fla}
+    factories = {"ours": ours, "ours-fused": ours_fused, "ours-tf32": ours_tf32, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):
         try:
@@ -297,13 +311,9 @@ def main():
     report["check"] = check_against_reference(impls)
     report["matmul_tflops"] = ceiling = matmul_ceiling_tflops()
     print(f"matmul ceiling {ceiling:.0f} TFLOP/s", flush=True)
-    for shape in [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]:
-        report["results"][",".join(map(str, shape))] = time_shape(impls, shape, args.iters)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
     try:
         report["decode"] = decode_step()
-        print("decode", report["decode"])
+        print("decode", report["decode"], flush=True)
     except Exception as err:
         report["decode"] = {"error": f"{type(err).__name__}: {err}"[:600]}
     if args.breakdown:
@@ -312,6 +322,10 @@ def main():
         except Exception as err:
             report["breakdown"] = {"error": f"{type(err).__name__}: {err}"[:600]}
             traceback.print_exc()
+    for shape in [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]:
+        report["results"][",".join(map(str, shape))] = time_shape(impls, shape, args.iters)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(report["results"], ceiling)

@@ -182,12 +182,14 @@ def chunk_kda_pallas(
     interpret: bool = False,
     block_v: int | None = None,
     prep: str = "xla",
+    prep_precision: str = "highest",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
     ``block_v`` (None = by occupancy) is the V width of one scan program. ``prep`` picks the
     intra-chunk step: ``"xla"`` (:func:`kernel_gpu_intra.prepare`, the measured default) or
     ``"fused"`` (the Mosaic GPU kernel of :mod:`kernel_gpu_prep`; backward through the XLA one).
+    ``prep_precision`` is the XLA prep's matmul precision, ``"highest"`` or ``"tf32"``.
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
@@ -202,7 +204,8 @@ def chunk_kda_pallas(
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret))
     else:
-        w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK)
+        w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
+                                       precision=prep_precision)
     s0 = jnp.zeros((B * H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     out_dtype = BF16 if v.dtype == BF16 else F32
     bv = _block_v(V, B * H) if block_v is None else block_v

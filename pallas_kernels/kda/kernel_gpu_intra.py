@@ -33,7 +33,7 @@ from jax import lax
 from pallas_kernels.kda.reference import segment_index
 
 SUB = 16  # sub-tile length: 16 tokens x (-5) = -80 stays inside fp32 exp range
-_einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
+PRECISIONS = {"highest": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
 
 
 def _head_major(x, n: int, c: int):
@@ -43,7 +43,7 @@ def _head_major(x, n: int, c: int):
     return jnp.moveaxis(x, 3, 1)
 
 
-def _anchored_scores(q, k, G, sub: int):
+def _anchored_scores(q, k, G, sub: int, einsum):
     """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same for k)`` for j in tiles up to i's: [B,H,N,C,C].
 
     Row tile t only reads columns of tiles <= t (later ones are sliced away, never exponentiated),
@@ -57,12 +57,12 @@ def _anchored_scores(q, k, G, sub: int):
         row = jnp.exp(G[..., rows, :] - anchor)  # <= 1
         kc = k[..., :cols, :] * jnp.exp(anchor - G[..., :cols, :])  # <= e^{75} with the -5 bound
         pad = [(0, 0)] * len(lead) + [(0, 0), (0, C - cols)]
-        s_qk.append(jnp.pad(_einsum("...uc,...jc->...uj", q[..., rows, :] * row, kc), pad))
-        s_kk.append(jnp.pad(_einsum("...uc,...jc->...uj", k[..., rows, :] * row, kc), pad))
+        s_qk.append(jnp.pad(einsum("...uc,...jc->...uj", q[..., rows, :] * row, kc), pad))
+        s_kk.append(jnp.pad(einsum("...uc,...jc->...uj", k[..., rows, :] * row, kc), pad))
     return jnp.concatenate(s_qk, axis=-2), jnp.concatenate(s_kk, axis=-2)
 
 
-def _solve_unit_lower(a, rhs, sub: int):
+def _solve_unit_lower(a, rhs, sub: int, einsum):
     """``(I + a)^{-1} rhs`` for strictly lower-triangular ``a [..., C, C]``, by ``sub``-row tiles."""
     C = a.shape[-1]
     nt = C // sub
@@ -71,25 +71,28 @@ def _solve_unit_lower(a, rhs, sub: int):
     eye = jnp.eye(sub, dtype=a.dtype)
     inv, power = eye - diag, diag
     for _ in range(3):  # (I + L)^{-1} = (I - L)(I + L^2)(I + L^4)(I + L^8) since L^16 = 0
-        power = _einsum("...ij,...jk->...ik", power, power)
-        inv = inv + _einsum("...ij,...jk->...ik", inv, power)
+        power = einsum("...ij,...jk->...ik", power, power)
+        inv = inv + einsum("...ij,...jk->...ik", inv, power)
     solved = []
     for t in range(nt):
         r = rhs[..., t * sub:(t + 1) * sub, :]
         if t:
-            r = r - _einsum("...ij,...jv->...iv", a[..., t * sub:(t + 1) * sub, : t * sub],
+            r = r - einsum("...ij,...jv->...iv", a[..., t * sub:(t + 1) * sub, : t * sub],
                             jnp.concatenate(solved, axis=-2))
-        solved.append(_einsum("...ij,...jv->...iv", inv[..., t, :, :], r))
+        solved.append(einsum("...ij,...jv->...iv", inv[..., t, :, :], r))
     return jnp.concatenate(solved, axis=-2)
 
 
-def prepare(q, k, v, g, beta, *, scale: float, segment_ids, chunk: int):
+def prepare(q, k, v, g, beta, *, scale: float, segment_ids, chunk: int, precision: str = "highest"):
     """``(w, u, qg, kg, aqk, d)``: head-major fp32 chunk operands of the inter-chunk scan.
 
     Shapes: w, qg, kg ``[B*H, Tp, K]``; u ``[B*H, Tp, V]``; aqk ``[B*H, Tp, C]``; d ``[B*H, N, K]``.
+    ``precision`` of the fp32 matmuls: ``"highest"`` (full fp32) or ``"tf32"`` (tensor-core TF32
+    operands on GPUs that have it, fp32 accumulation; plain fp32 on CPU).
     """
     B, T = k.shape[:2]
-    return prepare_from_index(q, k, v, g, beta, segment_index(segment_ids, B, T), scale=scale, chunk=chunk)
+    return prepare_from_index(q, k, v, g, beta, segment_index(segment_ids, B, T), scale=scale, chunk=chunk,
+                              precision=precision)
 
 
 def document_masks(sidx, chunk: int):
@@ -103,8 +106,11 @@ def document_masks(sidx, chunk: int):
     return sidx, fresh, to_end
 
 
-def prepare_from_index(q, k, v, g, beta, sidx, *, scale: float, chunk: int):
+def prepare_from_index(q, k, v, g, beta, sidx, *, scale: float, chunk: int, precision: str = "highest"):
     """:func:`prepare` with the running document index ``sidx [B,T]`` already computed."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    einsum = functools.partial(jnp.einsum, precision=PRECISIONS[precision])
     B, T, H, K = k.shape
     V = v.shape[-1]
     n = -(-T // chunk)
@@ -118,7 +124,7 @@ def prepare_from_index(q, k, v, g, beta, sidx, *, scale: float, chunk: int):
     b = _head_major(padded(beta), n, chunk)[..., None]  # [B,H,N,C,1]
 
     G = jnp.cumsum(g, axis=-2)
-    a_qk, a_kk = _anchored_scores(q, k, G, SUB)
+    a_qk, a_kk = _anchored_scores(q, k, G, SUB, einsum)
     same = sidx[..., :, None] == sidx[..., None, :]  # [B,1,N,C,C]
     causal = same & jnp.tril(jnp.ones((chunk, chunk), bool))
     strict = causal & ~jnp.eye(chunk, dtype=bool)
@@ -126,7 +132,7 @@ def prepare_from_index(q, k, v, g, beta, sidx, *, scale: float, chunk: int):
     a_kk = jnp.where(strict, b * a_kk, 0.0)
 
     rhs = jnp.concatenate([b * v, jnp.where(fresh, b * k * jnp.exp(G), 0.0)], axis=-1)
-    sol = _solve_unit_lower(a_kk, rhs, SUB)
+    sol = _solve_unit_lower(a_kk, rhs, SUB, einsum)
     u, w = sol[..., :V], sol[..., V:]
 
     G_last = G[..., -1:, :]  # [B,H,N,1,K]

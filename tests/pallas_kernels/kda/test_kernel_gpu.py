@@ -28,11 +28,11 @@ def _inputs(seed, B, T, H, K, V, lengths, state=True):
     return (q, k, v, g, beta, s0), seg
 
 
-def _ours(interpret, seg, block_v=None, prep="xla"):
+def _ours(interpret, seg, block_v=None, prep="xla", precision="highest"):
     def fn(q, k, v, g, beta, s0):
         scale = q.shape[-1] ** -0.5
         return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=s0, segment_ids=seg,
-                                interpret=interpret, block_v=block_v, prep=prep)
+                                interpret=interpret, block_v=block_v, prep=prep, prep_precision=precision)
     return fn
 
 
@@ -84,15 +84,17 @@ def test_forward_matches_reference(interpret, B, T, H, K, V, lengths, state):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "B,T,H,K,V,lengths,block_v,prep",
+    "B,T,H,K,V,lengths,block_v,prep,precision",
     [
-        (1, 90, 1, 64, 64, (30, 1, 59), 32, "xla"),  # documents + initial state, odd T
-        (1, 70, 1, 128, 128, None, 64, "fused"),  # the Mosaic GPU intra-chunk kernel
+        (1, 90, 1, 64, 64, (30, 1, 59), 32, "xla", "highest"),  # documents + initial state, odd T
+        (1, 70, 1, 128, 128, None, 64, "fused", "highest"),  # the Mosaic GPU intra-chunk kernel
+        # TF32 prep matmuls (fp32 on the CPU interpreter; the compiled run is the real check)
+        (1, 130, 1, 128, 128, (70, 60), 64, "xla", "tf32"),
     ],
 )
-def test_gradients_match_reference(interpret, B, T, H, K, V, lengths, block_v, prep):
+def test_gradients_match_reference(interpret, B, T, H, K, V, lengths, block_v, prep, precision):
     args, seg = _inputs(1, B, T, H, K, V, lengths)
-    got = _grads(_ours(interpret, seg, block_v, prep), args)
+    got = _grads(_ours(interpret, seg, block_v, prep, precision), args)
     want = _grads(_reference(seg), args)
     for name, a, b in zip(ARG_NAMES, got, want):
         assert a.shape == b.shape, name
@@ -121,6 +123,8 @@ def test_unsupported_inputs_are_refused():
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, chunk_size=32)
     with pytest.raises(ValueError, match="prep"):
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, prep="triton")
+    with pytest.raises(ValueError, match="precision"):
+        chunk_kda_pallas(q, k, v, g, beta, scale=1.0, prep_precision="bf16")
 
 
 @pytest.mark.gpu
