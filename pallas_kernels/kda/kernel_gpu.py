@@ -57,6 +57,9 @@ class ScanConfig:
     interpret: bool = False
 
 
+# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
+# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
+@functools.partial(jax.jit, static_argnames=("cfg", "store_states", "out_dtype"))
 def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, out_dtype):
     """``(o [BH,Tp,V], S_final [BH,K,V] fp32, h [BH,N*K,V] bf16 or None)``; operands bf16."""
     BH, Tp, K = w.shape

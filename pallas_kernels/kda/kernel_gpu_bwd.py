@@ -31,6 +31,9 @@ WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
+# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
+# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
+@functools.partial(jax.jit, static_argnames=("bv", "interpret"))
 def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
     """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32, same shapes as inputs.
 

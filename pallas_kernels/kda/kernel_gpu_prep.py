@@ -106,6 +106,9 @@ def _unit_lower_inverse(p, ri, cj, bufs):
     return x
 
 
+# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
+# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
     """``(w, u, qg, kg, aqk)`` bf16, head-major like :func:`kernel_gpu_intra.prepare`.
 

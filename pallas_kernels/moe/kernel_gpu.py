@@ -209,6 +209,9 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
+# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
     """``lhs [M,K]``, ``rhs [E,K,N]`` (``[E,N,K]`` read transposed when ``transpose_rhs``)."""
     m, k = lhs.shape
@@ -336,6 +339,7 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@functools.partial(jax.jit, static_argnames=("num_groups", "tiling", "interpret"))
 def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     """``out[e] = lhs[rows of e]ᵀ @ dout[rows of e]``: ``[M,K] × [M,N] -> [E,K,N]``, accumulated
     in float32 and stored in ``lhs.dtype`` (a float32 staging tile would not fit in SMEM)."""
