@@ -103,13 +103,15 @@ class Transformer(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, keep_steps: bool = False):
         """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
 
         ``caches`` holds one mixer cache per layer. ``num_new`` (default T) is how many of each row's
         tokens are real (a ragged prefill; the rest are padding that leaves the caches as if unseen).
         With ``return_hidden`` the first result is ``(logits, hidden, blocks)``: the final-norm input
-        and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes).
+        and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes). With ``keep_steps`` each
+        KDA layer's new cache is a ``KDASteps`` (its state after every one of the T tokens: T times
+        the state memory) from which ``k3jax.infer.cache.select_step`` rolls back without a re-run.
         """
         cfg = self.cfg
         validate_inputs(cfg, tokens, None)
@@ -119,7 +121,7 @@ class Transformer(nn.Module):
         stream = ResidualStream.start(self.embed(tokens).astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
         new_caches = []
         for layer, cache in zip(self.layers, caches):
-            stream, cache = layer(stream, cache=cache, valid=valid)
+            stream, cache = layer(stream, cache=cache, valid=valid, keep_steps=keep_steps)
             new_caches.append(cache)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]

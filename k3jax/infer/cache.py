@@ -9,6 +9,12 @@ Per layer kind:
   output, so nothing per head is ever cached.
 
 ``Cache`` bundles one per-layer cache with the per-sequence lengths.
+
+Rollback (speculative verification): ``Transformer.decode(..., keep_steps=True)`` returns each KDA
+layer as ``KDASteps`` (the state after every one of the T new tokens, and the conv inputs of all of
+them) and ``select_step(StepCache, n)`` makes the ``Cache`` after each row's first ``n`` of them, no
+model call needed. Per KDA layer that costs ``T`` states, ``B·T·H·K·V·4`` bytes (plus the conv window
+``3·B·(W-1+T)·H·K·4``), against one state for plain decode; MLA layers rewind just their lengths.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers import mla
+from k3jax.layers.kda import KDASteps, conv_tail
 
 
 @flax.struct.dataclass
@@ -43,6 +50,33 @@ class Cache:
     @property
     def max_len(self) -> int:
         return next(c.latent.shape[1] for c in self.layers if isinstance(c, MLACache))
+
+
+@flax.struct.dataclass
+class StepCache:
+    """A ``Cache`` after T new tokens per row that ``select_step`` rolls back to any ``n in [1, T]``."""
+
+    layers: tuple  # KDASteps per KDA layer, MLACache (all T rows written) per MLA layer
+    start: Int[Array, "B"]  # tokens consumed per sequence before the T new ones
+
+
+def select_step(steps: StepCache, n: Int[Array, "B"]) -> Cache:
+    """The cache after each row's first ``n[b]`` tokens of the call (``1 <= n[b] <= T``).
+
+    KDA: the state after token ``n`` and the conv inputs ``n .. n+W-2`` of the window (the last
+    W-1 inputs up to token ``n``). MLA: the length rewinds to ``start + n``; the rows past it are
+    stale but out of every later query's reach, and the next call overwrites them.
+    """
+    n = jnp.asarray(n, jnp.int32)
+    layers = []
+    for c in steps.layers:
+        if isinstance(c, KDASteps):
+            state = jnp.take_along_axis(c.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
+            conv = conv_tail(c.window, n, c.window.shape[2] - c.states.shape[1])
+            layers.append(KDACache(state=state, conv=conv))
+        else:
+            layers.append(c.replace(lengths=steps.start + n))
+    return Cache(layers=tuple(layers), lengths=steps.start + n)
 
 
 def cache_length(max_len: int) -> int:

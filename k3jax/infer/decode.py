@@ -14,15 +14,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
-from k3jax.infer.cache import Cache
+from k3jax.infer.cache import Cache, StepCache
 from k3jax.model import Transformer
 
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,
-                   num_new: Int[Array, "B"] | None = None, return_hidden: bool = False):
-    """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``."""
+                   num_new: Int[Array, "B"] | None = None, return_hidden: bool = False, keep_steps: bool = False):
+    """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``.
+
+    With ``keep_steps`` the cache comes back as a ``StepCache`` (``select_step`` rolls it back).
+    """
     out, layers = Transformer(cfg).apply(variables, tokens, cache.layers, num_new=num_new,
-                                         return_hidden=return_hidden, method=Transformer.decode)
+                                         return_hidden=return_hidden, keep_steps=keep_steps,
+                                         method=Transformer.decode)
+    if keep_steps:
+        return out, StepCache(layers=layers, start=cache.lengths)
     consumed = tokens.shape[1] if num_new is None else num_new
     return out, Cache(layers=layers, lengths=cache.lengths + consumed)
 

@@ -9,9 +9,11 @@ One cycle per sequence, all sequences in lockstep but each with its own acceptan
    first rejection the next token is drawn from ``norm(max(0, p_{j-1} − q_j))``, and if all ``γ`` pass
    a bonus token from ``p_γ``. Every emitted token is then distributed exactly as the target's
    (warped) distribution, whatever the draft.
-4. Rollback: the KDA state and conv tails cannot be rewound, so when some row rejected a draft
-   the target re-runs the cycle's tokens from the cycle's snapshot with ``num_new = accepted + 1``
-   (the padding tokens leave the states untouched); the MLA-only draft just rewinds its lengths.
+4. Rollback: the KDA state and conv tails cannot be rewound, so the verification call keeps each
+   KDA layer's state after every one of the ``γ+1`` tokens (``keep_steps``: ``γ+1`` fp32 states
+   ``[B,H,K,V]`` per KDA layer, and the conv inputs of all of them) and each row takes the one after
+   its ``accepted + 1`` tokens (``select_step``); MLA caches, the target's and the MLA-only draft's,
+   just rewind their lengths. One target call per cycle, whatever the rows accepted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.infer.cache import MLACache, cache_length, init_cache
+from k3jax.infer.cache import MLACache, cache_length, init_cache, select_step
 from k3jax.infer.decode import check_sampling, chunked, forward_cached, warp
 from k3jax.infer.draft import Draft, draft_features, embed, target_head
 from k3jax.infer.generate import DONE, as_variables, check_prompts, check_stop_tokens
@@ -117,11 +119,11 @@ def _cycle(variables, draft_params, cfg, gamma, warp_args, stop_ids, max_new, ca
     drafts, q_logp, d_cache = _draft_tokens(k_draft, draft_params, cfg, variables["params"], d_cache, pend_feat,
                                             pend_tok, u, gamma, warp_args)
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, γ+1]
-    (logits, hidden, blocks), advanced = forward_cached(variables, cfg, tokens, t_cache, return_hidden=True)
+    (logits, hidden, blocks), steps = forward_cached(variables, cfg, tokens, t_cache, return_hidden=True,
+                                                     keep_steps=True)
     p_logp = warp(logits.reshape(B * (gamma + 1), -1), *warp_args).reshape(B, gamma + 1, -1)
     accepted, y = verify(k_verify, p_logp, q_logp, drafts)
-    rerun = lambda: forward_cached(variables, cfg, tokens, t_cache, num_new=accepted + 1)[1]
-    t_cache = jax.lax.cond(jnp.all(accepted == gamma), lambda: advanced, rerun)
+    t_cache = select_step(steps, accepted + 1)
     emitted = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1).at[jnp.arange(B), accepted].set(y)
     count = accepted + 1
     stop_at = jnp.where(jnp.isin(emitted, stop_ids) & (jnp.arange(gamma + 1)[None] < count[:, None]),

@@ -10,7 +10,8 @@ partial += Mixer(Norm1(h)) ; partial += FFN(Norm2(MIX_mlp(stream)))
 ```
 Without it, the plain pre-norm residual ``x += Mixer(Norm1(x)); x += FFN(Norm2(x))``.
 
-Decode: with a mixer ``cache`` the layer returns ``(stream, new_cache)``. The AttnRes block sums are
+Decode: with a mixer ``cache`` the layer returns ``(stream, new_cache)`` (``keep_steps``: a KDA mixer
+keeps its state at every new token, see ``k3jax.layers.kda``; MLA rows need no such thing). The AttnRes block sums are
 per token, so a decoded token needs only its own stream, never the history of the others.
 """
 
@@ -46,7 +47,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, stream: ResidualStream, segment_ids: Int[Array, "B T"] | None = None, *,
-                 cache=None, valid: Bool[Array, "B T"] | None = None):
+                 cache=None, valid: Bool[Array, "B T"] | None = None, keep_steps: bool = False):
         cfg = self.cfg
         mixer_cls, mixer_name = MIXERS[cfg.layer_kinds[self.index]]
         mixer = mixer_cls(cfg, name=mixer_name)
@@ -55,7 +56,8 @@ class DecoderLayer(nn.Module):
         if cache is None:
             mix = lambda h: (mixer(h, segment_ids), None)
         else:
-            mix = lambda h: mixer(h, cache=cache, valid=valid)
+            steps = {"keep_steps": keep_steps} if isinstance(mixer, KDA) else {}
+            mix = lambda h: mixer(h, cache=cache, valid=valid, **steps)
         if cfg.attn_res is None:
             y, cache = mix(attn_norm(stream.partial))
             stream = stream.add(y)

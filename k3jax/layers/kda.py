@@ -14,12 +14,15 @@ Decode (SPEC §2): with ``cache`` (any pytree with ``state [B,H,K,V]`` fp32 and 
 the last W-1 conv inputs of q, k, v; ``k3jax.infer.cache``) the layer continues the cached sequence
 and returns ``(y, new_cache)``. ``valid [B,T]`` marks the real new tokens of a ragged batch (a prefix
 of each row): the rest are made no-ops for the state (``β = 0``, ``g = 0``) and the conv tails end at
-each row's last real token.
+each row's last real token. With ``keep_steps`` the new cache is a ``KDASteps`` instead: the state
+after every new token and the conv window of all of them, so a caller can roll back to any of those
+tokens without running the layer again (speculative verification; ``k3jax.infer.cache.select_step``).
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,11 +59,32 @@ def _conv_init(key, shape, dtype):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def conv_tail(x: Float[Array, "B T C"], tail: Float[Array, "B Wm1 C"], num_new: Int[Array, "B"]) -> Float[Array, "B Wm1 C"]:
-    """The W-1 conv inputs ending at each row's token ``num_new - 1`` (continuing ``tail``)."""
-    ext = jnp.concatenate([tail, x.astype(tail.dtype)], axis=1)  # [B, W-1+T, C]
-    idx = num_new[:, None] + jnp.arange(tail.shape[1])[None]  # [B, W-1]
-    return jnp.take_along_axis(ext, idx[:, :, None], axis=1)
+@flax.struct.dataclass
+class KDASteps:
+    """A KDA layer's decode cache after T new tokens, kept at every one of them (``keep_steps``)."""
+
+    states: Float[Array, "B T H K V"]  # fp32 state after each of the T new tokens
+    window: Float[Array, "3 B WT C"]  # the W-1 cached conv inputs of q, k, v, then the T new ones
+
+
+def conv_tail(window: Float[Array, "*L B WT C"], num_new: Int[Array, "B"], width: int) -> Float[Array, "*L B Wm1 C"]:
+    """The ``width = W-1`` conv inputs ending at each row's new token ``num_new - 1``, from ``window``
+    (the W-1 cached inputs, then the new ones)."""
+    idx = num_new[:, None] + jnp.arange(width)[None]  # [B, W-1]
+    return jnp.take_along_axis(window, idx.reshape((1,) * (window.ndim - 3) + idx.shape + (1,)), axis=-2)
+
+
+def recurrent_steps(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+                    g: Float[Array, "B T H K"], beta: Float[Array, "B T H"], state: Float[Array, "B H K V"], *,
+                    scale: float) -> tuple[Float[Array, "B T H V"], Float[Array, "B T H K V"]]:
+    """``recurrent_kda_step`` one token at a time, keeping the state after each: ``(o, states)``."""
+    def step(S, xs):
+        o, S = recurrent_kda_step(*(x[:, None] for x in xs), S, scale=scale)
+        S = S.astype(state.dtype)
+        return S, (o[:, 0], S)
+
+    _, (o, states) = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
 class KDA(nn.Module):
@@ -68,9 +92,9 @@ class KDA(nn.Module):
 
     cfg: ModelConfig
 
-    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids, tail=None, num_new=None):
+    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids, tail=None):
         """SiLU(causal depthwise conv) in the wide dtype; weights ``[W, H, K]``. With a cached ``tail``
-        ``[B, W-1, H·K]`` returns ``(y, new_tail)``."""
+        ``[B, W-1, H·K]`` returns ``(y, window)``: the tail followed by the new inputs ``[B, W-1+T, H·K]``."""
         c = self.cfg.kda
         W, (B, T, H, K) = c.conv_size, x.shape
         w = param(self, name, _conv_init, (W, H, K), ("conv", "heads", "head_dim"), wide_param_dtype(self.cfg))
@@ -78,7 +102,7 @@ class KDA(nn.Module):
         xf, wf = x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype)
         if tail is not None:
             y, _ = causal_conv1d(xf, wf, initial_state=tail)
-            return jax.nn.silu(y).reshape(B, T, H, K), conv_tail(xf, tail, num_new)
+            return jax.nn.silu(y).reshape(B, T, H, K), jnp.concatenate([tail, xf.astype(tail.dtype)], axis=1)
         if parallel_context() is None:
             y, _ = causal_conv1d(xf, wf, segment_ids=segment_ids)
         else:  # the previous sequence shard's last W-1 inputs come by ppermute (sharding/cp.py)
@@ -105,7 +129,7 @@ class KDA(nn.Module):
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
-                 cache=None, valid: Bool[Array, "B T"] | None = None):
+                 cache=None, valid: Bool[Array, "B T"] | None = None, keep_steps: bool = False):
         cfg, c = self.cfg, self.cfg.kda
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
@@ -113,11 +137,10 @@ class KDA(nn.Module):
         if cache is None:
             conv = lambda i, name, y: self._short_conv(name, y, segment_ids)
         else:
-            num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
-            tails = []
+            windows = []
             def conv(i, name, y):
-                y, tail = self._short_conv(name, y, None, cache.conv[i], num_new)
-                tails.append(tail)
+                y, window = self._short_conv(name, y, None, cache.conv[i])
+                windows.append(window)
                 return y
         q = l2_normalize(conv(0, "q_conv", head_proj("q_proj")(x)), QK_L2_EPS)
         k = l2_normalize(conv(1, "k_conv", head_proj("k_proj")(x)), QK_L2_EPS)
@@ -130,7 +153,7 @@ class KDA(nn.Module):
         kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.scan_implementation,
                           chunk_size=c.chunk_size)
         if cache is not None:
-            o, cache = self._continue(kda_args, cache, valid, jnp.stack(tails))
+            o, cache = self._continue(kda_args, cache, valid, jnp.stack(windows), keep_steps)
         elif parallel_context() is None:
             o, _ = chunk_kda(*kda_args, **kda_kwargs)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
@@ -141,15 +164,21 @@ class KDA(nn.Module):
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 
-    def _continue(self, kda_args, cache, valid, tails):
+    def _continue(self, kda_args, cache, valid, windows, keep_steps):
         """The gated delta rule from the cached state; padding tokens leave the state unchanged."""
         c = self.cfg.kda
         q, k, v, g, beta = kda_args
+        B, T = q.shape[:2]
         if valid is not None:
             g = jnp.where(valid[:, :, None, None], g, 0.0)
             beta = jnp.where(valid[:, :, None], beta, 0.0)
         scale = c.head_dim ** -0.5
-        if q.shape[1] < c.chunk_size:  # decode: a few tokens, the plain recurrence
+        if keep_steps:  # every step's state, so no chunked path: this is for a few tokens
+            o, states = recurrent_steps(q, k, v, g, beta, cache.state, scale=scale)
+            return o, KDASteps(states=states, window=windows.astype(cache.conv.dtype))
+        num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
+        tails = conv_tail(windows, num_new, c.conv_size - 1)
+        if T < c.chunk_size:  # decode: a few tokens, the plain recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
         else:  # prefill: the chunked kernel from the cached state
             o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=cache.state, output_final_state=True,
