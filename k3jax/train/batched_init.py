@@ -1,0 +1,155 @@
+"""Parameter initialisation with one random draw per distinct (initialiser, shape), not per parameter.
+
+flax draws every parameter from its own key (``fold_in`` of the root key with a hash of the
+parameter's path), so a 12-layer model traces 12 identical ``jax.random.normal`` calls per layer
+parameter and XLA compiles each one, threefry rounds and all, as a separate kernel: on the H200 the
+init of small() took 110 s to compile for a graph that only draws random numbers.
+
+`batch_random_draws(fn)` returns a function with the same outputs, bit for bit, whose independent
+random calls of one kind are made by a single ``vmap``-ed call over the stacked keys. JAX's random
+functions give the same bits for a key whether or not they are vmapped, so the parameter values,
+tree and distributions are unchanged; only the number of distinct kernels drops.
+
+How: trace ``fn`` to a jaxpr, drop what the outputs do not need (the init forward pass), inline
+every ``jit``/``remat`` call except the random ones ("draws": ``jit`` calls and ``random_*``
+primitives that take a key), give each draw a *stage* (1 + the latest stage among the draws it
+depends on), then evaluate stage by stage: the plain equations first, then the stage's draws
+grouped by (callee, argument types), each group as one vmapped call.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal, primitives
+from jax._src.interpreters.partial_eval import dce_jaxpr  # no public DCE in JAX 0.11
+
+_DRAW_PRIMITIVES = (primitives.random_bits_p, primitives.random_fold_in_p, primitives.random_split_p)
+_INLINED = (primitives.jit_p, primitives.remat_p)
+
+
+def _takes_key(eqn) -> bool:
+    return any(jnp.issubdtype(v.aval.dtype, jax.dtypes.prng_key) for v in eqn.invars
+               if hasattr(v.aval, "dtype"))
+
+
+def _is_draw(eqn) -> bool:
+    return (eqn.primitive in _DRAW_PRIMITIVES or eqn.primitive is primitives.jit_p) and _takes_key(eqn)
+
+
+def _bind(eqn, *args):
+    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _inline(jaxpr, consts, args) -> list:
+    """Evaluate ``jaxpr`` in the current trace with its non-draw ``jit``/``remat`` calls inlined."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive in _INLINED and not _is_draw(eqn):
+            sub = eqn.params["jaxpr"]
+            sub_jaxpr, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, [])
+            outs = _inline(sub_jaxpr, sub_consts, invals)
+        else:
+            outs = _bind(eqn, *invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _signature(eqn) -> Any:
+    """Equations with equal signatures compute the same function of same-typed inputs."""
+    try:
+        params = tuple(sorted(eqn.params.items()))
+        hash(params)
+    except TypeError:
+        return id(eqn)
+    return eqn.primitive, params, tuple(v.aval for v in eqn.invars)
+
+
+def _stages(jaxpr) -> dict[int, tuple[list, list]]:
+    """stage → (plain equations, draws) such that every input of a stage is ready before it runs."""
+    level: dict[Any, int] = {}
+    stages = collections.defaultdict(lambda: ([], []))
+    for eqn in jaxpr.eqns:
+        s = max((level.get(v, 0) for v in eqn.invars if not isinstance(v, Literal)), default=0)
+        draw = _is_draw(eqn)
+        stages[s][1 if draw else 0].append(eqn)
+        level.update((v, s + draw) for v in eqn.outvars)
+    return stages
+
+
+class _Env:
+    """Values of the flat jaxpr's variables; a draw's output stays a row of its batch until read."""
+
+    def __init__(self, jaxpr, consts, args):
+        self.values = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+        self.rows: dict[Any, tuple[jax.Array, int]] = {}
+
+    def read(self, v):
+        if isinstance(v, Literal):
+            return v.val
+        if v not in self.values:
+            batch, j = self.rows[v]
+            self.values[v] = batch[j]
+        return self.values[v]
+
+    def stacked(self, vs: list) -> jax.Array:
+        """``vs``' values stacked; rows of one earlier batch are gathered, not re-stacked."""
+        rows = [self.rows.get(v) if not isinstance(v, Literal) else None for v in vs]
+        if all(r is not None and r[0] is rows[0][0] for r in rows):
+            idx = [j for _, j in rows]
+            batch = rows[0][0]
+            return batch if idx == list(range(batch.shape[0])) else batch[jnp.array(idx)]
+        return jnp.stack([self.read(v) for v in vs])
+
+    def run(self, eqn):
+        self.values.update(zip(eqn.outvars, _bind(eqn, *map(self.read, eqn.invars))))
+
+    def run_batched(self, group: list):
+        stacked = [self.stacked([e.invars[i] for e in group]) for i in range(len(group[0].invars))]
+        # The barrier stores the batch once: without it XLA fuses the (elementwise) draw into every
+        # slice that reads it, compiling the threefry rounds once per parameter again. It also keeps
+        # XLA from folding the initialiser's scale into the draw, so every value is bit-identical to
+        # the op-by-op (un-jitted) flax init, singletons included.
+        outs = jax.lax.optimization_barrier(jax.vmap(functools.partial(_bind, group[0]))(*stacked))
+        for j, eqn in enumerate(group):
+            self.rows.update((v, (o, j)) for v, o in zip(eqn.outvars, outs))
+
+
+def _eval_batched(jaxpr, consts, args) -> list:
+    env = _Env(jaxpr, consts, args)
+    stages = _stages(jaxpr)
+    for s in sorted(stages):
+        plain, draws = stages[s]
+        for eqn in plain:
+            env.run(eqn)
+        groups = collections.defaultdict(list)
+        for eqn in draws:
+            groups[_signature(eqn)].append(eqn)
+        for group in groups.values():
+            env.run_batched(group)
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+def batch_random_draws(fn: Callable) -> Callable:
+    """``fn`` (a pure function of arrays/keys, e.g. a flax ``init``) with its random calls batched.
+
+    The wrapper traces ``fn`` on every call; use it inside ``jax.jit`` (it is not faster eagerly).
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        pruned, _ = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+        flat_args = jax.tree.leaves(args)
+        flat = jax.make_jaxpr(lambda *a: _inline(pruned, closed.consts, a))(*flat_args)
+        outs = _eval_batched(flat.jaxpr, flat.consts, flat_args)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return wrapped
