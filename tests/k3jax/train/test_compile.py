@@ -1,0 +1,92 @@
+"""Compile-time structure: the init draws once per parameter shape, identical kernels lower once."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import tiny
+from k3jax.train.batched_init import batch_random_draws
+from k3jax.train.config import DataConfig, TrainConfig
+from k3jax.train.step import Trainer
+from tests.tolerances import INIT_MAX_ULP
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+DRAWS = ("random_bits", "random_fold_in", "random_split")
+
+
+def _count_draws(jaxpr) -> int:
+    """Random primitives in ``jaxpr`` and every jaxpr nested in it (each lowers to its own threefry)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name in DRAWS
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _count_draws(sub)
+    return n
+
+
+def _trainer(num_layers=4, first_dense_layers=1):
+    model = dataclasses.replace(tiny(), num_layers=num_layers, vocab_size=64)
+    model = dataclasses.replace(model, mlp=dataclasses.replace(model.mlp, first_dense_layers=first_dense_layers))
+    return Trainer(TrainConfig(model=model, batch_size=1, seq_len=16, steps=2, data=DataConfig(source="random")))
+
+
+def _draws(key):
+    """Same-shaped draws from distinct keys, a chained key, and a scale that XLA could fold."""
+    keys = [jax.random.fold_in(key, i) for i in range(5)]
+    out = [0.02 * jax.random.normal(k, (6, 4)) for k in keys]
+    out += [jax.random.uniform(k, (3,), minval=-1.0) for k in keys[:3]]
+    out.append(jax.random.truncated_normal(jax.random.split(keys[0])[1], -2.0, 2.0, (5, 2)))
+    return out
+
+
+def test_batched_draws_equal_op_by_op_draws():
+    want = _draws(jax.random.key(7))  # un-jitted: every value rounded as the op-by-op program does
+    got = jax.jit(batch_random_draws(_draws))(jax.random.key(7))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+    jaxpr = jax.make_jaxpr(batch_random_draws(_draws))(jax.random.key(7)).jaxpr
+    assert _count_draws(jaxpr) < _count_draws(jax.make_jaxpr(_draws)(jax.random.key(7)).jaxpr)
+
+
+def test_trainer_init_matches_flax_init():
+    # One KDA + MoE layer keeps the compile short; its q/k/v/g and w1/w2/w3 still share shapes.
+    trainer = _trainer(num_layers=1, first_dense_layers=0)
+    flax_init = jax.jit(lambda k: nn.unbox(trainer._init_boxed(k)))(jax.random.key(3))
+    state = jax.jit(trainer._init)(jax.random.key(3))
+    ours = {"params": state.params, "balance": state.balance}
+    assert jax.tree.structure(ours) == jax.tree.structure(flax_init)
+    for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(flax_init)[0], jax.tree.leaves(ours)):
+        assert g.dtype == w.dtype and g.shape == w.shape, jax.tree_util.keystr(path)
+        # Same keys, same draws; the jitted flax init folds the scale into the draw (1 ulp apart).
+        np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=INIT_MAX_ULP)
+
+
+def test_trainer_init_draws_once_per_parameter_shape():
+    trainer = _trainer()
+    shapes = {leaf.shape for leaf in jax.tree.leaves(trainer.abstract["params"])}
+    ours = _count_draws(jax.make_jaxpr(trainer._init)(jax.random.key(0)).jaxpr)
+    flax_draws = _count_draws(jax.make_jaxpr(lambda k: trainer._init_boxed(k))(jax.random.key(0)).jaxpr)
+    assert flax_draws > 2 * len(shapes)  # the model repeats shapes, so batching has work to do
+    assert ours <= len(shapes) + 2  # + the batched fold_in of every key and the root split
+
+
+def test_identical_kernels_lower_once():
+    """A 2-layer step lowered for CUDA holds one Mosaic GPU module per distinct kernel (forward,
+    remat recompute and both layers share it), so the Mosaic GPU runtime compiles each once."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "tests/k3jax/train/cuda_lowering_worker.py"), "128"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["modules"] == {"kda_scan_fwd": 1, "kda_scan_bwd": 1, "moe_gmm": 1, "moe_gmm_transposed": 1,
+                                 "moe_tgmm": 1}
