@@ -1,7 +1,9 @@
 """Public MoE ops: ``grouped_matmul`` (``jax.lax.ragged_dot`` semantics) and ``moe_ffn``.
 
 ``implementation``: ``None`` picks the Pallas kernel where one exists for the default
-backend (Hopper GPU, TPU) and XLA elsewhere; ``"xla"`` is sort + ``ragged_dot``; ``"pallas"``
+backend (Hopper GPU, TPU), the tile loop of :mod:`pallas_kernels.moe.tiled` on CPU (whose XLA
+backend expands ``ragged_dot`` to every group) and ``ragged_dot`` elsewhere; ``"xla"`` is always
+sort + ``ragged_dot`` (the reference); ``"pallas"``
 needs a GPU/TPU, or ``interpret=True`` on CPU (``kernel_backend`` then names which kernel the
 interpreter runs, "gpu" or "tpu"). Pallas gradients are wired through ``jax.custom_vjp``:
 ``dlhs`` is the grouped product with each expert's transposed weight and ``drhs[e]`` the
@@ -18,6 +20,7 @@ from pallas_kernels.moe import validate
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.dispatch import combine, permute
 from pallas_kernels.moe.reference import grouped_matmul_ragged
+from pallas_kernels.moe.tiled import grouped_matmul_tiled
 
 
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -29,18 +32,19 @@ def _hopper_gpu() -> bool:
 
 
 def resolve_implementation(implementation, interpret: bool, kernel_backend: str | None, dtype=jnp.bfloat16) -> str:
-    """Return "xla", "gpu" or "tpu": which code path runs (kernels take bf16/f16 only)."""
+    """Return "xla", "tiled", "gpu" or "tpu": which code path runs (kernels take bf16/f16 only)."""
     if implementation not in (None, "xla", "pallas"):
         raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
     if kernel_backend not in (None, "gpu", "tpu"):
         raise ValueError(f"kernel_backend must be None, 'gpu' or 'tpu', got {kernel_backend!r}")
     if implementation == "xla":
         return "xla"
+    platform = jax.default_backend()
+    fallback = "tiled" if platform == "cpu" else "xla"
     if jnp.dtype(dtype) not in _KERNEL_DTYPES:
         if implementation == "pallas":
             raise ValueError(f"implementation='pallas' needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}")
-        return "xla"
-    platform = jax.default_backend()
+        return fallback
     if interpret:
         return kernel_backend or ("tpu" if platform == "tpu" else "gpu")
     if platform == "tpu":
@@ -51,7 +55,7 @@ def resolve_implementation(implementation, interpret: bool, kernel_backend: str 
         raise ValueError(
             f"implementation='pallas' needs a Hopper GPU or a TPU, or interpret=True; default backend is {platform!r}"
         )
-    return "xla"
+    return fallback
 
 
 def _kernel_module(path: str):
@@ -136,6 +140,8 @@ def grouped_matmul(
     path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
     if path == "xla":
         return grouped_matmul_ragged(lhs, rhs, group_sizes)
+    if path == "tiled":
+        return grouped_matmul_tiled(lhs, rhs, group_sizes)
     return _gmm_pallas(lhs, rhs, group_sizes, path, interpret)
 
 
