@@ -15,6 +15,7 @@ Run on the H200 from the repo root (peer wheels installed into ``.peers``, see B
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -186,6 +187,44 @@ def breakdown(shape, iters, block_vs=""):
     return res
 
 
+def prep_stages(shape, iters, precision="tf32"):
+    """The XLA prep cut into its stages, each jitted alone on materialised inputs: fwd and fwd+bwd ms.
+
+    Stages: ``layout`` (pad, fp32 head-major copies, in-chunk cumsum), ``scores`` (anchored A_qk and
+    A_kk over 16-token tiles), ``solve`` (product-form tile inverses + block substitution on
+    [βv | βk e^G]). Their sum next to the whole prep shows what fusion already saves.
+    """
+    from pallas_kernels.kda import kernel_gpu_intra as intra
+
+    (q, k, v, g, b), _ = make_inputs(6, *shape)
+    C, sub = 64, intra.SUB
+    n = -(-shape[1] // C)
+    einsum = functools.partial(jnp.einsum, precision=intra.PRECISIONS[precision])
+
+    def layout(q, k, v, g):
+        q, k, v, g = (intra._head_major(x, n, C) for x in (q, k, v, g))
+        return q, k, v, jnp.cumsum(g, axis=-2)
+
+    hq, hk, hv, G = jax.jit(layout)(q, k, v, g)
+    scores = lambda q, k, G: intra._anchored_scores(q, k, G, sub, einsum)
+    a_kk = jnp.tril(jax.jit(scores)(hq, hk, G)[1], -1) * 0.1
+    rhs = jnp.concatenate([hv, hk], axis=-1)
+    solve = lambda a, r: intra._solve_unit_lower(a, r, sub, einsum)
+    res = {}
+    for name, fn, args in (("layout", layout, (q, k, v, g)), ("scores", scores, (hq, hk, G)),
+                           ("solve", solve, (a_kk, rhs))):
+        out = jax.jit(fn)(*args)
+        cot = [jnp.ones_like(x) for x in jax.tree.leaves(out)]
+        loss = lambda *a, fn=fn, cot=cot: sum(jnp.sum(x.astype(jnp.float32) * c)
+                                              for x, c in zip(jax.tree.leaves(fn(*a)), cot))
+        fb = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+        res[f"{name}_fwd"] = median_ms(jax.jit(fn), [args], iters, jax_sync)
+        res[f"{name}_fwdbwd"] = median_ms(fb, [args], iters, jax_sync)
+        print(f"prep stages {shape} ({precision}): {res}", flush=True)
+        del out, cot
+    return res
+
+
 # --- checks and ceilings ------------------------------------------------------------------------
 
 
@@ -320,6 +359,7 @@ def main():
     if args.breakdown:
         try:
             report["breakdown"] = breakdown(SHAPES[0], args.iters, args.breakdown_block_v)
+            report["prep_stages"] = prep_stages(SHAPES[0], args.iters)
         except Exception as err:
             report["breakdown"] = {"error": f"{type(err).__name__}: {err}"[:600]}
             traceback.print_exc()
