@@ -2,7 +2,8 @@
 
     PYTHONPATH=$PWD python3 benchmarks/bench_train.py --steps 10 --batch 8 --seq 4096 --remat layer
 
-Compiles ahead of time (trace, lower and compile seconds printed for the init and the step), runs ``--warmup`` untimed steps, then times ``--steps`` steps (blocking on the
+Compiles ahead of time (trace, lower and compile seconds printed for the init and the step),
+runs ``--warmup`` untimed steps, then times ``--steps`` steps (blocking on the
 result). MFU = model FLOPs per token (``k3jax.train.metrics.flops_per_token``) × tokens/s ÷ the
 device's dense bf16 peak (``--peak-flops`` to override). Data: uniform random tokens.
 """
@@ -35,6 +36,18 @@ def _staged(name, jitted, *args):
     return compiled, t3 - t0
 
 
+def _print_profile(directory: str, top: int = 40) -> None:
+    """The traced steps' time per kernel on the device (all threads on a CPU), largest first."""
+    from trace_summary import load_events, summarise  # benchmarks/ is the script's directory
+
+    events, names = load_events(directory)
+    rows = summarise(events, names, "" if jax.default_backend() == "cpu" else "GPU")
+    grand = sum(ms for _, ms, _ in rows) or 1.0
+    print(f"profile of 2 steps: {grand:.1f} ms over {len(rows)} names", flush=True)
+    for name, ms, n in rows[:top]:
+        print(f"{ms:10.2f} ms {100 * ms / grand:5.1f} % {n:6d}x  {name[:110]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
@@ -45,6 +58,9 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--remat", default="layer", choices=("none", "layer", "moe"))
     p.add_argument("--peak-flops", type=float, default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, trace 2 steps into DIR and print the device time per kernel "
+                        "(benchmarks/trace_summary.py)")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig override, e.g. model.moe.implementation=xla")
     a = p.parse_args()
@@ -71,7 +87,13 @@ def main() -> None:
         for _ in range(a.steps):
             state, m = step(state, next(data))
         jax.block_until_ready(m)
-    seconds = (time.perf_counter() - t0) / a.steps
+        seconds = (time.perf_counter() - t0) / a.steps
+        if a.profile:
+            with jax.profiler.trace(a.profile, create_perfetto_trace=True):
+                for _ in range(2):
+                    state, m = step(state, next(data))
+                jax.block_until_ready(m)
+            _print_profile(a.profile)
     tokens_per_s = cfg.tokens_per_step / seconds
     fpt = flops_per_token(cfg.model, cfg.seq_len, trainer.abstract["params"].get("mtp"))
     peak = peak_flops(a.peak_flops)

@@ -1,0 +1,61 @@
+"""Where the time goes in a ``jax.profiler`` trace: total time per op or kernel name, largest first.
+
+    python benchmarks/trace_summary.py DIR [--top 30] [--process GPU]
+
+Reads the newest ``perfetto_trace.json.gz`` under ``DIR`` (written by
+``jax.profiler.trace(DIR, create_perfetto_trace=True)``, e.g. ``bench_train.py --profile DIR``),
+keeps complete events (``ph == "X"``) of the processes whose name contains ``--process`` (on a GPU
+trace, the device streams; ``""`` keeps all) and prints per name: total ms, share, calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+
+
+def load_events(directory: str) -> tuple[list[dict], dict[int, str]]:
+    """Complete events and ``pid -> process name`` of the newest perfetto trace under ``directory``."""
+    traces = sorted(pathlib.Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise ValueError(f"directory={directory!r} holds no perfetto_trace.json.gz")
+    with gzip.open(traces[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], names
+
+
+def summarise(events: list[dict], names: dict[int, str], process: str) -> list[tuple[str, float, int]]:
+    """``(name, total ms, calls)`` over events of matching processes, largest total first."""
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if process.lower() in names.get(e["pid"], "").lower():
+            total[e["name"]] += e["dur"] / 1e3
+            calls[e["name"]] += 1
+    return [(name, ms, calls[name]) for name, ms in total.most_common()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("directory")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
+    a = ap.parse_args()
+    events, names = load_events(a.directory)
+    rows = summarise(events, names, a.process)
+    if not rows:
+        raise SystemExit(f"no events in processes matching --process={a.process!r}; processes: "
+                         f"{sorted(set(names.values()))}")
+    grand = sum(ms for _, ms, _ in rows)
+    print(f"{grand:.1f} ms in {len(rows)} names (processes matching {a.process!r})")
+    for name, ms, n in rows[: a.top]:
+        print(f"{ms:10.2f} ms {100 * ms / grand:5.1f} % {n:6d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
