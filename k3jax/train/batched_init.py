@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -122,7 +123,24 @@ class _Env:
             self.rows.update((v, (o, j)) for v, o in zip(eqn.outvars, outs))
 
 
-def _eval_batched(jaxpr, consts, args) -> list:
+def _out_bytes(eqn) -> int:
+    return sum(math.prod(v.aval.shape) * getattr(v.aval.dtype, "itemsize", 8) for v in eqn.outvars)
+
+
+def _chunks(group: list, max_bytes: int) -> list[list]:
+    """``group`` split into runs whose outputs total at most ``max_bytes`` (one member at least)."""
+    chunks, size = [[]], 0
+    for eqn in group:
+        n = _out_bytes(eqn)
+        if chunks[-1] and size + n > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(eqn)
+        size += n
+    return chunks
+
+
+def _eval_batched(jaxpr, consts, args, max_bytes: int) -> list:
     env = _Env(jaxpr, consts, args)
     stages = _stages(jaxpr)
     for s in sorted(stages):
@@ -133,14 +151,17 @@ def _eval_batched(jaxpr, consts, args) -> list:
         for eqn in draws:
             groups[_signature(eqn)].append(eqn)
         for group in groups.values():
-            env.run_batched(group)
+            for chunk in _chunks(group, max_bytes):
+                env.run_batched(chunk)
     return [env.read(v) for v in jaxpr.outvars]
 
 
-def batch_random_draws(fn: Callable) -> Callable:
+def batch_random_draws(fn: Callable, max_batch_bytes: int = 1 << 30) -> Callable:
     """``fn`` (a pure function of arrays/keys, e.g. a flax ``init``) with its random calls batched.
 
-    The wrapper traces ``fn`` on every call; use it inside ``jax.jit`` (it is not faster eagerly).
+    A batch is stored whole before it is sliced into parameters, so it costs its size in transient
+    memory (unsharded, in the worst case, under a mesh): ``max_batch_bytes`` caps it, and a draw larger
+    than the cap stays on its own. The wrapper traces ``fn`` on every call; use it inside ``jax.jit``.
     """
 
     @functools.wraps(fn)
@@ -149,7 +170,7 @@ def batch_random_draws(fn: Callable) -> Callable:
         pruned, _ = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
         flat_args = jax.tree.leaves(args)
         flat = jax.make_jaxpr(lambda *a: _inline(pruned, closed.consts, a))(*flat_args)
-        outs = _eval_batched(flat.jaxpr, flat.consts, flat_args)
+        outs = _eval_batched(flat.jaxpr, flat.consts, flat_args, max_batch_bytes)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped

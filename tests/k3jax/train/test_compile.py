@@ -58,6 +58,16 @@ def test_batched_draws_equal_op_by_op_draws():
     assert _count_draws(jaxpr) < _count_draws(jax.make_jaxpr(_draws)(jax.random.key(7)).jaxpr)
 
 
+def test_batch_size_cap_splits_batches():
+    key = jax.random.key(7)
+    want = _draws(key)
+    capped = batch_random_draws(_draws, max_batch_bytes=2 * 6 * 4 * 4)  # two of the (6, 4) float32 draws
+    for g, w in zip(jax.jit(capped)(key), want):
+        np.testing.assert_array_equal(g, w)
+    count = lambda f: _count_draws(jax.make_jaxpr(f)(key).jaxpr)
+    assert count(batch_random_draws(_draws)) < count(capped) < count(_draws)
+
+
 def test_trainer_init_matches_flax_init():
     # One KDA + MoE layer keeps the compile short; its q/k/v/g and w1/w2/w3 still share shapes.
     trainer = _trainer(num_layers=1, first_dense_layers=0)
