@@ -1,34 +1,21 @@
 """Rollback of a multi-token decode call without a re-run (``keep_steps`` + ``select_step``), and
-speculative decoding's one target call per cycle; tiny() K3 and the tiny Kimi-Linear-shaped model."""
+speculative decoding's one target call per cycle; tiny() K3 and the tiny Kimi-Linear-shaped model
+(the ``model`` fixture, conftest.py)."""
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from k3jax.infer import speculative
 from k3jax.infer.cache import KDACache, MLACache, StepCache, init_cache, select_step
 from k3jax.infer.decode import forward_cached
 from k3jax.infer.draft import init_draft
 from k3jax.layers.kda import KDASteps
-from k3jax.model import Transformer
-from tests.k3jax.infer.test_decode import kimi_linear_tiny
 from tests.tolerances import F32_RTOL, rel_rmse
 
 PROMPT, STEPS = 6, 5  # cached tokens, then one call of STEPS = γ+1 tokens
-
-
-@pytest.fixture(scope="module", params=["tiny", "kimi_linear_tiny"])
-def model(request, tiny_model):
-    if request.param == "tiny":
-        return tiny_model.cfg, tiny_model.variables
-    cfg = kimi_linear_tiny()
-    variables = nn.meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(1, impl="unsafe_rbg"),
-                                                            jnp.zeros((1, 8), jnp.int32)))
-    return cfg, variables
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
