@@ -27,7 +27,7 @@ import optax
 
 from k3jax.model import Transformer
 from k3jax.train import stats as st
-from k3jax.train.batched_init import batch_random_draws
+from k3jax.train.batched_calls import batch_random_draws, batch_scans
 from k3jax.train.config import TrainConfig
 from k3jax.train.mtp import MTP, mtp_targets
 from k3jax.train.optimizer import logical_axes, make_optimizer
@@ -96,7 +96,7 @@ class Trainer:
 
     def _init(self, rng: jax.Array) -> TrainState:
         # One vmapped draw per distinct parameter shape instead of one per parameter: the values of the
-        # op-by-op flax init bit for bit, at a fraction of the compile time (k3jax.train.batched_init).
+        # op-by-op flax init bit for bit, at a fraction of the compile time (k3jax.train.batched_calls).
         v = nn.unbox(batch_random_draws(self._init_boxed)(rng))
         zero = jnp.zeros([], jnp.int32)
         return TrainState(step=zero, params=v["params"], opt_state=self.tx.init(v["params"]),
@@ -199,7 +199,10 @@ class Trainer:
         loss = aux["ce"] / denom
         mtp_loss = sum((aux["mtp_ce"][j] / d for j, d in enumerate(mtp_denoms)), jnp.zeros([]))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(mtp_loss)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        # One Newton–Schulz scan per distinct weight shape, not per weight (k3jax.train.batched_calls);
+        # on a mesh the stack would mix shardings, so there each weight keeps its own.
+        update = self.tx.update if self.mesh is not None else batch_scans(self.tx.update)
+        updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         max_logits = max_logits_from_stats(aux["stats"])
         metrics = {}

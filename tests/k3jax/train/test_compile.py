@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import tiny
-from k3jax.train.batched_init import batch_random_draws
+from k3jax.train.batched_calls import batch_random_draws, batch_scans
 from k3jax.train.config import DataConfig, TrainConfig
 from k3jax.train.step import Trainer
 from tests.tolerances import INIT_MAX_ULP
@@ -22,13 +22,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 DRAWS = ("random_bits", "random_fold_in", "random_split")
 
 
-def _count_draws(jaxpr) -> int:
-    """Random primitives in ``jaxpr`` and every jaxpr nested in it (each lowers to its own threefry)."""
+def _count_draws(jaxpr, names=DRAWS) -> int:
+    """Equations named ``names`` (default: random primitives, each lowers to its own threefry) in
+    ``jaxpr`` and every jaxpr nested in it."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name in DRAWS
+        n += eqn.primitive.name in names
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _count_draws(sub)
+            n += _count_draws(sub, names)
     return n
 
 
@@ -88,6 +89,20 @@ def test_trainer_init_draws_once_per_parameter_shape():
     flax_draws = _count_draws(jax.make_jaxpr(lambda k: trainer._init_boxed(k))(jax.random.key(0)).jaxpr)
     assert flax_draws > 2 * len(shapes)  # the model repeats shapes, so batching has work to do
     assert ours <= len(shapes) + 2  # + the batched fold_in of every key and the root split
+
+
+def test_batched_muon_update_equals_optax():
+    trainer = _trainer(num_layers=2)
+    params = jax.jit(trainer._init)(jax.random.key(0)).params
+    grads = jax.tree.map(lambda p: jnp.sin(3.0 * p + 0.1), params)
+    opt_state = trainer.tx.init(params)
+    want = jax.jit(trainer.tx.update)(grads, opt_state, params)
+    got = jax.jit(batch_scans(trainer.tx.update))(grads, opt_state, params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    dots = lambda f: _count_draws(jax.make_jaxpr(f)(grads, opt_state, params).jaxpr, ("dot_general",))
+    assert 2 * dots(batch_scans(trainer.tx.update)) < dots(trainer.tx.update)
 
 
 def test_identical_kernels_lower_once():

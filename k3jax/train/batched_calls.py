@@ -1,20 +1,23 @@
-"""Parameter initialisation with one random draw per distinct (initialiser, shape), not per parameter.
+"""Independent calls of one function, made as one vmapped call: fewer, wider kernels to compile.
 
-flax draws every parameter from its own key (``fold_in`` of the root key with a hash of the
-parameter's path), so a 12-layer model traces 12 identical ``jax.random.normal`` calls per layer
-parameter and XLA compiles each one, threefry rounds and all, as a separate kernel: on the H200 the
-init of small() took 110 s to compile for a graph that only draws random numbers.
+A model of L identical layers traces L copies of every per-layer computation that has no data
+dependence between layers, and XLA compiles each copy as its own kernels. Two such places dominate
+the compile of k3jax's init and step:
 
-`batch_random_draws(fn)` returns a function with the same outputs, bit for bit, whose independent
-random calls of one kind are made by a single ``vmap``-ed call over the stacked keys. JAX's random
-functions give the same bits for a key whether or not they are vmapped, so the parameter values,
-tree and distributions are unchanged; only the number of distinct kernels drops.
+- The parameter init: flax draws every parameter from its own key (``fold_in`` of the root key
+  with a hash of the parameter's path), so each parameter is a ``jax.random`` call whose threefry
+  rounds XLA compiles separately (small(): 110 s of init compile on the H200).
+  `batch_random_draws` makes each stage of same-shaped draws one vmapped draw over the stacked
+  keys. JAX's random functions give the same bits for a key whether or not they are vmapped, so
+  the values are those of the op-by-op flax init, bit for bit, with the same tree.
+- Per-head Muon: ``optax.contrib.muon`` runs Newton–Schulz as one ``scan`` per parameter (small():
+  2880 matmuls in the update). `batch_scans` runs same-shaped ones as one scan over a stack.
 
 How: trace ``fn`` to a jaxpr, drop what the outputs do not need (the init forward pass), inline
-every ``jit``/``remat`` call except the random ones ("draws": ``jit`` calls and ``random_*``
-primitives that take a key), give each draw a *stage* (1 + the latest stage among the draws it
-depends on), then evaluate stage by stage: the plain equations first, then the stage's draws
-grouped by (callee, argument types), each group as one vmapped call.
+every ``jit``/``remat`` call except the batchable ones, give each batchable call a *stage* (1 + the
+latest stage among the batchable calls it depends on), then evaluate stage by stage: the plain
+equations first, then the stage's batchable calls grouped by (callee, argument types), each group
+as one vmapped call.
 """
 
 from __future__ import annotations
@@ -47,16 +50,20 @@ def _bind(eqn, *args):
     return out if eqn.primitive.multiple_results else [out]
 
 
-def _inline(jaxpr, consts, args) -> list:
-    """Evaluate ``jaxpr`` in the current trace with its non-draw ``jit``/``remat`` calls inlined."""
+def _is_scan(eqn) -> bool:
+    return eqn.primitive.name == "scan"
+
+
+def _inline(jaxpr, consts, args, batchable) -> list:
+    """Evaluate ``jaxpr`` in the current trace with its non-batchable ``jit``/``remat`` calls inlined."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive in _INLINED and not _is_draw(eqn):
+        if eqn.primitive in _INLINED and not batchable(eqn):
             sub = eqn.params["jaxpr"]
             sub_jaxpr, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, [])
-            outs = _inline(sub_jaxpr, sub_consts, invals)
+            outs = _inline(sub_jaxpr, sub_consts, invals, batchable)
         else:
             outs = _bind(eqn, *invals)
         env.update(zip(eqn.outvars, outs))
@@ -73,20 +80,28 @@ def _signature(eqn) -> Any:
     return eqn.primitive, params, tuple(v.aval for v in eqn.invars)
 
 
-def _stages(jaxpr) -> dict[int, tuple[list, list]]:
-    """stage → (plain equations, draws) such that every input of a stage is ready before it runs."""
+def _structural_signature(eqn) -> Any:
+    """As `_signature`, comparing sub-jaxprs by their text: each scan is traced on its own."""
+    if any(getattr(v, "consts", None) for v in eqn.params.values()):
+        return id(eqn)  # the text of a closed jaxpr omits its constants' values
+    params = tuple(sorted((k, str(v)) for k, v in eqn.params.items()))
+    return eqn.primitive, params, tuple(v.aval for v in eqn.invars)
+
+
+def _stages(jaxpr, batchable) -> dict[int, tuple[list, list]]:
+    """stage → (plain equations, batchable calls) such that a stage's inputs are ready before it runs."""
     level: dict[Any, int] = {}
     stages = collections.defaultdict(lambda: ([], []))
     for eqn in jaxpr.eqns:
         s = max((level.get(v, 0) for v in eqn.invars if not isinstance(v, Literal)), default=0)
-        draw = _is_draw(eqn)
-        stages[s][1 if draw else 0].append(eqn)
-        level.update((v, s + draw) for v in eqn.outvars)
+        batched = batchable(eqn)
+        stages[s][1 if batched else 0].append(eqn)
+        level.update((v, s + batched) for v in eqn.outvars)
     return stages
 
 
 class _Env:
-    """Values of the flat jaxpr's variables; a draw's output stays a row of its batch until read."""
+    """Values of the flat jaxpr's variables; a batched call's output stays a row of its batch until read."""
 
     def __init__(self, jaxpr, consts, args):
         self.values = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
@@ -140,20 +155,33 @@ def _chunks(group: list, max_bytes: int) -> list[list]:
     return chunks
 
 
-def _eval_batched(jaxpr, consts, args, max_bytes: int) -> list:
+def _eval_batched(jaxpr, consts, args, batchable, signature, max_bytes: int) -> list:
     env = _Env(jaxpr, consts, args)
-    stages = _stages(jaxpr)
+    stages = _stages(jaxpr, batchable)
     for s in sorted(stages):
-        plain, draws = stages[s]
+        plain, calls = stages[s]
         for eqn in plain:
             env.run(eqn)
         groups = collections.defaultdict(list)
-        for eqn in draws:
-            groups[_signature(eqn)].append(eqn)
+        for eqn in calls:
+            groups[signature(eqn)].append(eqn)
         for group in groups.values():
             for chunk in _chunks(group, max_bytes):
                 env.run_batched(chunk)
     return [env.read(v) for v in jaxpr.outvars]
+
+
+def _batch_calls(fn: Callable, batchable, signature, max_batch_bytes: int) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        pruned, _ = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+        flat_args = jax.tree.leaves(args)
+        flat = jax.make_jaxpr(lambda *a: _inline(pruned, closed.consts, a, batchable))(*flat_args)
+        outs = _eval_batched(flat.jaxpr, flat.consts, flat_args, batchable, signature, max_batch_bytes)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return wrapped
 
 
 def batch_random_draws(fn: Callable, max_batch_bytes: int = 1 << 30) -> Callable:
@@ -163,14 +191,12 @@ def batch_random_draws(fn: Callable, max_batch_bytes: int = 1 << 30) -> Callable
     memory (unsharded, in the worst case, under a mesh): ``max_batch_bytes`` caps it, and a draw larger
     than the cap stays on its own. The wrapper traces ``fn`` on every call; use it inside ``jax.jit``.
     """
+    return _batch_calls(fn, _is_draw, _signature, max_batch_bytes)
 
-    @functools.wraps(fn)
-    def wrapped(*args):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        pruned, _ = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-        flat_args = jax.tree.leaves(args)
-        flat = jax.make_jaxpr(lambda *a: _inline(pruned, closed.consts, a))(*flat_args)
-        outs = _eval_batched(flat.jaxpr, flat.consts, flat_args, max_batch_bytes)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-    return wrapped
+def batch_scans(fn: Callable, max_batch_bytes: int = 1 << 30) -> Callable:
+    """``fn`` with its independent, identical ``scan``s (Muon's Newton–Schulz) run as one vmapped scan.
+
+    Same caveats as `batch_random_draws`; the stacked operands are a transient copy of the inputs.
+    """
+    return _batch_calls(fn, _is_scan, _structural_signature, max_batch_bytes)
