@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    from k3jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
     cfg, variables = load(args.checkpoint)
     tok_dir = args.tokenizer
     if tok_dir is None and (Path(args.checkpoint) / "tiktoken.model").exists():

@@ -48,7 +48,10 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from k3jax.compile_cache import enable_compilation_cache
     from k3jax.train.loop import train
+
+    enable_compilation_cache()
 
     try:
         result = train(cfg, progress=not args.no_progress)

@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--examples", type=int, default=3)
     args = p.parse_args(argv)
+    from k3jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
     cfg = load_config(args.config, args.assignments)
     run = Path(args.dir or tempfile.mkdtemp(prefix="k3jax_demo_"))
     cfg = dataclasses.replace(cfg, log_dir=str(run), checkpoint=dataclasses.replace(

@@ -63,8 +63,6 @@ def micro_train_config(**changes):
 
 def use_compilation_cache(path="/tmp/k3jax_test_jax_cache"):
     """Share compiled steps between the processes of one test (same executable, same bits)."""
-    import jax
+    from k3jax.compile_cache import enable_compilation_cache
 
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    enable_compilation_cache(path, min_compile_seconds=0.0)
