@@ -43,3 +43,13 @@ def random_moe_inputs(seed: int, t: int, l: int, f: int, e: int, topk: int, dtyp
     w3 = (jax.random.normal(ks[4], (e, l, f)) / np.sqrt(l)).astype(dtype)
     w2 = (jax.random.normal(ks[5], (e, f, l)) / np.sqrt(f)).astype(dtype)
     return x, ids, w, w1, w3, w2
+
+
+def gmm_value_and_grads(fn):
+    """Jitted ``(loss, (dlhs, drhs))`` of a fixed cosine-weighted sum of ``fn(lhs, rhs, group_sizes)``."""
+
+    def loss(lhs, rhs, gs):
+        out = fn(lhs, rhs, gs)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))

@@ -11,22 +11,19 @@ from jax.experimental import checkify
 
 from pallas_kernels.moe import combine, grouped_matmul, moe_ffn, permute
 from pallas_kernels.moe.reference import grouped_matmul_dense, moe_ffn_dense
-from tests.pallas_kernels.moe.conftest import group_sizes_strategy, random_gmm_inputs, random_moe_inputs
+from tests.pallas_kernels.moe.conftest import (
+    gmm_value_and_grads,
+    group_sizes_strategy,
+    random_gmm_inputs,
+    random_moe_inputs,
+)
 from tests.tolerances import BF16_FWD_RTOL, F64_RTOL, rel_rmse
 
 M, K, N, E = 24, 8, 6, 4
 
 
-def _loss(fn):
-    def loss(lhs, rhs, gs):
-        out = fn(lhs, rhs, gs)
-        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-
-_xla = _loss(lambda a, b, g: grouped_matmul(a, b, g, implementation="xla"))
-_dense = _loss(grouped_matmul_dense)
+_xla = gmm_value_and_grads(lambda a, b, g: grouped_matmul(a, b, g, implementation="xla"))
+_dense = gmm_value_and_grads(grouped_matmul_dense)
 
 
 @settings(max_examples=15, deadline=None)

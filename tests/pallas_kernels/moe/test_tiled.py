@@ -10,22 +10,19 @@ from pallas_kernels.moe import grouped_matmul, moe_ffn
 from pallas_kernels.moe.ops import resolve_implementation
 from pallas_kernels.moe.reference import grouped_matmul_dense, moe_ffn_dense
 from pallas_kernels.moe.tiled import grouped_matmul_tiled, schedule
-from tests.pallas_kernels.moe.conftest import group_sizes_strategy, random_gmm_inputs, random_moe_inputs
+from tests.pallas_kernels.moe.conftest import (
+    gmm_value_and_grads,
+    group_sizes_strategy,
+    random_gmm_inputs,
+    random_moe_inputs,
+)
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, F64_RTOL, rel_rmse
 
 M, K, N, E = 40, 8, 6, 5
 
 
-def _value_and_grads(fn):
-    def loss(lhs, rhs, gs):
-        out = fn(lhs, rhs, gs)
-        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-
-_TILED = {t: _value_and_grads(lambda a, b, g, t=t: grouped_matmul_tiled(a, b, g, tile=t)) for t in (8, 16, 128)}
-_DENSE = _value_and_grads(grouped_matmul_dense)
+_TILED = {t: gmm_value_and_grads(lambda a, b, g, t=t: grouped_matmul_tiled(a, b, g, tile=t)) for t in (8, 16, 128)}
+_DENSE = gmm_value_and_grads(grouped_matmul_dense)
 
 
 @pytest.mark.parametrize("tile", sorted(_TILED))
@@ -46,8 +43,8 @@ def test_tiled_bf16_and_float64():
     gs = jnp.array([7, 0, 20, 1, 9], jnp.int32)
     lhs, rhs = random_gmm_inputs(1, M, K, N, E, jnp.bfloat16)
     f32 = lambda x: x.astype(jnp.float32)
-    (_, (da, db)) = _value_and_grads(grouped_matmul_tiled)(lhs, rhs, gs)
-    (_, (ea, eb)) = _value_and_grads(grouped_matmul_dense)(f32(lhs), f32(rhs), gs)
+    (_, (da, db)) = gmm_value_and_grads(grouped_matmul_tiled)(lhs, rhs, gs)
+    (_, (ea, eb)) = gmm_value_and_grads(grouped_matmul_dense)(f32(lhs), f32(rhs), gs)
     out = grouped_matmul_tiled(lhs, rhs, gs)
     assert out.dtype == jnp.bfloat16 and da.dtype == jnp.bfloat16 and db.dtype == jnp.bfloat16
     assert rel_rmse(out, grouped_matmul_dense(f32(lhs), f32(rhs), gs)) < BF16_FWD_RTOL
