@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from k3jax.config import preset
 from k3jax.model import Transformer
+from k3jax.train.batched_calls import batch_random_draws
 from sharding import logical_axes, make_mesh, shard_params, use_mesh
 
 
@@ -82,6 +83,7 @@ def run_layout(name, mesh_axes, devices, model, cfg, boxed, variables, args):
         tokens = jax.device_put(tokens, ctx.sharding("batch", "length"))
         labels = jax.device_put(labels, ctx.sharding("batch", "length"))
         step = make_step(model, cfg, args.loss_chunk)
+        print(f"{name:12s} compiling and running the first step ...", flush=True)
         start = time.perf_counter()
         loss, grads = step(placed, tokens, labels)
         jax.block_until_ready(grads)
@@ -154,7 +156,8 @@ def main():
     devices = jax.devices()
     n = len(devices)
     boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 128), jnp.int32))
-    variables = jax.jit(lambda k: nn.unbox(model.init(k, jnp.zeros((1, 128), jnp.int32))))(jax.random.PRNGKey(0))
+    init = batch_random_draws(model.init)  # one draw per parameter shape: a short compile
+    variables = jax.jit(lambda k: nn.unbox(init(k, jnp.zeros((1, 128), jnp.int32))))(jax.random.PRNGKey(0))
     print(f"{args.preset}: {n} x {devices[0].device_kind}, T={args.seq_len}, remat={args.remat}", flush=True)
     layouts = {
         "1gpu": (dict(data=1), devices[:1]),
