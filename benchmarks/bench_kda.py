@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -306,6 +307,35 @@ def time_shape(impls, shape, iters):
     return row
 
 
+def profile_impls(impls, shape, directory, top=12):
+    """Device time per kernel of each JAX implementation's fwd and fwd+bwd (3 calls each) at one shape."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_summary import load_events, summarise
+
+    (q, k, v, g, b), do = make_inputs(9, *shape)
+    out = {}
+    for name, (fwd, fwdbwd, conv, sync) in impls.items():
+        if sync is not jax_sync:  # the torch peer's kernels are not in a JAX trace
+            continue
+        for mode, fn, args in (("fwd", fwd, (q, k, v, g, b)), ("fwdbwd", fwdbwd, (q, k, v, g, b, do))):
+            sub = os.path.join(directory, f"{name}-{mode}")
+            try:
+                jax.block_until_ready(fn(*args))
+                with jax.profiler.trace(sub, create_perfetto_trace=True):
+                    for _ in range(3):
+                        jax.block_until_ready(fn(*args))
+                rows = summarise(*load_events(sub), "GPU")
+            except Exception as err:
+                out[f"{name}-{mode}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+                continue
+            grand = sum(ms for _, ms, _ in rows) / 3
+            out[f"{name}-{mode}"] = [(n, round(ms / 3, 3), c // 3) for n, ms, c in rows[:top]]
+            print(f"profile {shape} {name} {mode}: {grand:.2f} ms per call on the device", flush=True)
+            for n, ms, c in rows[:top]:
+                print(f"  {ms / 3:8.3f} ms {c // 3:5d}x  {n[:100]}", flush=True)
+    return out
+
+
 def print_table(results, ceiling):
     print(f"\nbf16 matmul ceiling: {ceiling:.0f} TFLOP/s (fwd+bwd FLOPs counted as 3x forward)")
     head = f"{'B,T,H,D':>18} {'impl':>10} {'fwd ms':>8} {'Mtok/s':>7} {'%TC':>5} {'f+b ms':>8} {'%TC':>5}"
@@ -334,6 +364,10 @@ def main():
     parser.add_argument("--peers", default="ours,ours-fused,jla,fla")
     parser.add_argument("--breakdown", action="store_true", help="also time the XLA prep alone")
     parser.add_argument("--breakdown-block-v", default="", help="V blocks to time, e.g. 32,64")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after timing each shape, trace the JAX implementations and print time per kernel")
+    parser.add_argument("--skip-decode", action="store_true", help="skip the decode-step bandwidth")
+    parser.add_argument("--skip-check", action="store_true", help="skip the check against the reference")
     args = parser.parse_args()
     factories = {"ours": ours, "ours-fused": ours_fused, "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
@@ -348,11 +382,11 @@ def main():
         report["torch"] = torch.__version__
     except ImportError:
         pass
-    report["check"] = check_against_reference(impls)
+    report["check"] = {} if args.skip_check else check_against_reference(impls)
     report["matmul_tflops"] = ceiling = matmul_ceiling_tflops()
     print(f"matmul ceiling {ceiling:.0f} TFLOP/s", flush=True)
     try:
-        report["decode"] = decode_step()
+        report["decode"] = {} if args.skip_decode else decode_step()
         print("decode", report["decode"], flush=True)
     except Exception as err:
         report["decode"] = {"error": f"{type(err).__name__}: {err}"[:600]}
@@ -365,6 +399,9 @@ def main():
             traceback.print_exc()
     for shape in [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]:
         report["results"][",".join(map(str, shape))] = time_shape(impls, shape, args.iters)
+        if args.profile:
+            key = "profile_" + ",".join(map(str, shape))
+            report[key] = profile_impls(impls, shape, os.path.join(args.profile, key))
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     with open(args.out, "w") as f:
