@@ -89,7 +89,7 @@ class Transformer(nn.Module):
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_hidden=return_hidden)
 
     def from_embeddings(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
-                        return_hidden: bool = False):
+                        return_hidden: bool = False, return_logits: bool = True):
         """The model after the embedding lookup (causality tests differentiate through ``x``)."""
         cfg = self.cfg
         if x.ndim != 3 or x.shape[-1] != cfg.hidden:
@@ -99,8 +99,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             stream = layer(stream, segment_ids)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
+        if not return_logits:
+            return self.final_norm(hidden).astype(cfg.compute_dtype), hidden
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
+
+    def features(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None):
+        """``(final-norm output [B,T,D] in the compute dtype, final-norm input)``: the model without
+        its head, for losses that apply the head themselves (``k3jax.train.loss``)."""
+        validate_inputs(self.cfg, tokens, segment_ids)
+        return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_logits=False)
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
                return_hidden: bool = False, keep_steps: bool = False):

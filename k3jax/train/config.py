@@ -22,6 +22,10 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32",
+                     "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "TF32_TF32_F32", "F32_F32_F32")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """Per-head Muon for matrices + AdamW for the rest (SPEC §7), global-norm clipping, QK-Clip.
@@ -42,6 +46,10 @@ class OptimizerConfig:
     eps: float = 1e-8
     grad_clip_norm: float | None = 1.0
     qk_clip_tau: float | None = 100.0
+    # Matmul precision inside the optimizer update (Newton–Schulz): a jax.default_matmul_precision
+    # name. bf16 operands with fp32 accumulation, as in Jordan's Muon; None: JAX's default (TF32
+    # for fp32 on a GPU). float64 runs always use the default.
+    ns_precision: str | None = "BF16_BF16_F32"
 
     def __post_init__(self):
         _require(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
@@ -54,6 +62,8 @@ class OptimizerConfig:
                  f"grad_clip_norm={self.grad_clip_norm} must be > 0 or None")
         _require(self.qk_clip_tau is None or self.qk_clip_tau > 0,
                  f"qk_clip_tau={self.qk_clip_tau} must be > 0 or None")
+        _require(self.ns_precision is None or self.ns_precision in MATMUL_PRECISIONS,
+                 f"ns_precision={self.ns_precision!r} must be None or one of {MATMUL_PRECISIONS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +172,11 @@ class TrainConfig:
     tensorboard: bool = True
     max_consecutive_nonfinite: int = 5
     peak_flops: float | None = None  # per device, for MFU; None: looked up from the device kind
+    loss_chunk: int = 4096  # tokens per chunk of the fused head + cross-entropy (k3jax.train.loss)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
-                     "max_consecutive_nonfinite"):
+                     "max_consecutive_nonfinite", "loss_chunk"):
             _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         _require(self.batch_size % self.micro_batches == 0,
                  f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")

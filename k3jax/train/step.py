@@ -29,6 +29,7 @@ from k3jax.model import Transformer
 from k3jax.train import stats as st
 from k3jax.train.batched_calls import batch_random_draws, batch_scans
 from k3jax.train.config import TrainConfig
+from k3jax.train.loss import head_cross_entropy
 from k3jax.train.mtp import MTP, mtp_targets
 from k3jax.train.optimizer import logical_axes, make_optimizer
 from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
@@ -47,6 +48,12 @@ class TrainState(flax.struct.PyTreeNode):
     balance: Any  # {"model": router biases, "mtp": …}
     nonfinite_streak: jax.Array  # int32: consecutive skipped steps
     nonfinite_total: jax.Array  # int32: skipped steps so far
+
+
+def _matmul_precision(precision: str | None, tree):
+    """Newton–Schulz's matmul precision (``OptimizerConfig.ns_precision``); float64 runs keep the default."""
+    wide = any(x.dtype == jnp.float64 for x in jax.tree.leaves(tree))
+    return contextlib.nullcontext() if precision is None or wide else jax.default_matmul_precision(precision)
 
 
 def masked_ce(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
@@ -131,9 +138,10 @@ class Trainer:
         seg = batch["segment_ids"]
         mask = batch["loss_mask"].astype(jnp.float32)
         variables = {"params": params["model"], "balance": balance["model"]}
-        (logits, hidden), mut = self.model.apply(variables, batch["tokens"], segment_ids=seg,
-                                                 return_hidden=True, mutable=["stats"])
-        ce = masked_ce(logits, batch["labels"], mask)
+        (features, hidden), mut = self.model.apply(variables, batch["tokens"], segment_ids=seg,
+                                                   method="features", mutable=["stats"])
+        ce = head_cross_entropy(features, self._head(params["model"]), batch["labels"], mask,
+                                self.cfg.loss_chunk)
         stats = {"model": st.combine_stats(mut.get("stats", {}))}
         objective = ce / denom
         mtp_ce = []
@@ -202,7 +210,8 @@ class Trainer:
         # One Newton–Schulz scan per distinct weight shape, not per weight (k3jax.train.batched_calls);
         # on a mesh the stack would mix shardings, so there each weight keeps its own.
         update = self.tx.update if self.mesh is not None else batch_scans(self.tx.update)
-        updates, opt_state = update(grads, state.opt_state, state.params)
+        with _matmul_precision(cfg.optimizer.ns_precision, grads):
+            updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         max_logits = max_logits_from_stats(aux["stats"])
         metrics = {}

@@ -124,3 +124,15 @@ def _eqns(jaxpr):
         yield e
         for sub in jax.extend.core.jaxprs_in_params(e.params):
             yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("precision, expect_bf16", [("BF16_BF16_F32", True), (None, False)])
+def test_newton_schulz_matmul_precision_follows_config(precision, expect_bf16):
+    cfg = toy.micro_train_config()
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, ns_precision=precision))
+    trainer = Trainer(cfg)
+    abstract = trainer.abstract_state()
+    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
+    text = jax.jit(trainer.train_step).lower(abstract, batch).as_text()
+    algo = [line for line in text.splitlines() if "dot_general" in line and "lhs_precision_type = bf16" in line]
+    assert bool(algo) == expect_bf16, len(algo)

@@ -1,0 +1,100 @@
+"""The output head and the next-token cross-entropy as one op, token chunk by token chunk.
+
+Computing ``logits = features @ W_head`` for a whole batch and then the softmax cross-entropy
+materialises ``[B, T, V]`` fp32 logits (small(): 8 × 4096 × 163840 × 4 B = 21 GB) and, under
+autodiff, fp32 cotangents whose two backward matmuls run in fp32 (TF32 on a GPU) instead of bf16.
+`head_cross_entropy` instead walks ``chunk`` tokens at a time: each chunk's logits (bf16 operands,
+fp32 accumulation, as in ``Transformer.logits``) give its loss *and*, in the same pass, its
+gradients, because the gradient of a sum of cross-entropies is known before the backward pass
+starts (``∂/∂logits = softmax − onehot``, times the mask). The gradient matmuls take that
+difference in the compute dtype (bf16: SPEC §10 matmul operands) with fp32 accumulation; the
+backward pass only scales the stored gradients by the incoming cotangent. Without differentiation
+the forward computes the loss alone. Peak extra memory: one chunk of fp32 logits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def _flat_chunks(features, labels, mask, chunk: int):
+    """Tokens flattened and padded (mask 0) to whole chunks: ``[n, C, D]``, ``[n, C]``, ``[n, C]``."""
+    D = features.shape[-1]
+    f, y, m = features.reshape(-1, D), labels.reshape(-1), mask.reshape(-1).astype(jnp.float32)
+    N = f.shape[0]
+    C = min(chunk, N)
+    pad = -N % C
+    if pad:
+        f, y, m = jnp.pad(f, ((0, pad), (0, 0))), jnp.pad(y, (0, pad)), jnp.pad(m, (0, pad))
+    n = (N + pad) // C
+    return f.reshape(n, C, D), y.reshape(n, C), m.reshape(n, C), N
+
+
+def _wide(dtype):
+    """The accumulation dtype: fp32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _chunk_logits(f, head):
+    return jnp.einsum("CD,DV->CV", f, head.astype(f.dtype), preferred_element_type=_wide(f.dtype))
+
+
+def _chunk_ce(logits, y, m):
+    """``Σ_c mask_c (logsumexp(logits_c) − logits_c[y_c])`` and the logsumexp per row."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+    return jnp.sum((lse - picked) * m), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"], labels: Int[Array, "B T"],
+                       mask: Float[Array, "B T"], chunk: int = 4096) -> Float[Array, ""]:
+    """``Σ_{b,t} mask · CE(softmax(features @ head), labels)`` in fp32, ``chunk`` tokens at a time.
+
+    ``features`` are the final-norm outputs in the compute dtype; ``head`` is ``W_head [D, V]``
+    (cast to the features' dtype). ``mask`` gets a zero gradient; ``labels`` none.
+    """
+    fs, ys, ms, _ = _flat_chunks(features, labels, mask, chunk)
+    ms = ms.astype(_wide(features.dtype))
+
+    def one(args):
+        f, y, m = args
+        return _chunk_ce(_chunk_logits(f, head), y, m)[0]
+
+    return jnp.sum(jax.lax.map(one, (fs, ys, ms)))
+
+
+def _fwd(features, head, labels, mask, chunk):
+    fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
+    ms = ms.astype(_wide(features.dtype))
+    w = head.astype(features.dtype)
+    wide = _wide(features.dtype)
+
+    def one(d_head, args):
+        f, y, m = args
+        logits = _chunk_logits(f, w)
+        ce, lse = _chunk_ce(logits, y, m)
+        d_logits = jnp.exp(logits - lse[:, None]) * m[:, None]
+        d_logits = d_logits.at[jnp.arange(y.shape[0]), y].add(-m).astype(features.dtype)
+        d_f = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=wide)
+        d_head = d_head + jnp.einsum("CD,CV->DV", f, d_logits, preferred_element_type=wide)
+        return d_head, (ce, d_f.astype(features.dtype))
+
+    d_head, (ces, d_fs) = jax.lax.scan(one, jnp.zeros(head.shape, wide), (fs, ys, ms))
+    d_features = d_fs.reshape(-1, features.shape[-1])[:N].reshape(features.shape)
+    return jnp.sum(ces), (d_features, d_head, mask, jnp.zeros((0,), head.dtype))
+
+
+def _bwd(chunk, res, ct):
+    d_features, d_head, mask, head_like = res
+    return ((ct * d_features).astype(d_features.dtype), (ct * d_head).astype(head_like.dtype), None,
+            jnp.zeros_like(mask))
+
+
+head_cross_entropy.defvjp(_fwd, _bwd)
+
+__all__ = ["head_cross_entropy"]

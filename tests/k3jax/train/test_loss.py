@@ -1,0 +1,64 @@
+"""The fused head + cross-entropy: equal to logits-then-CE in value and gradients, bf16 gradient matmuls."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import optax
+import pytest
+
+from k3jax.train.loss import head_cross_entropy
+from tests.tolerances import rel_rmse
+
+B, T, D, V = 2, 10, 8, 37
+
+
+def _inputs(dtype):
+    k = jax.random.split(jax.random.key(0), 4)
+    f = jax.random.normal(k[0], (B, T, D), dtype)
+    w = jax.random.normal(k[1], (D, V), dtype)
+    y = jax.random.randint(k[2], (B, T), 0, V)
+    m = (jax.random.uniform(k[3], (B, T)) > 0.3).astype(dtype)
+    return f, w, y, m
+
+
+def _unfused(f, w, y, m):
+    logits = jnp.einsum("BTD,DV->BTV", f, w)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * m)
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 20, 4096])  # padded last chunk, exact chunks, one chunk
+def test_value_and_grads_equal_unfused_in_float64(chunk):
+    with jax.enable_x64(True):
+        f, w, y, m = _inputs(jnp.float64)
+        fused = lambda f, w, m: 2.5 * head_cross_entropy(f, w, y, m, chunk)
+        plain = lambda f, w, m: 2.5 * _unfused(f, w, y, m)
+        assert abs(float(fused(f, w, m) - plain(f, w, m))) < 1e-12
+        got = jax.grad(fused, argnums=(0, 1, 2))(f, w, m)
+        want = jax.grad(plain, argnums=(0, 1))(f, w, m)
+        for a, b in zip(got[:2], want):
+            assert a.dtype == jnp.float64
+            assert float(jnp.max(jnp.abs(a - b))) < 1e-12
+        assert float(jnp.max(jnp.abs(got[2]))) == 0.0  # the mask is not a trained input
+
+
+def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
+    f, w, y, m = _inputs(jnp.float32)
+    fused = lambda f, w: head_cross_entropy(f.astype(jnp.bfloat16), w, y, m, 8)
+    got = jax.grad(fused, argnums=(0, 1))(f, w)
+    want = jax.grad(lambda f, w: _unfused(f, w, y, m), argnums=(0, 1))(f, w)
+    assert got[1].dtype == jnp.float32
+    for a, b in zip(got, want):
+        assert rel_rmse(a, b) < 2e-2  # bf16 operands (SPEC §10)
+    dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
+    assert len(dots) == 3 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots  # 3 matmuls
+
+
+def _dot_operand_dtypes(jaxpr) -> list:
+    """Operand dtypes of every dot_general in ``jaxpr`` and its sub-jaxprs (scan bodies)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(tuple(v.aval.dtype for v in eqn.invars))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out.extend(_dot_operand_dtypes(sub))
+    return out
