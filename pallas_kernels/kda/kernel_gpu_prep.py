@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
 from pallas_kernels.kda.kernel_gpu_intra import document_masks, prepare_from_index
-from pallas_kernels.kda.kernel_gpu_util import T, mma2, smem
+from pallas_kernels.kda.kernel_gpu_util import T, smem
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -53,161 +53,208 @@ def _split(x):
     return hi, _wg((x - hi.astype(F32)).astype(BF16))
 
 
-def _mma_split(a_hi, a_lo, b_hi, b_lo, shape):
+def _pair(ops1, ops2, shapes):
+    """Two independent wgmma chains issued back to back (one wait): ``(sum a@b over ops1, ops2)``."""
+
+    def scope(acc1, acc2):
+        for a, b in ops1:
+            plgpu.wgmma(acc1, a, b)
+        for a, b in ops2:
+            plgpu.wgmma(acc2, a, b)
+        return acc1[...], acc2[...]
+
+    return pl.run_scoped(scope, *(plgpu.ACC(shape, F32) for shape in shapes))
+
+
+def _hilo(a_hi, a_lo, b_hi, b_lo):
     """``a @ b`` from hi/lo bf16 halves: hi*hi + hi*lo + lo*hi (the lo*lo term is below fp32)."""
-
-    def scope(acc):
-        plgpu.wgmma(acc, a_hi, b_hi)
-        plgpu.wgmma(acc, a_hi, b_lo)
-        plgpu.wgmma(acc, a_lo, b_hi)
-        return acc[...]
-
-    return pl.run_scoped(scope, plgpu.ACC(shape, F32))
+    return [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]
 
 
-def _anchored_scores(q, k, G, anc_s, ops, col_vec):
-    """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same with k_i)`` [C, C], one causal anchor per tile."""
+def _anchored_scores(G, q_s, k_s, anchor, bufs):
+    """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same with k_i)`` [C, C] for j in tiles up to i's.
+
+    Column tile s is anchored at its first row ``b_s``: ``Kc_j = k_j e^{b_s - G_j}`` (one exp for
+    all columns) and ``(q|k)_i e^{G_i - b_s}`` for rows ``i >= 16 s`` (masked before exp); each tile
+    is one N=16 wgmma into its 16 accumulator columns.
+    """
     C, K = G.shape
-    opa, opb, opc = ops
+    kc_s, qa_s, ka_s = bufs
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+    own = anchor(0)
+    for s in range(1, C // SUB):
+        own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
+    kc_s[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(own - G)).astype(BF16))
 
     def scope(acc_qk, acc_kk):
-        for t in range(C // SUB):
-            a = col_vec(anc_s.at[t])
-            in_t = (r >= t * SUB) & (r < (t + 1) * SUB)
-            ec = jnp.exp(jnp.where(r < (t + 1) * SUB, a - G, -jnp.inf))  # masked before exp
-            er = jnp.exp(jnp.where(in_t, G - a, 0.0))
-            opa[...] = _wg(jnp.where(in_t, q * er, 0.0).astype(BF16))
-            opb[...] = _wg(jnp.where(in_t, k * er, 0.0).astype(BF16))
-            opc[...] = _wg((k * ec).astype(BF16))
+        for s in range(C // SUB):
+            x = jnp.exp(jnp.where(r >= s * SUB, G - anchor(s), -jnp.inf))
+            qa_s[...] = _wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16))
+            ka_s[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * x).astype(BF16))
             plgpu.commit_smem()
-            plgpu.wgmma(acc_qk, opa, T(opc))
-            plgpu.wgmma(acc_kk, opb, T(opc))
-            plgpu.wgmma_wait(0)  # the next tile overwrites the operands
+            cols = pl.ds(s * SUB, SUB)
+            plgpu.wgmma(acc_qk.at[:, cols], qa_s, T(kc_s.at[cols]))
+            plgpu.wgmma(acc_kk.at[:, cols], ka_s, T(kc_s.at[cols]))
+            if s < C // SUB - 1:
+                plgpu.wgmma_wait(0)  # the next tile overwrites qa/ka
         return acc_qk[...], acc_kk[...]
 
     return pl.run_scoped(scope, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
 
 
 def _unit_lower_inverse(p, ri, cj, bufs):
-    """``(I - P)^{-1} = prod_{k<6} (I + P^{2^k})`` for strictly lower P [64, 64] (P^64 = 0)."""
-    xh, xl, ph, pl_ = bufs
+    """``(I - P)^{-1} = sum_{m<64} P^m`` for strictly lower P [64, 64] (P^64 = 0), by doubling.
+
+    ``S <- S + S Q`` and ``Q <- Q^2`` with ``S = sum_{m<2^j} P^m``, ``Q = P^{2^j}``: both use only
+    the old S and Q (which commute), so each round issues its two products together and waits
+    once: 6 dependent steps instead of 10. Q is stored twice (wgmma cannot read one ref as both
+    operands).
+    """
+    sh, sl, qh, ql, qah, qal = bufs
     C = p.shape[0]
-    x = _wg(jnp.where(ri == cj, 1.0, 0.0) + p)
-    for _ in range(C.bit_length() - 2):  # square P, then X <- X + X P
-        ph[...], pl_[...] = _split(p)
-        xh[...], xl[...] = _split(p)  # wgmma cannot read one ref as both operands
+    s = _wg(jnp.where(ri == cj, 1.0, 0.0) + p)
+    qh[...], ql[...] = _split(p)
+    qah[...], qal[...] = _split(p)
+    plgpu.commit_smem()
+    qq = _wg(pl.run_scoped(lambda acc: _chain(acc, _hilo(qah, qal, qh, ql)), plgpu.ACC((C, C), F32)))
+    rounds = C.bit_length() - 3  # S_1 = I + P, Q_1 = P^2, ..., then S_6 = S_5 + S_5 Q_5
+    for j in range(rounds + 1):
+        sh[...], sl[...] = _split(s)
+        qh[...], ql[...] = _split(qq)
+        if j < rounds:
+            qah[...], qal[...] = _split(qq)
         plgpu.commit_smem()
-        p = _wg(_mma_split(xh, xl, ph, pl_, (C, C)))
-        xh[...], xl[...] = _split(x)
-        ph[...], pl_[...] = _split(p)
-        plgpu.commit_smem()
-        x = _wg(x + _mma_split(xh, xl, ph, pl_, (C, C)))
-    return x
+        if j < rounds:
+            sq, qq = _pair(_hilo(sh, sl, qh, ql), _hilo(qah, qal, qh, ql), ((C, C), (C, C)))
+            qq = _wg(qq)
+        else:
+            sq = pl.run_scoped(lambda acc: _chain(acc, _hilo(sh, sl, qh, ql)), plgpu.ACC((C, C), F32))
+        s = _wg(s + sq)
+    return s
+
+
+def _chain(acc, ops):
+    for a, b in ops:
+        plgpu.wgmma(acc, a, b)
+    return acc[...]
 
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
-    """``(w, u, qg, kg, aqk)`` bf16, head-major like :func:`kernel_gpu_intra.prepare`.
+    """``(w, u, qg, kg, aqk)`` bf16, head-major ``[B*H, Tp, .]`` like :func:`kernel_gpu_intra.prepare`.
 
-    q, k ``[BH,Tp,K]`` and v ``[BH,Tp,V]`` bf16; G ``[BH,Tp,K]`` f32 chunk-local cumsum;
-    anchors ``[BH,N*8,K]`` f32 (rows 0-3: G at each tile's first row, row 4: G at the chunk's
-    last row); vecs ``[BH,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
+    Token-major inputs (read in place by TMA, no transposes): q, k ``[B,Tp,H,K]`` and v
+    ``[B,Tp,H,V]`` bf16; G ``[B,Tp,H,K]`` f32 chunk-local cumsum; anchors ``[B,N*8,H,K]`` f32
+    (rows 0-3: G at each tile's first row, row 4: G at the chunk's last row); vecs ``[B*H,5,Tp]``
+    f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
     """
-    BH, Tp, K = q.shape
+    B, Tp, H, K = q.shape
     V = v.shape[-1]
-    C = 64
+    C = CHUNK
     n, nt = Tp // C, C // SUB
 
     def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g,
-               q_s, k_s, v_s, G_s, anc_s, vec_s, opa, opb, opc, xh, xl, ph, pl_, bar):
+               q_s, k_s, v_s, anc_s, vec_s, aqk_s, union, bar):
+        (G_s,), score_bufs, inv_bufs = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
-        for src, dst in ((q_g.at[bh, rows], q_s), (k_g.at[bh, rows], k_s), (v_g.at[bh, rows], v_s),
-                         (G_g.at[bh, rows], G_s), (anc_g.at[bh, pl.ds(c * 8, 8)], anc_s),
+        for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
+                         (G_g.at[b, rows, h], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s),
                          (vec_g.at[bh, :, rows], vec_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-
         G = plgpu.load(G_s, layout=WGMMA)
-        q = plgpu.load(q_s, layout=WGMMA).astype(F32)
-        k = plgpu.load(k_s, layout=WGMMA).astype(F32)
+        plgpu.commit_smem()  # every thread has read G_s before its memory is reused
 
-        def col_vec(ref, n_rows=C, n_cols=K):  # a [n_cols] smem row, repeated down the rows
-            return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (n_rows, n_cols), [1]))
+        def col_vec(ref, n_cols=K):  # a [n_cols] smem row, repeated down the rows
+            return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, n_cols), [1]))
 
         def row_vec(i, n_cols):  # row i of the vector block, one value per token row
             return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (C, n_cols), [0]))
 
-        a_qk, a_kk = _anchored_scores(q, k, G, anc_s, (opa, opb, opc), col_vec)
+        a_qk, a_kk = _anchored_scores(G, q_s, k_s, lambda t: col_vec(anc_s.at[t]), score_bufs)
         ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
         same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], n_cols=C)
-        aqk = _wg(jnp.where((cj <= ri) & same, scale * a_qk, 0.0))
+        aqk_s[...] = _wg(jnp.where((cj <= ri) & same, scale * a_qk, 0.0).astype(BF16))
         p = _wg(jnp.where((cj < ri) & same, -row_vec(BETA, C) * a_kk, 0.0))  # P = -L
 
-        x = _unit_lower_inverse(p, ri, cj, (xh, xl, ph, pl_))
+        # Outputs that need G, computed before the inverse so G dies early; kg is staged in a
+        # score buffer (its store must finish reading before the inverse reuses that memory).
+        kg_s = score_bufs[1]
+        fresh = row_vec(FRESH, K)
+        q_s[...] = _wg((scale * fresh * plgpu.load(q_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
+        k = plgpu.load(k_s, layout=WGMMA).astype(F32)
+        kg_s[...] = _wg((row_vec(TO_END, K) * k * jnp.exp(col_vec(anc_s.at[nt]) - G)).astype(BF16))
+        k_s[...] = _wg((row_vec(BETA, K) * fresh * k * jnp.exp(G)).astype(BF16))  # W's right side
+        v_s[...] = _wg((row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(BF16))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(kg_s, kg_g.at[bh, rows])
+        plgpu.copy_smem_to_gmem(q_s, qg_g.at[bh, rows])
+        plgpu.copy_smem_to_gmem(aqk_s, aqk_g.at[bh, rows])
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the kg store has read its buffer
 
+        x = _unit_lower_inverse(p, ri, cj, inv_bufs)
+        xh, xl = inv_bufs[:2]
         xh[...], xl[...] = _split(x)
-        expG = jnp.exp(G)
-        opa[...] = _wg((row_vec(BETA, K) * row_vec(FRESH, K) * k * expG).astype(BF16))
-        vb = row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)
-        v_s[...] = _wg(vb.astype(BF16))
         plgpu.commit_smem()
-        w = mma2(xh, opa, xl, opa, (C, K))  # T rhs with T as hi + lo
-        u = mma2(xh, v_s, xl, v_s, (C, V))
-
-        opb[...] = _wg(w.astype(BF16))
+        w, u = _pair([(xh, k_s), (xl, k_s)], [(xh, v_s), (xl, v_s)], ((C, K), (C, V)))
+        k_s[...] = _wg(w.astype(BF16))
         v_s[...] = _wg(u.astype(BF16))
-        opc[...] = _wg((scale * row_vec(FRESH, K) * q * expG).astype(BF16))
-        k_s[...] = _wg((row_vec(TO_END, K) * k * jnp.exp(col_vec(anc_s.at[nt]) - G)).astype(BF16))
-        ph[...] = _wg(aqk.astype(BF16))
         plgpu.commit_smem()
-        for src, dst in ((opb, w_g), (v_s, u_g), (opc, qg_g), (k_s, kg_g), (ph, aqk_g)):
-            plgpu.copy_smem_to_gmem(src, dst.at[bh, rows])
+        plgpu.copy_smem_to_gmem(k_s, w_g.at[bh, rows])
+        plgpu.copy_smem_to_gmem(v_s, u_g.at[bh, rows])
         plgpu.wait_smem_to_gmem(0)
 
+    BH = B * H
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16)]
     one = dict(slots=None)
+    # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
+    # TMA, exp and wgmma latency. G, the score operands and the inverse's operands have disjoint
+    # lifetimes and share one region.
+    union = plgpu.RefUnion(
+        (smem((C, K), F32, mma=False, **one),),
+        (smem((C, K), **one), smem((C, K), **one), smem((C, K), **one)),
+        tuple(smem((C, C), **one) for _ in range(6)),
+    )
     scratch = [
-        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one), smem((C, K), F32, **one),
-        smem((8, K), F32, mma=False, **one), smem((5, C), F32, mma=False, **one),
-        smem((C, K), **one), smem((C, K), **one), smem((C, K), **one),
-        smem((C, C), **one), smem((C, C), **one), smem((C, C), **one), smem((C, C), **one),
-        plgpu.Barrier(num_arrivals=6),
+        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one),
+        smem((8, K), F32, mma=False, **one), smem((5, C), F32, mma=False, **one), smem((C, C), **one),
+        union, plgpu.Barrier(num_arrivals=6),
     ]
+    # approx_math: exp as ex2.approx (relative error ~1e-6 at |x| <= 75, far below bf16).
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(n, BH), grid_names=("c", "bh"),
-        kernel_name="kda_prep_fwd", **extra,
+        kernel_name="kda_prep_fwd", compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
     )
     return call(q, k, v, G, anchors, vecs)
 
 
 def _kernel_inputs(q, k, v, g, beta, sidx):
-    """Head-major bf16 q/k/v, the chunk-local cumsum G, per-chunk anchors and row vectors, and d."""
+    """Token-major bf16 q/k/v and cumsum G, per-chunk anchors, head-major row vectors, and d."""
     B, T, H, K = k.shape
     C = CHUNK
     n = -(-T // C)
     pad = n * C - T
-    padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    heads = lambda x: jnp.moveaxis(padded(x), 2, 1).reshape(B * H, n * C, *x.shape[3:])
-    q, k, v = (heads(x).astype(BF16) for x in (q, k, v))
-    G = jnp.cumsum(heads(g.astype(F32)).reshape(B * H, n, C, K), axis=2)  # [BH,N,C,K]
+    padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+    q, k, v = (padded(x).astype(BF16) for x in (q, k, v))
+    G = jnp.cumsum(padded(g.astype(F32)).reshape(B, n, C, H, K), axis=2)  # [B,N,C,H,K]
     anchors = jnp.concatenate(
-        [G[:, :, ::SUB], G[:, :, -1:], jnp.zeros((B * H, n, 8 - C // SUB - 1, K), F32)], axis=2
+        [G[:, :, ::SUB], G[:, :, -1:], jnp.zeros((B, n, 8 - C // SUB - 1, H, K), F32)], axis=2
     )
     seg, fresh, to_end = document_masks(sidx, C)  # [B,N,C]
     per_head = lambda x: jnp.broadcast_to(x.reshape(B, 1, n * C), (B, H, n * C)).astype(F32)
     b = jnp.moveaxis(padded(beta.astype(F32)), 2, 1)  # [B,H,Tp]
     vecs = jnp.stack([b, per_head(fresh), per_head(to_end), per_head(seg), per_head(seg)], axis=2)
-    d = jnp.where(fresh[:, None, :, -1:], jnp.exp(G[:, :, -1].reshape(B, H, n, K)), 0.0)
-    return q, k, v, G.reshape(B * H, n * C, K), anchors.reshape(B * H, n * 8, K), \
-        vecs.reshape(B * H, 5, n * C), d.reshape(B * H, n, K)
+    d = jnp.where(fresh[:, :, -1, None, None], jnp.exp(G[:, :, -1]), 0.0)  # [B,N,H,K]
+    return q, k, v, G.reshape(B, n * C, H, K), anchors.reshape(B, n * 8, H, K), \
+        vecs.reshape(B * H, 5, n * C), jnp.moveaxis(d, 2, 1).reshape(B * H, n, K)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
