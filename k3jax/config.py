@@ -106,6 +106,9 @@ class MLAConfig:
     rope: RopeConfig | None = None  # None: NoPE, the "rope" slice is used unrotated
     # The two LoRA RMSNorms use eps 1e-6, hard-coded in the references (not rms_norm_eps).
     lora_norm_eps: float = 1e-6
+    # Training/prefill attention: None = flash kernel on a CUDA GPU for bf16/f16 compute, else XLA
+    # (k3jax/layers/attention.py); "xla" or "pallas" force one.
+    attention_implementation: str | None = None
 
     def __post_init__(self):
         _positive(num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
@@ -115,6 +118,8 @@ class MLAConfig:
                  f"q_lora_rank={self.q_lora_rank!r} must be > 0 or None")
         _require(self.rope is None or self.qk_rope_head_dim % 2 == 0,
                  f"qk_rope_head_dim={self.qk_rope_head_dim} must be even when rope is used")
+        _require(self.attention_implementation in _IMPLEMENTATIONS,
+                 f"attention_implementation={self.attention_implementation!r} must be one of {_IMPLEMENTATIONS}")
 
     @property
     def qk_head_dim(self) -> int:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
+from k3jax.layers import attention as attention_lib
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
@@ -138,6 +139,9 @@ class MLA(nn.Module):
 
     def _attend_cp(self, q, c, k_rope, kv_b, segment_ids, scale):
         """Sequence-parallel attention: shards all-gather only ``[c, k_rope]`` (sharding/cp.py)."""
+        if self.cfg.mla.attention_implementation == "pallas":
+            raise ValueError("attention_implementation='pallas' does not cover context parallel (sharding/cp.py "
+                             "runs the XLA attention); use None or 'xla'")
         kv_b(c[:, :0])  # creates or binds the kernel; each shard expands the gathered latent itself
         kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(self.cfg.compute_dtype)
         return mla_attention_cp(q, c.astype(self.cfg.compute_dtype), k_rope[:, :, 0], kernel, scale=scale,
@@ -160,6 +164,20 @@ class MLA(nn.Module):
         o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale)  # [B, T, H, Rkv]
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
+
+    def _attend_full(self, q_nope, q_rope, kv, k_rope, segment_ids, scale):
+        """Training / prefill attention: the flash kernel where it runs (k3jax/layers/attention.py),
+        else the XLA attention above; ``kv = [k_nope, v]`` per head, ``k_rope [B,T,1,dr]`` shared."""
+        cfg, m = self.cfg, self.cfg.mla
+        B, T, H = q_nope.shape[:3]
+        dn, wide, dt = m.qk_nope_head_dim, cfg.fp32_dtype, cfg.compute_dtype
+        k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
+        if attention_lib.use_flash(m.attention_implementation, dt, B, H):
+            return attention_lib.flash_attention(q_nope.astype(dt), q_rope.astype(dt), k_nope.astype(dt),
+                                                 k_rope[:, :, 0].astype(dt), v.astype(dt), segment_ids, scale=scale)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
+        return causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
@@ -186,10 +204,7 @@ class MLA(nn.Module):
         elif ctx is not None and ctx.sequence_parallel:
             o, max_logit = self._attend_cp(q, c, k_rope, kv_b, segment_ids, scale)
         else:
-            kv = kv_b(c)
-            k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
-            k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
-            o, max_logit = causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
+            o, max_logit = self._attend_full(q_nope, q_rope, kv_b(c), k_rope, segment_ids, scale)
         if cache is None and not self.is_initializing():
             self.sow("stats", "max_logit", max_logit)
         if m.output_gate:

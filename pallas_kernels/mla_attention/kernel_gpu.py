@@ -1,0 +1,226 @@
+"""Causal MLA flash attention with document masks in Pallas (Triton backend): forward and backward.
+
+FlashAttention-2 (arXiv:2307.08691) Alg. 1 (forward) and Alg. 2 split into a dK/dV kernel and a
+dQ kernel, for the MLA shapes of SPEC §3: the logits are ``q_nope·k_nope + q_rope·k_rope`` with
+one ``k_rope`` shared by every head (MQA), so the rope key is read once per (batch, key block)
+and never broadcast to heads in memory; values have their own width.
+
+Masks: key ``s`` is visible from query ``t`` iff ``s <= t`` and ``seg[s] == seg[t]``. Key blocks
+past the diagonal are skipped; blocks of other documents are computed and masked (exact for any
+segment ids). Every row sees at least its own key, so its running max ends finite: the forward
+also returns that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
+
+Inputs are bf16 and the matmuls accumulate in fp32; the softmax statistics, the output and the
+gradient accumulators are fp32 (SPEC §10). ``T`` must be a multiple of every block; head widths
+powers of two (>= 16): ``ops.py`` pads.
+
+Backend choice: Pallas-Triton (deprecated since JAX 0.11 but present in 0.11.2) runs the
+document mask and the two backward kernels with plain tile code, and runs under the CPU
+interpreter for the default tests; a Mosaic GPU port (wgmma/TMA) is the next step for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+LOG2E = math.log2(math.e)
+# Finite "minus infinity" for masked logits: (MASK - m) never forms inf - inf (Triton-safe).
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile rows of the three kernels (powers of two) and their Triton launch parameters."""
+
+    block_q: int = 128  # forward: query rows per program
+    block_k: int = 64  # forward: key rows per loop step
+    block_q_dkv: int = 64  # dK/dV: query rows per loop step
+    block_k_dkv: int = 128  # dK/dV: key rows per program
+    block_q_dq: int = 128  # dQ: query rows per program
+    block_k_dq: int = 64  # dQ: key rows per loop step
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv, self.block_q_dq, self.block_k_dq)
+
+    def clipped(self, length: int) -> "BlockSizes":
+        """Blocks no longer than ``length`` rounded up to a power of two (>= 16), for short sequences."""
+        cap = max(16, pl.next_power_of_2(length))
+        names = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
+        return dataclasses.replace(self, **{n: min(getattr(self, n), cap) for n in names})
+
+
+def _logits(qn, qr, kn, kr, scale):
+    """Scaled ``q·kᵀ`` of one tile pair, [rows of q, rows of k] in fp32."""
+    return (plgpu.dot(qn, kn, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
+
+
+def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_first: bool = False):
+    """Causal ∧ same-document mask of one tile: [queries, keys], or [keys, queries] if ``keys_first``."""
+    q_pos = q_start + jnp.arange(block_q)
+    k_pos = k_start + jnp.arange(block_k)
+    if keys_first:
+        return (k_pos[:, None] <= q_pos[None, :]) & (k_seg[:, None] == q_seg[None, :])
+    return (q_pos[:, None] >= k_pos[None, :]) & (q_seg[:, None] == k_seg[None, :])
+
+
+def _fwd_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, o_ref, lse_ref, mx_ref, *,
+                scale: float, block_q: int, block_k: int, num_q_blocks: int):
+    i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
+    qn, qr = qn_ref[...], qr_ref[...]
+    q_seg = seg_ref[pl.ds(i * block_q, block_q)]
+
+    def body(j, carry):
+        acc, m, l = carry
+        keys = pl.ds(j * block_k, block_k)
+        s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale)
+        s = jnp.where(_visible(i * block_q, j * block_k, q_seg, seg_ref[keys], block_q, block_k), s, MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2((s - m_new[:, None]) * LOG2E)
+        fix = jnp.exp2((m - m_new) * LOG2E)
+        acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return acc, m_new, l * fix + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    num_k = lax.div((i + 1) * block_q + block_k - 1, block_k)
+    acc, m, l = lax.fori_loop(0, num_k, body, init)
+    o_ref[...] = acc / l[:, None]
+    lse_ref[...] = m + jnp.log(l)
+    mx_ref[...] = m
+
+
+def _dkdv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref,
+                 dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
+    j = pl.program_id(0)
+    kn, kr, v = kn_ref[...], kr_ref[...], v_ref[...]
+    k_seg = seg_ref[pl.ds(j * block_k, block_k)]
+
+    def body(i, carry):
+        dkn, dkr, dv = carry
+        rows = pl.ds(i * block_q, block_q)
+        qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
+        # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
+        s_t = _logits(kn, kr, qn, qr, scale)
+        seen = _visible(i * block_q, j * block_k, seg_ref[rows], k_seg, block_q, block_k, keys_first=True)
+        p_t = jnp.exp2((jnp.where(seen, s_t, MASK) - lse_ref[rows][None, :]) * LOG2E)
+        dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
+        dp_t = plgpu.dot(v, do, trans_b=True)
+        ds_t = (p_t * (dp_t - delta_ref[rows][None, :])).astype(qn.dtype)
+        return dkn + plgpu.dot(ds_t, qn), dkr + plgpu.dot(ds_t, qr), dv
+
+    zeros = lambda ref: jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
+    first = lax.div(j * block_k, block_q)
+    dkn, dkr, dv = lax.fori_loop(first, num_q_blocks, body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
+    dkn_ref[...] = (dkn * scale).astype(dkn_ref.dtype)
+    dkr_ref[...] = dkr * scale
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref,
+               dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
+    i = num_q_blocks - 1 - pl.program_id(0)
+    qn, qr, do = qn_ref[...], qr_ref[...], do_ref[...]
+    q_seg = seg_ref[pl.ds(i * block_q, block_q)]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def body(j, carry):
+        dqn, dqr = carry
+        keys = pl.ds(j * block_k, block_k)
+        kn, kr = kn_ref[keys, :], kr_ref[keys, :]
+        s = _logits(qn, qr, kn, kr, scale)
+        seen = _visible(i * block_q, j * block_k, q_seg, seg_ref[keys], block_q, block_k)
+        p = jnp.exp2((jnp.where(seen, s, MASK) - lse[:, None]) * LOG2E)
+        dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
+        ds = (p * (dp - delta[:, None])).astype(kn.dtype)
+        return dqn + plgpu.dot(ds, kn), dqr + plgpu.dot(ds, kr)
+
+    zeros = lambda ref: jnp.zeros((block_q, ref.shape[-1]), jnp.float32)
+    num_k = lax.div((i + 1) * block_q + block_k - 1, block_k)
+    dqn, dqr = lax.fori_loop(0, num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
+    dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
+    dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
+
+
+def _specs(T: int, block: int, reverse: bool):
+    """BlockSpecs over grid (block index, b, h): ``[B,T,H,*]`` tiles, whole-sequence operands,
+    the shared ``[B,T,dr]`` rope key and ``[B,H,T]`` row statistics."""
+    n = T // block
+    blk = (lambda i: n - 1 - i) if reverse else (lambda i: i)
+    return dict(
+        tile=lambda d: pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, blk(i), h, 0)),
+        rope_tile=lambda d: pl.BlockSpec((None, block, d), lambda i, b, h: (b, blk(i), 0)),
+        whole=lambda d: pl.BlockSpec((None, T, None, d), lambda i, b, h: (b, 0, h, 0)),
+        rope_whole=lambda d: pl.BlockSpec((None, T, d), lambda i, b, h: (b, 0, 0)),
+        seg=pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+        row_tile=pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, blk(i))),
+        row_whole=pl.BlockSpec((None, None, T), lambda i, b, h: (b, h, 0)),
+    )
+
+
+def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: Float[Array, "B T H N"],
+                  kr: Float[Array, "B T R"], v: Float[Array, "B T H V"], seg: Int[Array, "B T"], *,
+                  scale: float, blocks: BlockSizes, interpret: bool = False):
+    """``(o [B,T,H,V] f32, lse [B,H,T], row max [B,H,T])`` of causal same-document attention."""
+    B, T, H, N = qn.shape
+    R, V = qr.shape[-1], v.shape[-1]
+    bq, bk = blocks.block_q, blocks.block_k
+    sp = _specs(T, bq, True)
+    kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
+    return pl.pallas_call(
+        kernel, grid=(T // bq, B, H),
+        in_specs=[sp["tile"](N), sp["tile"](R), sp["whole"](N), sp["rope_whole"](R), sp["whole"](V), sp["seg"]],
+        out_specs=[sp["tile"](V), sp["row_tile"], sp["row_tile"]],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), jnp.float32), rows, rows],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret, name="mla_flash_fwd",
+    )(qn, qr, kn, kr, v, seg)
+
+
+def flash_backward(qn, qr, kn, kr, v, seg, do: Float[Array, "B T H V"], lse: Float[Array, "B H T"],
+                   delta: Float[Array, "B H T"], *, scale: float, blocks: BlockSizes, interpret: bool = False):
+    """``(dqn, dqr, dkn, dkr per head [B,T,H,R] f32, dv)``: the caller sums ``dkr`` over heads."""
+    B, T, H, N = qn.shape
+    R, V = qr.shape[-1], v.shape[-1]
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
+    operands = (qn, qr, kn, kr, v, seg, do, lse, delta)
+
+    bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+    sp = _specs(T, bk, False)
+    dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    dkn, dkr, dv = pl.pallas_call(
+        dkdv, grid=(T // bk, B, H),
+        in_specs=[sp["whole"](N), sp["whole"](R), sp["tile"](N), sp["rope_tile"](R), sp["tile"](V), sp["seg"],
+                  sp["whole"](V), sp["row_whole"], sp["row_whole"]],
+        out_specs=[sp["tile"](N), sp["tile"](R), sp["tile"](V)],
+        out_shape=[jax.ShapeDtypeStruct(kn.shape, kn.dtype), jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params, interpret=interpret, name="mla_flash_dkdv",
+    )(*operands)
+
+    bq, bk = blocks.block_q_dq, blocks.block_k_dq
+    sp = _specs(T, bq, True)
+    dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    dqn, dqr = pl.pallas_call(
+        dq, grid=(T // bq, B, H),
+        in_specs=[sp["tile"](N), sp["tile"](R), sp["whole"](N), sp["rope_whole"](R), sp["whole"](V), sp["seg"],
+                  sp["tile"](V), sp["row_tile"], sp["row_tile"]],
+        out_specs=[sp["tile"](N), sp["tile"](R)],
+        out_shape=[jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
+        compiler_params=params, interpret=interpret, name="mla_flash_dq",
+    )(*operands)
+    return dqn, dqr, dkn, dkr, dv

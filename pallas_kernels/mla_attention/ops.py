@@ -1,0 +1,128 @@
+"""Public op: ``mla_attention`` (causal MLA attention with document masks, SPEC §3) and its switch.
+
+``implementation``: ``None`` runs the flash kernel (:mod:`kernel_gpu`) on a CUDA GPU for
+bf16/f16 inputs and the dense reference otherwise; ``"xla"`` is always the reference;
+``"pallas"`` needs a CUDA GPU and bf16/f16 inputs, or ``interpret=True`` (the CPU
+interpreter runs the same kernels). Gradients of the kernel path go through ``jax.custom_vjp``
+(FlashAttention-2 backward kernels); ``max_logit`` is a statistic, returned under
+``stop_gradient`` on every path.
+
+The kernel path zero-pads head widths to powers of two (>= 16; exact for ``q·k`` and ``p·v``)
+and the sequence to a multiple of the blocks: padded rows come after every real row, so the
+causal mask already hides them from real queries, and their outputs and row maxima are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
+from pallas_kernels.mla_attention.reference import mla_attention_reference
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def _cuda_gpu() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and "cuda" in getattr(dev.client, "platform_version", "").lower()
+
+
+def resolve_implementation(implementation: str | None, dtype, interpret: bool = False) -> str:
+    """``"xla"`` or ``"pallas"``: which path runs; ValueError when ``"pallas"`` cannot."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "xla":
+        return "xla"
+    if jnp.dtype(dtype) not in _KERNEL_DTYPES:
+        if implementation == "pallas":
+            raise ValueError(f"implementation='pallas' needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}")
+        return "xla"
+    if interpret or _cuda_gpu():
+        return "pallas"
+    if implementation == "pallas":
+        raise ValueError("implementation='pallas' needs a CUDA GPU (or interpret=True); "
+                         f"default backend is {jax.default_backend()!r}")
+    return "xla"
+
+
+def _pow2_width(d: int) -> int:
+    return max(16, 1 << max(d - 1, 0).bit_length())
+
+
+def _pad(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(qn, qr, kn, kr, v, seg, scale, blocks, interpret):
+    from pallas_kernels.mla_attention import kernel_gpu
+    o, _, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, seg, scale=scale, blocks=blocks, interpret=interpret)
+    return o, row_max
+
+
+def _flash_fwd(qn, qr, kn, kr, v, seg, scale, blocks, interpret):
+    from pallas_kernels.mla_attention import kernel_gpu
+    o, lse, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, seg, scale=scale, blocks=blocks,
+                                               interpret=interpret)
+    return (o, row_max), (qn, qr, kn, kr, v, seg, o, lse)
+
+
+def _flash_bwd(scale, blocks, interpret, res, cotangents):
+    from pallas_kernels.mla_attention import kernel_gpu
+    qn, qr, kn, kr, v, seg, o, lse = res
+    do, _ = cotangents  # the row max is a statistic (stop_gradient in mla_attention)
+    delta = jnp.einsum("BTHV,BTHV->BHT", o, do)  # FlashAttention-2 D = rowsum(dO ⊙ O), fp32
+    dqn, dqr, dkn, dkr, dv = kernel_gpu.flash_backward(qn, qr, kn, kr, v, seg, do.astype(v.dtype), lse, delta,
+                                                       scale=scale, blocks=blocks, interpret=interpret)
+    return dqn, dqr, dkn, jnp.sum(dkr, axis=2).astype(kr.dtype), dv, None  # shared rope key: sum over heads
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids):
+    if q_nope.ndim != 4:
+        raise ValueError(f"q_nope must be [B, T, H, N], got shape {q_nope.shape}")
+    B, T, H, N = q_nope.shape
+    expected = dict(q_rope=(B, T, H, q_rope.shape[-1]), k_nope=(B, T, H, N), k_rope=(B, T, q_rope.shape[-1]),
+                    v=(B, T, H, v.shape[-1]), segment_ids=(B, T))
+    given = dict(q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, segment_ids=segment_ids)
+    for name, shape in expected.items():
+        if given[name] is not None and tuple(given[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
+    dtypes = {x.dtype for x in (q_nope, q_rope, k_nope, k_rope, v)}
+    if len(dtypes) != 1:
+        raise ValueError(f"q_nope, q_rope, k_nope, k_rope and v must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R"],
+                  k_nope: Float[Array, "B T H N"], k_rope: Float[Array, "B T R"], v: Float[Array, "B T H V"],
+                  segment_ids: Int[Array, "B T"] | None = None, *, scale: float,
+                  implementation: str | None = None, interpret: bool = False,
+                  blocks: BlockSizes | None = None) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+    """Causal attention of ``q = [q_nope, q_rope]`` over ``k = [k_nope, k_rope (shared)]`` within each
+    document; returns ``(o [B,T,H,V] in promote(dtype, float32), max_logit [H])``."""
+    _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids)
+    if resolve_implementation(implementation, q_nope.dtype, interpret) == "xla":
+        o, max_logit = mla_attention_reference(q_nope, q_rope, k_nope, k_rope, v, segment_ids, scale=scale)
+        return o, jax.lax.stop_gradient(max_logit)
+    B, T, H, N = q_nope.shape
+    R, V = q_rope.shape[-1], v.shape[-1]
+    blocks = (blocks or BlockSizes()).clipped(T)
+    Tp = -(-T // max(blocks.blocks)) * max(blocks.blocks)
+    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    pad = lambda x, width: _pad(_pad(x, x.ndim - 1, width), 1, Tp)
+    o, row_max = _flash(pad(q_nope, _pow2_width(N)), pad(q_rope, _pow2_width(R)), pad(k_nope, _pow2_width(N)),
+                        pad(k_rope, _pow2_width(R)), pad(v, _pow2_width(V)), _pad(seg, 1, Tp),
+                        float(scale), blocks, interpret)
+    max_logit = jnp.max(jax.lax.stop_gradient(row_max)[:, :, :T], axis=(0, 2))
+    return o[:, :T, :, :V], max_logit

@@ -1,0 +1,35 @@
+"""Dense causal MLA attention with document masks: the definition the flash kernel must match.
+
+SPEC §3: logits ``scale·(q_nope·k_nope + q_rope·k_rope)`` with ``k_rope`` shared by all heads,
+softmax in fp32 over keys ``s <= t`` of the query's own document (``segment_ids``), and
+``max_logit [H]``: the largest visible logit per head (QK-Clip, SPEC §7).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def visible(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> jax.Array:
+    """``[B, T, S]``: key ``s`` is visible from query ``t`` (causal, same document)."""
+    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (batch, length, length))
+    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def mla_attention_reference(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R"],
+                            k_nope: Float[Array, "B T H N"], k_rope: Float[Array, "B T R"],
+                            v: Float[Array, "B T H V"], segment_ids: Int[Array, "B T"] | None, *,
+                            scale: float) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+    """``(o, max_logit)`` in ``promote(dtype, float32)`` with full-precision matmuls."""
+    wide = jnp.promote_types(q_nope.dtype, jnp.float32)
+    qn, qr, kn, kr, v = (x.astype(wide) for x in (q_nope, q_rope, k_nope, k_rope, v))
+    B, T = qn.shape[:2]
+    hi = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("BTHN,BSHN->BHTS", qn, kn, precision=hi) + jnp.einsum("BTHR,BSR->BHTS", qr, kr, precision=hi)
+    logits = jnp.where(visible(segment_ids, B, T)[:, None], logits * scale, -jnp.inf)  # [B, H, T, S]
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("BHTS,BSHV->BTHV", p, v, precision=hi), jnp.max(logits, axis=(0, 2, 3))
