@@ -1,0 +1,147 @@
+"""MLA training attention on one GPU: the XLA path of ``k3jax.layers.mla`` vs the flash kernel.
+
+Shapes of ``small()`` at the train step's size: B=8, T=4096, H=8, q/k head dim 128 nope + 64 rope
+(rope key shared by all heads), v head dim 128, segment ids all ones (what the train loop passes).
+XLA path: ``mla.causal_attention`` on fp32 q, k, v with the dense [B,T,S] mask, as MLA calls it.
+Flash path: ``pallas_kernels.mla_attention.mla_attention`` on bf16 operands.
+
+First the flash path is checked against the XLA path at full size (output, max_logit, every
+gradient, also with packed documents); then each is timed: forward, and forward+backward
+(``grad`` of ``sum(o·w)``), median of ``--iters`` synchronised calls after a warm-up.
+``--sweep`` also times a few kernel block configurations.
+
+Run on the H200 from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_attention.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers import mla
+from pallas_kernels.mla_attention import BlockSizes, mla_attention
+from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
+
+SWEEP = (
+    BlockSizes(),
+    BlockSizes(block_k=128, num_stages=2),
+    BlockSizes(block_q=64, block_k=64, num_warps=4),
+    BlockSizes(block_q_dkv=32, block_k_dkv=128, block_q_dq=128, block_k_dq=32),
+    BlockSizes(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64, num_warps_bwd=4),
+    BlockSizes(num_stages_bwd=3),
+)
+
+
+def inputs(B, T, H, N=128, R=64, V=128, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    shapes = [(B, T, H, N), (B, T, H, R), (B, T, H, N), (B, T, R), (B, T, H, V), (B, T, H, V)]
+    qn, qr, kn, kr, v, w = (jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16) for k, s in zip(ks, shapes))
+    return (qn, qr, kn, kr, v), w.astype(jnp.float32)
+
+
+def xla_attention(qn, qr, kn, kr, v, seg, scale):
+    """The model's XLA path: fp32 operands, rope key broadcast to heads, dense mask."""
+    B, T, H, _ = qn.shape
+    wide = lambda x: x.astype(jnp.float32)
+    q = jnp.concatenate([wide(qn), wide(qr)], axis=-1)
+    k = jnp.concatenate([wide(kn), jnp.broadcast_to(wide(kr)[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
+    return mla.causal_attention(q, k, wide(v), mla.attention_mask(seg, B, T), scale)
+
+
+INTERPRET = False  # --interpret: the CPU smoke run of this script
+
+
+def flash_attention(blocks):
+    return lambda qn, qr, kn, kr, v, seg, scale: mla_attention(qn, qr, kn, kr, v, seg, scale=scale,
+                                                               implementation="pallas", blocks=blocks,
+                                                               interpret=INTERPRET)
+
+
+def programs(attend, seg, w, scale):
+    """(forward, forward+backward) jitted over the five operands."""
+    fwd = jax.jit(lambda *a: attend(*a, seg, scale))
+    loss = lambda *a: jnp.sum(attend(*a, seg, scale)[0] * w)
+    return fwd, jax.jit(jax.value_and_grad(loss, argnums=range(5)))
+
+
+def time_ms(fn, args, iters):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def check(args, w, seg, scale, blocks):
+    """Relative errors of the flash path against the XLA path (output, max_logit, gradients)."""
+    with jax.default_matmul_precision("highest"):
+        ref_fwd, ref_grad = programs(xla_attention, seg, w, scale)
+        (ro, rmx), (_, rg) = ref_fwd(*args), ref_grad(*args)
+    fwd, grad = programs(flash_attention(blocks), seg, w, scale)
+    (o, mx), (_, g) = fwd(*args), grad(*args)
+    errors = {"out": rel_rmse(o, ro), "max_logit": rel_rmse(mx, rmx)}
+    errors.update({f"d{n}": rel_rmse(a, b) for n, a, b in zip(("q_nope", "q_rope", "k_nope", "k_rope", "v"), g, rg)})
+    ok = errors["out"] <= BF16_FWD_RTOL and errors["max_logit"] <= F32_RTOL and all(
+        e <= BF16_GRAD_RTOL for n, e in errors.items() if n.startswith("d"))
+    return ok, errors
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="also time the block configurations of SWEEP")
+    parser.add_argument("--interpret", action="store_true", help="run the kernels in the CPU interpreter")
+    parser.add_argument("--out", help="write the results as JSON here")
+    a = parser.parse_args()
+    global INTERPRET
+    INTERPRET = a.interpret
+    B, T, H, scale = a.batch, a.length, a.heads, 192 ** -0.5
+    print(f"device {jax.devices()[0].device_kind}; B={B} T={T} H={H} dqk=128+64 dv=128")
+    args, w = inputs(B, T, H)
+    ones = jnp.ones((B, T), jnp.int32)
+    packed = ones.at[:, T // 3:].set(2).at[:, T - T // 5:].set(3)
+    results = {"shape": dict(B=B, T=T, H=H), "checks": {}, "ms": {}}
+    for name, seg in (("ones", ones), ("packed", packed)):
+        ok, errors = check(args, w, seg, scale, BlockSizes())
+        results["checks"][name] = errors
+        print(f"check flash vs xla ({name} segments): {'OK' if ok else 'FAILED'} "
+              + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
+        if not ok:
+            raise SystemExit("flash path differs from the XLA path beyond tolerance")
+    # Causal flops: half of the T×S products, 2·(dqk + dv) per pair forward, 2.5× that backward.
+    fwd_flops = B * H * T * T / 2 * 2 * (192 + 128)
+    candidates = {"xla": xla_attention, "flash": flash_attention(BlockSizes())}
+    if a.sweep:
+        candidates.update({f"flash {i}: {dataclasses.astuple(b)}": flash_attention(b) for i, b in enumerate(SWEEP[1:], 1)})
+    for name, attend in candidates.items():
+        try:
+            fwd, grad = programs(attend, ones, w, scale)
+            ms = (time_ms(fwd, args, a.iters), time_ms(grad, args, a.iters))
+        except Exception:  # a block configuration that does not compile: report it, keep going
+            print(f"{name}: FAILED\n{traceback.format_exc(limit=3)}", flush=True)
+            continue
+        results["ms"][name] = ms
+        print(f"{name:>8}: fwd {ms[0]:8.3f} ms ({fwd_flops / ms[0] / 1e9:6.1f} TFLOP/s)   fwd+bwd {ms[1]:8.3f} ms "
+              f"({3.5 * fwd_flops / ms[1] / 1e9:6.1f} TFLOP/s)", flush=True)
+    if "xla" in results["ms"] and "flash" in results["ms"]:
+        (xf, xb), (ff, fb) = results["ms"]["xla"], results["ms"]["flash"]
+        print(f"speed-up flash over xla: fwd {xf / ff:.1f}x   fwd+bwd {xb / fb:.1f}x")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
