@@ -99,3 +99,11 @@ def test_flash_path_matches_xla_path_on_gpu(packed):
     with jax.default_matmul_precision("highest"):
         xla = jax.jit(functools.partial(_run, _mla_cfg("xla", **dims)))(params, x, seg)
     _compare(jax.jit(functools.partial(_run, cfg))(params, x, seg), xla)
+
+
+def test_flash_path_sharded_over_batch_and_heads_equals_unsharded():
+    from tests.sharding.multidevice import run_worker
+
+    results = run_worker("tests.k3jax.attention_sharded_worker")
+    assert set(results) == {"data8", "data4_tensor2"}
+    assert all(r["exact"] <= F32_RTOL and r["dk_rope"] <= BF16_GRAD_RTOL for r in results.values()), results
