@@ -1,8 +1,9 @@
 """Sharded train-step throughput: forward + backward of ``small()`` on 1 GPU vs a mesh.
 
 For every layout it builds the mesh, places the parameters by their logical names
-(``sharding.shard_params``), jits ``value_and_grad`` of a next-token cross entropy (computed in
-``--loss-chunk``-token chunks so the 163840-wide logits never exist for the whole sequence) and
+(``sharding.shard_params``), jits ``value_and_grad`` of the next-token cross entropy of the train
+step (``k3jax.train.loss.head_cross_entropy``, ``--loss-chunk`` tokens at a time, so the
+163840-wide logits never exist for the whole sequence) and
 times ``--iters`` steps after ``--warmup``. Printed: tokens/s in total and per GPU, and per-GPU
 throughput relative to the 1-GPU run (1.0 = perfect scaling).
 
@@ -34,36 +35,16 @@ import jax.numpy as jnp
 from k3jax.config import preset
 from k3jax.model import Transformer
 from k3jax.train.batched_calls import batch_random_draws
+from k3jax.train.loss import head_cross_entropy
 from sharding import logical_axes, make_mesh, shard_params, use_mesh
-
-
-def chunked_ce(hidden, params, cfg, labels, chunk: int):
-    """Mean next-token CE from the final-norm input, ``chunk`` tokens at a time (rematerialised)."""
-    B, T, D = hidden.shape
-    scale = params["final_norm"]["scale"]
-    head = params["head"]["kernel"]
-    chunk = min(chunk, T)
-
-    @jax.checkpoint
-    def one(args):
-        h, y = args  # [B, C, D], [B, C]
-        h = h.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps) * scale
-        logits = jnp.einsum("BCD,DV->BCV", h.astype(cfg.compute_dtype), head.astype(cfg.compute_dtype),
-                            preferred_element_type=jnp.float32)
-        return jnp.sum(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[..., None], -1)[..., 0])
-
-    n = T // chunk
-    hs = jnp.moveaxis(hidden.reshape(B, n, chunk, D), 1, 0)
-    ys = jnp.moveaxis(labels.reshape(B, n, chunk), 1, 0)
-    return jnp.sum(jax.lax.map(one, (hs, ys))) / (B * T)
 
 
 def make_step(model, cfg, chunk):
     def loss_fn(params, variables, tokens, labels):
-        _, hidden = model.apply({**variables, "params": params}, tokens, return_hidden=True,
-                                mutable=["stats"])[0]
-        return chunked_ce(hidden, params, cfg, labels, chunk)
+        features, _ = model.apply({**variables, "params": params}, tokens, method="features",
+                                  mutable=["stats"])[0]
+        ones = jnp.ones(labels.shape, jnp.float32)
+        return head_cross_entropy(features, params["head"]["kernel"], labels, ones, chunk) / labels.size
 
     @jax.jit
     def step(variables, tokens, labels):
