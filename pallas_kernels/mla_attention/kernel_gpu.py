@@ -17,6 +17,8 @@ powers of two (>= 16): ``ops.py`` pads.
 Backend choice: Pallas-Triton (deprecated since JAX 0.11 but present in 0.11.2) runs the
 document mask and the two backward kernels with plain tile code, and runs under the CPU
 interpreter for the default tests; a Mosaic GPU port (wgmma/TMA) is the next step for speed.
+H200, small() shapes B=8 T=4096 H=8 (benchmarks/bench_attention.py): forward 1.46 ms, forward +
+backward 4.93 ms (~240 TFLOP/s) against 9.96 / 32.9 ms for the XLA path.
 """
 
 from __future__ import annotations
