@@ -52,13 +52,14 @@ class ResidualStream:
 
 def attn_res_mix(blocks: Float[Array, "N B T D"], count: int, partial: Float[Array, "B T D"],
                  direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
-    """Softmax mix of ``blocks[:count]`` and ``partial`` along ``direction`` (= γ ⊙ w), in ``wide_dtype``."""
-    sources = jnp.concatenate([blocks, partial[None]], axis=0).astype(wide_dtype)  # [N+1, B, T, D]
+    """Softmax mix of ``blocks[:count]`` and ``partial`` along ``direction`` (= γ ⊙ w), in ``wide_dtype``.
+
+    ``count`` is static, so the unused buffer entries are never read (they would get weight 0).
+    """
+    sources = jnp.concatenate([blocks[:count], partial[None]], axis=0).astype(wide_dtype)  # [count+1, B, T, D]
     keys = sources * jax.lax.rsqrt(jnp.mean(jnp.square(sources), axis=-1, keepdims=True) + eps)
     logits = einsum("NBTD,D->NBT", keys, direction.astype(wide_dtype))
-    valid = (jnp.arange(sources.shape[0]) < count) | (jnp.arange(sources.shape[0]) == sources.shape[0] - 1)
-    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=0)  # [N+1, B, T]
+    p = jax.nn.softmax(logits, axis=0)  # [count+1, B, T]
     return einsum("NBT,NBTD->BTD", p, sources)
 
 
