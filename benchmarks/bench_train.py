@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -36,16 +37,20 @@ def _staged(name, jitted, *args):
     return compiled, t3 - t0
 
 
-def _print_profile(directory: str, top: int = 40) -> None:
-    """The traced steps' time per kernel on the device (all threads on a CPU), largest first."""
+def _print_profile(directory: str, top: int = 40, by_op: bool = False) -> None:
+    """The traced steps' time per kernel on the device (all threads on a CPU), largest first; with
+    ``by_op`` also per JAX name-stack prefix (``tf_op``), which says which layer and op a fusion is."""
     from trace_summary import load_events, summarise  # benchmarks/ is the script's directory
 
     events, names = load_events(directory)
-    rows = summarise(events, names, "" if jax.default_backend() == "cpu" else "GPU")
-    grand = sum(ms for _, ms, _ in rows) or 1.0
-    print(f"profile of 2 steps: {grand:.1f} ms over {len(rows)} names", flush=True)
-    for name, ms, n in rows[:top]:
-        print(f"{ms:10.2f} ms {100 * ms / grand:5.1f} % {n:6d}x  {name[:110]}")
+    process = "" if jax.default_backend() == "cpu" else "GPU"
+    for key, depth in [("name", None)] + ([("tf_op", d) for d in (4, 6)] if by_op else []):
+        rows = summarise(events, names, process, key, depth)
+        grand = sum(ms for _, ms, _ in rows) or 1.0
+        print(f"profile of 2 steps by {key}{'' if depth is None else f' (depth {depth})'}: "
+              f"{grand:.1f} ms over {len(rows)} groups", flush=True)
+        for name, ms, n in rows[:top]:
+            print(f"{ms:10.2f} ms {100 * ms / grand:5.1f} % {n:6d}x  {name[:150]}")
 
 
 def main() -> None:
@@ -61,9 +66,14 @@ def main() -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, trace 2 steps into DIR and print the device time per kernel "
                         "(benchmarks/trace_summary.py)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="with --profile: turn off XLA's CUDA command buffers so every kernel carries its HLO "
+                        "op and JAX name stack, and also print the time per name-stack prefix")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig override, e.g. model.moe.implementation=xla")
     a = p.parse_args()
+    if a.profile_ops:  # read when the backend starts, i.e. before the first computation below
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     cfg = TrainConfig(model=preset(a.model), batch_size=a.batch, seq_len=a.seq, micro_batches=a.micro,
                       remat=a.remat, steps=a.warmup + a.steps + 1, data=DataConfig(source="random"))
     cfg = override(cfg, a.assignments)
@@ -93,7 +103,7 @@ def main() -> None:
                 for _ in range(2):
                     state, m = step(state, next(data))
                 jax.block_until_ready(m)
-            _print_profile(a.profile)
+            _print_profile(a.profile, by_op=a.profile_ops)
     tokens_per_s = cfg.tokens_per_step / seconds
     fpt = flops_per_token(cfg.model, cfg.seq_len, trainer.abstract["params"].get("mtp"))
     peak = peak_flops(a.peak_flops)

@@ -1,6 +1,6 @@
 """Where the time goes in a ``jax.profiler`` trace: total time per op or kernel name, largest first.
 
-    python benchmarks/trace_summary.py DIR [--top 30] [--process GPU]
+    python benchmarks/trace_summary.py DIR [--top 30] [--process GPU] [--key tf_op --depth 4]
 
 Reads the newest ``perfetto_trace.json.gz`` under ``DIR`` (written by
 ``jax.profiler.trace(DIR, create_perfetto_trace=True)``, e.g. ``bench_train.py --profile DIR``),
@@ -30,13 +30,23 @@ def load_events(directory: str) -> tuple[list[dict], dict[int, str]]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e], names
 
 
-def summarise(events: list[dict], names: dict[int, str], process: str) -> list[tuple[str, float, int]]:
-    """``(name, total ms, calls)`` over events of matching processes, largest total first."""
+def event_key(event: dict, key: str = "name", depth: int | None = None) -> str:
+    """What an event is grouped under: its name, or an ``args`` field such as ``tf_op`` (the JAX
+    name stack of the HLO op; on a GPU only outside CUDA command buffers), cut to its first ``depth``
+    ``/``-separated parts. Events without the field keep their name."""
+    value = event["name"] if key == "name" else (event.get("args") or {}).get(key) or event["name"]
+    return value if depth is None else "/".join(value.split("/")[:depth])
+
+
+def summarise(events: list[dict], names: dict[int, str], process: str, key: str = "name",
+              depth: int | None = None) -> list[tuple[str, float, int]]:
+    """``(group, total ms, calls)`` over events of matching processes, largest total first."""
     total, calls = collections.Counter(), collections.Counter()
     for e in events:
         if process.lower() in names.get(e["pid"], "").lower():
-            total[e["name"]] += e["dur"] / 1e3
-            calls[e["name"]] += 1
+            group = event_key(e, key, depth)
+            total[group] += e["dur"] / 1e3
+            calls[group] += 1
     return [(name, ms, calls[name]) for name, ms in total.most_common()]
 
 
@@ -45,9 +55,11 @@ def main() -> None:
     ap.add_argument("directory")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
+    ap.add_argument("--key", default="name", help="group by the event name or an args field, e.g. tf_op")
+    ap.add_argument("--depth", type=int, default=None, help="keep the first DEPTH '/'-parts of the key")
     a = ap.parse_args()
     events, names = load_events(a.directory)
-    rows = summarise(events, names, a.process)
+    rows = summarise(events, names, a.process, a.key, a.depth)
     if not rows:
         raise SystemExit(f"no events in processes matching --process={a.process!r}; processes: "
                          f"{sorted(set(names.values()))}")

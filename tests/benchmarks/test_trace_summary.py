@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_summary import load_events, summarise
+from benchmarks.trace_summary import event_key, load_events, summarise
 
 
 def test_totals_per_name_for_matching_processes(tmp_path):
@@ -30,3 +30,13 @@ def test_totals_per_name_for_matching_processes(tmp_path):
 def test_missing_trace_names_the_directory(tmp_path):
     with pytest.raises(ValueError, match="directory"):
         load_events(str(tmp_path))
+
+
+def test_group_by_an_args_field_cut_to_a_depth():
+    ev = lambda tf_op, dur: {"ph": "X", "name": "fusion", "pid": 1, "dur": dur, "args": {"tf_op": tf_op}}
+    events = [ev("jit(step)/layers_1/kda/dot", 2000), ev("jit(step)/layers_1/kda/exp", 1000),
+              ev("jit(step)/layers_2/moe/gmm", 4000), {"ph": "X", "name": "memcpy", "pid": 1, "dur": 500}]
+    names = {1: "/device:GPU:0"}
+    rows = summarise(events, names, "GPU", key="tf_op", depth=3)
+    assert rows == [("jit(step)/layers_2/moe", 4.0, 1), ("jit(step)/layers_1/kda", 3.0, 2), ("memcpy", 0.5, 1)]
+    assert event_key(events[0]) == "fusion"
