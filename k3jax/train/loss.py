@@ -71,7 +71,9 @@ def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"
 def _fwd(features, head, labels, mask, chunk):
     fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
-    w = head.astype(features.dtype)
+    # The barrier makes the cast happen once: XLA otherwise re-casts the [D, V] head inside every
+    # chunk of the loop (8 times per small() step on the H200).
+    w = jax.lax.optimization_barrier(head.astype(features.dtype))
     wide = _wide(features.dtype)
 
     def one(d_head, args):
