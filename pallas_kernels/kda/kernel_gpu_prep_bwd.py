@@ -1,0 +1,246 @@
+"""Backward of the KDA intra-chunk prep as one Mosaic GPU kernel per 64-token chunk.
+
+The forward (:mod:`kernel_gpu_prep`, math in :mod:`kernel_gpu_intra`) is, per chunk, with
+``L = beta_i S_kk`` (strictly lower, same document), ``T = (I + L)^{-1}``, ``X = fresh beta k e^G``,
+``Y = beta v``: ``W = T X``, ``U = T Y``, ``A_qk = scale S_qk`` (causal, same document),
+``qg = fresh scale q e^G``, ``kg = to_end k e^{G_last - G}``, where
+``S_ab[i,j] = sum_c a_ic b_jc e^{G_ic - G_jc}``. Given ``dW, dU, dqg, dkg, dA_qk`` this kernel
+recomputes ``S_kk`` and ``T`` (as the forward does) and forms
+
+1. ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -(dX W^T + dY U^T)`` (the gradient of the inverse,
+   ``-T^T dT T^T`` with ``dT = dW X^T + dU Y^T``), masked strictly lower and same document;
+   ``dv = beta dY``; ``dbeta = rowsum(dL S_kk) + rowsum(dX X / beta) + rowsum(dY v)``.
+2. With ``M = scale dA_qk`` or ``beta dL``: ``da_i = sum_j M_ij b_j e^{G_i - G_j}`` and
+   ``db_j = sum_i M_ij a_i e^{G_i - G_j}``. Row side anchored at the row's tile t (first row
+   ``b_t``): ``e^{G_i - b_t} (M[tile t rows] @ (k e^{b_t - G}, columns j < 16(t+1)))``; column side
+   at the column's tile s: ``e^{b_s - G_j} (M[:, tile s]^T @ (a e^{G - b_s}, rows i >= 16 s))``.
+   Every exponent is at most 75 (the -5 gate bound), as in the forward. Each tile's masked M and
+   operands are one 64-row wgmma into one running accumulator per output (dq, dk rows, dk cols).
+3. ``dG`` collects each ``e^{±G}`` factor: ``q dq_S + k (dk_rows - dk_cols) + dX X + dqg qg - dkg kg``,
+   plus ``sum_i dkg_i kg_i`` on the chunk's last row (through ``G_last``). The anchors are
+   constants: the scores do not depend on them, so their gradient is zero.
+
+XLA adds ``d``'s gradient (``dd e^{G_last}``) and turns dG into dg by a reverse in-chunk cumsum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.kernel_gpu_prep import (
+    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _kernel_inputs, _pair, _split,
+    _unit_lower_inverse, _wg,
+)
+from pallas_kernels.kda.kernel_gpu_util import T, smem
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+
+def _scores_kk(G, k_s, anchor, bufs):
+    """Unmasked ``sum_c k_i k_j e^{G_i-G_j}`` [C, C], anchored per column tile as in the forward."""
+    C, K = G.shape
+    kc_s, ka_s = bufs
+    r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+    own = anchor(0)
+    for s in range(1, C // SUB):
+        own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
+    kc_s[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(own - G)).astype(BF16))
+
+    def scope(acc):
+        for s in range(C // SUB):
+            x = jnp.exp(jnp.where(r >= s * SUB, G - anchor(s), -jnp.inf))
+            ka_s[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * x).astype(BF16))
+            plgpu.commit_smem()
+            cols = pl.ds(s * SUB, SUB)
+            plgpu.wgmma(acc.at[:, cols], ka_s, T(kc_s.at[cols]))
+            if s < C // SUB - 1:
+                plgpu.wgmma_wait(0)  # the next tile overwrites ka
+        return acc[...]
+
+    return pl.run_scoped(scope, plgpu.ACC((C, C), F32))
+
+
+def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
+    """``(sum_t M_qk[t rows] @ B_t, sum_t M_kk[t rows] @ B_t, sum_s M_qk[:, s]^T A^q_s + M_kk[:, s]^T A^k_s)``.
+
+    ``B_t = k e^{b_t - G}`` on columns ``j < 16(t+1)``; ``A^a_s = a e^{G - b_s}`` on rows ``i >= 16 s``;
+    the caller applies the outer ``e^{G - own}`` / ``e^{own - G}`` factors.
+    """
+    C, K = G.shape
+    mqr_s, mkr_s, mqc_s, mkc_s, b_s, qa_s, ka_s = bufs
+    r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+
+    def scope(acc_q, acc_kr, acc_kc):
+        for t in range(C // SUB):
+            lo, hi = t * SUB, (t + 1) * SUB
+            in_rows, in_cols = (ri >= lo) & (ri < hi), (cj >= lo) & (cj < hi)
+            mqr_s[...] = _wg(jnp.where(in_rows, m_qk, 0.0).astype(BF16))
+            mkr_s[...] = _wg(jnp.where(in_rows, m_kk, 0.0).astype(BF16))
+            mqc_s[...] = _wg(jnp.where(in_cols, m_qk, 0.0).astype(BF16))
+            mkc_s[...] = _wg(jnp.where(in_cols, m_kk, 0.0).astype(BF16))
+            k = plgpu.load(k_s, layout=WGMMA).astype(F32)
+            b_s[...] = _wg((k * jnp.exp(jnp.where(r < hi, anchor(t) - G, -jnp.inf))).astype(BF16))
+            x = jnp.exp(jnp.where(r >= lo, G - anchor(t), -jnp.inf))
+            qa_s[...] = _wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16))
+            ka_s[...] = _wg((k * x).astype(BF16))
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_q, mqr_s, b_s)
+            plgpu.wgmma(acc_kr, mkr_s, b_s)
+            plgpu.wgmma(acc_kc, T(mqc_s), qa_s)
+            plgpu.wgmma(acc_kc, T(mkc_s), ka_s)
+            if t < C // SUB - 1:
+                plgpu.wgmma_wait(0)  # the next tile overwrites every operand
+        return acc_q[...], acc_kr[...], acc_kc[...]
+
+    return pl.run_scoped(scope, *(plgpu.ACC((C, K), F32) for _ in range(3)))
+
+
+# Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes"))
+def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float, interpret: bool,
+             dtypes: tuple):
+    """``(dq, dk, dv, dG [B,Tp,H,.] token-major, dbeta [B*H,Tp] f32)``; dG is w.r.t. the cumsum G.
+
+    Forward inputs as :func:`kernel_gpu_prep.prep_fwd` takes them; cotangents head-major
+    ``[B*H,Tp,.]``: dw, du bf16 (wgmma operands), dqg, dkg, daqk f32. ``dtypes``: (dq, dk, dv) dtypes.
+    """
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    C = CHUNK
+    n, nt = Tp // C, C // SUB
+
+    def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dqg_g, dkg_g, daqk_g,
+               dq_g, dk_g, dv_g, dG_g, db_g,
+               q_s, k_s, v_s, G_s, anc_s, vec_s, dw_s, du_s, daqk_s, union, bar, bar_tail):
+        score_bufs, inv_bufs, (th, tl, xw_s, yu_s), bwd_bufs, (dqg_s, dkg_s) = union
+        c, bh = lax.axis_index("c"), lax.axis_index("bh")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        rows = pl.ds(c * C, C)
+        for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
+                         (G_g.at[b, rows, h], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s),
+                         (vec_g.at[bh, :, rows], vec_s), (dw_g.at[bh, rows], dw_s), (du_g.at[bh, rows], du_s),
+                         (daqk_g.at[bh, rows], daqk_s)):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+
+        def col_vec(ref, n_cols=K):  # a [n_cols] smem row, repeated down the rows
+            return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, n_cols), [1]))
+
+        def row_vec(i, n_cols):  # row i of the vector block, one value per token row
+            return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (C, n_cols), [0]))
+
+        anchor = lambda t: col_vec(anc_s.at[t])
+        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+        ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+        cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+        same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], n_cols=C)
+        strict, causal = (cj < ri) & same, (cj <= ri) & same
+
+        # Recompute S_kk and T exactly as the forward does.
+        s_kk = _wg(jnp.where(strict, _scores_kk(load(G_s), k_s, anchor, score_bufs), 0.0))
+        t_inv = _unit_lower_inverse(_wg(-row_vec(BETA, C) * s_kk), ri, cj, inv_bufs)
+        th[...], tl[...] = _split(t_inv)
+        eg = jnp.exp(load(G_s))
+        x_w = row_vec(BETA, K) * row_vec(FRESH, K) * load(k_s) * eg
+        xw_s[...] = _wg(x_w.astype(BF16))
+        yu_s[...] = _wg((row_vec(BETA, V) * load(v_s)).astype(BF16))
+        plgpu.commit_smem()
+        w, u = _pair([(th, xw_s), (tl, xw_s)], [(th, yu_s), (tl, yu_s)], ((C, K), (C, V)))
+        dx, dy = _pair([(T(th), dw_s), (T(tl), dw_s)], [(T(th), du_s), (T(tl), du_s)], ((C, K), (C, V)))
+        xw_s[...], yu_s[...] = _wg(w.astype(BF16)), _wg(u.astype(BF16))
+        dw_s[...], du_s[...] = _wg(dx.astype(BF16)), _wg(dy.astype(BF16))
+        dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dtypes[2])
+        dbeta = jnp.sum(dy * load(v_s), axis=1) + jnp.sum(dx * row_vec(FRESH, K) * load(k_s) * eg, axis=1)
+        plgpu.commit_smem()
+        d_l = pl.run_scoped(lambda acc: _chain(acc, [(dw_s, T(xw_s)), (du_s, T(yu_s))]), plgpu.ACC((C, C), F32))
+        d_l = _wg(jnp.where(strict, -d_l, 0.0))
+        db_g.at[bh, rows][...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
+
+        m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0))
+        m_kk = _wg(row_vec(BETA, C) * d_l)
+        G = load(G_s)
+        acc_q, acc_kr, acc_kc = _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
+        # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
+        plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows], dqg_s, bar_tail)
+        plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows], dkg_s, bar_tail)
+        r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+        own = anchor(0)
+        for s in range(1, nt):
+            own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
+        e_own = jnp.exp(G - own)
+        dq_s, dk_r, dk_c = e_own * acc_q, e_own * acc_kr, acc_kc * jnp.exp(own - G)
+        plgpu.barrier_wait(bar_tail)
+
+        q, k, dx = load(q_s), load(k_s), load(dw_s)
+        eg = jnp.exp(G)
+        dqg, dkg = plgpu.load(dqg_s, layout=WGMMA), plgpu.load(dkg_s, layout=WGMMA)
+        qg_f = scale * row_vec(FRESH, K) * eg  # qg = q * qg_f
+        kg_f = row_vec(TO_END, K) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
+        dq_g.at[b, rows, h][...] = (dq_s + dqg * qg_f).astype(dtypes[0])
+        x_f = row_vec(BETA, K) * row_vec(FRESH, K) * eg  # X = k * x_f
+        dk_g.at[b, rows, h][...] = (dk_r + dk_c + dx * x_f + dkg * kg_f).astype(dtypes[1])
+        dkg_kg = dkg * k * kg_f
+        last = _wg(lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, K), [1]))
+        dG = q * (dq_s + dqg * qg_f) + k * (dk_r - dk_c + dx * x_f) - dkg_kg
+        dG_g.at[b, rows, h][...] = _wg(dG + jnp.where(r == C - 1, last, 0.0))
+
+    BH = B * H
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
+                jax.ShapeDtypeStruct((B, Tp, H, V), dtypes[2]), jax.ShapeDtypeStruct((B, Tp, H, K), F32),
+                jax.ShapeDtypeStruct((BH, Tp), F32)]
+    one = dict(slots=None)
+    cc = lambda: smem((C, C), **one)
+    # Buffers by lifetime (~213 KB at K = V = 128, one CTA per SM): the score recompute, the
+    # inverse, the WY products, the score backward and the final elementwise inputs share one region.
+    union = plgpu.RefUnion(
+        (smem((C, K), **one), smem((C, K), **one)),
+        tuple(cc() for _ in range(6)),
+        (cc(), cc(), smem((C, K), **one), smem((C, V), **one)),
+        (cc(), cc(), cc(), cc(), smem((C, K), **one), smem((C, K), **one), smem((C, K), **one)),
+        (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one)),
+    )
+    scratch = [
+        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one), smem((C, K), F32, mma=False, **one),
+        smem((8, K), F32, mma=False, **one), smem((5, C), F32, mma=False, **one),
+        smem((C, K), **one), smem((C, V), **one), smem((C, C), F32, mma=False, **one),
+        union, plgpu.Barrier(num_arrivals=9), plgpu.Barrier(num_arrivals=2),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(n, BH), grid_names=("c", "bh"),
+        kernel_name="kda_prep_bwd", **extra,
+    )
+    return call(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk)
+
+
+def prepare_bwd(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
+    """Gradients ``(dq, dk, dv, dg, dbeta)`` of :func:`kernel_gpu_intra.prepare_from_index` (chunk 64).
+
+    ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
+    """
+    B, T_len, H, K = k.shape
+    C = CHUNK
+    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
+    n = G.shape[1] // C
+    dw, du, dqg, dkg, daqk, dd = cts
+    dq, dk, dv, dG, dbeta = prep_bwd(
+        qh, kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16), dqg.astype(F32), dkg.astype(F32),
+        daqk.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype, v.dtype),
+    )
+    # d = e^{G_last} (0 when a document starts in the chunk) adds dd * d on the chunk's last row.
+    dG = dG.reshape(B, n, C, H, K)
+    dd_d = jnp.moveaxis((dd * d).reshape(B, H, n, K), 1, 2)  # [B,N,H,K]
+    dG = dG.at[:, :, -1].add(dd_d)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, axis=2), axis=2), axis=2).reshape(B, n * C, H, K)
+    dbeta = jnp.moveaxis(dbeta.reshape(B, H, n * C), 1, 2)
+    cut = lambda x, dt: x[:, :T_len].astype(dt)
+    return cut(dq, q.dtype), cut(dk, k.dtype), cut(dv, v.dtype), cut(dg, g.dtype), cut(dbeta, beta.dtype)
