@@ -189,6 +189,7 @@ def chunk_kda_pallas(
     block_v: int | None = None,
     prep: str = "fused",
     prep_precision: str = "tf32",
+    prep_bwd: str = "xla",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
@@ -197,10 +198,14 @@ def chunk_kda_pallas(
     not differentiated, the XLA prep under ``jax.grad``) or ``"xla"`` (:func:`kernel_gpu_intra.prepare`).
     ``prep_precision`` is the XLA prep's matmul precision, ``"tf32"`` (default: on the H200 the
     prep alone is 15 % faster than ``"highest"`` with the same error against the fp32 reference,
-    benchmarks/RESULTS.md) or ``"highest"``.
+    benchmarks/RESULTS.md) or ``"highest"``. ``prep_bwd`` (``prep="fused"`` only) is the prep's
+    backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"kernel"`` (the Mosaic GPU
+    backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward; untimed on the H200 so far).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
+    if prep_bwd not in ("xla", "kernel") or (prep_bwd == "kernel" and prep != "fused"):
+        raise ValueError(f"prep_bwd must be 'xla', or 'kernel' with prep='fused'; got {prep_bwd!r}, prep={prep!r}")
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
             f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V in (64, 128) and no float64; "
@@ -210,7 +215,8 @@ def chunk_kda_pallas(
     V = v.shape[-1]
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
-        w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision)
+        w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
+                                             prep_bwd)
     else:
         w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
                                        precision=prep_precision)

@@ -262,24 +262,35 @@ def _kernel_inputs(q, k, v, g, beta, sidx):
         vecs.reshape(B * H, 5, n * C), jnp.moveaxis(d, 2, 1).reshape(B * H, n, K)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32"):
+PREP_BWDS = ("xla", "kernel")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32",
+                  prep_bwd: str = "xla"):
     """:func:`kernel_gpu_intra.prepare_from_index` with the forward in one Mosaic GPU kernel.
 
-    The kernel runs when the prep is not differentiated (inference); under ``jax.grad`` the
-    forward and backward are the XLA prep's (matmul ``precision``), so training costs what
-    ``prep="xla"`` does.
+    The kernel runs when the prep is not differentiated (inference). Under ``jax.grad``,
+    ``prep_bwd="xla"`` (default) runs the XLA prep's forward and its autodiff (matmul
+    ``precision``), so training costs what ``prep="xla"`` does; ``prep_bwd="kernel"`` runs this
+    kernel forward and the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd` (recomputes the
+    scores and the inverse; residuals are the inputs only).
     ``sidx_f`` is the running document index as f32 (a float so it can sit in a custom_vjp).
     Outputs are upcast to f32 to match the XLA version (the scan casts them back for free).
     """
     if precision not in PRECISIONS:  # only the differentiated path uses it, but fail the same way
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if prep_bwd not in PREP_BWDS:
+        raise ValueError(f"prep_bwd must be one of {PREP_BWDS}, got {prep_bwd!r}")
     qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
     outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret)
     return (*(x.astype(F32) for x in outs), d)
 
 
-def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision):
+def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
+    if prep_bwd == "kernel":
+        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd)
+        return outs, (None, (q, k, v, g, beta, sidx_f))
     # Differentiated, the forward is the XLA prep itself (as ``prep="xla"``) and keeps its
     # autodiff residuals: taking the kernel's outputs would leave the backward to recompute the XLA
     # forward (fwd+bwd 35.2 ms against 27.9 ms for ``prep="xla"`` on the H200 at 4,8192,32,128).
@@ -288,9 +299,15 @@ def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision):
     return outs, (vjp, sidx_f)
 
 
-def _fused_bwd(scale, interpret, precision, res, cts):
-    vjp, sidx_f = res
-    return (*vjp(tuple(cts)), jnp.zeros_like(sidx_f))
+def _fused_bwd(scale, interpret, precision, prep_bwd, res, cts):
+    vjp, saved = res  # the XLA vjp and sidx_f, or None and the kernel's inputs
+    if prep_bwd == "kernel":
+        from pallas_kernels.kda.kernel_gpu_prep_bwd import prepare_bwd  # it imports this module
+
+        *primals, sidx_f = saved
+        grads = prepare_bwd(*primals, sidx_f.astype(jnp.int32), tuple(cts), scale=scale, interpret=interpret)
+        return (*grads, jnp.zeros_like(sidx_f))
+    return (*vjp(tuple(cts)), jnp.zeros_like(saved))
 
 
 prepare_fused.defvjp(_fused_fwd, _fused_bwd)
