@@ -17,10 +17,11 @@ recomputes ``S_kk`` and ``T`` (as the forward does) and forms
    Every exponent is at most 75 (the -5 gate bound), as in the forward. Each tile's masked M and
    operands are one 64-row wgmma into one running accumulator per output (dq, dk rows, dk cols).
 3. ``dG`` collects each ``e^{±G}`` factor: ``q dq_S + k (dk_rows - dk_cols) + dX X + dqg qg - dkg kg``,
-   plus ``sum_i dkg_i kg_i`` on the chunk's last row (through ``G_last``). The anchors are
-   constants: the scores do not depend on them, so their gradient is zero.
+   plus ``sum_i dkg_i kg_i`` on the chunk's last row (through ``G_last``); the reverse in-chunk
+   cumsum that turns dG into dg is one more (hi/lo) product. The anchors are constants: the
+   scores do not depend on them, so their gradient is zero.
 
-XLA adds ``d``'s gradient (``dd e^{G_last}``) and turns dG into dg by a reverse in-chunk cumsum.
+XLA adds ``d``'s gradient (``dd e^{G_last}``, on every row of the chunk).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _hilo, _kernel_inputs, _pair, _split,
+    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _kernel_inputs, _pair, _split,
     _unit_lower_inverse, _wg,
 )
 from pallas_kernels.kda.kernel_gpu_util import T, smem
@@ -71,28 +72,30 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
     """``(sum_t M_qk[t rows] @ B_t, sum_t M_kk[t rows] @ B_t, sum_s M_qk[:, s]^T A^q_s + M_kk[:, s]^T A^k_s)``.
 
     ``B_t = k e^{b_t - G}`` on columns ``j < 16(t+1)``; ``A^a_s = a e^{G - b_s}`` on rows ``i >= 16 s``;
-    the caller applies the outer ``e^{G - own}`` / ``e^{own - G}`` factors. Both factors of every
-    product are hi/lo bf16 splits: dg is a reverse cumsum of ``q dq - k dk`` in which the pairs
-    of tokens after each row cancel, so plain bf16 products leave it 1.4e-2 off (measured).
+    the caller applies the outer ``e^{G - own}`` / ``e^{own - G}`` factors. The exponential
+    operands are hi/lo bf16 splits (two wgmmas per product): dg is a reverse cumsum of
+    ``q dq - k dk`` in which the pairs of tokens after each row cancel, and plain bf16 operands
+    leave it 1.4e-2 off the fp32 vjp; split operands 1.5e-3, splitting M too 3e-5, splitting only M
+    1.4e-2 (measured on one 2-chunk case with documents).
     """
     C, K = G.shape
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
     ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
     cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    m1h, m1l, m2h, m2l, a1h, a1l, a2h, a2l = bufs
+    m1_s, m2_s, a1h, a1l, a2h, a2l = bufs
+    bf16 = lambda x: _wg(x.astype(BF16))
 
     def rows_scope(acc_q, acc_kr):
         for t in range(C // SUB):
             lo, hi = t * SUB, (t + 1) * SUB
             in_rows = (ri >= lo) & (ri < hi)
-            m1h[...], m1l[...] = _split(jnp.where(in_rows, m_qk, 0.0))
-            m2h[...], m2l[...] = _split(jnp.where(in_rows, m_kk, 0.0))
+            m1_s[...], m2_s[...] = bf16(jnp.where(in_rows, m_qk, 0.0)), bf16(jnp.where(in_rows, m_kk, 0.0))
             a1h[...], a1l[...] = _split(load(k_s) * jnp.exp(jnp.where(r < hi, anchor(t) - G, -jnp.inf)))
             plgpu.commit_smem()
-            for acc, mh, ml in ((acc_q, m1h, m1l), (acc_kr, m2h, m2l)):
-                for a, b in _hilo(mh, ml, a1h, a1l):
-                    plgpu.wgmma(acc, a, b)
+            for acc, m_s in ((acc_q, m1_s), (acc_kr, m2_s)):
+                plgpu.wgmma(acc, m_s, a1h)
+                plgpu.wgmma(acc, m_s, a1l)
             if t < C // SUB - 1:
                 plgpu.wgmma_wait(0)  # the next tile overwrites every operand
         return acc_q[...], acc_kr[...]
@@ -102,14 +105,13 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
             lo, hi = t * SUB, (t + 1) * SUB
             in_cols = (cj >= lo) & (cj < hi)
             x = jnp.exp(jnp.where(r >= lo, G - anchor(t), -jnp.inf))
-            m1h[...], m1l[...] = _split(jnp.where(in_cols, m_qk, 0.0))
-            m2h[...], m2l[...] = _split(jnp.where(in_cols, m_kk, 0.0))
+            m1_s[...], m2_s[...] = bf16(jnp.where(in_cols, m_qk, 0.0)), bf16(jnp.where(in_cols, m_kk, 0.0))
             a1h[...], a1l[...] = _split(load(q_s) * x)
             a2h[...], a2l[...] = _split(load(k_s) * x)
             plgpu.commit_smem()
-            for mh, ml, ah, al in ((m1h, m1l, a1h, a1l), (m2h, m2l, a2h, a2l)):
-                for a, b in _hilo(T(mh), T(ml), ah, al):
-                    plgpu.wgmma(acc, a, b)
+            for m_s, ah, al in ((m1_s, a1h, a1l), (m2_s, a2h, a2l)):
+                plgpu.wgmma(acc, T(m_s), ah)
+                plgpu.wgmma(acc, T(m_s), al)
             if t < C // SUB - 1:
                 plgpu.wgmma_wait(0)
         return acc[...]
@@ -122,7 +124,7 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes"))
 def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float, interpret: bool,
              dtypes: tuple):
-    """``(dq, dk, dv, dG [B,Tp,H,.] token-major, dbeta [B*H,Tp] f32)``; dG is w.r.t. the cumsum G.
+    """``(dq, dk, dv, dg [B,Tp,H,.] token-major, dbeta [B*H,Tp] f32)``; dg lacks only d's term.
 
     Forward inputs as :func:`kernel_gpu_prep.prep_fwd` takes them; cotangents head-major
     ``[B*H,Tp,.]``: dw, du bf16 (wgmma operands), dqg, dkg, daqk f32. ``dtypes``: (dq, dk, dv) dtypes.
@@ -133,9 +135,10 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
     n, nt = Tp // C, C // SUB
 
     def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dqg_g, dkg_g, daqk_g,
-               dq_g, dk_g, dv_g, dG_g, db_g,
+               dq_g, dk_g, dv_g, dg_g, db_g,
                q_s, k_s, v_s, G_s, anc_s, vec_s, dw_s, du_s, union, bar, bar_aqk, bar_tail):
-        score_bufs, inv_bufs, (th, tl, xw_s, yu_s), (daqk_s,), bwd_bufs, (dqg_s, dkg_s) = union
+        score_bufs, inv_bufs, (th, tl, xw_s, yu_s), (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
+        (G_s,), (dgh_s, dgl_s) = G_s
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
@@ -205,9 +208,14 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         x_f = row_vec(BETA, K) * row_vec(FRESH, K) * eg  # X = k * x_f
         dk_g.at[b, rows, h][...] = (dk_r + dk_c + dx * x_f + dkg * kg_f).astype(dtypes[1])
         dkg_kg = dkg * k * kg_f
-        last = _wg(lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, K), [1]))
         dG = q * (dq_s + dqg * qg_f) + k * (dk_r - dk_c + dx * x_f) - dkg_kg
-        dG_g.at[b, rows, h][...] = _wg(dG + jnp.where(r == C - 1, last, 0.0))
+        # dg = reverse in-chunk cumsum of dG, as one product with the 0/1 upper triangle (exact in
+        # bf16) and dG split hi/lo; G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
+        up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
+        dgh_s[...], dgl_s[...] = _split(dG)
+        plgpu.commit_smem()
+        dg = pl.run_scoped(lambda acc: _chain(acc, [(up_s, dgh_s), (up_s, dgl_s)]), plgpu.ACC((C, K), F32))
+        dg_g.at[b, rows, h][...] = _wg(dg + lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, K), [1]))
 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
@@ -215,18 +223,19 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
                 jax.ShapeDtypeStruct((BH, Tp), F32)]
     one = dict(slots=None)
     cc = lambda: smem((C, C), **one)
-    # Buffers by lifetime (~213 KB at K = V = 128, one CTA per SM): the score recompute, the
+    # Buffers by lifetime (200 KB at K = V = 128, one CTA per SM): the score recompute, the
     # inverse, the WY products, the score backward and the final elementwise inputs share one region.
     union = plgpu.RefUnion(
         (smem((C, K), **one), smem((C, K), **one)),
         tuple(cc() for _ in range(6)),
         (cc(), cc(), smem((C, K), **one), smem((C, V), **one)),
         (smem((C, C), F32, mma=False, **one),),
-        (cc(), cc(), cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
-        (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one)),
+        (cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
+        (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one), cc()),
     )
     scratch = [
-        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one), smem((C, K), F32, mma=False, **one),
+        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one),
+        plgpu.RefUnion((smem((C, K), F32, mma=False, **one),), (smem((C, K), **one), smem((C, K), **one))),
         smem((8, K), F32, mma=False, **one), smem((5, C), F32, mma=False, **one),
         smem((C, K), **one), smem((C, V), **one),
         union, plgpu.Barrier(num_arrivals=8), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2),
@@ -249,15 +258,13 @@ def prepare_bwd(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
     qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
     n = G.shape[1] // C
     dw, du, dqg, dkg, daqk, dd = cts
-    dq, dk, dv, dG, dbeta = prep_bwd(
+    dq, dk, dv, dg, dbeta = prep_bwd(
         qh, kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16), dqg.astype(F32), dkg.astype(F32),
         daqk.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype, v.dtype),
     )
-    # d = e^{G_last} (0 when a document starts in the chunk) adds dd * d on the chunk's last row.
-    dG = dG.reshape(B, n, C, H, K)
+    # d = e^{G_last} (0 when a document starts in the chunk): dd * d reaches every row's dg.
     dd_d = jnp.moveaxis((dd * d).reshape(B, H, n, K), 1, 2)  # [B,N,H,K]
-    dG = dG.at[:, :, -1].add(dd_d)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, axis=2), axis=2), axis=2).reshape(B, n * C, H, K)
+    dg = (dg.reshape(B, n, C, H, K) + dd_d[:, :, None]).reshape(B, n * C, H, K)
     dbeta = jnp.moveaxis(dbeta.reshape(B, H, n * C), 1, 2)
     cut = lambda x, dt: x[:, :T_len].astype(dt)
     return cut(dq, q.dtype), cut(dk, k.dtype), cut(dv, v.dtype), cut(dg, g.dtype), cut(dbeta, beta.dtype)
