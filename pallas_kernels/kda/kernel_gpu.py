@@ -16,7 +16,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    c+1 in while chunk c computes. For training it also stores each chunk's entering state (bf16,
    exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
 
-Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1.
+Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
+(or, opt-in with ``prep_bwd="kernel"``, the Mosaic GPU prep backward of :mod:`kernel_gpu_prep_bwd`).
 
 Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pallas is deprecated
 since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,

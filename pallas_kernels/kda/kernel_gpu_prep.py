@@ -18,7 +18,8 @@ outputs are head-major for the scan.
 Shared memory is ~109 KB (K = V = 128: G, the score operands and the inverse's operands share
 one region by lifetime) so two CTAs share an SM. H200, B,T,H,D = 4,8192,32,128: 5.05 ms for the
 kernel (9.90 ms for the previous one-anchor-per-row-tile, 10-step-inverse version). Under
-differentiation the XLA prep runs instead, with its own autodiff (see :func:`prepare_fused`).
+differentiation the XLA prep runs instead, with its own autodiff (see :func:`prepare_fused`), or,
+opt-in (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`.
 """
 
 from __future__ import annotations
