@@ -15,7 +15,8 @@ recomputes ``S_kk`` and ``T`` (as the forward does) and forms
    ``b_t``): ``e^{G_i - b_t} (M[tile t rows] @ (k e^{b_t - G}, columns j < 16(t+1)))``; column side
    at the column's tile s: ``e^{b_s - G_j} (M[:, tile s]^T @ (a e^{G - b_s}, rows i >= 16 s))``.
    Every exponent is at most 75 (the -5 gate bound), as in the forward. Each tile's masked M and
-   operands are one 64-row wgmma into one running accumulator per output (dq, dk rows, dk cols).
+   (hi/lo) operands are 64-row wgmmas into one running accumulator per output (dq, dk rows, dk
+   cols), contracting only over the tokens the causal mask leaves (32-byte swizzle: 16-token steps).
 3. ``dG`` collects each ``e^{±G}`` factor: ``q dq_S + k (dk_rows - dk_cols) + dX X + dqg qg - dkg kg``,
    plus ``sum_i dkg_i kg_i`` on the chunk's last row (through ``G_last``); the reverse in-chunk
    cumsum that turns dG into dg is one more (hi/lo) product. The anchors are constants: the
@@ -93,9 +94,10 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
             m1_s[...], m2_s[...] = bf16(jnp.where(in_rows, m_qk, 0.0)), bf16(jnp.where(in_rows, m_kk, 0.0))
             a1h[...], a1l[...] = _split(load(k_s) * jnp.exp(jnp.where(r < hi, anchor(t) - G, -jnp.inf)))
             plgpu.commit_smem()
+            past = pl.ds(0, hi)  # M's row tile t has no columns after the tile
             for acc, m_s in ((acc_q, m1_s), (acc_kr, m2_s)):
-                plgpu.wgmma(acc, m_s, a1h)
-                plgpu.wgmma(acc, m_s, a1l)
+                plgpu.wgmma(acc, m_s.at[:, past], a1h.at[past])
+                plgpu.wgmma(acc, m_s.at[:, past], a1l.at[past])
             if t < C // SUB - 1:
                 plgpu.wgmma_wait(0)  # the next tile overwrites every operand
         return acc_q[...], acc_kr[...]
@@ -109,9 +111,10 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
             a1h[...], a1l[...] = _split(load(q_s) * x)
             a2h[...], a2l[...] = _split(load(k_s) * x)
             plgpu.commit_smem()
+            later = pl.ds(lo, C - lo)  # M's column tile s has no rows before the tile
             for m_s, ah, al in ((m1_s, a1h, a1l), (m2_s, a2h, a2l)):
-                plgpu.wgmma(acc, T(m_s), ah)
-                plgpu.wgmma(acc, T(m_s), al)
+                plgpu.wgmma(acc, T(m_s.at[later]), ah.at[later])
+                plgpu.wgmma(acc, T(m_s.at[later]), al.at[later])
             if t < C // SUB - 1:
                 plgpu.wgmma_wait(0)
         return acc[...]
@@ -230,7 +233,9 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         tuple(cc() for _ in range(6)),
         (cc(), cc(), smem((C, K), **one), smem((C, V), **one)),
         (smem((C, C), F32, mma=False, **one),),
-        (cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
+        # 32-byte swizzle ([8, 16] tiles): the score backward contracts over 16-token multiples only.
+        (smem((C, C), swizzle=32, **one), smem((C, C), swizzle=32, **one),
+         *(smem((C, K), swizzle=32, **one) for _ in range(4))),
         (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one), cc()),
     )
     scratch = [
