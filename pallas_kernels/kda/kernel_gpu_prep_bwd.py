@@ -190,6 +190,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0))
         m_kk = _wg(row_vec(BETA, C) * d_l)
         G = load(G_s)
+        plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
         acc_q, acc_kr, acc_kc = _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows], dqg_s, bar_tail)
