@@ -3,7 +3,9 @@
 Shapes of ``small()`` at the train step's size: B=8, T=4096, H=8, q/k head dim 128 nope + 64 rope
 (rope key shared by all heads), v head dim 128, segment ids all ones (what the train loop passes).
 XLA path: ``mla.causal_attention`` on fp32 q, k, v with the dense [B,T,S] mask, as MLA calls it.
-Flash path: ``pallas_kernels.mla_attention.mla_attention`` on bf16 operands.
+Flash path: ``pallas_kernels.mla_attention.mla_attention`` on bf16 operands. Peer (``--peers
+cudnn``): cuDNN's flash attention via ``jax.nn.dot_product_attention``, plain causal with v padded
+to the q/k width (it has no document mask or max logit, so it does less than ours).
 
 First the flash path is checked against the XLA path at full size (output, max_logit, every
 gradient, also with packed documents); then each is timed: forward, and forward+backward
@@ -53,6 +55,18 @@ def xla_attention(qn, qr, kn, kr, v, seg, scale):
     q = jnp.concatenate([wide(qn), wide(qr)], axis=-1)
     k = jnp.concatenate([wide(kn), jnp.broadcast_to(wide(kr)[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
     return mla.causal_attention(q, k, wide(v), mla.attention_mask(seg, B, T), scale)
+
+
+def cudnn_attention(qn, qr, kn, kr, v, seg, scale):
+    """Peer: cuDNN flash attention through ``jax.nn.dot_product_attention`` (plain causal: no
+    document mask, no max logit; it needs equal q/k/v widths, so v is zero-padded to 192)."""
+    del seg
+    B, T, H, _ = qn.shape
+    q = jnp.concatenate([qn, qr], axis=-1)
+    k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
+    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+    o = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=True, implementation="cudnn")
+    return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
 
 
 INTERPRET = False  # --interpret: the CPU smoke run of this script
@@ -107,6 +121,7 @@ def main():
     parser.add_argument("--skip-check", action="store_true", help="time only (the check compiles the XLA path "
                         "at full precision twice)")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the CPU interpreter")
+    parser.add_argument("--peers", default="cudnn", help="peers to time beside ours: cudnn or ''")
     parser.add_argument("--out", help="write the results as JSON here")
     a = parser.parse_args()
     global INTERPRET
@@ -127,6 +142,8 @@ def main():
     # Causal flops: half of the T×S products, 2·(dqk + dv) per pair forward, 2.5× that backward.
     fwd_flops = B * H * T * T / 2 * 2 * (192 + 128)
     candidates = {"xla": xla_attention, "flash": flash_attention(BlockSizes())}
+    if not a.interpret and "cudnn" in a.peers.split(","):
+        candidates["cudnn"] = cudnn_attention
     for i in (int(i) for i in a.sweep.split(",") if i):
         candidates[f"flash {i}: {dataclasses.astuple(SWEEP[i])}"] = flash_attention(SWEEP[i])
     for name, attend in candidates.items():
@@ -142,6 +159,9 @@ def main():
     if "xla" in results["ms"] and "flash" in results["ms"]:
         (xf, xb), (ff, fb) = results["ms"]["xla"], results["ms"]["flash"]
         print(f"speed-up flash over xla: fwd {xf / ff:.1f}x   fwd+bwd {xb / fb:.1f}x")
+    if "cudnn" in results["ms"] and "flash" in results["ms"]:
+        (cf, cb), (ff, fb) = results["ms"]["cudnn"], results["ms"]["flash"]
+        print(f"flash vs cuDNN (causal only, v padded): fwd {cf / ff:.2f}x   fwd+bwd {cb / fb:.2f}x (>1 = ours faster)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
