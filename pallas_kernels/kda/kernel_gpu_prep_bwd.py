@@ -69,7 +69,7 @@ def _scores_kk(G, k_s, anchor, bufs):
     return pl.run_scoped(scope, plgpu.ACC((C, C), F32))
 
 
-def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
+def _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bufs):
     """``(sum_t M_qk[t rows] @ B_t, sum_t M_kk[t rows] @ B_t, sum_s M_qk[:, s]^T A^q_s + M_kk[:, s]^T A^k_s)``.
 
     ``B_t = k e^{b_t - G}`` on columns ``j < 16(t+1)``; ``A^a_s = a e^{G - b_s}`` on rows ``i >= 16 s``;
@@ -77,9 +77,11 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
     operands are hi/lo bf16 splits (two wgmmas per product): dg is a reverse cumsum of
     ``q dq - k dk`` in which the pairs of tokens after each row cancel, and plain bf16 operands
     leave it 1.4e-2 off the fp32 vjp; split operands 1.5e-3, splitting M too 3e-5, splitting only M
-    1.4e-2 (measured on one 2-chunk case with documents).
+    1.4e-2 (measured on one 2-chunk case with documents). M comes in bf16 (as the wgmmas read it)
+    and G is reloaded from smem per tile, to spare registers; the column side runs first so that
+    one accumulator, not two, stays live through the other loop.
     """
-    C, K = G.shape
+    C, K = G_s.shape
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
     ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
     cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
@@ -92,7 +94,7 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
             lo, hi = t * SUB, (t + 1) * SUB
             in_rows = (ri >= lo) & (ri < hi)
             m1_s[...], m2_s[...] = bf16(jnp.where(in_rows, m_qk, 0.0)), bf16(jnp.where(in_rows, m_kk, 0.0))
-            a1h[...], a1l[...] = _split(load(k_s) * jnp.exp(jnp.where(r < hi, anchor(t) - G, -jnp.inf)))
+            a1h[...], a1l[...] = _split(load(k_s) * jnp.exp(jnp.where(r < hi, anchor(t) - load(G_s), -jnp.inf)))
             plgpu.commit_smem()
             past = pl.ds(0, hi)  # M's row tile t has no columns after the tile
             for acc, m_s in ((acc_q, m1_s), (acc_kr, m2_s)):
@@ -106,7 +108,7 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
         for t in range(C // SUB):
             lo, hi = t * SUB, (t + 1) * SUB
             in_cols = (cj >= lo) & (cj < hi)
-            x = jnp.exp(jnp.where(r >= lo, G - anchor(t), -jnp.inf))
+            x = jnp.exp(jnp.where(r >= lo, load(G_s) - anchor(t), -jnp.inf))
             m1_s[...], m2_s[...] = bf16(jnp.where(in_cols, m_qk, 0.0)), bf16(jnp.where(in_cols, m_kk, 0.0))
             a1h[...], a1l[...] = _split(load(q_s) * x)
             a2h[...], a2l[...] = _split(load(k_s) * x)
@@ -119,8 +121,9 @@ def _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bufs):
                 plgpu.wgmma_wait(0)
         return acc[...]
 
+    acc_kc = pl.run_scoped(cols_scope, plgpu.ACC((C, K), F32))
     acc_q, acc_kr = pl.run_scoped(rows_scope, plgpu.ACC((C, K), F32), plgpu.ACC((C, K), F32))
-    return acc_q, acc_kr, pl.run_scoped(cols_scope, plgpu.ACC((C, K), F32))
+    return acc_q, acc_kr, acc_kc
 
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
@@ -187,11 +190,11 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         plgpu.copy_gmem_to_smem(daqk_g.at[bh, rows], daqk_s, bar_aqk)
         plgpu.barrier_wait(bar_aqk)
 
-        m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0))
-        m_kk = _wg(row_vec(BETA, C) * d_l)
-        G = load(G_s)
+        m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0).astype(BF16))
+        m_kk = _wg((row_vec(BETA, C) * d_l).astype(BF16))
         plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
-        acc_q, acc_kr, acc_kc = _scores_bwd(G, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
+        acc_q, acc_kr, acc_kc = _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
+        G = load(G_s)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows], dqg_s, bar_tail)
         plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows], dkg_s, bar_tail)
@@ -199,23 +202,24 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         own = anchor(0)
         for s in range(1, nt):
             own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
-        e_own = jnp.exp(G - own)
-        dq_s, dk_r, dk_c = e_own * acc_q, e_own * acc_kr, acc_kc * jnp.exp(own - G)
         plgpu.barrier_wait(bar_tail)
 
-        q, k, dx = load(q_s), load(k_s), load(dw_s)
-        eg = jnp.exp(G)
-        dqg, dkg = plgpu.load(dqg_s, layout=WGMMA), plgpu.load(dkg_s, layout=WGMMA)
-        qg_f = scale * row_vec(FRESH, K) * eg  # qg = q * qg_f
+        # Each term is folded into dq, dk, dG as soon as it is formed, to keep few [C, K] live.
+        q, k, eg, e_own = load(q_s), load(k_s), jnp.exp(G), jnp.exp(G - own)
+        dq = e_own * acc_q + plgpu.load(dqg_s, layout=WGMMA) * (scale * row_vec(FRESH, K) * eg)
+        dq_g.at[b, rows, h][...] = dq.astype(dtypes[0])
+        dk_c = acc_kc * jnp.exp(own - G)  # enters dG with a minus sign: its factor is e^{-G_j}
+        dk_x = e_own * acc_kr + load(dw_s) * (row_vec(BETA, K) * row_vec(FRESH, K) * eg)  # + dX X / k
+        dG = q * dq + k * (dk_x - dk_c)
         kg_f = row_vec(TO_END, K) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
-        dq_g.at[b, rows, h][...] = (dq_s + dqg * qg_f).astype(dtypes[0])
-        x_f = row_vec(BETA, K) * row_vec(FRESH, K) * eg  # X = k * x_f
-        dk_g.at[b, rows, h][...] = (dk_r + dk_c + dx * x_f + dkg * kg_f).astype(dtypes[1])
+        dkg = plgpu.load(dkg_s, layout=WGMMA)
+        dk_g.at[b, rows, h][...] = (dk_x + dk_c + dkg * kg_f).astype(dtypes[1])
         dkg_kg = dkg * k * kg_f
-        dG = q * (dq_s + dqg * qg_f) + k * (dk_r - dk_c + dx * x_f) - dkg_kg
+        dG = dG - dkg_kg
         # dg = reverse in-chunk cumsum of dG, as one product with the 0/1 upper triangle (exact in
         # bf16) and dG split hi/lo; G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
         up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
+        plgpu.commit_smem()  # every thread has read G_s before dG's halves overwrite it
         dgh_s[...], dgl_s[...] = _split(dG)
         plgpu.commit_smem()
         dg = pl.run_scoped(lambda acc: _chain(acc, [(up_s, dgh_s), (up_s, dgl_s)]), plgpu.ACC((C, K), F32))
