@@ -4,7 +4,9 @@ and the mean accepted length of a briefly trained speculative draft.
 1. Decode tokens/s at batch 1 and 64 for small() (bf16 weights), after a prompt of ``--prompt``
    tokens, and the share of the HBM roofline: bytes read per step (all weights — the roofline's
    upper bound — or only the active ones, plus the KDA states and the MLA latents up to the
-   current length) over ``--hbm-tbps``, divided by the measured step time.
+   current length) over ``--hbm-tbps``, divided by the measured step time. Steps run as one
+   device-side loop (as ``generate`` runs them); the step time of a Python loop of jitted
+   ``decode_step`` calls is printed beside it (the figure recorded before 2026-11-30's last run).
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, peak device memory,
    and the memory split (KDA states, MLA latents, weights) against the KV cache a full-attention
    model of the same depth would need (per head uncompressed K and V, every layer).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 
@@ -68,6 +71,16 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
     return total
 
 
+def _greedy_loop(variables, tok, cache, *, cfg, steps):
+    """``steps`` greedy decode steps in one ``fori_loop``; returns the last tokens."""
+    def body(_, carry):
+        tok, cache = carry
+        logits, cache = decode_step(variables, cfg, tok, cache)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    return jax.lax.fori_loop(0, steps, body, (tok, cache))[0]
+
+
 def bench_decode(cfg, variables, batch, prompt, steps, hbm):
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, batch, prompt + steps + 1)
@@ -76,16 +89,24 @@ def bench_decode(cfg, variables, batch, prompt, steps, hbm):
     logits, c2 = decode_step(variables, cfg, tok, cache)  # compile
     jax.block_until_ready(logits)
     t0 = time.perf_counter()
+    host_cache = cache
     for _ in range(steps):
-        logits, cache = decode_step(variables, cfg, tok, cache)
+        logits, host_cache = decode_step(variables, cfg, tok, host_cache)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
     jax.block_until_ready(tok)
+    host_step_s = (time.perf_counter() - t0) / steps
+    # The same greedy steps as one device-side loop (as `generate` runs them): no per-step dispatch.
+    loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))
+    jax.block_until_ready(loop(variables, tokens[:, -1:], cache))  # compile
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(variables, tokens[:, -1:], cache))
     step_s = (time.perf_counter() - t0) / steps
     w_all = tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
     w_act = active_weight_bytes(cfg, variables)
     c_bytes = cache_read_bytes(cfg, cache, prompt + steps // 2)
     roof = lambda b: b / (hbm * 1e12)
     return {"batch": batch, "prompt": prompt, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
+            "host_loop_step_ms": host_step_s * 1e3,
             "bytes_per_step_all_weights": w_all + c_bytes, "bytes_per_step_active_weights": w_act + c_bytes,
             "roofline_pct_all_weights": 100 * roof(w_all + c_bytes) / step_s,
             "roofline_pct_active_weights": 100 * roof(w_act + c_bytes) / step_s}
@@ -184,7 +205,8 @@ def main():
     results["decode"] = [bench_decode(cfg, variables, b, args.prompt, args.decode_steps, args.hbm_tbps)
                          for b in batches]
     for r in results["decode"]:
-        print(f"decode B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.2f} ms, "
+        print(f"decode B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.2f} ms "
+              f"(one step per jitted call from Python: {r['host_loop_step_ms']:.2f} ms), "
               f"roofline {r['roofline_pct_all_weights']:.1f}% (all weights) / "
               f"{r['roofline_pct_active_weights']:.1f}% (active)", flush=True)
     results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk)
