@@ -184,6 +184,7 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=1_048_576)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--draft-minutes", type=float, default=3.0)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: prefill, draft")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
     args = ap.parse_args()
     if args.quick:
@@ -209,15 +210,17 @@ def main():
               f"(one step per jitted call from Python: {r['host_loop_step_ms']:.2f} ms), "
               f"roofline {r['roofline_pct_all_weights']:.1f}% (all weights) / "
               f"{r['roofline_pct_active_weights']:.1f}% (active)", flush=True)
-    results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk)
-    print(f"prefill {p['tokens']} tokens (chunk {p['chunk']}): {p['seconds']:.1f} s, peak {p['peak_device_bytes']} B; "
-          f"KDA {p['kda_state_bytes'] / 2**20:.1f} MiB, MLA {p['mla_latent_bytes'] / 2**20:.1f} MiB, "
-          f"weights {p['weight_bytes'] / 2**20:.1f} MiB vs full-attention KV {p['full_attention_kv_bytes'] / 2**20:.1f} MiB",
-          flush=True)
-    results["draft"] = d = bench_draft(cfg, variables, args.draft_minutes, **draft_shape)
-    print(f"draft: {d['train_steps']} steps in {d['train_seconds']:.0f} s, loss {d['first_loss']:.3f} -> "
-          f"{d['last_loss']:.3f}; mean accepted length (gamma={d['gamma']}) greedy {d['mean_accepted_length_greedy']:.2f}, "
-          f"T=1 {d['mean_accepted_length_t1']:.2f}", flush=True)
+    if "prefill" not in args.skip.split(","):
+        results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk)
+        print(f"prefill {p['tokens']} tokens (chunk {p['chunk']}): {p['seconds']:.1f} s, peak {p['peak_device_bytes']} B; "
+              f"KDA {p['kda_state_bytes'] / 2**20:.1f} MiB, MLA {p['mla_latent_bytes'] / 2**20:.1f} MiB, "
+              f"weights {p['weight_bytes'] / 2**20:.1f} MiB vs full-attention KV {p['full_attention_kv_bytes'] / 2**20:.1f} MiB",
+              flush=True)
+    if "draft" not in args.skip.split(","):
+        results["draft"] = d = bench_draft(cfg, variables, args.draft_minutes, **draft_shape)
+        print(f"draft: {d['train_steps']} steps in {d['train_seconds']:.0f} s, loss {d['first_loss']:.3f} -> "
+              f"{d['last_loss']:.3f}; mean accepted length (gamma={d['gamma']}) greedy {d['mean_accepted_length_greedy']:.2f}, "
+              f"T=1 {d['mean_accepted_length_t1']:.2f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
