@@ -17,7 +17,14 @@ Algorithm of ``gmm``:
    count, so a dynamic count ``c`` is written as the sum of its power-of-two parts.
 Algorithm of ``tgmm``: per (group, K tile, N tile) stream the group's row blocks; the
 compute warpgroup zeroes the ``dout`` rows of a boundary block that belong to other groups
-before its ``wgmma`` (TMA already zero-fills rows past M).
+before its ``wgmma`` (TMA already zero-fills rows past M). With ``group_chunk = C > 0`` one
+pipeline instead streams the row blocks of C consecutive groups for a (K tile, N tile), so
+the pipeline ramp is paid once per C groups (small groups: a few row blocks each). The
+accumulator runs over the whole chunk and a group's tile is the running sum minus the sum at
+its start, kept in registers (the GPU interpreter cannot overwrite an accumulator; this costs
+~f32 eps x the chunk's earlier sums, far below the bf16 output rounding, and a second
+accumulator-sized register tile: use tile_k x tile_n <= 64 x 128). An empty group is one
+fully masked block.
 """
 
 import dataclasses
@@ -30,9 +37,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe.schedule import aligned_tile_schedule, tile_schedule
+from pallas_kernels.moe.schedule import BLOCK, COUNT, GROUP, LO, aligned_tile_schedule, tile_schedule
 
 _COMPUTE_WGS = 2
+_LAST = 5  # row of the chunked tgmm schedule after schedule.tile_schedule's five
 _DETECT_RACES = False
 
 
@@ -41,7 +49,8 @@ class GpuTiling:
     """Tile sizes; the CTA tile is ``tile_m × 2·tile_n`` with ``stages`` shared-memory slots.
 
     In ``gmm`` ``tile_k`` is the contraction step; in ``tgmm`` the contraction runs over
-    rows in steps of ``tile_m`` and ``tile_k`` is the output-row tile.
+    rows in steps of ``tile_m`` and ``tile_k`` is the output-row tile. ``group_chunk``
+    (tgmm only): 0 runs one pipeline per (group, output tile); C > 0 one per C groups.
     """
 
     tile_m: int = 128
@@ -50,6 +59,7 @@ class GpuTiling:
     stages: int = 3
     grid_tile_width: int = 8
     aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
+    group_chunk: int = 0
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -57,6 +67,17 @@ class GpuTiling:
 
 GMM_TILING = GpuTiling()
 TGMM_TILING = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
+# tgmm tilings the benchmark times per shape (each fits the H200's 227 KiB of shared memory;
+# chunked ones keep tile_k x tile_n <= 64 x 128 for their second register tile)
+TGMM_CANDIDATES = (
+    TGMM_TILING,
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=4),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=8),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=16),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8),
+    GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=4, group_chunk=8),
+)
 
 
 def required_multiple() -> int:
@@ -257,17 +278,18 @@ def _mask_rows(ref, lo, hi):
     plgpu.commit_smem()
 
 
-def _tgmm_pipeline(cfg, dtype, body, compute_context, first=0, num_blocks=None):
-    """Row-block loop of one tgmm tile. The allocation-only call leaves ``num_blocks`` None:
-    a static grid of ``stages`` steps, so every slot gets allocated."""
+def _tgmm_pipeline(cfg, dtype, body, compute_context, block_of=lambda i: i, num_steps=None):
+    """Row-block loop of one tgmm tile; step ``i`` reads row block ``block_of(i)``. The
+    allocation-only call leaves ``num_steps`` None: a static grid of ``stages`` steps, so every
+    slot gets allocated."""
     tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
     return plgpu.emit_pipeline_warp_specialized(
         body,
-        grid=(cfg.stages if num_blocks is None else num_blocks,),
+        grid=(cfg.stages if num_steps is None else num_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((tm, tk), lambda i: (first + i, 0), transforms=_swizzled(tk, dtype)),
-            plgpu.BlockSpec((tm, cta_n), lambda i: (first + i, 0), transforms=_swizzled(cta_n, dtype)),
+            plgpu.BlockSpec((tm, tk), lambda i: (block_of(i), 0), transforms=_swizzled(tk, dtype)),
+            plgpu.BlockSpec((tm, cta_n), lambda i: (block_of(i), 0), transforms=_swizzled(cta_n, dtype)),
         ],
         wg_axis="wg",
         num_compute_wgs=_COMPUTE_WGS,
@@ -330,11 +352,83 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
             @pl.when(num_blocks > 0)
             def _():
                 views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
-                pipeline(mma, compute_context, first, num_blocks)(*views, allocations=allocs)
+                pipeline(mma, compute_context, lambda i: first + i, num_blocks)(*views, allocations=allocs)
 
             @pl.when((num_blocks == 0) & (wg < _COMPUTE_WGS))
             def _():
                 store(_zeros_wgmma((tk, tn), jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _chunk_schedule(group_sizes: jax.Array, m: int, tile_m: int, chunk: int):
+    """Work tiles of the chunked tgmm: ``schedule.tile_schedule`` rows (an empty group keeps one
+    tile with no rows, so its zeros get stored) plus row LAST (1 on a group's last tile), and
+    int32 ``[n_chunks + 1]`` first tile of each chunk of ``chunk`` groups (then the total)."""
+    e = group_sizes.shape[0]
+    meta = tile_schedule(group_sizes, m, tile_m, tail=False, empty_tiles=True)
+    grp = jnp.where(meta[GROUP] >= 0, meta[GROUP], e)  # inactive tiles sort after every group
+    last = (grp < e) & (grp != jnp.concatenate([grp[1:], jnp.full((1,), e, grp.dtype)]))
+    bounds = jnp.minimum(jnp.arange(pl.cdiv(e, chunk) + 1, dtype=jnp.int32) * chunk, e)
+    firsts = jnp.sum(grp[None, :] < bounds[:, None], axis=1)
+    return jnp.concatenate([meta, last[None].astype(jnp.int32)]), firsts.astype(jnp.int32)
+
+
+def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_n = cfg.cta_n()
+    grid_k, grid_n = k // tk, n // cta_n
+    pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
+    ignore = lambda *_, **__: None
+    alloc_views = (lhs_gmem.at[:, pl.ds(0, tk)], dout_gmem.at[:, pl.ds(0, cta_n)])
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
+        collective_axes="wg",
+    )
+    def _scope(allocs, o_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((firsts.shape[0] - 1, grid_k * grid_n), collective_axes="sm")
+        def _tiles(info):
+            c = info.index[0]
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)
+            t0, wg_n = firsts[c], pl.ds(wg * tn, tn)
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, tn), jnp.float32))
+                def _acc(acc):
+                    run((acc, _zeros_wgmma((tk, tn), jnp.float32)))
+
+            def mma(idx, a_smem, b_smem, carry):
+                acc, before = carry  # before: the running sum at the current group's start
+                t = t0 + idx[0]
+                lo, count, last = meta[LO, t], meta[COUNT, t], meta[_LAST, t] != 0
+                b = b_smem.at[:, wg_n]
+
+                @pl.when((lo > 0) | (lo + count < tm))
+                def _():
+                    _mask_rows(b, lo, lo + count)  # an empty group's tile keeps no row
+
+                plgpu.wgmma(acc, a_smem.T, b)
+                plgpu.wgmma_wait(0)
+                total = acc[...]
+
+                @pl.when(last)
+                def _():  # the group's sum is complete; the accumulator keeps running
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = (total - before).astype(out_gmem.dtype)
+                    plgpu.commit_smem()
+                    out_cols = pl.ds(ni * cta_n + wg * tn, tn)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[meta[GROUP, t], pl.ds(ki * tk, tk), out_cols])
+
+                return acc, lax.cond(last, lambda: total, lambda: before)
+
+            views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
+            block_of = lambda i: meta[BLOCK, t0 + i]
+            pipeline(mma, compute_context, block_of, firsts[c + 1] - t0)(*views, allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -350,8 +444,14 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes must have shape ({num_groups},), got {group_sizes.shape}")
-    rows = _group_rows(group_sizes, cfg.tile_m)
-    body = functools.partial(_tgmm_body, cfg=cfg, k=k, n=n)
+    if cfg.group_chunk < 0:
+        raise ValueError(f"tiling.group_chunk must be >= 0, got {cfg.group_chunk}")
+    if cfg.group_chunk:
+        args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
+        body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)
+    else:
+        args = (_group_rows(group_sizes, cfg.tile_m),)
+        body = functools.partial(_tgmm_body, cfg=cfg, k=k, n=n)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
@@ -361,5 +461,5 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         thread_name="wg",
         compiler_params=_compiler_params(interpret),
         interpret=_interpret_arg(interpret),
-        kernel_name="moe_tgmm",
-    )(rows, lhs, dout)
+        kernel_name="moe_tgmm_chunked" if cfg.group_chunk else "moe_tgmm",
+    )(*args, lhs, dout)

@@ -11,6 +11,7 @@ product of group ``e``'s rows, ``lhs_eᵀ · dout_e`` (zero for empty groups).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,10 +77,12 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-def _kernels(path: str, interpret: bool):
+def _kernels(path: str, interpret: bool, tgmm_tiling=None):
     """(gmm, tgmm) of one backend, zero-padding K and N to the kernels' tile multiple."""
     k = _kernel_module(path)
     mult = k.required_multiple()
+    if tgmm_tiling is not None and path == "gpu":  # K and N are tgmm's output tile dims
+        mult = math.lcm(mult, tgmm_tiling.tile_k, tgmm_tiling.cta_n())
 
     def gmm(lhs, rhs, group_sizes, transpose_rhs=False):
         n_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -91,26 +94,27 @@ def _kernels(path: str, interpret: bool):
     def tgmm(lhs, dout, group_sizes, num_groups):
         kk, n = lhs.shape[1], dout.shape[1]
         out = k.tgmm(
-            _pad_to(lhs, 1, mult), _pad_to(dout, 1, mult), group_sizes, num_groups=num_groups, interpret=interpret
+            _pad_to(lhs, 1, mult), _pad_to(dout, 1, mult), group_sizes, num_groups=num_groups,
+            tiling=tgmm_tiling, interpret=interpret,
         )
         return out[:, :kk, :n]
 
     return gmm, tgmm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm_pallas(lhs, rhs, group_sizes, path, interpret):
-    gmm, _ = _kernels(path, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling):
+    gmm, _ = _kernels(path, interpret, tgmm_tiling)
     return gmm(lhs, rhs, group_sizes)
 
 
-def _gmm_pallas_fwd(lhs, rhs, group_sizes, path, interpret):
-    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret), (lhs, rhs, group_sizes)
+def _gmm_pallas_fwd(lhs, rhs, group_sizes, path, interpret, tgmm_tiling):
+    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling), (lhs, rhs, group_sizes)
 
 
-def _gmm_pallas_bwd(path, interpret, res, g):
+def _gmm_pallas_bwd(path, interpret, tgmm_tiling, res, g):
     lhs, rhs, group_sizes = res
-    gmm, tgmm = _kernels(path, interpret)
+    gmm, tgmm = _kernels(path, interpret, tgmm_tiling)
     g = g.astype(lhs.dtype)
     dlhs = gmm(g, rhs, group_sizes, transpose_rhs=True)  # [M, K]
     drhs = tgmm(lhs, g, group_sizes, rhs.shape[0])  # [E, K, N]
@@ -129,11 +133,14 @@ def grouped_matmul(
     interpret: bool = False,
     kernel_backend: str | None = None,
     checked: bool = False,
+    tgmm_tiling=None,
 ) -> Float[Array, "M N"]:
     """Rows ``[start_e, start_e + group_sizes[e])`` of ``lhs`` times ``rhs[e]``; rows past
     ``sum(group_sizes)`` are zero. Accumulates in >= float32; output in ``lhs.dtype``.
 
     ``checked=True`` adds ``checkify`` checks of traced group sizes (>= 0, sum <= M).
+    ``tgmm_tiling``: the Pallas kernel's tiling of the weight gradient (``tgmm``; a
+    ``kernel_gpu.GpuTiling`` / ``kernel_tpu`` tiling), None for the kernel's default.
     """
     validate.check_grouped_matmul_args(lhs, rhs, group_sizes, checked=checked)
     group_sizes = group_sizes.astype(jnp.int32)
@@ -142,7 +149,7 @@ def grouped_matmul(
         return grouped_matmul_ragged(lhs, rhs, group_sizes)
     if path == "tiled":
         return grouped_matmul_tiled(lhs, rhs, group_sizes)
-    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret)
+    return _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling)
 
 
 def moe_ffn(

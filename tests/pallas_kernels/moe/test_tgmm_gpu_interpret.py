@@ -1,0 +1,118 @@
+"""``kernel_gpu.tgmm`` tilings and the chunked variant (``group_chunk > 0``), run by the Mosaic GPU
+interpreter on CPU against the transposed product of ``jax.lax.ragged_dot`` (its gradient with
+respect to ``rhs``), and lowered for CUDA on the CPU host at the benchmark's E=128 shape.
+
+Each jitted tgmm is traced once per tiling; group sizes are traced values.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from pallas_kernels.moe import grouped_matmul, kernel_gpu
+from tests.pallas_kernels.moe.conftest import group_sizes_strategy
+from tests.tolerances import BF16_GRAD_RTOL, rel_rmse
+
+M, K, N = 150, 128, 128
+# empty groups, all rows in one group, a tail of rows in no group, many small groups
+CASES = [
+    [40, 0, 70, 0, 0, 0, 0, 0],
+    [0, 0, 150, 0, 0, 0, 0, 0],
+    [13, 77, 0, 31, 0, 2, 0, 1],
+    [3, 1, 0, 5, 2, 9, 1, 4],
+    [0] * 8,
+]
+E = len(CASES[0])
+# small tiles keep the interpreter's work low; chunks that divide E, do not, and cover all of it
+TILINGS = {
+    "per_group_m128": kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2),
+    "chunk1": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=1),
+    "chunk3": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=3, group_chunk=3),
+    "chunk8_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=128, stages=2, group_chunk=8),
+}
+
+
+def _inputs():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    lhs = jax.random.normal(k1, (M, K), jnp.float32).astype(jnp.bfloat16)
+    dout = jax.random.normal(k2, (M, N), jnp.float32).astype(jnp.bfloat16)
+    return lhs, dout
+
+
+@jax.jit
+def _reference(lhs, dout, gs):
+    """``out[e] = lhs_eᵀ dout_e`` as the rhs-gradient of ``ragged_dot`` in float32."""
+    lhs, dout = lhs.astype(jnp.float32), dout.astype(jnp.float32)
+    rhs = jnp.zeros((gs.shape[0], lhs.shape[1], dout.shape[1]), jnp.float32)
+    _, vjp = jax.vjp(lambda r: jax.lax.ragged_dot(lhs, r, gs), rhs)
+    return vjp(dout)[0]
+
+
+@functools.cache
+def _tgmm(name):
+    return jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=E, tiling=TILINGS[name], interpret=True))
+
+
+def _check(name, sizes):
+    lhs, dout = _inputs()
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(_tgmm(name)(lhs, dout, gs), np.float32)
+    want = np.asarray(_reference(lhs, dout, gs))
+    if np.any(want):
+        assert rel_rmse(got, want) < BF16_GRAD_RTOL, (name, sizes)
+    empty = np.asarray(sizes) == 0
+    assert not np.any(got[empty]), (name, sizes)  # zeros stored, not left uninitialised
+
+
+@pytest.mark.parametrize("name", list(TILINGS))
+def test_tgmm_tilings_match_ragged_dot(name):
+    for sizes in CASES:
+        _check(name, sizes)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=group_sizes_strategy(E, M))
+def test_chunked_tgmm_hypothesis_group_sizes(sizes):
+    _check("chunk3", sizes.tolist())
+
+
+def test_tgmm_tiling_threads_through_grouped_matmul():
+    """``grouped_matmul(tgmm_tiling=...)``: the weight gradient comes from the chunked kernel."""
+    lhs, dout = _inputs()
+    rhs = jax.random.normal(jax.random.PRNGKey(2), (E, K, N), jnp.float32).astype(jnp.bfloat16)
+    gs = jnp.asarray(CASES[2], jnp.int32)
+    small = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
+
+    def drhs(**kw):
+        f = lambda r: grouped_matmul(lhs, r, gs, **kw)
+        return jax.jit(lambda r: jax.vjp(f, r)[1](dout)[0])(rhs).astype(jnp.float32)
+
+    # the forward kernel's default tiles are too large for this K, N: use small ones
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_gpu, "GMM_TILING", small)
+        mp.setattr(kernel_gpu, "TGMM_TILING", small)
+        ours = drhs(implementation="pallas", interpret=True, kernel_backend="gpu", tgmm_tiling=TILINGS["chunk3"])
+    assert rel_rmse(ours, _reference(lhs, dout, gs)) < BF16_GRAD_RTOL
+
+
+def test_bad_group_chunk_is_refused():
+    lhs, dout = _inputs()
+    bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=-1)
+    with pytest.raises(ValueError, match="group_chunk"):
+        kernel_gpu.tgmm(lhs, dout, jnp.zeros((E,), jnp.int32), num_groups=E, tiling=bad, interpret=True)
+
+
+@pytest.mark.parametrize("cfg", kernel_gpu.TGMM_CANDIDATES, ids=str)
+def test_tgmm_candidates_lower_for_cuda(cfg, monkeypatch):
+    """Every benchmarked tiling lowers for CUDA at (M,E,K,N) = (32768,128,2048,1024): layouts
+    resolve and shared memory fits one CTA per SM."""
+    monkeypatch.setattr(kernel_gpu, "_num_sms", lambda interpret: 132)
+    S = jax.ShapeDtypeStruct
+    args = (S((32768, 2048), jnp.bfloat16), S((32768, 1024), jnp.bfloat16), S((128,), jnp.int32))
+    text = kernel_gpu.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert ("moe_tgmm_chunked_mosaic_gpu" if cfg.group_chunk else "moe_tgmm_mosaic_gpu") in text
