@@ -6,7 +6,9 @@ of: ours (``grouped_matmul(implementation="pallas")``), ``jax.lax.ragged_dot``, 
 the dense equal-group batched einsum (the no-routing ceiling); then the whole LatentMoE routed
 layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragged_dot with
 XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
-BENCHMARKS.md); a missing or failing peer is recorded, not fatal.
+BENCHMARKS.md); a missing or failing peer is recorded, not fatal. Per shape, the forward
+tiling (``tune``) and then the weight-gradient tiling (``tune_bwd``, over
+``kernel_gpu.TGMM_CANDIDATES`` incl. the chunked tgmm) are picked by timing before the table.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
@@ -110,7 +112,10 @@ def check_ours(results):
         dl, dr = ours[1](lhs, rhs, gs, cot)
         el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
         total = int(gs.sum())
+        chunked = kernel_gpu.TGMM_CANDIDATES[3]
+        dr_chunked = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=chunked))(lhs, cot, gs)
         results["checks"][f"gmm_{name}"] = dict(
+            drhs_chunked_tgmm=rel(f32(dr_chunked), er),
             fwd=rel(f32(out), grouped_matmul_dense(f32(lhs), f32(rhs), gs)),
             dlhs=rel(f32(dl), el),
             drhs=rel(f32(dr), er),
@@ -171,7 +176,37 @@ def tune(results, m, e, k, n):
     return best
 
 
-def bench_gmm(results, shape, impls):
+def tune_bwd(results, m, e, k, n):
+    """Pick the fastest weight-gradient (tgmm) tiling at one shape by timing our forward+backward
+    with each of ``kernel_gpu.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
+    lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, (m, n), jnp.bfloat16)
+    gs = random_group_sizes(k3, m, e)
+    want = None
+    best = None
+    for cfg in kernel_gpu.TGMM_CANDIDATES:
+        row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg))
+        try:
+            tg = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))
+            got = tg(lhs, cot, gs).astype(jnp.float32)
+            want = got if want is None else want  # the default tiling's drhs, checked in check_ours
+            row["rel_vs_default"] = rel(got, want)
+            row["tgmm_ms"] = timeit(tg, lhs, cot, gs, reps=5, warmup=1)
+            _, train = fwd_and_train(functools.partial(grouped_matmul, implementation="pallas", tgmm_tiling=cfg))
+            row["train_ms"] = timeit(train, lhs, rhs, gs, cot, reps=5, warmup=2)
+        except Exception as ex:  # noqa: BLE001 (a tiling that fails to compile is recorded)
+            row["error"] = repr(ex)[:300]
+        results["tuning_bwd"].append(row)
+        print("tgmm tiling", cfg, {key: v for key, v in row.items() if key not in ("shape", "tiling")})
+        ok = "train_ms" in row and row["rel_vs_default"] < 1e-2
+        if ok and (best is None or row["train_ms"] < best[1]):
+            best = (cfg, row["train_ms"])
+    return best[0] if best is not None else kernel_gpu.TGMM_TILING
+
+
+def bench_gmm(results, shape, impls, tgmm_tiling=None):
     m, e, k, n = shape
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
     lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
@@ -186,7 +221,8 @@ def bench_gmm(results, shape, impls):
         return jnp.einsum("EMK,EKN->EMN", a.reshape(e, m // e, k), b).reshape(m, n)
 
     ref_out = None
-    for name, fn in [("ours", functools.partial(grouped_matmul, implementation="pallas"))] + list(impls.items()) + [
+    ours = functools.partial(grouped_matmul, implementation="pallas", tgmm_tiling=tgmm_tiling)
+    for name, fn in [("ours", ours)] + list(impls.items()) + [
         ("dense_einsum", dense)
     ]:
         try:
@@ -287,6 +323,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_moe.json")
     ap.add_argument("--skip-tune", action="store_true")
+    ap.add_argument("--skip-tune-bwd", action="store_true", help="keep the default tgmm (weight gradient) tiling")
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
@@ -295,14 +332,14 @@ def main():
     in_budget = lambda: time.perf_counter() - start < args.budget_s
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
-    results = dict(device=str(dev.device_kind), jax=jax.__version__, checks={}, tuning=[], gmm=[], layer={})
+    results = dict(device=str(dev.device_kind), jax=jax.__version__, checks={}, tuning=[], tuning_bwd=[], gmm=[], layer={})
     save = lambda: json.dump(results, open(args.out, "w"), indent=1)
     if "checks" not in skip:
         check_ours(results)
         check_moe_ffn(results)
         save()
     impls = {k: v for k, v in peers().items() if k not in skip}
-    tilings = {}
+    tilings, tgmm_tilings = {}, {}
     for idx in map(int, args.shapes.split(",")):
         if not in_budget():
             print("budget spent: skipping shape", GMM_SHAPES[idx])
@@ -311,13 +348,18 @@ def main():
         if not args.skip_tune:
             tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
-        bench_gmm(results, shape, impls)
-        results["gmm_tiling"] = tilings
+        tgmm_cfg = kernel_gpu.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape)
+        tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
+        bench_gmm(results, shape, impls, tgmm_cfg)
+        results["gmm_tiling"], results["tgmm_tiling"] = tilings, tgmm_tilings
         save()
     if "layer" not in skip and in_budget():
         if not args.skip_tune:
             tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
+        if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
+            kernel_gpu.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
+        results["layer_tgmm_tiling"] = dataclasses.asdict(kernel_gpu.TGMM_TILING)
         bench_layer(results, impls)
         save()
     print_table(results)
@@ -328,7 +370,8 @@ def print_table(results):
     for row in results["gmm"]:
         s = row["shape"]
         ceil = row.get("dense_einsum", {})
-        print(f"M={s['M']} E={s['E']} K={s['K']} N={s['N']}")
+        key = str([s["M"], s["E"], s["K"], s["N"]]).replace("[", "(").replace("]", ")")
+        print(f"M={s['M']} E={s['E']} K={s['K']} N={s['N']}  tgmm tiling {results.get('tgmm_tiling', {}).get(key)}")
         for name, r in row.items():
             if not isinstance(r, dict) or "fwd_ms" not in r:
                 if isinstance(r, dict) and "error" in r:
