@@ -112,10 +112,13 @@ def check_ours(results):
         dl, dr = ours[1](lhs, rhs, gs, cot)
         el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
         total = int(gs.sum())
-        chunked = kernel_gpu.TGMM_CANDIDATES[3]
-        dr_chunked = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=chunked))(lhs, cot, gs)
+        tgmm_checks = {}  # per-group with overlapped wgmma; chunked with overlapped wgmma
+        for i in (1, 5):
+            cfg = kernel_gpu.TGMM_CANDIDATES[i]
+            dr_i = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))(lhs, cot, gs)
+            tgmm_checks[f"drhs_tgmm_candidate{i}"] = rel(f32(dr_i), er)
         results["checks"][f"gmm_{name}"] = dict(
-            drhs_chunked_tgmm=rel(f32(dr_chunked), er),
+            **tgmm_checks,
             fwd=rel(f32(out), grouped_matmul_dense(f32(lhs), f32(rhs), gs)),
             dlhs=rel(f32(dl), el),
             drhs=rel(f32(dr), er),

@@ -51,6 +51,9 @@ class GpuTiling:
     In ``gmm`` ``tile_k`` is the contraction step; in ``tgmm`` the contraction runs over
     rows in steps of ``tile_m`` and ``tile_k`` is the output-row tile. ``group_chunk``
     (tgmm only): 0 runs one pipeline per (group, output tile); C > 0 one per C groups.
+    ``overlap_wgmma`` (tgmm only): a step waits for the previous step's wgmma, not its own;
+    its slot is released one step later, and the memory warpgroup waits for the compute
+    warpgroups' last wgmma before it refills the slots for the next pipeline.
     """
 
     tile_m: int = 128
@@ -60,6 +63,7 @@ class GpuTiling:
     grid_tile_width: int = 8
     aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
     group_chunk: int = 0
+    overlap_wgmma: bool = False  # tgmm only: keep one wgmma in flight (slots released a step late)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -71,12 +75,14 @@ TGMM_TILING = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
 # chunked ones keep tile_k x tile_n <= 64 x 128 for their second register tile)
 TGMM_CANDIDATES = (
     TGMM_TILING,
-    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2),
+    dataclasses.replace(TGMM_TILING, overlap_wgmma=True),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True),
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=4),
-    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=8),
-    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=16),
-    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8),
-    GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=4, group_chunk=8),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=4, overlap_wgmma=True),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=8, overlap_wgmma=True),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=16, overlap_wgmma=True),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8, overlap_wgmma=True),
+    GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=4, group_chunk=8, overlap_wgmma=True),
 )
 
 
@@ -283,19 +289,47 @@ def _tgmm_pipeline(cfg, dtype, body, compute_context, block_of=lambda i: i, num_
     allocation-only call leaves ``num_steps`` None: a static grid of ``stages`` steps, so every
     slot gets allocated."""
     tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
+    delay = int(cfg.overlap_wgmma)
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(cfg.stages if num_steps is None else num_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((tm, tk), lambda i: (block_of(i), 0), transforms=_swizzled(tk, dtype)),
-            plgpu.BlockSpec((tm, cta_n), lambda i: (block_of(i), 0), transforms=_swizzled(cta_n, dtype)),
+            plgpu.BlockSpec((tm, tk), lambda i: (block_of(i), 0), transforms=_swizzled(tk, dtype), delay_release=delay),
+            plgpu.BlockSpec(
+                (tm, cta_n), lambda i: (block_of(i), 0), transforms=_swizzled(cta_n, dtype), delay_release=delay
+            ),
         ],
         wg_axis="wg",
         num_compute_wgs=_COMPUTE_WGS,
         max_concurrent_steps=cfg.stages,
         compute_context=compute_context,
     )
+
+
+def _wgmma_step_wait(cfg):
+    """After issuing a step's wgmma: with ``overlap_wgmma`` only the previous step's must be
+    done (its slot is released after this body returns), else this one's."""
+    plgpu.wgmma_wait(1 if cfg.overlap_wgmma else 0)
+
+
+def _drained_alloc(cfg):
+    return dict(drained=plgpu.Barrier(num_arrivals=_COMPUTE_WGS)) if cfg.overlap_wgmma else {}
+
+
+def _drained_arrive(cfg, drained):
+    """Compute side, once per pipeline after its last wgmma completed: with delayed release the
+    pipeline's quiesce does not wait for the last slot, so the memory warpgroup waits here."""
+    if cfg.overlap_wgmma:
+        plgpu.barrier_arrive(drained)
+
+
+def _drained_wait(cfg, drained, wg):
+    if cfg.overlap_wgmma:
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _():
+            plgpu.barrier_wait(drained)
 
 
 def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
@@ -310,9 +344,10 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
         o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
+        **_drained_alloc(cfg),
         collective_axes="wg",
     )
-    def _scope(allocs, o_smem):
+    def _scope(allocs, o_smem, drained=None):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((out_gmem.shape[0], grid_k * grid_n), collective_axes="sm")
@@ -334,7 +369,9 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, tn), jnp.float32))
                 def _acc(acc):
                     run(acc)
-                    store(acc[...])
+                    total = acc[...]  # waits for every wgmma
+                    _drained_arrive(cfg, drained)
+                    store(total)
 
             def mma(idx, a_smem, b_smem, acc):
                 row0 = (first + idx[0]) * tm
@@ -346,13 +383,14 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
                     _mask_rows(b, lo, hi)
 
                 plgpu.wgmma(acc, a_smem.T, b)
-                plgpu.wgmma_wait(0)
+                _wgmma_step_wait(cfg)
                 return acc
 
             @pl.when(num_blocks > 0)
             def _():
                 views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
                 pipeline(mma, compute_context, lambda i: first + i, num_blocks)(*views, allocations=allocs)
+                _drained_wait(cfg, drained, wg)
 
             @pl.when((num_blocks == 0) & (wg < _COMPUTE_WGS))
             def _():
@@ -386,9 +424,10 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
         o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
+        **_drained_alloc(cfg),
         collective_axes="wg",
     )
-    def _scope(allocs, o_smem):
+    def _scope(allocs, o_smem, drained=None):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((firsts.shape[0] - 1, grid_k * grid_n), collective_axes="sm")
@@ -401,6 +440,8 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, tn), jnp.float32))
                 def _acc(acc):
                     run((acc, _zeros_wgmma((tk, tn), jnp.float32)))
+                    plgpu.wgmma_wait(0)
+                    _drained_arrive(cfg, drained)
 
             def mma(idx, a_smem, b_smem, carry):
                 acc, before = carry  # before: the running sum at the current group's start
@@ -413,22 +454,23 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
                     _mask_rows(b, lo, lo + count)  # an empty group's tile keeps no row
 
                 plgpu.wgmma(acc, a_smem.T, b)
-                plgpu.wgmma_wait(0)
-                total = acc[...]
+                _wgmma_step_wait(cfg)
 
-                @pl.when(last)
-                def _():  # the group's sum is complete; the accumulator keeps running
+                def flush():  # the group's sum is complete; the accumulator keeps running
+                    total = acc[...]  # waits for this step's wgmma
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     o_smem[wg] = (total - before).astype(out_gmem.dtype)
                     plgpu.commit_smem()
                     out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[meta[GROUP, t], pl.ds(ki * tk, tk), out_cols])
+                    return total
 
-                return acc, lax.cond(last, lambda: total, lambda: before)
+                return acc, lax.cond(last, flush, lambda: before)
 
             views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
             block_of = lambda i: meta[BLOCK, t0 + i]
             pipeline(mma, compute_context, block_of, firsts[c + 1] - t0)(*views, allocations=allocs)
+            _drained_wait(cfg, drained, wg)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -446,6 +488,8 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         raise ValueError(f"group_sizes must have shape ({num_groups},), got {group_sizes.shape}")
     if cfg.group_chunk < 0:
         raise ValueError(f"tiling.group_chunk must be >= 0, got {cfg.group_chunk}")
+    if cfg.overlap_wgmma and cfg.stages < 2:
+        raise ValueError(f"tiling.stages must be >= 2 with overlap_wgmma, got {cfg.stages}")
     if cfg.group_chunk:
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)
