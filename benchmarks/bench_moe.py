@@ -179,7 +179,7 @@ def tune(results, m, e, k, n):
     return best
 
 
-def tune_bwd(results, m, e, k, n):
+def tune_bwd(results, m, e, k, n, candidates=None):
     """Pick the fastest weight-gradient (tgmm) tiling at one shape by timing our forward+backward
     with each of ``kernel_gpu.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -189,7 +189,7 @@ def tune_bwd(results, m, e, k, n):
     gs = random_group_sizes(k3, m, e)
     want = None
     best = None
-    for cfg in kernel_gpu.TGMM_CANDIDATES:
+    for cfg in candidates or kernel_gpu.TGMM_CANDIDATES:
         row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg))
         try:
             tg = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))
@@ -327,6 +327,7 @@ def main():
     ap.add_argument("--out", default="bench_moe.json")
     ap.add_argument("--skip-tune", action="store_true")
     ap.add_argument("--skip-tune-bwd", action="store_true", help="keep the default tgmm (weight gradient) tiling")
+    ap.add_argument("--tgmm-candidates", default="", help="indices into kernel_gpu.TGMM_CANDIDATES (default: all)")
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
@@ -343,6 +344,9 @@ def main():
         save()
     impls = {k: v for k, v in peers().items() if k not in skip}
     tilings, tgmm_tilings = {}, {}
+    picks = [kernel_gpu.TGMM_CANDIDATES[int(i)] for i in filter(None, args.tgmm_candidates.split(","))]
+    if picks and picks[0] != kernel_gpu.TGMM_TILING:  # the first is the reference for rel_vs_default
+        picks.insert(0, kernel_gpu.TGMM_TILING)
     for idx in map(int, args.shapes.split(",")):
         if not in_budget():
             print("budget spent: skipping shape", GMM_SHAPES[idx])
@@ -351,7 +355,7 @@ def main():
         if not args.skip_tune:
             tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
-        tgmm_cfg = kernel_gpu.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape)
+        tgmm_cfg = kernel_gpu.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape, picks)
         tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
         bench_gmm(results, shape, impls, tgmm_cfg)
         results["gmm_tiling"], results["tgmm_tiling"] = tilings, tgmm_tilings
@@ -360,7 +364,7 @@ def main():
         if not args.skip_tune:
             tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
         if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
-            kernel_gpu.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
+            kernel_gpu.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
         results["layer_tgmm_tiling"] = dataclasses.asdict(kernel_gpu.TGMM_TILING)
         bench_layer(results, impls)
