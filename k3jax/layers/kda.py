@@ -155,7 +155,7 @@ class KDA(nn.Module):
         if cache is not None:
             o, cache = self._continue(kda_args, cache, valid, jnp.stack(windows), keep_steps)
         elif parallel_context() is None:
-            o, _ = chunk_kda(*kda_args, **kda_kwargs)
+            o, _ = chunk_kda(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs)
         o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head

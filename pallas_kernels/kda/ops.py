@@ -186,6 +186,7 @@ def chunk_kda(
     implementation: Implementation = None,
     chunk_size: int = 64,
     interpret: bool | Literal["tpu", "gpu"] = False,
+    gpu_prep_backward: Literal["xla", "kernel"] = "xla",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
     """Chunkwise Kimi Delta Attention (SPEC §2); returns ``(o, final_state or None)``.
 
@@ -194,7 +195,12 @@ def chunk_kda(
     ``segment_ids`` (None = one document per row): a change of id at t zeroes the state before
     token t; ``initial_state`` enters token 0. ``scale`` is a Python number (default ``K**-0.5``).
     ``interpret`` runs a Pallas kernel in its interpreter on any host (True = the TPU kernel).
+    ``gpu_prep_backward`` is the GPU kernel path's intra-chunk prep backward under ``jax.grad``:
+    ``"xla"`` (XLA autodiff) or ``"kernel"`` (Mosaic GPU, ``kernel_gpu_prep_bwd``); other paths
+    ignore it.
     """
+    if gpu_prep_backward not in ("xla", "kernel"):
+        raise ValueError(f"gpu_prep_backward must be 'xla' or 'kernel', got {gpu_prep_backward!r}")
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -209,6 +215,8 @@ def chunk_kda(
         args.pop("interpret")
         o, state = chunk_kda_reference(**args)
     else:
+        if path.startswith("pallas-gpu"):
+            args["prep_bwd"] = gpu_prep_backward
         o, state = fn(**args)
     return o, (state if output_final_state else None)
 
