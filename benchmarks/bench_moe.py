@@ -112,8 +112,8 @@ def check_ours(results):
         dl, dr = ours[1](lhs, rhs, gs, cot)
         el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
         total = int(gs.sum())
-        tgmm_checks = {}  # per-group with overlapped wgmma; chunked with overlapped wgmma
-        for i in (1, 5):
+        tgmm_checks = {}  # per-group, chunked and chunked with accumulator reset, overlapped wgmma
+        for i in (1, 5, 10):
             cfg = kernel_gpu.TGMM_CANDIDATES[i]
             dr_i = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))(lhs, cot, gs)
             tgmm_checks[f"drhs_tgmm_candidate{i}"] = rel(f32(dr_i), er)

@@ -23,8 +23,9 @@ the pipeline ramp is paid once per C groups (small groups: a few row blocks each
 accumulator runs over the whole chunk and a group's tile is the running sum minus the sum at
 its start, kept in registers (the GPU interpreter cannot overwrite an accumulator; this costs
 ~f32 eps x the chunk's earlier sums, far below the bf16 output rounding, and a second
-accumulator-sized register tile: use tile_k x tile_n <= 64 x 128). An empty group is one
-fully masked block.
+accumulator-sized register tile: use tile_k x tile_n <= 64 x 128). ``reset_acc`` instead
+zeroes the accumulator after each group's store (no second tile, any output tile; compiled
+kernels only, so checked on the GPU). An empty group is one fully masked block.
 """
 
 import dataclasses
@@ -64,6 +65,7 @@ class GpuTiling:
     aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
     group_chunk: int = 0
     overlap_wgmma: bool = False  # tgmm only: keep one wgmma in flight (slots released a step late)
+    reset_acc: bool = False  # chunked tgmm, compiled only: zero the accumulator at group ends
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -83,6 +85,10 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=16, overlap_wgmma=True),
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8, overlap_wgmma=True),
     GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=4, group_chunk=8, overlap_wgmma=True),
+    # compiled only: checked against the default tiling on the GPU before it may be picked
+    dataclasses.replace(TGMM_TILING, group_chunk=8, reset_acc=True),
+    dataclasses.replace(TGMM_TILING, group_chunk=4, overlap_wgmma=True, reset_acc=True),
+    dataclasses.replace(TGMM_TILING, group_chunk=8, overlap_wgmma=True, reset_acc=True),
 )
 
 
@@ -439,7 +445,7 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
             def compute_context(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tk, tn), jnp.float32))
                 def _acc(acc):
-                    run((acc, _zeros_wgmma((tk, tn), jnp.float32)))
+                    run((acc, None if cfg.reset_acc else _zeros_wgmma((tk, tn), jnp.float32)))
                     plgpu.wgmma_wait(0)
                     _drained_arrive(cfg, drained)
 
@@ -459,12 +465,18 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
                 def flush():  # the group's sum is complete; the accumulator keeps running
                     total = acc[...]  # waits for this step's wgmma
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[wg] = (total - before).astype(out_gmem.dtype)
+                    o_smem[wg] = (total if cfg.reset_acc else total - before).astype(out_gmem.dtype)
                     plgpu.commit_smem()
                     out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[meta[GROUP, t], pl.ds(ki * tk, tk), out_cols])
+                    if cfg.reset_acc:
+                        acc[...] = _zeros_wgmma((tk, tn), jnp.float32)
+                        return None
                     return total
 
+                if cfg.reset_acc:
+                    pl.when(last)(flush)
+                    return acc, None
                 return acc, lax.cond(last, flush, lambda: before)
 
             views = (lhs_gmem.at[:, pl.ds(ki * tk, tk)], dout_gmem.at[:, pl.ds(ni * cta_n, cta_n)])
@@ -490,6 +502,9 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         raise ValueError(f"tiling.group_chunk must be >= 0, got {cfg.group_chunk}")
     if cfg.overlap_wgmma and cfg.stages < 2:
         raise ValueError(f"tiling.stages must be >= 2 with overlap_wgmma, got {cfg.stages}")
+    if cfg.reset_acc and (interpret or not cfg.group_chunk):
+        raise ValueError("tiling.reset_acc needs group_chunk > 0 and a compiled kernel (interpret=False): "
+                         "the GPU interpreter cannot overwrite a wgmma accumulator")
     if cfg.group_chunk:
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)

@@ -126,6 +126,9 @@ def test_bad_tgmm_tiling_is_refused():
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=1, overlap_wgmma=True)
     with pytest.raises(ValueError, match="stages"):
         kernel_gpu.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+    bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, reset_acc=True)
+    with pytest.raises(ValueError, match="reset_acc"):
+        kernel_gpu.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
 
 
 @pytest.mark.parametrize("cfg", kernel_gpu.TGMM_CANDIDATES, ids=str)
@@ -138,3 +141,18 @@ def test_tgmm_candidates_lower_for_cuda(cfg, monkeypatch):
     text = kernel_gpu.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert ("moe_tgmm_chunked_mosaic_gpu" if cfg.group_chunk else "moe_tgmm_mosaic_gpu") in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", kernel_gpu.TGMM_CANDIDATES, ids=str)
+def test_tgmm_candidates_compiled(cfg):
+    """Compiled on a Hopper GPU (incl. ``reset_acc``, which the interpreter cannot run)."""
+    m, e, k, n = 2000, 8, 256, 256
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+    dout = jax.random.normal(k2, (m, n), jnp.float32).astype(jnp.bfloat16)
+    for sizes in ([300, 0, 700, 0, 1, 250, 0, 500], [0, 0, 0, 0, 0, 0, m, 0], [5, 3, 0, 9, 1, 0, 2, 7]):
+        gs = jnp.asarray(sizes, jnp.int32)
+        got = np.asarray(kernel_gpu.tgmm(lhs, dout, gs, num_groups=e, tiling=cfg), np.float32)
+        assert rel_rmse(got, np.asarray(_reference(lhs, dout, gs))) < BF16_GRAD_RTOL, sizes
+        assert not np.any(got[np.asarray(sizes) == 0]), sizes
