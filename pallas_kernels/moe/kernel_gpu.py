@@ -89,6 +89,9 @@ TGMM_CANDIDATES = (
     dataclasses.replace(TGMM_TILING, group_chunk=8, reset_acc=True),
     dataclasses.replace(TGMM_TILING, group_chunk=4, overlap_wgmma=True, reset_acc=True),
     dataclasses.replace(TGMM_TILING, group_chunk=8, overlap_wgmma=True, reset_acc=True),
+    # 128 rows per step at 224 KiB of shared memory
+    GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, overlap_wgmma=True),
+    GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True),
 )
 
 
