@@ -8,7 +8,7 @@ layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragg
 XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
 BENCHMARKS.md); a missing or failing peer is recorded, not fatal. Per shape, the forward
 tiling (``tune``) and then the weight-gradient tiling (``tune_bwd``, over
-``kernel_gpu.TGMM_CANDIDATES`` incl. the chunked tgmm) are picked by timing before the table.
+``kernel_gpu_tgmm.TGMM_CANDIDATES`` incl. the chunked tgmm) are picked by timing before the table.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.moe import grouped_matmul, kernel_gpu, moe_ffn
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm, moe_ffn
 from pallas_kernels.moe.activations import situ_glu
 from pallas_kernels.moe.reference import grouped_matmul_dense
 
@@ -114,8 +114,8 @@ def check_ours(results):
         total = int(gs.sum())
         tgmm_checks = {}  # per-group, chunked and chunked with accumulator reset, overlapped wgmma
         for i in (1, 5, 10):
-            cfg = kernel_gpu.TGMM_CANDIDATES[i]
-            dr_i = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))(lhs, cot, gs)
+            cfg = kernel_gpu_tgmm.TGMM_CANDIDATES[i]
+            dr_i = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=e, tiling=cfg))(lhs, cot, gs)
             tgmm_checks[f"drhs_tgmm_candidate{i}"] = rel(f32(dr_i), er)
         results["checks"][f"gmm_{name}"] = dict(
             **tgmm_checks,
@@ -181,7 +181,7 @@ def tune(results, m, e, k, n):
 
 def tune_bwd(results, m, e, k, n, candidates=None):
     """Pick the fastest weight-gradient (tgmm) tiling at one shape by timing our forward+backward
-    with each of ``kernel_gpu.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
+    with each of ``kernel_gpu_tgmm.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
     lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
@@ -189,10 +189,10 @@ def tune_bwd(results, m, e, k, n, candidates=None):
     gs = random_group_sizes(k3, m, e)
     want = None
     best = None
-    for cfg in candidates or kernel_gpu.TGMM_CANDIDATES:
+    for cfg in candidates or kernel_gpu_tgmm.TGMM_CANDIDATES:
         row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg))
         try:
-            tg = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=e, tiling=cfg))
+            tg = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=e, tiling=cfg))
             got = tg(lhs, cot, gs).astype(jnp.float32)
             want = got if want is None else want  # the default tiling's drhs, checked in check_ours
             row["rel_vs_default"] = rel(got, want)
@@ -206,7 +206,7 @@ def tune_bwd(results, m, e, k, n, candidates=None):
         ok = "train_ms" in row and row["rel_vs_default"] < 1e-2
         if ok and (best is None or row["train_ms"] < best[1]):
             best = (cfg, row["train_ms"])
-    return best[0] if best is not None else kernel_gpu.TGMM_TILING
+    return best[0] if best is not None else kernel_gpu_tgmm.TGMM_TILING
 
 
 def bench_gmm(results, shape, impls, tgmm_tiling=None):
@@ -327,7 +327,7 @@ def main():
     ap.add_argument("--out", default="bench_moe.json")
     ap.add_argument("--skip-tune", action="store_true")
     ap.add_argument("--skip-tune-bwd", action="store_true", help="keep the default tgmm (weight gradient) tiling")
-    ap.add_argument("--tgmm-candidates", default="", help="indices into kernel_gpu.TGMM_CANDIDATES (default: all)")
+    ap.add_argument("--tgmm-candidates", default="", help="indices into kernel_gpu_tgmm.TGMM_CANDIDATES (default: all)")
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
@@ -344,9 +344,9 @@ def main():
         save()
     impls = {k: v for k, v in peers().items() if k not in skip}
     tilings, tgmm_tilings = {}, {}
-    picks = [kernel_gpu.TGMM_CANDIDATES[int(i)] for i in filter(None, args.tgmm_candidates.split(","))]
-    if picks and picks[0] != kernel_gpu.TGMM_TILING:  # the first is the reference for rel_vs_default
-        picks.insert(0, kernel_gpu.TGMM_TILING)
+    picks = [kernel_gpu_tgmm.TGMM_CANDIDATES[int(i)] for i in filter(None, args.tgmm_candidates.split(","))]
+    if picks and picks[0] != kernel_gpu_tgmm.TGMM_TILING:  # the first is the reference for rel_vs_default
+        picks.insert(0, kernel_gpu_tgmm.TGMM_TILING)
     for idx in map(int, args.shapes.split(",")):
         if not in_budget():
             print("budget spent: skipping shape", GMM_SHAPES[idx])
@@ -355,7 +355,7 @@ def main():
         if not args.skip_tune:
             tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
-        tgmm_cfg = kernel_gpu.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape, picks)
+        tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape, picks)
         tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
         bench_gmm(results, shape, impls, tgmm_cfg)
         results["gmm_tiling"], results["tgmm_tiling"] = tilings, tgmm_tilings
@@ -364,9 +364,9 @@ def main():
         if not args.skip_tune:
             tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
         if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
-            kernel_gpu.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
+            kernel_gpu_tgmm.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
-        results["layer_tgmm_tiling"] = dataclasses.asdict(kernel_gpu.TGMM_TILING)
+        results["layer_tgmm_tiling"] = dataclasses.asdict(kernel_gpu_tgmm.TGMM_TILING)
         bench_layer(results, impls)
         save()
     print_table(results)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 
 def pretend_hopper() -> None:
-    import pallas_kernels.moe.kernel_gpu as moe_kernel
+    import pallas_kernels.moe.kernel_gpu_base as moe_kernel
     import pallas_kernels.moe.ops as moe_ops
 
     jax.default_backend = lambda: "gpu"

@@ -4,14 +4,13 @@ Interpretation is slow, so the shapes are tiny and each jitted function is trace
 shape and reused across group-size cases (group sizes are traced values).
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import grouped_matmul, kernel_gpu, schedule
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm, schedule
 from pallas_kernels.moe.reference import grouped_matmul_dense
 from tests.pallas_kernels.moe.conftest import random_gmm_inputs
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
@@ -27,7 +26,7 @@ SMALL = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
 @pytest.fixture
 def small_gpu_tiles(monkeypatch):
     monkeypatch.setattr(kernel_gpu, "GMM_TILING", SMALL)
-    monkeypatch.setattr(kernel_gpu, "TGMM_TILING", SMALL)
+    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", SMALL)
 
 
 def _loss_and_grads(impl_kwargs):

@@ -1,4 +1,4 @@
-"""``kernel_gpu.tgmm`` tilings and the chunked variant (``group_chunk > 0``), run by the Mosaic GPU
+"""``kernel_gpu_tgmm.tgmm`` tilings and the chunked variant (``group_chunk > 0``), run by the Mosaic GPU
 interpreter on CPU against the transposed product of ``jax.lax.ragged_dot`` (its gradient with
 respect to ``rhs``), and lowered for CUDA on the CPU host at the benchmark's E=128 shape.
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pallas_kernels.moe import grouped_matmul, kernel_gpu
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_base, kernel_gpu_tgmm
 from tests.pallas_kernels.moe.conftest import group_sizes_strategy
 from tests.tolerances import BF16_GRAD_RTOL, rel_rmse
 
@@ -57,7 +57,7 @@ def _reference(lhs, dout, gs):
 
 @functools.cache
 def _tgmm(name):
-    return jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=E, tiling=TILINGS[name], interpret=True))
+    return jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=E, tiling=TILINGS[name], interpret=True))
 
 
 def _check(name, sizes):
@@ -90,9 +90,9 @@ def test_overlapped_wgmma_has_no_smem_race(name, monkeypatch):
     is synchronous, so only one-step pipelines (a group of one row block) show that race."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    monkeypatch.setattr(kernel_gpu, "_DETECT_RACES", True)
+    monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
     lhs, dout = _inputs()
-    tgmm = jax.jit(functools.partial(kernel_gpu.tgmm, num_groups=E, tiling=TILINGS[name], interpret=True))
+    tgmm = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=E, tiling=TILINGS[name], interpret=True))
     for sizes in CASES:
         jax.block_until_ready(tgmm(lhs, dout, jnp.asarray(sizes, jnp.int32)))
         assert not get_races().races_found, (name, sizes)
@@ -112,7 +112,7 @@ def test_tgmm_tiling_threads_through_grouped_matmul():
     # the forward kernel's default tiles are too large for this K, N: use small ones
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernel_gpu, "GMM_TILING", small)
-        mp.setattr(kernel_gpu, "TGMM_TILING", small)
+        mp.setattr(kernel_gpu_tgmm, "TGMM_TILING", small)
         ours = drhs(implementation="pallas", interpret=True, kernel_backend="gpu", tgmm_tiling=TILINGS["chunk3"])
     assert rel_rmse(ours, _reference(lhs, dout, gs)) < BF16_GRAD_RTOL
 
@@ -122,29 +122,29 @@ def test_bad_tgmm_tiling_is_refused():
     gs = jnp.zeros((E,), jnp.int32)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=-1)
     with pytest.raises(ValueError, match="group_chunk"):
-        kernel_gpu.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+        kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=1, overlap_wgmma=True)
     with pytest.raises(ValueError, match="stages"):
-        kernel_gpu.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+        kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, reset_acc=True)
     with pytest.raises(ValueError, match="reset_acc"):
-        kernel_gpu.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+        kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
 
 
-@pytest.mark.parametrize("cfg", kernel_gpu.TGMM_CANDIDATES, ids=str)
+@pytest.mark.parametrize("cfg", kernel_gpu_tgmm.TGMM_CANDIDATES, ids=str)
 def test_tgmm_candidates_lower_for_cuda(cfg, monkeypatch):
     """Every benchmarked tiling lowers for CUDA at (M,E,K,N) = (32768,128,2048,1024): layouts
     resolve and shared memory fits one CTA per SM."""
-    monkeypatch.setattr(kernel_gpu, "_num_sms", lambda interpret: 132)
+    monkeypatch.setattr(kernel_gpu_base, "_num_sms", lambda interpret: 132)
     S = jax.ShapeDtypeStruct
     args = (S((32768, 2048), jnp.bfloat16), S((32768, 1024), jnp.bfloat16), S((128,), jnp.int32))
-    text = kernel_gpu.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    text = kernel_gpu_tgmm.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert ("moe_tgmm_chunked_mosaic_gpu" if cfg.group_chunk else "moe_tgmm_mosaic_gpu") in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", kernel_gpu.TGMM_CANDIDATES, ids=str)
+@pytest.mark.parametrize("cfg", kernel_gpu_tgmm.TGMM_CANDIDATES, ids=str)
 def test_tgmm_candidates_compiled(cfg):
     """Compiled on a Hopper GPU (incl. ``reset_acc``, which the interpreter cannot run)."""
     m, e, k, n = 2000, 8, 256, 256
@@ -153,6 +153,6 @@ def test_tgmm_candidates_compiled(cfg):
     dout = jax.random.normal(k2, (m, n), jnp.float32).astype(jnp.bfloat16)
     for sizes in ([300, 0, 700, 0, 1, 250, 0, 500], [0, 0, 0, 0, 0, 0, m, 0], [5, 3, 0, 9, 1, 0, 2, 7]):
         gs = jnp.asarray(sizes, jnp.int32)
-        got = np.asarray(kernel_gpu.tgmm(lhs, dout, gs, num_groups=e, tiling=cfg), np.float32)
+        got = np.asarray(kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=e, tiling=cfg), np.float32)
         assert rel_rmse(got, np.asarray(_reference(lhs, dout, gs))) < BF16_GRAD_RTOL, sizes
         assert not np.any(got[np.asarray(sizes) == 0]), sizes

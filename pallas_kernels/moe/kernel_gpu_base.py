@@ -1,0 +1,60 @@
+"""Shared pieces of the Hopper grouped-matmul kernels (``kernel_gpu.gmm``, ``kernel_gpu_tgmm.tgmm``):
+the tiling, the compute-warpgroup count, swizzled SMEM layouts and the interpret switch."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_COMPUTE_WGS = 2
+_DETECT_RACES = False  # tests switch on the GPU interpreter's race detector here
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiling:
+    """Tile sizes; the CTA tile is ``tile_m × 2·tile_n`` with ``stages`` shared-memory slots.
+
+    In ``gmm`` ``tile_k`` is the contraction step; in ``tgmm`` the contraction runs over
+    rows in steps of ``tile_m`` and ``tile_k`` is the output-row tile. ``group_chunk``
+    (tgmm only): 0 runs one pipeline per (group, output tile); C > 0 one per C groups.
+    ``overlap_wgmma`` (tgmm only): a step waits for the previous step's wgmma, not its own;
+    its slot is released one step later, and the memory warpgroup waits for the compute
+    warpgroups' last wgmma before it refills the slots for the next pipeline.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 3
+    grid_tile_width: int = 8
+    aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
+    group_chunk: int = 0
+    overlap_wgmma: bool = False  # tgmm only: keep one wgmma in flight (slots released a step late)
+    reset_acc: bool = False  # chunked tgmm, compiled only: zero the accumulator at group ends
+
+    def cta_n(self) -> int:
+        return _COMPUTE_WGS * self.tile_n
+
+
+def _num_sms(interpret: bool) -> int:
+    return 2 if interpret else jax.devices()[0].core_count
+
+
+def _swizzled(minor_elems: int, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _compiler_params(interpret: bool):
+    del interpret
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _interpret_arg(interpret: bool):
+    return plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None
+
+
+def _zeros_wgmma(shape, dtype):
+    return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
