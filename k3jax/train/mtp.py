@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers.attn_res import ResidualStream
 from k3jax.layers.block import DecoderLayer
-from k3jax.layers.linear import einsum, proj
+from k3jax.layers.linear import proj
 from k3jax.layers.norm import norm
 
 
@@ -78,7 +78,8 @@ class MTPDepth(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: Float[Array, "B T D"], next_emb: Float[Array, "B T D"],
-                 head: Float[Array, "D V"], segment_ids: Int[Array, "B T"] | None):
+                 segment_ids: Int[Array, "B T"] | None):
+        """``(RMSNorm_j(h^j) in the compute dtype — the head's input —, h^j)``."""
         cfg, D = self.cfg, self.cfg.hidden
         fused = jnp.concatenate([norm(cfg, "hidden_norm")(hidden), norm(cfg, "embed_norm")(next_emb)], -1)
         # [2D, D]: "mlp" for the 2D input axis, since a tensor may not name one logical axis twice.
@@ -86,27 +87,26 @@ class MTPDepth(nn.Module):
         stream = ResidualStream.start(h, 0)
         stream = DecoderLayer(cfg, block_index(cfg), remat_moe=self.remat_moe, name="block")(stream, segment_ids)
         out = stream.partial
-        logits = einsum("BTD,DV->BTV", norm(cfg, "final_norm")(out).astype(cfg.compute_dtype),
-                        head.astype(cfg.compute_dtype), preferred_element_type=cfg.fp32_dtype)
-        return logits, out
+        return norm(cfg, "final_norm")(out).astype(cfg.compute_dtype), out
 
 
 class MTP(nn.Module):
-    """``cfg.mtp.num_layers`` sequential MTP depths; returns the logits of each depth."""
+    """``cfg.mtp.num_layers`` sequential MTP depths; returns each depth's head input (the loss
+    applies the shared head, ``k3jax.train.loss.head_cross_entropy``)."""
 
     cfg: ModelConfig
     remat: str = "none"
 
     @nn.compact
     def __call__(self, hidden: Float[Array, "B T D"], labels: Int[Array, "B T"], embedding: Float[Array, "V D"],
-                 head: Float[Array, "D V"], segment_ids: Int[Array, "B T"] | None = None) -> list[Array]:
+                 segment_ids: Int[Array, "B T"] | None = None) -> list[Array]:
         cfg = self.cfg
         depth_cls = nn.remat(MTPDepth) if self.remat == "layer" else MTPDepth
         out = []
         for j in range(1, cfg.mtp.num_layers + 1):
             tokens = shift_left(labels, j - 1)
             emb = jnp.take(embedding, tokens, axis=0).astype(cfg.compute_dtype)  # [B, T, D]
-            logits, hidden = depth_cls(cfg, remat_moe=self.remat == "moe", name=f"depth_{j}")(
-                hidden, emb, head, segment_ids)
-            out.append(logits)
+            features, hidden = depth_cls(cfg, remat_moe=self.remat == "moe", name=f"depth_{j}")(
+                hidden, emb, segment_ids)
+            out.append(features)
         return out

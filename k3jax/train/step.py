@@ -3,7 +3,8 @@
 1. Split the global batch into ``micro_batches`` and accumulate gradients with ``lax.scan``; each
    micro-batch's loss is normalised by the *whole* batch's target count, so the summed gradient is
    exactly the gradient of the big batch.
-2. Loss = CE(logits, labels) + λ/D · Σ_j CE_j (MTP depth j; SPEC §8), fp32, masked by ``loss_mask``.
+2. Loss = CE(logits, labels) + λ/D · Σ_j CE_j (MTP depth j; SPEC §8), fp32, masked by ``loss_mask``;
+   every CE applies the shared head itself, chunk by chunk (``k3jax.train.loss``).
 3. Statistics sown by the forward (router loads, QB histograms or margins, MLA max logits) are
    combined over micro-batches (`k3jax.train.stats`).
 4. A non-finite loss or gradient norm skips the update, QK-Clip and QB, and is counted.
@@ -56,12 +57,6 @@ def _matmul_precision(precision: str | None, tree):
     return contextlib.nullcontext() if precision is None or wide else jax.default_matmul_precision(precision)
 
 
-def masked_ce(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
-    """Σ over positions of the fp32 cross-entropy × ``mask``."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    return jnp.sum(ce * mask)
-
-
 class Trainer:
     """Model, MTP, optimizer and the jitted step for one ``TrainConfig`` (and optional mesh)."""
 
@@ -92,8 +87,7 @@ class Trainer:
         if self.mtp is not None:
             unboxed = nn.unbox(variables["params"])
             hidden = jnp.zeros(tokens.shape + (cfg.hidden,), cfg.compute_dtype)
-            mtp_vars = self.mtp.init(k_mtp, hidden, tokens, unboxed["embed"]["embedding"],
-                                     self._head(unboxed), None)
+            mtp_vars = self.mtp.init(k_mtp, hidden, tokens, unboxed["embed"]["embedding"], None)
             params["mtp"], balance["mtp"] = mtp_vars["params"], mtp_vars.get("balance", {})
         return {"params": params, "balance": balance}
 
@@ -147,12 +141,13 @@ class Trainer:
         mtp_ce = []
         if self.mtp is not None:
             mtp_vars = {"params": params["mtp"], "balance": balance["mtp"]}
-            all_logits, mut = self.mtp.apply(mtp_vars, hidden, batch["labels"], params["model"]["embed"]["embedding"],
-                                             self._head(params["model"]), seg, mutable=["stats"])
+            all_features, mut = self.mtp.apply(mtp_vars, hidden, batch["labels"],
+                                               params["model"]["embed"]["embedding"], seg, mutable=["stats"])
             weight = mcfg.mtp.loss_weight / mcfg.mtp.num_layers
-            for j, depth_logits in enumerate(all_logits, start=1):
+            for j, depth_features in enumerate(all_features, start=1):
                 _, target, depth_mask = mtp_targets(batch["labels"], mask, seg, j)
-                mtp_ce.append(masked_ce(depth_logits, target, depth_mask))
+                mtp_ce.append(head_cross_entropy(depth_features, self._head(params["model"]), target, depth_mask,
+                                                 self.cfg.loss_chunk))
                 objective = objective + weight * mtp_ce[-1] / mtp_denoms[j - 1]
             stats["mtp"] = st.combine_stats(mut.get("stats", {}))
         aux = {"ce": ce, "mtp_ce": jnp.stack(mtp_ce) if mtp_ce else jnp.zeros([0]), "stats": stats}
