@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import kernel_gpu_base, kernel_gpu_tgmm
 from pallas_kernels.moe.kernel_gpu_base import (  # noqa: F401  (GpuTiling: the public tiling type)
-    _COMPUTE_WGS, GpuTiling, _compiler_params, _interpret_arg, _swizzled, _zeros_wgmma,
+    _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
 )
 from pallas_kernels.moe.kernel_gpu_tgmm import TGMM_CANDIDATES, tgmm  # noqa: F401  (one module per backend for ops.py)
 from pallas_kernels.moe.schedule import aligned_tile_schedule, tile_schedule
@@ -181,15 +181,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     else:
         meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
     body = functools.partial(_gmm_body, cfg=cfg, m=m_run, k=k, n=n, transpose_rhs=transpose_rhs)
-    out = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m_run, n), lhs.dtype),
-        grid=(kernel_gpu_base._num_sms(interpret),),  # looked up per call: tests pretend 132 SMs
-        grid_names=("sm",),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(interpret),
-        interpret=_interpret_arg(interpret),
-        kernel_name="moe_gmm_transposed" if transpose_rhs else "moe_gmm",
+    out = kernel_gpu_base.persistent_kernel(
+        body, jax.ShapeDtypeStruct((m_run, n), lhs.dtype), interpret=interpret,
+        name="moe_gmm_transposed" if transpose_rhs else "moe_gmm",
     )(meta, lhs, rhs)
     return out[:m] if m_run != m else out

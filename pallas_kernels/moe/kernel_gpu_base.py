@@ -58,3 +58,18 @@ def _interpret_arg(interpret: bool):
 
 def _zeros_wgmma(shape, dtype):
     return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
+
+
+def persistent_kernel(body, out_type, *, interpret: bool, name: str):
+    """``body`` as a persistent kernel: one CTA per SM, one memory + ``_COMPUTE_WGS`` compute warpgroups."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(_num_sms(interpret),),  # looked up per call: tests pretend 132 SMs
+        grid_names=("sm",),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(interpret),
+        interpret=_interpret_arg(interpret),
+        kernel_name=name,
+    )

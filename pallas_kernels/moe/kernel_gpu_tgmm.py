@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import kernel_gpu_base
 from pallas_kernels.moe.kernel_gpu_base import (
-    _COMPUTE_WGS, GpuTiling, _compiler_params, _interpret_arg, _swizzled, _zeros_wgmma,
+    _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
 )
 from pallas_kernels.moe.schedule import BLOCK, COUNT, GROUP, LO, tile_schedule
 
@@ -118,21 +118,30 @@ def _drained_wait(cfg, drained, wg):
             plgpu.barrier_wait(drained)
 
 
+def _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem):
+    """``(pipeline, scoped)``: the row-block pipeline of one output tile, and a decorator running its
+    body with the pipeline's slots, the output staging tiles and (overlap) the drain barrier."""
+    pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
+    ignore = lambda *_, **__: None
+    alloc_views = (lhs_gmem.at[:, pl.ds(0, cfg.tile_k)], dout_gmem.at[:, pl.ds(0, cfg.cta_n())])
+    scoped = functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, cfg.tile_k, cfg.tile_n), out_gmem.dtype,
+                          transforms=_swizzled(cfg.tile_n, out_gmem.dtype)),
+        **_drained_alloc(cfg),
+        collective_axes="wg",
+    )
+    return pipeline, scoped
+
+
 def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k  # tm: contraction (rows), tk: out rows
     cta_n = cfg.cta_n()
     grid_k, grid_n = k // tk, n // cta_n
-    pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
-    ignore = lambda *_, **__: None
-    alloc_views = (lhs_gmem.at[:, pl.ds(0, tk)], dout_gmem.at[:, pl.ds(0, cta_n)])
+    pipeline, scoped = _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem)
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
-        **_drained_alloc(cfg),
-        collective_axes="wg",
-    )
+    @scoped
     def _scope(allocs, o_smem, drained=None):
         wg = lax.axis_index("wg")
 
@@ -202,17 +211,9 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = cfg.cta_n()
     grid_k, grid_n = k // tk, n // cta_n
-    pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
-    ignore = lambda *_, **__: None
-    alloc_views = (lhs_gmem.at[:, pl.ds(0, tk)], dout_gmem.at[:, pl.ds(0, cta_n)])
+    pipeline, scoped = _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem)
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(*alloc_views),
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
-        **_drained_alloc(cfg),
-        collective_axes="wg",
-    )
+    @scoped
     def _scope(allocs, o_smem, drained=None):
         wg = lax.axis_index("wg")
 
@@ -291,14 +292,7 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     else:
         args = (_group_rows(group_sizes, cfg.tile_m),)
         body = functools.partial(_tgmm_body, cfg=cfg, k=k, n=n)
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype),
-        grid=(kernel_gpu_base._num_sms(interpret),),  # looked up per call: tests pretend 132 SMs
-        grid_names=("sm",),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_compiler_params(interpret),
-        interpret=_interpret_arg(interpret),
-        kernel_name="moe_tgmm_chunked" if cfg.group_chunk else "moe_tgmm",
+    return kernel_gpu_base.persistent_kernel(
+        body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype), interpret=interpret,
+        name="moe_tgmm_chunked" if cfg.group_chunk else "moe_tgmm",
     )(*args, lhs, dout)
