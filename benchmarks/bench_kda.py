@@ -68,7 +68,7 @@ def jax_sync(x):
     jax.block_until_ready(x)
 
 
-# --- implementations: each returns (fwd(args) -> o, fwdbwd(args, do) -> grads) ---------------------
+# --- implementations: each returns (fwd(args) -> o, fwdbwd(args, do) -> (loss, grads)) -----------
 
 
 def ours():
@@ -77,7 +77,7 @@ def ours():
     @jax.jit
     def fwdbwd(q, k, v, g, b, do):
         loss = lambda *a: jnp.sum(chunk_kda(*a, implementation="pallas")[0].astype(jnp.float32) * do)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
     return fwd, fwdbwd, _jax_conv, jax_sync
 
@@ -92,7 +92,7 @@ def _ours_gpu(**knobs):
     @jax.jit
     def fwdbwd(q, k, v, g, b, do):
         loss = lambda *a: jnp.sum(run(*a).astype(jnp.float32) * do)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
     return fwd, fwdbwd, _jax_conv, jax_sync
 
@@ -124,7 +124,7 @@ def jla():
     @jax.jit
     def fwdbwd(q, k, v, g, b, do):
         loss = lambda *a: jnp.sum(kda(*a)[0].astype(jnp.float32) * do)
-        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
     return fwd, fwdbwd, _jax_conv, jax_sync
 
@@ -182,7 +182,7 @@ def check_against_reference(impls, shape=(1, 2048, 4, 128)):
                 grads = [x.float().cpu().numpy() for x in fwdbwd(*a, conv(do))]
                 o = o.float().cpu().numpy()
             else:
-                grads = fwdbwd(*a, do)
+                grads = fwdbwd(*a, do)[1]  # (loss, grads): the loss keeps the forward alive under jit
             errs = {"o": rel(o, o_ref)}
             errs.update({f"d{n}": rel(x, y) for n, x, y in zip(("q", "k", "v", "g", "beta"), grads, g_ref)})
             out[name] = errs

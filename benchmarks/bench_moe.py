@@ -81,13 +81,22 @@ def peers():
     return out
 
 
+def _value_and_vjp(fn, *args_and_cot):
+    """``(fn(*args), vjp(cot))``: the forward output is kept, so XLA cannot drop forward work."""
+    *args, cot = args_and_cot
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(cot)
+
+
 def fwd_and_train(gmm):
     """Jitted forward and forward+backward (both gradients) of a grouped matmul."""
     fwd = jax.jit(gmm)
 
     def train(lhs, rhs, gs, cot):
         out, vjp = jax.vjp(lambda a, b: gmm(a, b, gs), lhs, rhs)
-        return vjp(cot.astype(out.dtype))
+        # the output is returned too: otherwise XLA drops the forward (linear op: the
+        # gradients never read it) and "fwd+bwd" times the backward alone
+        return (out,) + vjp(cot.astype(out.dtype))
 
     return fwd, jax.jit(train)
 
@@ -109,8 +118,8 @@ def check_ours(results):
     }
     for name, gs in cases.items():
         out = ours[0](lhs, rhs, gs)
-        dl, dr = ours[1](lhs, rhs, gs, cot)
-        el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
+        _, dl, dr = ours[1](lhs, rhs, gs, cot)
+        _, el, er = ref[1](f32(lhs), f32(rhs), gs, f32(cot))
         total = int(gs.sum())
         tgmm_checks = {}  # per-group, chunked and chunked with accumulator reset, overlapped wgmma
         for i in (1, 5, 10):
@@ -307,7 +316,7 @@ def bench_layer(results, impls):
     for name, experts in variants.items():
         try:
             fwd = jax.jit(lambda p, x: _routed_layer(p, x, experts))
-            train = jax.jit(lambda p, x, g: jax.vjp(lambda p, x: _routed_layer(p, x, experts), p, x)[1](g))
+            train = jax.jit(lambda p, x, g: _value_and_vjp(lambda p, x: _routed_layer(p, x, experts), p, x, g))
             out = fwd(params, x)
             ref = out if ref is None else ref
             row[name] = dict(

@@ -29,7 +29,7 @@ def breakdown(shape, iters, block_vs=""):
         @jax.jit
         def prep_fb(q, k, v, g, b, prep=prep, cot=cot):
             loss = lambda *a: sum(jnp.sum(x * c) for x, c in zip(prep(*a), cot))
-            return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, b)
 
         res[f"prep_{precision}_fwd"] = median_ms(jax.jit(prep), [(q, k, v, g, b)], iters, jax_sync)
         res[f"prep_{precision}_fwdbwd"] = median_ms(prep_fb, [(q, k, v, g, b)], iters, jax_sync)
@@ -39,7 +39,7 @@ def breakdown(shape, iters, block_vs=""):
         def run(q, k, v, g, b, bv=bv):
             return kernel_gpu.chunk_kda_pallas(q, k, v, g, b, scale=scale, block_v=bv)[0]
 
-        fb = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
+        fb = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
         for mode, fn in (("fwd", jax.jit(run)), ("fwdbwd", fb)):
             try:
                 res[f"bv{bv}_{mode}"] = median_ms(fn, [(q, k, v, g, b)], iters, jax_sync)
@@ -79,7 +79,7 @@ def prep_stages(shape, iters, precision="tf32"):
         cot = [jnp.ones_like(x) for x in jax.tree.leaves(out)]
         loss = lambda *a, fn=fn, cot=cot: sum(jnp.sum(x.astype(jnp.float32) * c)
                                               for x, c in zip(jax.tree.leaves(fn(*a)), cot))
-        fb = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+        fb = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
         res[f"{name}_fwd"] = median_ms(jax.jit(fn), [args], iters, jax_sync)
         res[f"{name}_fwdbwd"] = median_ms(fb, [args], iters, jax_sync)
         print(f"prep stages {shape} ({precision}): {res}", flush=True)

@@ -79,17 +79,23 @@ def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_fi
     return (q_pos[:, None] >= k_pos[None, :]) & (q_seg[:, None] == k_seg[None, :])
 
 
-def _fwd_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, o_ref, lse_ref, mx_ref, *,
-                scale: float, block_q: int, block_k: int, num_q_blocks: int):
+def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
+    """Key blocks that hold a key at or before position ``q_last``: the causal loop bound."""
+    return jnp.minimum(lax.div(q_last + block_k, block_k), num_k_blocks)
+
+
+def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, mx_ref, *,
+                scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
+    q0 = off_ref[0] + i * block_q  # absolute position of the block's first query
     qn, qr = qn_ref[...], qr_ref[...]
-    q_seg = seg_ref[pl.ds(i * block_q, block_q)]
+    q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
 
     def body(j, carry):
         acc, m, l = carry
         keys = pl.ds(j * block_k, block_k)
         s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale)
-        s = jnp.where(_visible(i * block_q, j * block_k, q_seg, seg_ref[keys], block_q, block_k), s, MASK)
+        s = jnp.where(_visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k), s, MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2((s - m_new[:, None]) * LOG2E)
         fix = jnp.exp2((m - m_new) * LOG2E)
@@ -98,18 +104,18 @@ def _fwd_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, o_ref, lse_ref, 
 
     init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    num_k = lax.div((i + 1) * block_q + block_k - 1, block_k)
-    acc, m, l = lax.fori_loop(0, num_k, body, init)
+    acc, m, l = lax.fori_loop(0, _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks), body, init)
     o_ref[...] = acc / l[:, None]
     lse_ref[...] = m + jnp.log(l)
     mx_ref[...] = m
 
 
-def _dkdv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref,
+def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
                  dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
     j = pl.program_id(0)
+    off = off_ref[0]
     kn, kr, v = kn_ref[...], kr_ref[...], v_ref[...]
-    k_seg = seg_ref[pl.ds(j * block_k, block_k)]
+    k_seg = kseg_ref[pl.ds(j * block_k, block_k)]
 
     def body(i, carry):
         dkn, dkr, dv = carry
@@ -117,7 +123,7 @@ def _dkdv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref
         qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
         # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
         s_t = _logits(kn, kr, qn, qr, scale)
-        seen = _visible(i * block_q, j * block_k, seg_ref[rows], k_seg, block_q, block_k, keys_first=True)
+        seen = _visible(off + i * block_q, j * block_k, qseg_ref[rows], k_seg, block_q, block_k, keys_first=True)
         p_t = jnp.exp2((jnp.where(seen, s_t, MASK) - lse_ref[rows][None, :]) * LOG2E)
         dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
         dp_t = plgpu.dot(v, do, trans_b=True)
@@ -125,18 +131,21 @@ def _dkdv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref
         return dkn + plgpu.dot(ds_t, qn), dkr + plgpu.dot(ds_t, qr), dv
 
     zeros = lambda ref: jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
-    first = lax.div(j * block_k, block_q)
+    # The first query block holding a position >= this key block's first key (clamped at 0: a
+    # truncating division of a negative numerator is >= the floor, and 0 bounds both).
+    first = jnp.maximum(lax.div(j * block_k - off, block_q), 0)
     dkn, dkr, dv = lax.fori_loop(first, num_q_blocks, body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
     dkn_ref[...] = (dkn * scale).astype(dkn_ref.dtype)
     dkr_ref[...] = dkr * scale
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref,
-               dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
+def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
+               dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)
+    q0 = off_ref[0] + i * block_q
     qn, qr, do = qn_ref[...], qr_ref[...], do_ref[...]
-    q_seg = seg_ref[pl.ds(i * block_q, block_q)]
+    q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
     lse, delta = lse_ref[...], delta_ref[...]
 
     def body(j, carry):
@@ -144,84 +153,100 @@ def _dq_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, seg_ref, do_ref, lse_ref, 
         keys = pl.ds(j * block_k, block_k)
         kn, kr = kn_ref[keys, :], kr_ref[keys, :]
         s = _logits(qn, qr, kn, kr, scale)
-        seen = _visible(i * block_q, j * block_k, q_seg, seg_ref[keys], block_q, block_k)
+        seen = _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k)
         p = jnp.exp2((jnp.where(seen, s, MASK) - lse[:, None]) * LOG2E)
         dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
         ds = (p * (dp - delta[:, None])).astype(kn.dtype)
         return dqn + plgpu.dot(ds, kn), dqr + plgpu.dot(ds, kr)
 
     zeros = lambda ref: jnp.zeros((block_q, ref.shape[-1]), jnp.float32)
-    num_k = lax.div((i + 1) * block_q + block_k - 1, block_k)
+    num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
     dqn, dqr = lax.fori_loop(0, num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
     dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 
 
-def _specs(T: int, block: int, reverse: bool):
-    """BlockSpecs over grid (block index, b, h): ``[B,T,H,*]`` tiles, whole-sequence operands,
-    the shared ``[B,T,dr]`` rope key and ``[B,H,T]`` row statistics."""
-    n = T // block
+# The query offset: one int32 read by every program.
+OFFSET_SPEC = pl.BlockSpec((1,), lambda i, b, h: (0,))
+
+
+def _tiles(length: int, block: int, reverse: bool):
+    """BlockSpecs over grid (block index, b, h) tiling a ``[B,length,...]`` operand: ``[B,T,H,*]``
+    tiles, the shared ``[B,T,dr]`` rope key and ``[B,H,T]`` row statistics."""
+    n = length // block
     blk = (lambda i: n - 1 - i) if reverse else (lambda i: i)
     return dict(
-        tile=lambda d: pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, blk(i), h, 0)),
-        rope_tile=lambda d: pl.BlockSpec((None, block, d), lambda i, b, h: (b, blk(i), 0)),
-        whole=lambda d: pl.BlockSpec((None, T, None, d), lambda i, b, h: (b, 0, h, 0)),
-        rope_whole=lambda d: pl.BlockSpec((None, T, d), lambda i, b, h: (b, 0, 0)),
-        seg=pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
-        row_tile=pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, blk(i))),
-        row_whole=pl.BlockSpec((None, None, T), lambda i, b, h: (b, h, 0)),
+        heads=lambda d: pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, blk(i), h, 0)),
+        rope=lambda d: pl.BlockSpec((None, block, d), lambda i, b, h: (b, blk(i), 0)),
+        rows=pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, blk(i))),
     )
 
 
-def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: Float[Array, "B T H N"],
-                  kr: Float[Array, "B T R"], v: Float[Array, "B T H V"], seg: Int[Array, "B T"], *,
-                  scale: float, blocks: BlockSizes, interpret: bool = False):
-    """``(o [B,T,H,V] f32, lse [B,H,T], row max [B,H,T])`` of causal same-document attention."""
+def _whole(length: int):
+    """BlockSpecs of a whole ``[B,length,...]`` operand per (b, h) program, as in :func:`_tiles`."""
+    return dict(
+        heads=lambda d: pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h, 0)),
+        rope=lambda d: pl.BlockSpec((None, length, d), lambda i, b, h: (b, 0, 0)),
+        seg=pl.BlockSpec((None, length), lambda i, b, h: (b, 0)),
+        rows=pl.BlockSpec((None, None, length), lambda i, b, h: (b, h, 0)),
+    )
+
+
+def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: Float[Array, "B S H N"],
+                  kr: Float[Array, "B S R"], v: Float[Array, "B S H V"], q_seg: Int[Array, "B T"],
+                  k_seg: Int[Array, "B S"], q_start: Int[Array, "1"], *, scale: float, blocks: BlockSizes,
+                  interpret: bool = False):
+    """``(o [B,T,H,V] f32, lse [B,H,T], row max [B,H,T])`` of causal same-document attention, query
+    ``t`` at position ``q_start + t`` and key ``s`` at ``s``."""
     B, T, H, N = qn.shape
-    R, V = qr.shape[-1], v.shape[-1]
+    S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
-    sp = _specs(T, bq, True)
-    kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    tile, whole = _tiles(T, bq, True), _whole(S)
+    kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
+                               num_k_blocks=S // bk)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
     return pl.pallas_call(
         kernel, grid=(T // bq, B, H),
-        in_specs=[sp["tile"](N), sp["tile"](R), sp["whole"](N), sp["rope_whole"](R), sp["whole"](V), sp["seg"]],
-        out_specs=[sp["tile"](V), sp["row_tile"], sp["row_tile"]],
+        in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"]],
+        out_specs=[tile["heads"](V), tile["rows"], tile["rows"]],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), jnp.float32), rows, rows],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret, name="mla_flash_fwd",
-    )(qn, qr, kn, kr, v, seg)
+    )(q_start, qn, qr, kn, kr, v, q_seg, k_seg)
 
 
-def flash_backward(qn, qr, kn, kr, v, seg, do: Float[Array, "B T H V"], lse: Float[Array, "B H T"],
-                   delta: Float[Array, "B H T"], *, scale: float, blocks: BlockSizes, interpret: bool = False):
-    """``(dqn, dqr, dkn, dkr per head [B,T,H,R] f32, dv)``: the caller sums ``dkr`` over heads."""
+def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B T H V"],
+                   lse: Float[Array, "B H T"], delta: Float[Array, "B H T"], *, scale: float, blocks: BlockSizes,
+                   interpret: bool = False):
+    """``(dqn, dqr, dkn, dkr per head [B,S,H,R] f32, dv)``: the caller sums ``dkr`` over heads."""
     B, T, H, N = qn.shape
-    R, V = qr.shape[-1], v.shape[-1]
+    S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
-    operands = (qn, qr, kn, kr, v, seg, do, lse, delta)
+    operands = (q_start, qn, qr, kn, kr, v, q_seg, k_seg, do, lse, delta)
 
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
-    sp = _specs(T, bk, False)
+    tile, whole = _tiles(S, bk, False), _whole(T)
     dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
     dkn, dkr, dv = pl.pallas_call(
-        dkdv, grid=(T // bk, B, H),
-        in_specs=[sp["whole"](N), sp["whole"](R), sp["tile"](N), sp["rope_tile"](R), sp["tile"](V), sp["seg"],
-                  sp["whole"](V), sp["row_whole"], sp["row_whole"]],
-        out_specs=[sp["tile"](N), sp["tile"](R), sp["tile"](V)],
-        out_shape=[jax.ShapeDtypeStruct(kn.shape, kn.dtype), jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
+        dkdv, grid=(S // bk, B, H),
+        in_specs=[OFFSET_SPEC, whole["heads"](N), whole["heads"](R), tile["heads"](N), tile["rope"](R),
+                  tile["heads"](V), whole["seg"], _whole(S)["seg"], whole["heads"](V), whole["rows"], whole["rows"]],
+        out_specs=[tile["heads"](N), tile["heads"](R), tile["heads"](V)],
+        out_shape=[jax.ShapeDtypeStruct(kn.shape, kn.dtype), jax.ShapeDtypeStruct((B, S, H, R), jnp.float32),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dkdv",
     )(*operands)
 
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
-    sp = _specs(T, bq, True)
-    dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    tile, whole = _tiles(T, bq, True), _whole(S)
+    dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
+                           num_k_blocks=S // bk)
     dqn, dqr = pl.pallas_call(
         dq, grid=(T // bq, B, H),
-        in_specs=[sp["tile"](N), sp["tile"](R), sp["whole"](N), sp["rope_whole"](R), sp["whole"](V), sp["seg"],
-                  sp["tile"](V), sp["row_tile"], sp["row_tile"]],
-        out_specs=[sp["tile"](N), sp["tile"](R)],
+        in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"], tile["heads"](V), tile["rows"], tile["rows"]],
+        out_specs=[tile["heads"](N), tile["heads"](R)],
         out_shape=[jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dq",
     )(*operands)
