@@ -5,14 +5,19 @@ dQ kernel, for the MLA shapes of SPEC §3: the logits are ``q_nope·k_nope + q_r
 one ``k_rope`` shared by every head (MQA), so the rope key is read once per (batch, key block)
 and never broadcast to heads in memory; values have their own width.
 
-Masks: key ``s`` is visible from query ``t`` iff ``s <= t`` and ``seg[s] == seg[t]``. Key blocks
-past the diagonal are skipped; blocks of other documents are computed and masked (exact for any
-segment ids). Every row sees at least its own key, so its running max ends finite: the forward
-also returns that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
+Masks: queries ``[B,T]`` sit at absolute positions ``q_start + t`` (``q_start`` a traced int32:
+context parallel gives each shard its own), keys ``[B,S]`` at ``s``; key ``s`` is visible from
+query ``t`` iff ``s <= q_start + t`` and ``k_seg[s] == q_seg[t]``. Key blocks wholly past the
+diagonal are skipped by the loop bounds (forward and dQ loop over keys up to the block's last
+query; dK/dV starts at the first query block that reaches the key block); blocks of other
+documents are computed and masked (exact for any segment ids). Every real row sees at least its
+own key (callers pass ``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the
+forward also returns that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
+``T == S`` with ``q_start = 0`` is plain causal self-attention.
 
 Inputs are bf16 and the matmuls accumulate in fp32; the softmax statistics, the output and the
-gradient accumulators are fp32 (SPEC §10). ``T`` must be a multiple of every block; head widths
-powers of two (>= 16): ``ops.py`` pads.
+gradient accumulators are fp32 (SPEC §10). ``T`` and ``S`` must be multiples of their blocks;
+head widths powers of two (>= 16): ``ops.py`` pads.
 
 Backend choice: Pallas-Triton (deprecated since JAX 0.11 but present in 0.11.2) runs the
 document mask and the two backward kernels with plain tile code, and runs under the CPU
@@ -56,13 +61,24 @@ class BlockSizes:
 
     @property
     def blocks(self) -> tuple[int, ...]:
-        return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv, self.block_q_dq, self.block_k_dq)
+        return self.query_blocks + self.key_blocks
 
-    def clipped(self, length: int) -> "BlockSizes":
-        """Blocks no longer than ``length`` rounded up to a power of two (>= 16), for short sequences."""
-        cap = max(16, pl.next_power_of_2(length))
-        names = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
-        return dataclasses.replace(self, **{n: min(getattr(self, n), cap) for n in names})
+    @property
+    def query_blocks(self) -> tuple[int, ...]:
+        return (self.block_q, self.block_q_dkv, self.block_q_dq)
+
+    @property
+    def key_blocks(self) -> tuple[int, ...]:
+        return (self.block_k, self.block_k_dkv, self.block_k_dq)
+
+    def clipped(self, length: int, key_length: int | None = None) -> "BlockSizes":
+        """Query blocks no longer than ``length`` and key blocks no longer than ``key_length``
+        (default ``length``), rounded up to a power of two (>= 16), for short sequences."""
+        cap = lambda n: max(16, pl.next_power_of_2(n))
+        q_cap, k_cap = cap(length), cap(length if key_length is None else key_length)
+        names = dict(block_q=q_cap, block_q_dkv=q_cap, block_q_dq=q_cap, block_k=k_cap, block_k_dkv=k_cap,
+                     block_k_dq=k_cap)
+        return dataclasses.replace(self, **{n: min(getattr(self, n), c) for n, c in names.items()})
 
 
 def _logits(qn, qr, kn, kr, scale):

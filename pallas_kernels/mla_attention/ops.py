@@ -8,8 +8,12 @@ interpreter runs the same kernels). Gradients of the kernel path go through ``ja
 ``stop_gradient`` on every path.
 
 The kernel path zero-pads head widths to powers of two (>= 16; exact for ``q·k`` and ``p·v``)
-and the sequence to a multiple of the blocks: padded rows come after every real row, so the
+and the sequences to multiples of the blocks: padded rows come after every real row, so the
 causal mask already hides them from real queries, and their outputs and row maxima are dropped.
+
+``q_start`` (context parallel): queries at positions ``q_start + t`` against a longer key
+sequence, the offset traced (one int32 read by every kernel program), so every shard runs the same
+compiled kernels; the key blocks a shard's queries cannot reach are skipped, not masked.
 """
 
 from __future__ import annotations
@@ -62,67 +66,95 @@ def _pad(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(qn, qr, kn, kr, v, seg, scale, blocks, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale, blocks, interpret):
     from pallas_kernels.mla_attention import kernel_gpu
-    o, _, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, seg, scale=scale, blocks=blocks, interpret=interpret)
+    o, _, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
+                                             interpret=interpret)
     return o, row_max
 
 
-def _flash_fwd(qn, qr, kn, kr, v, seg, scale, blocks, interpret):
+def _flash_fwd(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale, blocks, interpret):
     from pallas_kernels.mla_attention import kernel_gpu
-    o, lse, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, seg, scale=scale, blocks=blocks,
+    o, lse, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
                                                interpret=interpret)
-    return (o, row_max), (qn, qr, kn, kr, v, seg, o, lse)
+    return (o, row_max), (qn, qr, kn, kr, v, q_seg, k_seg, q_start, o, lse)
 
 
 def _flash_bwd(scale, blocks, interpret, res, cotangents):
     from pallas_kernels.mla_attention import kernel_gpu
-    qn, qr, kn, kr, v, seg, o, lse = res
+    qn, qr, kn, kr, v, q_seg, k_seg, q_start, o, lse = res
     do, _ = cotangents  # the row max is a statistic (stop_gradient in mla_attention)
     delta = jnp.einsum("BTHV,BTHV->BHT", o, do)  # FlashAttention-2 D = rowsum(dO ⊙ O), fp32
-    dqn, dqr, dkn, dkr, dv = kernel_gpu.flash_backward(qn, qr, kn, kr, v, seg, do.astype(v.dtype), lse, delta,
-                                                       scale=scale, blocks=blocks, interpret=interpret)
-    return dqn, dqr, dkn, jnp.sum(dkr, axis=2).astype(kr.dtype), dv, None  # shared rope key: sum over heads
+    dqn, dqr, dkn, dkr, dv = kernel_gpu.flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do.astype(v.dtype),
+                                                       lse, delta, scale=scale, blocks=blocks, interpret=interpret)
+    dkr = jnp.sum(dkr, axis=2).astype(kr.dtype)  # shared rope key: sum over heads
+    return dqn, dqr, dkn, dkr, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids):
-    if q_nope.ndim != 4:
-        raise ValueError(f"q_nope must be [B, T, H, N], got shape {q_nope.shape}")
+def _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids, key_segment_ids, q_start):
+    if q_nope.ndim != 4 or k_nope.ndim != 4:
+        raise ValueError(f"q_nope and k_nope must be [B, T, H, N], got shapes {q_nope.shape}, {k_nope.shape}")
     B, T, H, N = q_nope.shape
-    expected = dict(q_rope=(B, T, H, q_rope.shape[-1]), k_nope=(B, T, H, N), k_rope=(B, T, q_rope.shape[-1]),
-                    v=(B, T, H, v.shape[-1]), segment_ids=(B, T))
-    given = dict(q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, segment_ids=segment_ids)
+    S = k_nope.shape[1]
+    if q_start is None and S != T:
+        raise ValueError(f"k_nope must have shape {(B, T, H, N)} without q_start, got {tuple(k_nope.shape)}")
+    expected = dict(q_rope=(B, T, H, q_rope.shape[-1]), k_nope=(B, S, H, N), k_rope=(B, S, q_rope.shape[-1]),
+                    v=(B, S, H, v.shape[-1]), segment_ids=(B, T), key_segment_ids=(B, S))
+    given = dict(q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, segment_ids=segment_ids,
+                 key_segment_ids=key_segment_ids)
     for name, shape in expected.items():
         if given[name] is not None and tuple(given[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
+    if (segment_ids is None) != (key_segment_ids is None) and q_start is not None:
+        raise ValueError("segment_ids and key_segment_ids must be given together with q_start")
+    if isinstance(q_start, int) and not 0 <= q_start <= S - T:
+        raise ValueError(f"q_start must be in [0, {S - T}] (S - T: every query needs its keys), got {q_start}")
     dtypes = {x.dtype for x in (q_nope, q_rope, k_nope, k_rope, v)}
     if len(dtypes) != 1:
         raise ValueError(f"q_nope, q_rope, k_nope, k_rope and v must share one dtype, got {sorted(map(str, dtypes))}")
 
 
 def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R"],
-                  k_nope: Float[Array, "B T H N"], k_rope: Float[Array, "B T R"], v: Float[Array, "B T H V"],
+                  k_nope: Float[Array, "B S H N"], k_rope: Float[Array, "B S R"], v: Float[Array, "B S H V"],
                   segment_ids: Int[Array, "B T"] | None = None, *, scale: float,
                   implementation: str | None = None, interpret: bool = False,
-                  blocks: BlockSizes | None = None) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+                  blocks: BlockSizes | None = None, q_start: int | Int[Array, ""] | None = None,
+                  key_segment_ids: Int[Array, "B S"] | None = None
+                  ) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
     """Causal attention of ``q = [q_nope, q_rope]`` over ``k = [k_nope, k_rope (shared)]`` within each
-    document; returns ``(o [B,T,H,V] in promote(dtype, float32), max_logit [H])``."""
-    _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids)
-    if resolve_implementation(implementation, q_nope.dtype, interpret) == "xla":
-        o, max_logit = mla_attention_reference(q_nope, q_rope, k_nope, k_rope, v, segment_ids, scale=scale)
-        return o, jax.lax.stop_gradient(max_logit)
+    document; returns ``(o [B,T,H,V] in promote(dtype, float32), max_logit [H])``.
+
+    Self-attention by default (``S == T``). With ``q_start`` (an int or a traced int32 scalar) the
+    queries are rows ``q_start .. q_start+T-1`` of the ``S`` keys (``q_start + T <= S``): context
+    parallel's shard of queries against the gathered keys. ``segment_ids`` then label the queries
+    and ``key_segment_ids`` the keys (both or neither; ``segment_ids[t]`` must equal
+    ``key_segment_ids[q_start + t]``).
+    """
+    _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids, key_segment_ids, q_start)
     B, T, H, N = q_nope.shape
-    R, V = q_rope.shape[-1], v.shape[-1]
-    blocks = (blocks or BlockSizes()).clipped(T)
-    Tp = -(-T // max(blocks.blocks)) * max(blocks.blocks)
-    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    pad = lambda x, width: _pad(_pad(x, x.ndim - 1, width), 1, Tp)
-    o, row_max = _flash(pad(q_nope, _pow2_width(N)), pad(q_rope, _pow2_width(R)), pad(k_nope, _pow2_width(N)),
-                        pad(k_rope, _pow2_width(R)), pad(v, _pow2_width(V)), _pad(seg, 1, Tp),
+    S, R, V = k_nope.shape[1], q_rope.shape[-1], v.shape[-1]
+    key_seg = segment_ids if q_start is None else key_segment_ids
+    if resolve_implementation(implementation, q_nope.dtype, interpret) == "xla":
+        o, max_logit = mla_attention_reference(q_nope, q_rope, k_nope, k_rope, v, segment_ids, scale=scale,
+                                               q_start=0 if q_start is None else q_start,
+                                               key_segment_ids=key_seg)
+        return o, jax.lax.stop_gradient(max_logit)
+    blocks = (blocks or BlockSizes()).clipped(T, S)
+    Tp = -(-T // max(blocks.query_blocks)) * max(blocks.query_blocks)
+    Sp = -(-S // max(blocks.key_blocks)) * max(blocks.key_blocks)
+    if q_start is None:  # self-attention: one padded length for both
+        Tp = Sp = max(Tp, Sp)
+    q_seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    k_seg = jnp.zeros((B, S), jnp.int32) if key_seg is None else key_seg.astype(jnp.int32)
+    start = jnp.zeros((1,), jnp.int32) if q_start is None else jnp.reshape(q_start, (1,)).astype(jnp.int32)
+    pad = lambda x, width, length: _pad(_pad(x, x.ndim - 1, width), 1, length)
+    o, row_max = _flash(pad(q_nope, _pow2_width(N), Tp), pad(q_rope, _pow2_width(R), Tp),
+                        pad(k_nope, _pow2_width(N), Sp), pad(k_rope, _pow2_width(R), Sp),
+                        pad(v, _pow2_width(V), Sp), _pad(q_seg, 1, Tp), _pad(k_seg, 1, Sp), start,
                         float(scale), blocks, interpret)
     max_logit = jnp.max(jax.lax.stop_gradient(row_max)[:, :, :T], axis=(0, 2))
     return o[:, :T, :, :V], max_logit

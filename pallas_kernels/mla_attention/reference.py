@@ -12,24 +12,32 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def visible(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> jax.Array:
-    """``[B, T, S]``: key ``s`` is visible from query ``t`` (causal, same document)."""
-    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+def visible(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, *, q_start=0,
+            key_length: int | None = None, key_segment_ids: Int[Array, "B S"] | None = None) -> jax.Array:
+    """``[B, T, S]``: key ``s`` is visible from query ``t`` at position ``q_start + t`` (causal, same
+    document); keys default to the queries (``S = T``, ``key_segment_ids = segment_ids``)."""
+    S = length if key_length is None else key_length
+    causal = (q_start + jnp.arange(length))[:, None] >= jnp.arange(S)[None]
+    causal = causal[None]
     if segment_ids is None:
-        return jnp.broadcast_to(causal, (batch, length, length))
-    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        return jnp.broadcast_to(causal, (batch, length, S))
+    key_ids = segment_ids if key_segment_ids is None else key_segment_ids
+    return causal & (segment_ids[:, :, None] == key_ids[:, None, :])
 
 
 def mla_attention_reference(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R"],
-                            k_nope: Float[Array, "B T H N"], k_rope: Float[Array, "B T R"],
-                            v: Float[Array, "B T H V"], segment_ids: Int[Array, "B T"] | None, *,
-                            scale: float) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
-    """``(o, max_logit)`` in ``promote(dtype, float32)`` with full-precision matmuls."""
+                            k_nope: Float[Array, "B S H N"], k_rope: Float[Array, "B S R"],
+                            v: Float[Array, "B S H V"], segment_ids: Int[Array, "B T"] | None, *,
+                            scale: float, q_start=0, key_segment_ids: Int[Array, "B S"] | None = None
+                            ) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
+    """``(o, max_logit)`` in ``promote(dtype, float32)`` with full-precision matmuls; queries at
+    positions ``q_start + t`` against keys at ``s`` (``ops.mla_attention`` states the contract)."""
     wide = jnp.promote_types(q_nope.dtype, jnp.float32)
     qn, qr, kn, kr, v = (x.astype(wide) for x in (q_nope, q_rope, k_nope, k_rope, v))
     B, T = qn.shape[:2]
     hi = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("BTHN,BSHN->BHTS", qn, kn, precision=hi) + jnp.einsum("BTHR,BSR->BHTS", qr, kr, precision=hi)
-    logits = jnp.where(visible(segment_ids, B, T)[:, None], logits * scale, -jnp.inf)  # [B, H, T, S]
+    mask = visible(segment_ids, B, T, q_start=q_start, key_length=kn.shape[1], key_segment_ids=key_segment_ids)
+    logits = jnp.where(mask[:, None], logits * scale, -jnp.inf)  # [B, H, T, S]
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.einsum("BHTS,BSHV->BTHV", p, v, precision=hi), jnp.max(logits, axis=(0, 2, 3))
