@@ -29,10 +29,70 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
-from pallas_kernels.moe.dispatch import permute
+from pallas_kernels.moe.dispatch import invert_permutation, permute
 from pallas_kernels.moe.ops import grouped_matmul
 from pallas_kernels.moe.reference import accum_dtype
 from sharding.context import ParallelConfig, current
+
+
+def _accum_rows(g, index, k: int):
+    """``Σ_s g[index[t·k + s]]`` per token ``t``, summed in the accumulation dtype."""
+    dt = accum_dtype(g.dtype)
+    return g[index].astype(dt).reshape(-1, k, g.shape[-1]).sum(1).astype(g.dtype)
+
+
+# Every row movement below is a gather whose transpose is another gather (the slot / order maps
+# are injective), written as custom VJPs: autodiff of a plain gather is a scatter-add, XLA's slow
+# op on GPU (pallas_kernels/moe/dispatch.py), and the a2a path has three of them per layer.
+@jax.custom_vjp
+def _take_rows(y, perm, inverse):
+    """``y[perm]`` for a permutation ``perm`` whose inverse is ``inverse``."""
+    return y[perm]
+
+
+_take_rows.defvjp(lambda y, perm, inverse: (y[perm], inverse),
+                  lambda inverse, g: (g[inverse], None, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _to_slots(x, src, filled, slot, k):
+    """Send buffer: row r is token ``src[r] // k`` where ``filled[r]``, else zero.
+
+    ``slot [N·k]`` is the row of each assignment (its transpose: a gather and a sum over k).
+    """
+    return jnp.where(filled[:, None], x[src // k], 0).astype(x.dtype)
+
+
+def _to_slots_bwd(k, slot, g):
+    return _accum_rows(g, slot, k), None, None, None
+
+
+_to_slots.defvjp(lambda x, src, filled, slot, k: (_to_slots(x, src, filled, slot, k), slot), _to_slots_bwd)
+
+
+@jax.custom_vjp
+def _from_slots(back, slot, src, filled, weights):
+    """``Σ_s weights[t, s] · back[slot[t·k + s]]`` in fp32, in ``back.dtype`` (the combine)."""
+    return _weighted_sum(back[slot].reshape(weights.shape + back.shape[-1:]), weights).astype(back.dtype)
+
+
+def _from_slots_fwd(back, slot, src, filled, weights):
+    return _from_slots(back, slot, src, filled, weights), (back, slot, src, filled, weights)
+
+
+def _from_slots_bwd(res, g):
+    back, slot, src, filled, weights = res
+    n, k = weights.shape
+    dt = accum_dtype(back.dtype)
+    gf = g.astype(dt)
+    dweights = jnp.einsum("NkL,NL->Nk", back[slot].astype(dt).reshape(n, k, -1), gf).astype(weights.dtype)
+    # Buffer row r came from assignment src[r]: its cotangent is that assignment's weight times g.
+    w_row = weights.reshape(-1).astype(dt)[src]
+    dback = jnp.where(filled[:, None], gf[src // k] * w_row[:, None], 0.0).astype(back.dtype)
+    return dback, None, None, None, dweights
+
+
+_from_slots.defvjp(_from_slots_fwd, _from_slots_bwd)
 
 
 def _local_experts(x, ids, w1, w3, w2, *, act, gmm):
@@ -47,7 +107,8 @@ def _local_experts(x, ids, w1, w3, w2, *, act, gmm):
     g = gmm(xs, w1, group_sizes)  # [M·kk, F]
     u = gmm(xs, w3, group_sizes)
     y = gmm(act(g, u).astype(x.dtype), w2, group_sizes)  # [M·kk, L]
-    return y[inverse].reshape(m, kk, -1), jnp.sum(group_sizes)
+    y = _take_rows(y, inverse, invert_permutation(inverse))
+    return y.reshape(m, kk, -1), jnp.sum(group_sizes)
 
 
 def _weighted_sum(y, weights):
@@ -75,24 +136,22 @@ def _a2a_path(x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm):
     e_local = w1.shape[0]
     flat = ids.reshape(-1)  # [A], token-major
     dest = flat // e_local
-    order = jnp.argsort(dest, stable=True)
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
     counts = jnp.bincount(dest, length=ep)  # [EP]
     starts = jnp.cumsum(counts) - counts
     # Buffer row (d, p) holds the p-th assignment bound for rank d.
     p = jnp.arange(cap)
-    row = order[jnp.minimum(starts[:, None] + p[None], n * k - 1)]  # [EP, cap]
-    filled = p[None] < counts[:, None]
-    send_x = jnp.where(filled[..., None], x[row // k], 0).reshape(ep * cap, -1)
-    send_e = jnp.where(filled, flat[row] % e_local, e_local).reshape(ep * cap, 1)
+    src = order[jnp.minimum(starts[:, None] + p[None], n * k - 1)].reshape(-1)  # [EP·cap]
+    filled = (p[None] < counts[:, None]).reshape(-1)
+    # Slot of every assignment: its destination block plus its rank within that block.
+    slot = dest * cap + invert_permutation(order) - starts[dest]  # [A]
+    send_x = _to_slots(x, src, filled, slot, k)  # [EP·cap, L]
+    send_e = jnp.where(filled, flat[src] % e_local, e_local)[:, None]
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP·cap, L], block j from rank j
     recv_e = lax.all_to_all(send_e, axis, 0, 0, tiled=True)
     y, processed = _local_experts(recv_x, recv_e, w1, w3, w2, act=act, gmm=gmm)
     back = lax.all_to_all(y[:, 0], axis, 0, 0, tiled=True)  # [EP·cap, L], in our slot order
-    # Slot of every assignment: its destination block plus its rank within that block.
-    pos = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
-    slot = dest * cap + pos - starts[dest]
-    picked = back[slot].reshape(n, k, -1)  # [N, k, L]
-    return _weighted_sum(picked, weights).astype(x.dtype), processed
+    return _from_slots(back, slot, src, filled, weights).astype(x.dtype), processed
 
 
 def capacity(tokens: int, top_k: int, ep: int, reserve: float) -> int:

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from k3jax import balance
+from k3jax.train.loss import head_cross_entropy
 from sharding.context import ParallelConfig, current
 
 
@@ -69,3 +70,35 @@ def quantile_bias_hist_sharded(
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=(P(ctx.token_axes, None), P()),
                        out_specs=P())
     return fn(scores, bias)
+
+
+def head_cross_entropy_sharded(
+    features: Float[Array, "B T D"],
+    head: Float[Array, "D V"],
+    labels: Int[Array, "B T"],
+    mask: Float[Array, "B T"],
+    chunk: int = 4096,
+    ctx: ParallelConfig | None = None,
+) -> Float[Array, ""]:
+    """``k3jax.train.loss.head_cross_entropy`` with each device walking only its own tokens.
+
+    Under plain ``jit`` the loss's chunk loop runs over the flattened ``[B·T]`` tokens, so XLA
+    all-gathers the token-sharded features and every device computes the head and its gradient
+    for the whole batch (2× the head on a 2-way data × expert mesh). Here each device takes the
+    chunked loss of its shard; the per-device sums are added outside, and the replicated head's
+    gradient is summed over the devices by the ``shard_map`` transpose.
+    """
+    ctx = _ctx(ctx)
+    splits = [math.prod(ctx.axis_size(a) for a in axes) for axes in (ctx.batch_axes, ctx.length_axes)]
+    for name, x in (("features", features), ("labels", labels), ("mask", mask)):
+        if x.shape[0] % splits[0] or x.shape[1] % splits[1]:
+            raise ValueError(f"{name}.shape={x.shape}: B must be divisible by {splits[0]} {ctx.batch_axes} "
+                             f"and T by {splits[1]} {ctx.length_axes}")
+    tok = ctx.spec("batch", "length")
+
+    def body(f, w, y, m):
+        return head_cross_entropy(f, w, y, m, chunk)[None]  # [1]: this device's sum
+
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=P(ctx.token_axes or None),
+                       in_specs=(P(*tok, None), P(), tok, tok))
+    return jnp.sum(fn(features, head, labels, mask))
