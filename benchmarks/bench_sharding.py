@@ -36,19 +36,31 @@ from k3jax.config import preset
 from k3jax.model import Transformer
 from k3jax.train.batched_calls import batch_random_draws
 from k3jax.train.loss import head_cross_entropy
-from sharding import logical_axes, make_mesh, shard_params, use_mesh
+from sharding import current, logical_axes, make_mesh, shard_params, use_mesh
+from sharding.reduce import head_cross_entropy_sharded
 
 
 def make_step(model, cfg, chunk):
+    """``value_and_grad`` of the chunked head CE; aux: the EP overflow count summed over layers.
+
+    On a mesh the loss runs per device (``sharding.reduce.head_cross_entropy_sharded``): under
+    plain jit its chunk loop over the flattened tokens all-gathers the features and every device
+    computes the head for the whole batch.
+    """
     def loss_fn(params, variables, tokens, labels):
-        features, _ = model.apply({**variables, "params": params}, tokens, method="features",
-                                  mutable=["stats"])[0]
+        (features, _), mutated = model.apply({**variables, "params": params}, tokens, method="features",
+                                             mutable=["stats"])
         ones = jnp.ones(labels.shape, jnp.float32)
-        return head_cross_entropy(features, params["head"]["kernel"], labels, ones, chunk) / labels.size
+        head = params["head"]["kernel"]
+        ce = head_cross_entropy if current() is None else head_cross_entropy_sharded
+        overflow = [v for path, v in jax.tree_util.tree_leaves_with_path(mutated)
+                    if "ep_overflow" in jax.tree_util.keystr(path)]
+        overflow = sum(jnp.sum(v) for v in overflow) if overflow else jnp.zeros((), jnp.int32)
+        return ce(features, head, labels, ones, chunk) / labels.size, overflow
 
     @jax.jit
     def step(variables, tokens, labels):
-        return jax.value_and_grad(loss_fn)(variables["params"], variables, tokens, labels)
+        return jax.value_and_grad(loss_fn, has_aux=True)(variables["params"], variables, tokens, labels)
 
     return step
 
@@ -60,27 +72,27 @@ def run_layout(name, mesh_axes, devices, model, cfg, boxed, variables, args):
     tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
     labels = jnp.roll(tokens, -1, axis=1)
     placed = shard_params(variables, logical_axes(boxed), mesh)
-    with use_mesh(mesh) as ctx:
+    with use_mesh(mesh, ep_reserve=args.ep_reserve) as ctx:
         tokens = jax.device_put(tokens, ctx.sharding("batch", "length"))
         labels = jax.device_put(labels, ctx.sharding("batch", "length"))
         step = make_step(model, cfg, args.loss_chunk)
         print(f"{name:12s} compiling and running the first step ...", flush=True)
         start = time.perf_counter()
-        loss, grads = step(placed, tokens, labels)
+        (loss, overflow), grads = step(placed, tokens, labels)
         jax.block_until_ready(grads)
         compile_s = time.perf_counter() - start
         for _ in range(args.warmup - 1):
             jax.block_until_ready(step(placed, tokens, labels))
         start = time.perf_counter()
         for _ in range(args.iters):
-            loss, grads = step(placed, tokens, labels)
+            (loss, overflow), grads = step(placed, tokens, labels)
         jax.block_until_ready(grads)
         seconds = (time.perf_counter() - start) / args.iters
     n = len(devices)
     tps = B * T / seconds
     print(f"{name:12s} mesh={dict(mesh.shape)} B={B} T={T} loss={float(loss):.4f} "
           f"step={seconds * 1e3:.1f} ms  tokens/s={tps:,.0f}  per GPU={tps / n:,.0f}  "
-          f"(first call {compile_s:.1f} s)", flush=True)
+          f"EP overflow={int(overflow)}  (first call {compile_s:.1f} s)", flush=True)
     return tps / n
 
 
@@ -123,6 +135,8 @@ def main():
     parser.add_argument("--remat", default="layer", choices=["none", "layer", "moe"])
     parser.add_argument("--f32", action="store_true", help="float32 compute (CPU smoke runs)")
     parser.add_argument("--layouts", default="1gpu,data_expert,sequence")
+    parser.add_argument("--ep-reserve", type=float, default=0.25,
+                        help="EP a2a buffer reserve over the plan (overflow falls back to the gather path)")
     parser.add_argument("--ep-bench", action="store_true", help="only compare the EP strategies")
     parser.add_argument("--ep-shape", type=int, nargs=5, default=[64, 8, 512, 512, 1024],
                         metavar=("E", "K", "L", "F", "N"), help="experts, top-k, width, expert F, tokens/device")

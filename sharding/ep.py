@@ -136,15 +136,16 @@ def _a2a_path(x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm):
     e_local = w1.shape[0]
     flat = ids.reshape(-1)  # [A], token-major
     dest = flat // e_local
-    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
-    counts = jnp.bincount(dest, length=ep)  # [EP]
-    starts = jnp.cumsum(counts) - counts
-    # Buffer row (d, p) holds the p-th assignment bound for rank d.
-    p = jnp.arange(cap)
-    src = order[jnp.minimum(starts[:, None] + p[None], n * k - 1)].reshape(-1)  # [EP·cap]
-    filled = (p[None] < counts[:, None]).reshape(-1)
-    # Slot of every assignment: its destination block plus its rank within that block.
-    slot = dest * cap + invert_permutation(order) - starts[dest]  # [A]
+    # Rank of each assignment among those bound for the same rank: a running count per
+    # destination ([A, EP] ints) instead of an argsort of A keys with only EP distinct values.
+    onehot = (dest[:, None] == jnp.arange(ep)[None]).astype(jnp.int32)  # [A, EP]
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
+    counts = jnp.sum(onehot, axis=0)  # [EP]
+    slot = dest * cap + rank  # [A]: buffer row of every assignment (all < EP·cap: no overflow)
+    # Buffer row (d, p) holds the p-th assignment bound for rank d (the inverse of slot).
+    src = jnp.zeros((ep * cap,), jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32), mode="drop",
+                                                         unique_indices=True)
+    filled = (jnp.arange(cap)[None] < counts[:, None]).reshape(-1)  # [EP·cap]
     send_x = _to_slots(x, src, filled, slot, k)  # [EP·cap, L]
     send_e = jnp.where(filled, flat[src] % e_local, e_local)[:, None]
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP·cap, L], block j from rank j
@@ -181,7 +182,11 @@ def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, rese
         counts = jnp.bincount(ids.reshape(-1) // w1.shape[0], length=ep)
         overflow = lax.psum(jnp.sum(jnp.maximum(counts - cap, 0)), tok_axes)
         a2a = functools.partial(_a2a_path, ep=ep, cap=cap, **paths)
-        out, processed = lax.cond(overflow > 0, gather, a2a, x, ids, weights, w1, w3, w2)
+        # Under autodiff a cond outputs the residuals of both branches, the untaken one's as
+        # zeros: without the checkpoint that is ~7 [EP·N·k, L] fp32 buffers filled with zeros per
+        # layer and step. The rarely taken fallback keeps only its inputs and recomputes instead.
+        fallback = jax.checkpoint(gather, policy=jax.checkpoint_policies.nothing_saveable)
+        out, processed = lax.cond(overflow > 0, fallback, a2a, x, ids, weights, w1, w3, w2)
     dropped = n * k * shards - lax.psum(processed, tok_axes)
     return out.reshape(lead + out.shape[-1:]), {"ep_overflow": overflow, "ep_dropped": dropped}
 
