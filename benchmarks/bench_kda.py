@@ -107,6 +107,11 @@ def ours_kernel_bwd():
     return _ours_gpu(prep="fused", prep_bwd="kernel")
 
 
+def ours_split_bwd():
+    """Ours with the prep's backward as two Mosaic GPU kernels (``prep_bwd="split"``, ``DESIGN_BWD.md``)."""
+    return _ours_gpu(prep="fused", prep_bwd="split")
+
+
 def ours_highest():
     """Ours with the XLA prep's matmuls in full fp32 (``prep_precision="highest"``; default TF32)."""
     return _ours_gpu(prep_precision="highest")
@@ -273,7 +278,8 @@ def main():
     parser.add_argument("--skip-decode", action="store_true", help="skip the decode-step bandwidth")
     parser.add_argument("--skip-check", action="store_true", help="skip the check against the reference")
     args = parser.parse_args()
-    factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-highest": ours_highest, "jla": jla, "fla": fla}
+    factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-split-bwd": ours_split_bwd,
+                 "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):
         try:

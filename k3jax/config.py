@@ -48,12 +48,13 @@ class KDAConfig:
     output_gate_rank: int | None = None
     chunk_size: int = 64
     implementation: str | None = None
-    # The GPU kernel path's intra-chunk prep backward: "xla" (autodiff) or "kernel" (Mosaic GPU).
+    # The GPU kernel path's intra-chunk prep backward: "xla" (autodiff), "kernel" (one Mosaic GPU
+    # kernel) or "split" (two Mosaic GPU kernels).
     gpu_prep_backward: str = "xla"
 
     def __post_init__(self):
-        _require(self.gpu_prep_backward in ("xla", "kernel"),
-                 f"gpu_prep_backward={self.gpu_prep_backward!r} must be 'xla' or 'kernel'")
+        _require(self.gpu_prep_backward in ("xla", "kernel", "split"),
+                 f"gpu_prep_backward={self.gpu_prep_backward!r} must be 'xla', 'kernel' or 'split'")
         _positive(num_heads=self.num_heads, head_dim=self.head_dim, conv_size=self.conv_size,
                   chunk_size=self.chunk_size)
         _require(self.gate_lower_bound is None or self.gate_lower_bound < 0,

@@ -17,7 +17,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
-(or, opt-in with ``prep_bwd="kernel"``, the Mosaic GPU prep backward of :mod:`kernel_gpu_prep_bwd`).
+(or, opt-in, a Mosaic GPU prep backward: ``prep_bwd="kernel"``, one kernel, :mod:`kernel_gpu_prep_bwd`;
+``prep_bwd="split"``, two kernels, :mod:`kernel_gpu_prep_bwd_split`).
 
 Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pallas is deprecated
 since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,
@@ -42,6 +43,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
 from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
+from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_split
 from pallas_kernels.kda.reference import segment_index
 from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
 from pallas_kernels.kda.kernel_gpu_util import smem as _smem
@@ -201,12 +203,15 @@ def chunk_kda_pallas(
     prep alone is 15 % faster than ``"highest"`` with the same error against the fp32 reference,
     benchmarks/RESULTS.md) or ``"highest"``. ``prep_bwd`` (``prep="fused"`` only) is the prep's
     backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"kernel"`` (the Mosaic GPU
-    backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward; untimed on the H200 so far).
+    backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward) or ``"split"`` (the same with the
+    two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
-    if prep_bwd not in ("xla", "kernel") or (prep_bwd == "kernel" and prep != "fused"):
-        raise ValueError(f"prep_bwd must be 'xla', or 'kernel' with prep='fused'; got {prep_bwd!r}, prep={prep!r}")
+    if prep_bwd not in ("xla", "kernel", "split") or (prep_bwd != "xla" and prep != "fused"):
+        raise ValueError(
+            f"prep_bwd must be 'xla', or 'kernel' or 'split' with prep='fused'; got {prep_bwd!r}, prep={prep!r}"
+        )
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
             f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V in (64, 128) and no float64; "
@@ -216,8 +221,11 @@ def chunk_kda_pallas(
     V = v.shape[-1]
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
-        w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
-                                             prep_bwd)
+        if prep_bwd == "split":
+            w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret))
+        else:
+            w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
+                                                 prep_bwd)
     else:
         w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
                                        precision=prep_precision)

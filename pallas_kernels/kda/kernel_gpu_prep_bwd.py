@@ -263,16 +263,26 @@ def prepare_bwd(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
 
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
     """
-    B, T_len, H, K = k.shape
-    C = CHUNK
     qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
-    n = G.shape[1] // C
     dw, du, dqg, dkg, daqk, dd = cts
-    dq, dk, dv, dg, dbeta = prep_bwd(
+    grads = prep_bwd(
         qh, kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16), dqg.astype(F32), dkg.astype(F32),
         daqk.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype, v.dtype),
     )
-    # d = e^{G_last} (0 when a document starts in the chunk): dd * d reaches every row's dg.
+    return finish_grads((q, k, v, g, beta), grads, dd, d)
+
+
+def finish_grads(primals, grads, dd, d):
+    """The kernels' padded ``(dq, dk, dv, dg, dbeta)`` cut to the inputs' length and dtypes, with d's term.
+
+    ``dg`` comes without it: d = e^{G_last} (0 when a document starts in the chunk), so ``dd * d``
+    reaches every row's dg. ``dbeta`` comes head-major ``[B*H, Tp]``.
+    """
+    q, k, v, g, beta = primals
+    dq, dk, dv, dg, dbeta = grads
+    B, T_len, H, K = k.shape
+    C = CHUNK
+    n = dg.shape[1] // C
     dd_d = jnp.moveaxis((dd * d).reshape(B, H, n, K), 1, 2)  # [B,N,H,K]
     dg = (dg.reshape(B, n, C, H, K) + dd_d[:, :, None]).reshape(B, n * C, H, K)
     dbeta = jnp.moveaxis(dbeta.reshape(B, H, n * C), 1, 2)

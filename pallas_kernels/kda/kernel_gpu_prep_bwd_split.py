@@ -1,0 +1,274 @@
+"""Backward of the KDA intra-chunk prep as two Mosaic GPU kernels (``prep_bwd="split"``).
+
+Same math as :mod:`kernel_gpu_prep_bwd` (its docstring has the derivation), cut where the work
+stops needing all K channels of a chunk at once (plan: ``DESIGN_BWD.md``):
+
+A. ``kda_prep_bwd_wy``, one CTA per chunk: recompute ``S_kk`` and ``T = (I + L)^{-1}`` as the
+   forward does; ``dX = T^T dW``, ``dY = T^T dU``, ``dL = -(dX W^T + dY U^T)`` (strictly lower, same
+   document); writes ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's
+   upstream matrix) and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel).
+B. ``kda_prep_bwd_intra``, one CTA per (64-channel slab, chunk): every remaining term is per channel:
+   the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG, and the
+   in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
+   shared memory (~100 KB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.kernel_gpu_prep import (
+    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _kernel_inputs, _pair, _split,
+    _unit_lower_inverse, _wg, prepare_fused,
+)
+from pallas_kernels.kda.kernel_gpu_prep_bwd import _scores_bwd, _scores_kk, finish_grads
+from pallas_kernels.kda.kernel_gpu_util import T, smem
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+SLAB = 64  # channels per kernel-B CTA
+ONE = dict(slots=None)
+
+
+def _vec_loaders(vec_s, n_rows):
+    """``(col_vec, row_vec)``: an smem row repeated down the rows; a per-token row of the vector block."""
+
+    def col_vec(ref, n_cols):
+        return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (n_rows, n_cols), [1]))
+
+    def row_vec(i, n_cols):
+        return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (n_rows, n_cols), [0]))
+
+    return col_vec, row_vec
+
+
+def _masks(col_vec, row_vec, vec_s, C):
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], C)
+    return ri, cj, (cj < ri) & same, (cj <= ri) & same
+
+
+# Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
+@functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
+def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
+    """Kernel A: ``(dv [B,Tp,H,V], dx [B*H,Tp,K] bf16, m_kk [B*H,Tp,C] bf16, dbeta [B*H,Tp] f32)``.
+
+    Inputs as :func:`kernel_gpu_prep.prep_fwd` takes them (no q); dw, du head-major bf16.
+    """
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    C = CHUNK
+    n = Tp // C
+
+    def kernel(k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
+               k_s, v_s, G_s, anc_s, vec_s, dw_s, du_s, union, bar):
+        score_bufs, inv_bufs, (th, tl, xw_s, yu_s) = union
+        c, bh = lax.axis_index("c"), lax.axis_index("bh")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        rows = pl.ds(c * C, C)
+        for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
+                         (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s),
+                         (dw_g.at[bh, rows], dw_s), (du_g.at[bh, rows], du_s)):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+        col_vec, row_vec = _vec_loaders(vec_s, C)
+        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+        ri, cj, strict, _ = _masks(col_vec, row_vec, vec_s, C)
+
+        anchor = lambda t: col_vec(anc_s.at[t], K)
+        s_kk = _wg(jnp.where(strict, _scores_kk(load(G_s), k_s, anchor, score_bufs), 0.0))
+        t_inv = _unit_lower_inverse(_wg(-row_vec(BETA, C) * s_kk), ri, cj, inv_bufs)
+        th[...], tl[...] = _split(t_inv)
+        eg_k = row_vec(FRESH, K) * load(k_s) * jnp.exp(load(G_s))  # X / beta
+        xw_s[...] = _wg((row_vec(BETA, K) * eg_k).astype(BF16))
+        yu_s[...] = _wg((row_vec(BETA, V) * load(v_s)).astype(BF16))
+        plgpu.commit_smem()
+        w, u = _pair([(th, xw_s), (tl, xw_s)], [(th, yu_s), (tl, yu_s)], ((C, K), (C, V)))
+        dx, dy = _pair([(T(th), dw_s), (T(tl), dw_s)], [(T(th), du_s), (T(tl), du_s)], ((C, K), (C, V)))
+        xw_s[...], yu_s[...] = _wg(w.astype(BF16)), _wg(u.astype(BF16))
+        dw_s[...], du_s[...] = _wg(dx.astype(BF16)), _wg(dy.astype(BF16))
+        dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
+        dbeta = jnp.sum(dy * load(v_s), axis=1) + jnp.sum(dx * eg_k, axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dw_s, dx_g.at[bh, rows])  # dX leaves in bf16, as the one-kernel version reads it
+        d_l = pl.run_scoped(lambda acc: _chain(acc, [(dw_s, T(xw_s)), (du_s, T(yu_s))]), plgpu.ACC((C, C), F32))
+        d_l = _wg(jnp.where(strict, -d_l, 0.0))
+        db_g.at[bh, rows][...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
+        mkk_g.at[bh, rows][...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
+        plgpu.wait_smem_to_gmem(0)
+
+    BH = B * H
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
+                jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
+    cc = lambda: smem((C, C), **ONE)
+    # The score recompute, the inverse and the WY products have disjoint lifetimes: one region.
+    union = plgpu.RefUnion(
+        (smem((C, K), **ONE), smem((C, K), **ONE)),
+        tuple(cc() for _ in range(6)),
+        (cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
+    )
+    scratch = [
+        smem((C, K), **ONE), smem((C, V), **ONE), smem((C, K), F32, mma=False, **ONE),
+        smem((8, K), F32, mma=False, **ONE), smem((5, C), F32, mma=False, **ONE),
+        smem((C, K), **ONE), smem((C, V), **ONE), union, plgpu.Barrier(num_arrivals=7),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(n, BH), grid_names=("c", "bh"),
+        kernel_name="kda_prep_bwd_wy", **extra,
+    )
+    return call(k, v, G, anchors, vecs, dw, du)
+
+
+def _reverse_cumsum(dG, up_s, halves, C):
+    """``sum_{s >= t} dG_s`` in the chunk: the 0/1 upper triangle (exact in bf16) times dG split hi/lo.
+
+    ``halves`` may share memory with G: the caller has read G into registers.
+    """
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
+    plgpu.commit_smem()  # every thread has read G before dG's halves overwrite it
+    hi_s, lo_s = halves
+    hi_s[...], lo_s[...] = _split(dG)
+    plgpu.commit_smem()
+    return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
+
+
+def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt):
+    """``(dq, dk, dG)`` of one slab from the score backward's accumulators and the direct terms.
+
+    Each term is folded in as soon as it is formed, to keep few [C, S] arrays live.
+    """
+    acc_q, acc_kr, acc_kc = accs
+    C, S = G.shape
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    r = plgpu.broadcasted_iota(jnp.int32, (C, S), 0, layout=WGMMA)
+    own = anchor(0)
+    for s in range(1, nt):
+        own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
+    eg, e_own = jnp.exp(G), jnp.exp(G - own)
+    dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
+    dk_c = acc_kc * jnp.exp(own - G)  # enters dG with a minus sign: its factor is e^{-G_j}
+    dk_x = e_own * acc_kr + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
+    k = load(k_s)
+    dG = load(q_s) * dq + k * (dk_x - dk_c)
+    kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
+    dkg = load(dkg_s)
+    dkg_kg = dkg * k * kg_f
+    return dq, dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
+
+
+# Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes"))
+def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple):
+    """Kernel B: ``(dq, dk, dg)`` token-major ``[B,Tp,H,K]`` (dg f32, without d's term).
+
+    q, k, G, anchors, vecs as :func:`kernel_gpu_prep.prep_fwd` takes them; daqk ``[B*H,Tp,C]``
+    f32 and dqg, dkg ``[B*H,Tp,K]`` f32 (the scan's cotangents); mkk, dx from :func:`wy_bwd`.
+    ``dtypes``: (dq, dk) dtypes.
+    """
+    B, Tp, H, K = q.shape
+    C = CHUNK
+    n, nt, S = Tp // C, C // SUB, min(SLAB, K)
+
+    def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, dq_g, dk_g, dg_g,
+               q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail):
+        (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
+        (G_s,), halves = G_u
+        p, c, bh = lax.axis_index("p"), lax.axis_index("c"), lax.axis_index("bh")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        rows, cols = pl.ds(c * C, C), pl.ds(p * S, S)
+        for src, dst in ((q_g.at[b, rows, h, cols], q_s), (k_g.at[b, rows, h, cols], k_s),
+                         (G_g.at[b, rows, h, cols], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h, cols], anc_s),
+                         (vec_g.at[bh, :, rows], vec_s), (daqk_g.at[bh, rows], daqk_s),
+                         (mkk_g.at[bh, rows], mkk_s), (dx_g.at[bh, rows, cols], dx_s)):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+        col_vec, row_vec = _vec_loaders(vec_s, C)
+        anchor = lambda t: col_vec(anc_s.at[t], S)
+        _, _, _, causal = _masks(col_vec, row_vec, vec_s, C)
+        m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0).astype(BF16))
+        m_kk = plgpu.load(mkk_s, layout=WGMMA)
+        plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
+        accs = _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
+        # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
+        plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows, cols], dqg_s, bar_tail)
+        plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows, cols], dkg_s, bar_tail)
+        G = plgpu.load(G_s, layout=WGMMA)
+        plgpu.barrier_wait(bar_tail)
+        dq, dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt)
+        dq_g.at[b, rows, h, cols][...] = dq.astype(dtypes[0])
+        dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
+        # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
+        dg = _reverse_cumsum(dG, up_s, halves, C)
+        dg_g.at[b, rows, h, cols][...] = _wg(dg + lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, S), [1]))
+
+    BH = B * H
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
+                jax.ShapeDtypeStruct((B, Tp, H, K), F32)]
+    # ~100 KB at K = 128 (two CTAs per SM): dA_qk (read before the score backward), the score
+    # backward's operands (32-byte swizzle: it contracts over 16-token multiples only) and the tail's
+    # inputs share one region; G and the halves of dG share another.
+    union = plgpu.RefUnion(
+        (smem((C, C), F32, mma=False, **ONE),),
+        (smem((C, C), swizzle=32, **ONE), smem((C, C), swizzle=32, **ONE),
+         *(smem((C, S), swizzle=32, **ONE) for _ in range(4))),
+        (smem((C, S), F32, mma=False, **ONE), smem((C, S), F32, mma=False, **ONE), smem((C, C), **ONE)),
+    )
+    scratch = [
+        smem((C, S), **ONE), smem((C, S), **ONE),
+        plgpu.RefUnion((smem((C, S), F32, mma=False, **ONE),), (smem((C, S), **ONE), smem((C, S), **ONE))),
+        smem((8, S), F32, mma=False, **ONE), smem((5, C), F32, mma=False, **ONE),
+        smem((C, C), **ONE), smem((C, S), **ONE), union,
+        plgpu.Barrier(num_arrivals=8), plgpu.Barrier(num_arrivals=2),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(K // S, n, BH), grid_names=("p", "c", "bh"),
+        kernel_name="kda_prep_bwd_intra", **extra,
+    )
+    return call(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg)
+
+
+def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
+    """Gradients ``(dq, dk, dv, dg, dbeta)`` of :func:`kernel_gpu_intra.prepare_from_index` (chunk 64).
+
+    ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
+    """
+    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
+    dw, du, dqg, dkg, daqk, dd = cts
+    dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16),
+                                interpret=interpret, dv_dtype=v.dtype)
+    dq, dk, dg = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
+                           dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype))
+    return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), dd, d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool):
+    """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
+
+    Residuals are the inputs only: the backward recomputes what it needs (``DESIGN_BWD.md``).
+    """
+    return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
+
+
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret):
+    return prepare_split(q, k, v, g, beta, sidx_f, scale, interpret), (q, k, v, g, beta, sidx_f)
+
+
+def _split_bwd(scale, interpret, res, cts):
+    *primals, sidx_f = res
+    grads = prepare_bwd_split(*primals, sidx_f.astype(jnp.int32), tuple(cts), scale=scale, interpret=interpret)
+    return (*grads, jnp.zeros_like(sidx_f))
+
+
+prepare_split.defvjp(_split_fwd, _split_bwd)
