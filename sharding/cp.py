@@ -2,15 +2,17 @@
 
 KDA (SPEC §2, "Context parallel"), exact and with communication independent of T:
 
-1. each shard scans its tokens once from the state ``[I | 0]`` with values ``[0 | v]``: the
-   delta rule is linear in ``(S, v)``, so the result is ``[M_r | N_r]`` — its transition
-   ``M_r`` (``K×K`` per head, ``pallas_kernels.kda.kda_transition``) and its increment
-   ``N_r`` (``K×V``, ``chunk_kda_state``) in one pass;
+1. each shard runs the chunked KDA from a zero state and, beside it, from the state ``I`` with
+   values 0: the delta rule is linear in ``(S, v)``, so the first gives the local output and the
+   increment ``N_r`` (``K×V``), the second the transition ``M_r`` (``K×K`` per head) and the
+   read-out ``R_t = scale·q_tᵀ Φ_t`` of the state entering token t, with ``o = o_local + R S_r``.
+   Both are ordinary ``chunk_kda`` calls (the Pallas kernel on GPU); with ``K = V`` they run as
+   one call on the batch stacked twice;
 2. all-gather ``(M_r, N_r)`` and each shard's first/last segment id over the sequence axis
    (``B·H·K·(K+V)`` values per shard, whatever T is);
 3. prefix-scan ``S_{r+1} = M_r · reset_r(S_r) + N_r`` in shard order, where ``reset_r`` zeroes
    the state when shard r starts a new document;
-4. rerun the shard's chunked KDA from its true entering state.
+4. add the entering state's contribution ``R_t S_r`` to the local output (no second scan).
 
 The short conv needs the ``W−1`` inputs before the shard: ``ppermute`` them from the previous
 shard. MLA all-gathers the compressed latent ``[c_kv, k_rope]`` (576 values/token for K3),
@@ -29,7 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.kda import causal_conv1d, chunk_kda, chunk_kda_state
+from pallas_kernels.kda import causal_conv1d, chunk_kda
 from sharding.context import ParallelConfig, current
 
 
@@ -74,20 +76,34 @@ def _entering_state(M, N, first, last, axis: str):
     return jnp.stack(entering)[lax.axis_index(axis)]
 
 
-def _kda_body(q, k, v, g, beta, seg, *, axis, shards, scale, chunk_size, implementation):
-    run = functools.partial(chunk_kda, q, k, v, g, beta, scale=scale, segment_ids=seg,
-                            chunk_size=chunk_size, implementation=implementation)
-    if shards == 1:  # rows whole on this device: no state crosses devices
-        return run()[0]
+def _local_and_transition(q, k, v, g, beta, seg, **kw):
+    """``(o_local, N, R, M)``: the shard's KDA from a zero state, and from ``I`` with values 0."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    dt = jnp.promote_types(jnp.result_type(k, v, g, beta), jnp.float32)
-    eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (B, H, K, K))
-    start = jnp.concatenate([eye, jnp.zeros((B, H, K, V), dt)], axis=-1)  # [I | 0]
-    v_ext = jnp.concatenate([jnp.zeros((B, T, H, K), v.dtype), v], axis=-1)  # [0 | v]
-    MN = chunk_kda_state(k, v_ext, g, beta, initial_state=start, segment_ids=seg, chunk_size=chunk_size)
-    S0 = _entering_state(MN[..., :K], MN[..., K:], seg[:, 0], seg[:, -1], axis)
-    return run(initial_state=S0)[0]
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
+    run = functools.partial(chunk_kda, output_final_state=True, **kw)
+    if K != V:
+        o_local, N = run(q, k, v, g, beta, segment_ids=seg)
+        R, M = run(q, k, jnp.zeros_like(k, v.dtype), g, beta, initial_state=eye, segment_ids=seg)
+        return o_local, N, R, M
+    # K = V (K3): one call on the batch stacked twice; also twice the kernel's parallel programs.
+    two = lambda x: jnp.concatenate([x, x], axis=0)
+    s0 = jnp.concatenate([jnp.zeros_like(eye), eye], axis=0)
+    o, S = run(two(q), two(k), jnp.concatenate([v, jnp.zeros_like(v)], axis=0), two(g), two(beta),
+               initial_state=s0, segment_ids=two(seg))
+    return o[:B], S[:B], o[B:], S[B:]
+
+
+def _kda_body(q, k, v, g, beta, seg, *, axis, shards, scale, chunk_size, implementation, gpu_prep_backward):
+    kw = dict(scale=scale, chunk_size=chunk_size, implementation=implementation,
+              gpu_prep_backward=gpu_prep_backward)
+    if shards == 1:  # rows whole on this device: no state crosses devices
+        return chunk_kda(q, k, v, g, beta, segment_ids=seg, **kw)[0]
+    o_local, N, R, M = _local_and_transition(q, k, v, g, beta, seg, **kw)
+    S0 = _entering_state(M, N, seg[:, 0], seg[:, -1], axis)  # [B, H, K, V] fp32
+    dt = jnp.promote_types(R.dtype, jnp.float32)
+    entering = jnp.einsum("BTHK,BHKV->BTHV", R.astype(dt), S0.astype(dt), precision=lax.Precision.HIGHEST)
+    return (o_local.astype(dt) + entering).astype(v.dtype)
 
 
 def chunk_kda_cp(
@@ -101,6 +117,7 @@ def chunk_kda_cp(
     segment_ids: Int[Array, "B T"] | None = None,
     chunk_size: int = 64,
     implementation: str | None = None,
+    gpu_prep_backward: str = "xla",
     ctx: ParallelConfig | None = None,
 ) -> Float[Array, "B T H V"]:
     """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis."""
@@ -112,7 +129,8 @@ def chunk_kda_cp(
     scale = K**-0.5 if scale is None else float(scale)
     head = ctx.spec("batch", "length", "heads", "head_dim")
     body = functools.partial(_kda_body, axis=ctx.sequence_axis, shards=ctx.sequence_size, scale=scale,
-                             chunk_size=chunk_size, implementation=implementation)
+                             chunk_size=chunk_size, implementation=implementation,
+                             gpu_prep_backward=gpu_prep_backward)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=head,
                        in_specs=(head, head, head, head, ctx.spec("batch", "length", "heads"),
                                  ctx.spec("batch", "length")))

@@ -157,7 +157,7 @@ class KDA(nn.Module):
         elif parallel_context() is None:
             o, _ = chunk_kda(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
-            o = chunk_kda_cp(*kda_args, **kda_kwargs)
+            o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
         gate = jax.nn.sigmoid(self._output_gate(x).astype(cfg.fp32_dtype))
         o = (o * gate).astype(dt)  # [B, T, H, K]

@@ -1,0 +1,42 @@
+"""The sharded train step's pieces on 8 fake CPU devices (tests/sharding/scaling_worker.py)."""
+
+import pytest
+
+from tests.sharding.multidevice import run_worker
+from tests.tolerances import F32_RTOL
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_worker("tests.sharding.scaling_worker")
+
+
+@pytest.mark.parametrize("mesh", ["ce_data_expert", "ce_sequence"])
+def test_head_ce_sharded_matches_unsharded(results, mesh):
+    r = results[mesh]
+    assert r["loss"] <= F32_RTOL and r["grad"] <= F32_RTOL, r
+
+
+@pytest.mark.parametrize("mesh", ["ce_data_expert", "ce_sequence"])
+def test_head_ce_sharded_gathers_no_features(results, mesh):
+    assert results[mesh]["all_gathers"] == [], results[mesh]
+
+
+def test_head_ce_sharded_bad_batch_names_sizes(results):
+    msg = results["ce_data_expert"]["err"]
+    assert msg and "features.shape=(3," in msg and "8" in msg, msg
+
+
+def test_kda_cp_with_k_not_v_matches_unsplit(results):
+    r = results["kda_k_ne_v"]
+    assert r["fwd"] <= F32_RTOL and r["grad"] <= F32_RTOL, r
+
+
+def test_ep_backward_has_no_float_scatter(results):
+    assert results["ep_hlo"]["float_scatters"] == [], results["ep_hlo"]
+
+
+def test_ep_cond_carries_no_gather_fallback_residuals(results):
+    r = results["ep_hlo"]
+    assert r["gather_rows"] > r["a2a_rows"], r  # the check can tell the two paths apart
+    assert r["cond_max_rows"] < r["gather_rows"], r
