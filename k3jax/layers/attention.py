@@ -7,8 +7,9 @@ always runs the XLA attention; ``"pallas"`` the kernel, or a ValueError at trace
 kernel takes bf16 matmul operands with fp32 softmax and outputs (SPEC §10), the rope key once
 per token (not per head), and returns the exact ``max_logit`` (QK-Clip, SPEC §7).
 
-Context parallel and decode keep their own paths. Under a data/tensor-parallel mesh the kernel
-runs per shard (``shard_map`` over batch and heads; attention never mixes either).
+Under a data/tensor-parallel mesh the kernel runs per shard (``shard_map`` over batch and heads;
+attention never mixes either). Context parallel runs the same kernel with each shard's query
+offset (:mod:`sharding.cp_attention`, called by the layer); decode keeps its own path.
 """
 
 from __future__ import annotations
@@ -32,17 +33,12 @@ def _shards(ctx: ParallelConfig, logical: str) -> int:
 
 
 def use_flash(implementation: str | None, dtype, batch: int, heads: int) -> bool:
-    """Whether MLA's non-cached, non-context-parallel attention runs the flash kernel."""
+    """Whether MLA's non-cached attention runs the flash kernel (context parallel included)."""
     if resolve_implementation(implementation, dtype) == "xla":
         return False
     ctx = parallel_context()
-    if ctx is None:
+    if ctx is None or ctx.sequence_parallel:  # context parallel: heads stay whole, batch is checked there
         return True
-    if ctx.sequence_parallel:
-        if implementation == "pallas":
-            raise ValueError("attention_implementation='pallas' does not cover context parallel (sharding/cp.py "
-                             "runs the XLA attention); use None or 'xla'")
-        return False
     fits = batch % _shards(ctx, "batch") == 0 and heads % _shards(ctx, "heads") == 0
     if not fits and implementation == "pallas":
         raise ValueError(f"attention_implementation='pallas' needs batch B={batch} and heads H={heads} divisible "

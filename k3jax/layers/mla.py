@@ -29,7 +29,7 @@ from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
 from sharding import current as parallel_context
-from sharding.cp import mla_attention_cp
+from sharding.cp_attention import mla_attention_cp
 
 # Query rows per attention block when T is long: bounds the [B,H,C,T] logits in memory.
 QUERY_BLOCK = 512
@@ -138,15 +138,15 @@ class MLA(nn.Module):
         return c, k_rope, kv_b
 
     def _attend_cp(self, q, c, k_rope, kv_b, segment_ids, scale):
-        """Sequence-parallel attention: shards all-gather only ``[c, k_rope]`` (sharding/cp.py)."""
-        if self.cfg.mla.attention_implementation == "pallas":
-            raise ValueError("attention_implementation='pallas' does not cover context parallel (sharding/cp.py "
-                             "runs the XLA attention); use None or 'xla'")
+        """Sequence-parallel attention: shards all-gather only ``[c, k_rope]`` and run the flash
+        kernel where ``use_flash`` says so, else the XLA attention (sharding/cp_attention.py)."""
+        m, dt = self.cfg.mla, self.cfg.compute_dtype
+        flash = attention_lib.use_flash(m.attention_implementation, dt, q.shape[0], q.shape[2])
         kv_b(c[:, :0])  # creates or binds the kernel; each shard expands the gathered latent itself
-        kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(self.cfg.compute_dtype)
-        return mla_attention_cp(q, c.astype(self.cfg.compute_dtype), k_rope[:, :, 0], kernel, scale=scale,
-                                nope_dim=self.cfg.mla.qk_nope_head_dim, segment_ids=segment_ids,
-                                attend=causal_attention)
+        kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(dt)
+        return mla_attention_cp(q, c.astype(dt), k_rope[:, :, 0], kernel, scale=scale, nope_dim=m.qk_nope_head_dim,
+                                segment_ids=segment_ids, attend=causal_attention,
+                                implementation="pallas" if flash else "xla")
 
     def _attend_cached(self, q, c, k_rope, kv_b, cache, scale):
         """Absorbed decode attention (SPEC §3): write ``[c, k_r]`` at each row's length, then

@@ -91,6 +91,34 @@ def cuda_lowering(mesh, seg, args, balanced):
     return {"kernels": sorted(kernels), "collectives": {c: collectives.count(c) for c in set(collectives)}}
 
 
+def mla_layer(mesh):
+    """The MLA layer (tiny(), bf16, flash forced and interpreted) under a sequence mesh against the
+    same layer unsharded: output, max_logit and parameter gradients."""
+    import functools
+
+    from k3jax.layers import attention as attention_lib
+    from k3jax.layers import mla as mla_lib
+    from tests.k3jax.test_attention import _mla_cfg, _run, _setup
+
+    attention_lib.use_flash = lambda *a: True  # "pallas" on CPU: the interpreter below stands in
+    attention_lib.flash_attention = functools.partial(attention_lib.flash_attention, interpret=True)
+    paths = []
+
+    def interpreted_cp(*args, **kwargs):
+        paths.append(kwargs["implementation"])
+        return mla_attention_cp(*args, **kwargs, interpret=True)
+
+    mla_lib.mla_attention_cp = interpreted_cp
+    cfg = _mla_cfg("pallas")
+    x, params, seg = _setup(cfg, B, T, packed=True)
+    want = jax.jit(functools.partial(_run, cfg))(params, x, seg)
+    with use_mesh(mesh):
+        got = jax.jit(functools.partial(_run, cfg))(params, x, seg)
+    errors = [rel_rmse(a.astype(jnp.float32), b.astype(jnp.float32))
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    return {"y": errors[0], "max_logit": errors[1], "grads": max(errors[2:]), "paths": sorted(set(paths))}
+
+
 def main():
     seg, args = _segments(), _inputs()
     wide = [a.astype(jnp.float32) for a in args]
@@ -106,6 +134,7 @@ def main():
     out["seq4_xla"] = check(seq4, seg, wide, {"flash": refs["ref"], "ref": refs["ref"]})
     out["lower_balanced"] = cuda_lowering(seq4, seg, args, None)
     out["lower_unbalanced"] = cuda_lowering(seq4, seg, args, False)
+    out["mla_layer_seq4"] = mla_layer(seq4)
     cut = [a[:, :40] for a in args[:3]] + [args[3]]  # 40 tokens: 5 per shard, not two equal halves
     with use_mesh(make_mesh(data=1, sequence=8)):
         out["err_balanced"] = value_error(lambda: mla_attention_cp(
