@@ -4,9 +4,13 @@ Same math as :mod:`kernel_gpu_prep_bwd` (its docstring has the derivation), cut 
 stops needing all K channels of a chunk at once (plan: ``DESIGN_BWD.md``):
 
 A. ``kda_prep_bwd_wy``, one CTA per chunk: recompute ``S_kk`` and ``T = (I + L)^{-1}`` as the
-   forward does; ``dX = T^T dW``, ``dY = T^T dU``, ``dL = -(dX W^T + dY U^T)`` (strictly lower, same
-   document); writes ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's
-   upstream matrix) and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel).
+   forward does; ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -T^T Z T^T`` with
+   ``Z = dW X^T + dU Y^T`` (strictly lower, same document; no ``W, U`` recompute, and hi/lo ``T``
+   on both sides, which is closer to fp32 than the one-kernel version's bf16 ``W, U``); writes
+   ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's upstream matrix)
+   and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel). ~101 KB of shared memory
+   at K = V = 128 (G's memory goes to the inverse once ``X / beta`` is formed; dW, dU arrive after
+   the inverse, in its memory), so two CTAs share an SM.
 B. ``kda_prep_bwd_intra``, one CTA per (64-channel slab, chunk): every remaining term is per channel:
    the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG, and the
    in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
@@ -55,6 +59,35 @@ def _masks(col_vec, row_vec, vec_s, C):
     return ri, cj, (cj < ri) & same, (cj <= ri) & same
 
 
+def _three(acc, a_hi, a_lo, b_hi, b_lo):
+    """``a @ b`` into ``acc`` from hi/lo bf16 halves (the lo*lo term is below fp32)."""
+    return _chain(acc, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)])
+
+
+def _wy_grads(t_inv, bufs, x_s, v_s, dw_s, du_s, beta_c, shapes):
+    """``(dX, dY, dL)`` from ``T``: ``dX = T^T dW``, ``dY = T^T dU``, ``dL = -T^T Z T^T`` unmasked.
+
+    ``Z = dW X^T + dU Y^T = (dW X'^T + dU v^T) diag(beta)`` with ``X' = X / beta`` in ``x_s``, so
+    neither ``W, U`` nor ``beta``-scaled operands are recomputed; ``bufs`` = (T hi, T lo, and two
+    hi/lo pairs for ``Z`` and ``T^T Z``, which may share memory with dW, dU).
+    """
+    th, tl, zh, zl, yh, yl = bufs
+    C = t_inv.shape[0]
+    th[...], tl[...] = _split(t_inv)
+    plgpu.commit_smem()
+    dx, dy = _pair([(T(th), dw_s), (T(tl), dw_s)], [(T(th), du_s), (T(tl), du_s)], shapes)
+    acc = lambda: plgpu.ACC((C, C), F32)
+    z = pl.run_scoped(lambda a: _chain(a, [(dw_s, T(x_s)), (du_s, T(v_s))]), acc()) * beta_c
+    plgpu.commit_smem()  # every wgmma reading dW, dU is done (its result is read): Z's halves may overwrite them
+    zh[...], zl[...] = _split(_wg(z))
+    plgpu.commit_smem()
+    y = pl.run_scoped(lambda a: _three(a, T(th), T(tl), zh, zl), acc())
+    yh[...], yl[...] = _split(_wg(y))
+    plgpu.commit_smem()
+    d_l = pl.run_scoped(lambda a: _three(a, yh, yl, T(th), T(tl)), acc())
+    return dx, dy, d_l
+
+
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
 @functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
 def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
@@ -68,56 +101,52 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     n = Tp // C
 
     def kernel(k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
-               k_s, v_s, G_s, anc_s, vec_s, dw_s, du_s, union, bar):
-        score_bufs, inv_bufs, (th, tl, xw_s, yu_s) = union
+               k_s, v_s, anc_s, vec_s, union, bar, bar_d):
+        (G_s, *score_bufs), inv_bufs, (th, tl, dw_s, du_s), (_, _, *dl_bufs) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
-                         (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s),
-                         (dw_g.at[bh, rows], dw_s), (du_g.at[bh, rows], du_s)):
+                         (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
         col_vec, row_vec = _vec_loaders(vec_s, C)
-        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
         ri, cj, strict, _ = _masks(col_vec, row_vec, vec_s, C)
-
-        anchor = lambda t: col_vec(anc_s.at[t], K)
-        s_kk = _wg(jnp.where(strict, _scores_kk(load(G_s), k_s, anchor, score_bufs), 0.0))
+        G = plgpu.load(G_s, layout=WGMMA)
+        s_kk = _wg(jnp.where(strict, _scores_kk(G, k_s, lambda t: col_vec(anc_s.at[t], K), score_bufs), 0.0))
+        # k becomes X' = fresh k e^G (X = beta X'), the only use of G: G's memory goes to the inverse.
+        k_s[...] = _wg((row_vec(FRESH, K) * plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
+        plgpu.commit_smem()
         t_inv = _unit_lower_inverse(_wg(-row_vec(BETA, C) * s_kk), ri, cj, inv_bufs)
-        th[...], tl[...] = _split(t_inv)
-        eg_k = row_vec(FRESH, K) * load(k_s) * jnp.exp(load(G_s))  # X / beta
-        xw_s[...] = _wg((row_vec(BETA, K) * eg_k).astype(BF16))
-        yu_s[...] = _wg((row_vec(BETA, V) * load(v_s)).astype(BF16))
-        plgpu.commit_smem()
-        w, u = _pair([(th, xw_s), (tl, xw_s)], [(th, yu_s), (tl, yu_s)], ((C, K), (C, V)))
-        dx, dy = _pair([(T(th), dw_s), (T(tl), dw_s)], [(T(th), du_s), (T(tl), du_s)], ((C, K), (C, V)))
-        xw_s[...], yu_s[...] = _wg(w.astype(BF16)), _wg(u.astype(BF16))
-        dw_s[...], du_s[...] = _wg(dx.astype(BF16)), _wg(dy.astype(BF16))
+        # dW, dU land in the inverse's memory (after T's halves), now that its last product is read.
+        plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
+        plgpu.copy_gmem_to_smem(du_g.at[bh, rows], du_s, bar_d)
+        plgpu.barrier_wait(bar_d)
+        dx, dy, d_l = _wy_grads(t_inv, (th, tl, *dl_bufs), k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C),
+                                ((C, K), (C, V)))
+        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
         dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
-        dbeta = jnp.sum(dy * load(v_s), axis=1) + jnp.sum(dx * eg_k, axis=1)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dw_s, dx_g.at[bh, rows])  # dX leaves in bf16, as the one-kernel version reads it
-        d_l = pl.run_scoped(lambda acc: _chain(acc, [(dw_s, T(xw_s)), (du_s, T(yu_s))]), plgpu.ACC((C, C), F32))
+        dx_g.at[bh, rows][...] = _wg(dx.astype(BF16))  # in bf16, as the one-kernel version reads it
         d_l = _wg(jnp.where(strict, -d_l, 0.0))
-        db_g.at[bh, rows][...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
+        dbeta = jnp.sum(dy * load(v_s), axis=1) + jnp.sum(dx * load(k_s), axis=1) + jnp.sum(d_l * s_kk, axis=1)
+        db_g.at[bh, rows][...] = dbeta
         mkk_g.at[bh, rows][...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
-        plgpu.wait_smem_to_gmem(0)
 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
     cc = lambda: smem((C, C), **ONE)
-    # The score recompute, the inverse and the WY products have disjoint lifetimes: one region.
+    # ~101 KB at K = V = 128, so two CTAs share an SM: G with the score recompute, the inverse, and
+    # then T's halves (the first two buffers of both later groups) with dW, dU or the dL products.
     union = plgpu.RefUnion(
-        (smem((C, K), **ONE), smem((C, K), **ONE)),
+        (smem((C, K), F32, mma=False, **ONE), smem((C, K), **ONE), smem((C, K), **ONE)),
         tuple(cc() for _ in range(6)),
         (cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
+        (cc(), cc(), cc(), cc(), cc(), cc()),
     )
     scratch = [
-        smem((C, K), **ONE), smem((C, V), **ONE), smem((C, K), F32, mma=False, **ONE),
-        smem((8, K), F32, mma=False, **ONE), smem((5, C), F32, mma=False, **ONE),
-        smem((C, K), **ONE), smem((C, V), **ONE), union, plgpu.Barrier(num_arrivals=7),
+        smem((C, K), **ONE), smem((C, V), **ONE), smem((8, K), F32, mma=False, **ONE),
+        smem((5, C), F32, mma=False, **ONE), union, plgpu.Barrier(num_arrivals=5), plgpu.Barrier(num_arrivals=2),
     ]
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
