@@ -19,9 +19,10 @@ from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 B, H, N, R, V = 2, 2, 16, 8, 16
 
 
-def _inputs(T, S, seed=0):
+def _inputs(T, S, seed=0, dims=(H, N, R, V)):
+    h, n, r, v = dims
     ks = jax.random.split(jax.random.key(seed), 6)
-    shapes = [(B, T, H, N), (B, T, H, R), (B, S, H, N), (B, S, R), (B, S, H, V), (B, T, H, V)]
+    shapes = [(B, T, h, n), (B, T, h, r), (B, S, h, n), (B, S, r), (B, S, h, v), (B, T, h, v)]
     qn, qr, kn, kr, v, w = (jax.random.normal(k, s, jnp.float32) for k, s in zip(ks, shapes))
     return [x.astype(jnp.bfloat16) for x in (qn, qr, kn, kr, v)], w
 
@@ -34,10 +35,10 @@ def _key_segments(S, q_start):
     return jnp.asarray(np.stack([row0, np.zeros(S, np.int32)]))
 
 
-def _run(args, k_seg, q_start, implementation, T):
+def _run(args, k_seg, q_start, implementation, T, interpret=True, blocks=SMALL_BLOCKS, scale=0.3):
     q_seg = jax.lax.dynamic_slice_in_dim(k_seg, q_start, T, axis=1)
-    return mla_attention(*args, q_seg, scale=0.3, implementation=implementation, interpret=True,
-                         blocks=SMALL_BLOCKS, q_start=q_start, key_segment_ids=k_seg)
+    return mla_attention(*args, q_seg, scale=scale, implementation=implementation, interpret=interpret,
+                         blocks=blocks, q_start=q_start, key_segment_ids=k_seg)
 
 
 def _fwd_grads(fn, args, w):
@@ -45,20 +46,30 @@ def _fwd_grads(fn, args, w):
     return o, mx, vjp((w, jnp.zeros_like(mx)))
 
 
-@pytest.mark.parametrize("T,S,q_start", [(32, 96, 40), (24, 64, 17), (8, 40, 30), (32, 32, 0), (16, 64, 0)])
-def test_offset_kernel_matches_reference(T, S, q_start):
-    args, w = _inputs(T, S)
+def _check(T, S, q_start, dims=(H, N, R, V), **kw):
+    args, w = _inputs(T, S, dims=dims)
     k_seg = _key_segments(S, q_start)
     # A traced offset, as context parallel's lax.axis_index gives it.
-    kernel = jax.jit(lambda start, *a: _run(a, k_seg, start, "pallas", T))
+    kernel = jax.jit(lambda start, *a: _run(a, k_seg, start, "pallas", T, **kw))
     o, mx, grads = _fwd_grads(lambda *a: kernel(jnp.int32(q_start), *a), args, w)
-    ro, rmx, ref_grads = _fwd_grads(lambda *a: _run(a, k_seg, q_start, "xla", T), args, w)
-    assert o.dtype == jnp.float32 and o.shape == (B, T, H, V)
+    ro, rmx, ref_grads = _fwd_grads(lambda *a: _run(a, k_seg, q_start, "xla", T, **kw), args, w)
+    assert o.dtype == jnp.float32 and o.shape == w.shape
     assert rel_rmse(o, ro) <= BF16_FWD_RTOL
     assert rel_rmse(mx, rmx) <= F32_RTOL
     for name, g, rg in zip(("q_nope", "q_rope", "k_nope", "k_rope", "v"), grads, ref_grads):
         assert g.dtype == jnp.bfloat16 and g.shape == rg.shape, name
         assert rel_rmse(g, rg) <= BF16_GRAD_RTOL, name
+
+
+@pytest.mark.parametrize("T,S,q_start", [(32, 96, 40), (24, 64, 17), (8, 40, 30), (32, 32, 0), (16, 64, 0)])
+def test_offset_kernel_matches_reference(T, S, q_start):
+    _check(T, S, q_start)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S,q_start", [(1024, 4096, 1000), (512, 2048, 1536), (300, 1024, 77)])
+def test_compiled_offset_kernel_matches_reference(T, S, q_start):
+    _check(T, S, q_start, dims=(4, 128, 64, 128), interpret=False, blocks=None, scale=192 ** -0.5)
 
 
 def test_key_blocks_past_the_diagonal_are_never_read():
