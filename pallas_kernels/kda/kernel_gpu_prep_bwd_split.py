@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _kernel_inputs, _pair, _split,
-    _unit_lower_inverse, _wg, prepare_fused,
+    _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd import _scores_bwd, _scores_kk, finish_grads
 from pallas_kernels.kda.kernel_gpu_util import T, smem
@@ -272,7 +272,15 @@ def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: b
 
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
     """
-    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
+    _, _, _, *inputs = _kernel_inputs(q, k, v, g, beta, sidx)
+    return _grads(q, k, v, g, beta, inputs, cts, scale=scale, interpret=interpret)
+
+
+def _grads(q, k, v, g, beta, inputs, cts, *, scale: float, interpret: bool):
+    """:func:`prepare_bwd_split` from the kernel inputs ``(G, anchors, vecs, d)``; g only gives its dtype."""
+    G, anchors, vecs, d = inputs
+    pad = G.shape[1] - q.shape[1]
+    qh, kh, vh = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]).astype(BF16) for x in (q, k, v))
     dw, du, dqg, dkg, daqk, dd = cts
     dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16),
                                 interpret=interpret, dv_dtype=v.dtype)
@@ -285,18 +293,23 @@ def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: b
 def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
-    Residuals are the inputs only: the backward recomputes what it needs (``DESIGN_BWD.md``).
+    The residuals are the inputs and the kernel inputs built from them (the chunk cumsum G, its
+    anchors, the per-token vectors and d), so the backward rebuilds none of them; g itself is not
+    kept (G replaces it), only its dtype.
     """
     return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
 
 
 def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret):
-    return prepare_split(q, k, v, g, beta, sidx_f, scale, interpret), (q, k, v, g, beta, sidx_f)
+    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
+    outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret)
+    g_dtype = jnp.zeros((0,), g.dtype)
+    return (*(x.astype(F32) for x in outs), d), (q, k, v, g_dtype, beta, sidx_f, (G, anchors, vecs, d))
 
 
 def _split_bwd(scale, interpret, res, cts):
-    *primals, sidx_f = res
-    grads = prepare_bwd_split(*primals, sidx_f.astype(jnp.int32), tuple(cts), scale=scale, interpret=interpret)
+    q, k, v, g_dtype, beta, sidx_f, inputs = res
+    grads = _grads(q, k, v, g_dtype, beta, inputs, tuple(cts), scale=scale, interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))
 
 
