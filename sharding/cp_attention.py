@@ -53,7 +53,7 @@ def _gather_keys(c, k_rope, kv_b, seg, *, axis, nope_dim):
 
 def _flash_body(q, c, k_rope, kv_b, seg, *, axis, shards, batch_axes, scale, nope_dim, balanced, interpret,
                 blocks):
-    B, Tl = q.shape[:2]
+    Tl = q.shape[1]
     dt = c.dtype  # the kernel's operand dtype (bf16/f16)
     k_nope, k_r, v, seg_all = _gather_keys(c, k_rope.astype(dt), kv_b, seg, axis=axis, nope_dim=nope_dim)
     q = q.astype(dt)
@@ -83,7 +83,7 @@ def _flash_body(q, c, k_rope, kv_b, seg, *, axis, shards, batch_axes, scale, nop
 
 
 def _xla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, attend):
-    B, Tl, H, _ = q.shape
+    Tl = q.shape[1]
     k_nope, k_r, v, seg_all = _gather_keys(c, k_rope, kv_b, seg, axis=axis, nope_dim=nope_dim)
     start = lax.axis_index(axis) * Tl
     wide = q.dtype
@@ -102,11 +102,13 @@ def _xla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, att
 
 
 def _use_balanced(balanced: bool | None, length: int, shards: int) -> bool:
-    divisible = length % (2 * shards) == 0
+    if shards == 1 or balanced is False:
+        return False
+    divisible = length % (2 * shards) == 0  # two equal query halves per shard
     if balanced and not divisible:
         raise ValueError(f"mla_attention_cp: balanced=True needs T={length} divisible by 2 × sequence shards "
                          f"= {2 * shards}")
-    return shards > 1 and divisible if balanced is None else bool(balanced) and shards > 1
+    return divisible
 
 
 def mla_attention_cp(
