@@ -64,18 +64,20 @@ def _three(acc, a_hi, a_lo, b_hi, b_lo):
     return _chain(acc, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)])
 
 
-def _wy_grads(t_inv, bufs, x_s, v_s, dw_s, du_s, beta_c, shapes):
-    """``(dX, dY, dL)`` from ``T``: ``dX = T^T dW``, ``dY = T^T dU``, ``dL = -T^T Z T^T`` unmasked.
+def _t_transpose_times(th, tl, rhs_s, shape):
+    """``T^T rhs`` with ``T`` from its hi/lo halves."""
+    return pl.run_scoped(lambda acc: _chain(acc, [(T(th), rhs_s), (T(tl), rhs_s)]), plgpu.ACC(shape, F32))
 
-    ``Z = dW X^T + dU Y^T = (dW X'^T + dU v^T) diag(beta)`` with ``X' = X / beta`` in ``x_s``, so
-    neither ``W, U`` nor ``beta``-scaled operands are recomputed; ``bufs`` = (T hi, T lo, and two
-    hi/lo pairs for ``Z`` and ``T^T Z``, which may share memory with dW, dU).
+
+def _inverse_grad(th, tl, bufs, x_s, v_s, dw_s, du_s, beta_c):
+    """``T^T Z T^T`` (unmasked; ``dL`` is its negative) with ``Z = dW X^T + dU Y^T``.
+
+    ``Z = (dW X'^T + dU v^T) diag(beta)`` with ``X' = X / beta`` in ``x_s``, so neither ``W, U``
+    nor ``beta``-scaled operands are recomputed. ``bufs``: two hi/lo pairs (for ``Z`` and
+    ``T^T Z``), which may share memory with dW, dU.
     """
-    th, tl, zh, zl, yh, yl = bufs
-    C = t_inv.shape[0]
-    th[...], tl[...] = _split(t_inv)
-    plgpu.commit_smem()
-    dx, dy = _pair([(T(th), dw_s), (T(tl), dw_s)], [(T(th), du_s), (T(tl), du_s)], shapes)
+    zh, zl, yh, yl = bufs
+    C = th.shape[0]
     acc = lambda: plgpu.ACC((C, C), F32)
     z = pl.run_scoped(lambda a: _chain(a, [(dw_s, T(x_s)), (du_s, T(v_s))]), acc()) * beta_c
     plgpu.commit_smem()  # every wgmma reading dW, dU is done (its result is read): Z's halves may overwrite them
@@ -84,8 +86,7 @@ def _wy_grads(t_inv, bufs, x_s, v_s, dw_s, du_s, beta_c, shapes):
     y = pl.run_scoped(lambda a: _three(a, T(th), T(tl), zh, zl), acc())
     yh[...], yl[...] = _split(_wg(y))
     plgpu.commit_smem()
-    d_l = pl.run_scoped(lambda a: _three(a, yh, yl, T(th), T(tl)), acc())
-    return dx, dy, d_l
+    return pl.run_scoped(lambda a: _three(a, yh, yl, T(th), T(tl)), acc())
 
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
@@ -121,15 +122,20 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
         # dW, dU land in the inverse's memory (after T's halves), now that its last product is read.
         plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
         plgpu.copy_gmem_to_smem(du_g.at[bh, rows], du_s, bar_d)
+        th[...], tl[...] = _split(t_inv)
+        plgpu.commit_smem()
         plgpu.barrier_wait(bar_d)
-        dx, dy, d_l = _wy_grads(t_inv, (th, tl, *dl_bufs), k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C),
-                                ((C, K), (C, V)))
+        # dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
         load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-        dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
+        dx = _t_transpose_times(th, tl, dw_s, (C, K))
         dx_g.at[bh, rows][...] = _wg(dx.astype(BF16))  # in bf16, as the one-kernel version reads it
+        dbeta = jnp.sum(dx * load(k_s), axis=1)
+        dy = _t_transpose_times(th, tl, du_s, (C, V))
+        dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
+        dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
+        d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
         d_l = _wg(jnp.where(strict, -d_l, 0.0))
-        dbeta = jnp.sum(dy * load(v_s), axis=1) + jnp.sum(dx * load(k_s), axis=1) + jnp.sum(d_l * s_kk, axis=1)
-        db_g.at[bh, rows][...] = dbeta
+        db_g.at[bh, rows][...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
         mkk_g.at[bh, rows][...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
 
     BH = B * H
@@ -171,10 +177,11 @@ def _reverse_cumsum(dG, up_s, halves, C):
     return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
 
 
-def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt):
-    """``(dq, dk, dG)`` of one slab from the score backward's accumulators and the direct terms.
+def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out):
+    """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
+    dq goes to ``dq_out(dq)`` as soon as it is formed.
 
-    Each term is folded in as soon as it is formed, to keep few [C, S] arrays live.
+    The terms are ordered so that each [C, S] array dies as early as it can (at most ~6 live).
     """
     acc_q, acc_kr, acc_kc = accs
     C, S = G.shape
@@ -183,16 +190,18 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
     own = anchor(0)
     for s in range(1, nt):
         own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
-    eg, e_own = jnp.exp(G), jnp.exp(G - own)
-    dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
     dk_c = acc_kc * jnp.exp(own - G)  # enters dG with a minus sign: its factor is e^{-G_j}
+    e_own, eg = jnp.exp(G - own), jnp.exp(G)
+    dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
+    dq_out(dq)
+    dG = load(q_s) * dq
     dk_x = e_own * acc_kr + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
     k = load(k_s)
-    dG = load(q_s) * dq + k * (dk_x - dk_c)
+    dG = dG + k * (dk_x - dk_c)
     kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
     dkg = load(dkg_s)
     dkg_kg = dkg * k * kg_f
-    return dq, dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
+    return dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
 
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
@@ -233,8 +242,11 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows, cols], dkg_s, bar_tail)
         G = plgpu.load(G_s, layout=WGMMA)
         plgpu.barrier_wait(bar_tail)
-        dq, dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt)
-        dq_g.at[b, rows, h, cols][...] = dq.astype(dtypes[0])
+
+        def dq_out(dq):
+            dq_g.at[b, rows, h, cols][...] = dq.astype(dtypes[0])
+
+        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out)
         dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
         # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
         dg = _reverse_cumsum(dG, up_s, halves, C)
