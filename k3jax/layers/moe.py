@@ -13,9 +13,12 @@ The balancing bias is the variable ``balance/bias [E]``; the statistics Quantile
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from k3jax import balance
@@ -41,6 +44,37 @@ def route(scores: Float[Array, "T E"], bias: Float[Array, "E"], top_k: int, *, r
     return ids, weights * scaling
 
 
+def _route_and_stats(cfg: ModelConfig, scores, bias, with_stats: bool, token_axes=None):
+    m = cfg.moe
+    stats = {}
+    if with_stats:
+        stats = balance.step_statistics(cfg.balance, jax.lax.stop_gradient(scores), bias, m.top_k)
+        if token_axes:  # counts add over the devices' tokens; margins stay per token
+            stats = {n: v if n == "margins" else jax.lax.psum(v, token_axes) for n, v in stats.items()}
+    ids, weights = route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+    return ids, weights, stats
+
+
+def _route_tokens(cfg: ModelConfig, scores: Float[Array, "T E"], bias: Float[Array, "E"], with_stats: bool):
+    """``route`` and the QB statistics, on each device's own tokens when on a mesh.
+
+    XLA's SPMD partitioner does not split the TopK custom call over a sharded token axis: under
+    plain jit it all-gathers the ``[T, E]`` scores and routes every token of the mesh on every
+    device. Inside ``shard_map`` each device routes its tokens; the counts are psum-ed.
+    """
+    ctx = parallel_context()
+    if ctx is None:
+        return _route_and_stats(cfg, scores, bias, with_stats)
+    tok = P(ctx.token_axes or None, None)
+    stat_specs = {}
+    if with_stats:
+        shapes = jax.eval_shape(lambda s, b: balance.step_statistics(cfg.balance, s, b, cfg.moe.top_k), scores, bias)
+        stat_specs = {n: tok if n == "margins" else P() for n in shapes}
+    body = functools.partial(_route_and_stats, cfg, with_stats=with_stats, token_axes=ctx.token_axes)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=(tok, P()), out_specs=(tok, tok, stat_specs))
+    return fn(scores, bias)
+
+
 class MoE(nn.Module):
     """Router + routed experts (latent or full width) + fused shared experts."""
 
@@ -54,11 +88,11 @@ class MoE(nn.Module):
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
-        if not self.is_initializing():  # variables hold params and balance only
-            stats = balance.step_statistics(cfg.balance, jax.lax.stop_gradient(scores), bias, m.top_k)
-            for name, value in stats.items():
-                self.sow("stats", name, value)
-        return route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+        with_stats = not self.is_initializing()  # variables hold params and balance only
+        ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
+        for name, value in stats.items():
+            self.sow("stats", name, value)
+        return ids, weights
 
     def _experts(self, u: Float[Array, "T L"], ids, weights) -> Float[Array, "T L"]:
         cfg, m = self.cfg, self.cfg.moe

@@ -4,7 +4,9 @@
   the features (each computes the head only for its own tokens);
 - context-parallel KDA with ``K != V`` (two ``chunk_kda`` calls per shard) equals the unsplit op;
 - the EP a2a path's backward has no floating-point scatter, and its cond carries no residual of
-  the gather fallback.
+  the gather fallback;
+- the MoE layer on a data × expert mesh routes (TopK) only its own tokens on each device and
+  sums the QB statistics to the single-device ones.
 """
 
 import re
@@ -92,12 +94,38 @@ def check_ep_hlo(mesh, E=16, k=4, L=16, F=12, N=128, reserve=1.0):
             "gather_rows": ctx.expert_size * n_local * k}
 
 
+def check_moe_routing(mesh, B=8, T=16):
+    """tiny()'s MoE on the mesh vs one device: output, QB statistics, and TopK on local tokens only."""
+    import flax.linen as nn
+
+    from k3jax.config import preset
+    from k3jax.layers.moe import MoE
+
+    cfg = preset("tiny")
+    x = jax.random.normal(jax.random.PRNGKey(4), (B, T, cfg.hidden))
+    variables = nn.unbox(MoE(cfg).init(jax.random.PRNGKey(5), x))
+    apply = lambda v, x: MoE(cfg).apply(v, x, mutable=["stats"])
+    y_ref, s_ref = apply(variables, x)
+    with use_mesh(mesh) as ctx:
+        x_in = jax.device_put(x, ctx.sharding("batch", "length", None))
+        fn = jax.jit(apply)
+        y, stats = fn(variables, x_in)
+        text = fn.lower(variables, x_in).compile().as_text()
+        shards = ctx.expert_size * ctx.axis_size("data")
+    topk_rows = sorted({int(r) for r in re.findall(r"= \((?:f|bf)\d+\[(\d+),\d+\]\S* [^)]*\) custom-call\([^)]*\), "
+                                                    r"custom_call_target=\"TopK\"", text)})
+    same = {n: bool(jnp.array_equal(stats["stats"][n][0], s_ref["stats"][n][0]))
+            for n in ("loads", "hist") if n in s_ref["stats"]}
+    return {"fwd": rel_rmse(y, y_ref), "stats_equal": same, "topk_rows": topk_rows, "local_tokens": B * T // shards}
+
+
 def main():
     out = {
         "ce_data_expert": check_head_ce(make_mesh(data=2, expert=4)),
         "ce_sequence": check_head_ce(make_mesh(data=2, sequence=4)),
         "kda_k_ne_v": check_kda_k_ne_v(make_mesh(data=2, sequence=4)),
         "ep_hlo": check_ep_hlo(make_mesh(data=2, expert=4)),
+        "moe_routing": check_moe_routing(make_mesh(data=2, expert=4)),
     }
     emit(out)
 

@@ -40,3 +40,10 @@ def test_ep_cond_carries_no_gather_fallback_residuals(results):
     r = results["ep_hlo"]
     assert r["gather_rows"] > r["a2a_rows"], r  # the check can tell the two paths apart
     assert r["cond_max_rows"] < r["gather_rows"], r
+
+
+def test_moe_routes_local_tokens_and_sums_statistics(results):
+    r = results["moe_routing"]
+    assert r["fwd"] <= F32_RTOL, r
+    assert r["stats_equal"] and all(r["stats_equal"].values()), r
+    assert r["topk_rows"] == [r["local_tokens"]], r
