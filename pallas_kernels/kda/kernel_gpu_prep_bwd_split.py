@@ -8,13 +8,13 @@ A. ``kda_prep_bwd_wy``, one CTA per chunk: recompute ``S_kk`` and ``T = (I + L)^
    ``Z = dW X^T + dU Y^T`` (strictly lower, same document; no ``W, U`` recompute, and hi/lo ``T``
    on both sides, which is closer to fp32 than the one-kernel version's bf16 ``W, U``); writes
    ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's upstream matrix)
-   and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel). ~101 KB of shared memory
+   and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel). 104 KiB of shared memory
    at K = V = 128 (G's memory goes to the inverse once ``X / beta`` is formed; dW, dU arrive after
    the inverse, in its memory), so two CTAs share an SM.
 B. ``kda_prep_bwd_intra``, one CTA per (64-channel slab, chunk): every remaining term is per channel:
    the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG, and the
    in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
-   shared memory (~100 KB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
+   shared memory (102 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
     cc = lambda: smem((C, C), **ONE)
-    # ~101 KB at K = V = 128, so two CTAs share an SM: G with the score recompute, the inverse, and
+    # 104 KiB at K = V = 128, so two CTAs share an SM: G with the score recompute, the inverse, and
     # then T's halves (the first two buffers of both later groups) with dW, dU or the dL products.
     union = plgpu.RefUnion(
         (smem((C, K), F32, mma=False, **ONE), smem((C, K), **ONE), smem((C, K), **ONE)),
@@ -255,7 +255,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
                 jax.ShapeDtypeStruct((B, Tp, H, K), F32)]
-    # ~100 KB at K = 128 (two CTAs per SM): dA_qk (read before the score backward), the score
+    # 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score backward), the score
     # backward's operands (32-byte swizzle: it contracts over 16-token multiples only) and the tail's
     # inputs share one region; G and the halves of dG share another.
     union = plgpu.RefUnion(

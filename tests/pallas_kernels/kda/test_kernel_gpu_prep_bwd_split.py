@@ -98,9 +98,24 @@ def _shapes(B, Tp, H, K, V):
     return S, bf, f32, C, BH, tok, common
 
 
+SM_SMEM_BYTES = 228 * 1024  # per H100/H200 SM, of which 1 KiB is reserved per CTA
+
+
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
-def test_kernels_lower_for_cuda(K, V):
-    """Both kernels lower for CUDA on the CPU host: layouts resolve, shared memory fits."""
+def test_kernels_lower_for_cuda(K, V, monkeypatch):
+    """Both kernels lower for CUDA on the CPU host: layouts resolve, and by Mosaic GPU's own
+    shared-memory estimate two CTAs of each fit on one SM (the point of the split)."""
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    smem_bytes = []
+    estimate = lowering._estimate_resources
+
+    def recording(*a, **kw):
+        resources = estimate(*a, **kw)
+        smem_bytes.append(resources.smem_scratch_bytes)
+        return resources
+
+    monkeypatch.setattr(lowering, "_estimate_resources", recording)
     B, Tp, H = 1, 128, 2
     S, bf, f32, C, BH, tok, common = _shapes(B, Tp, H, K, V)
     wy = wy_bwd.trace(tok(K, bf), tok(V, bf), *common.values(), S((BH, Tp, K), bf), S((BH, Tp, V), bf),
@@ -109,9 +124,11 @@ def test_kernels_lower_for_cuda(K, V):
                             S((BH, Tp, K), bf), S((BH, Tp, K), f32), S((BH, Tp, K), f32),
                             scale=0.1, interpret=False, dtypes=(bf, bf))
     for traced, name in ((wy, "kda_prep_bwd_wy"), (intra, "kda_prep_bwd_intra")):
+        smem_bytes.clear()
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
         assert f"{name}_mosaic_gpu" in text
+        assert 2 * (max(smem_bytes) + 1024) <= SM_SMEM_BYTES, (name, max(smem_bytes))
 
 
 def test_chunk_kda_gradient_lowers_for_cuda():
