@@ -1,8 +1,9 @@
 """Context-parallel MLA attention on 8 fake CPU devices (run by test_cp_attention.py in a subprocess).
 
 Flash path under the Pallas interpreter, zig-zag balanced and not, on sequence = 4 and 2 meshes,
-against the unsharded flash op and the fp32 dense reference; the XLA path; and the flash path's
-forward + backward lowered for CUDA (Triton custom calls counted, collectives listed).
+against the unsharded flash op and the fp32 dense reference; the XLA path; the MLA layer under a
+sequence mesh; the flash path's forward + backward lowered for CUDA (Triton custom calls counted,
+collectives listed), alone and inside a train step.
 """
 
 import re
@@ -100,23 +101,59 @@ def mla_layer(mesh):
     from k3jax.layers import mla as mla_lib
     from tests.k3jax.test_attention import _mla_cfg, _run, _setup
 
-    attention_lib.use_flash = lambda *a: True  # "pallas" on CPU: the interpreter below stands in
-    attention_lib.flash_attention = functools.partial(attention_lib.flash_attention, interpret=True)
     paths = []
 
     def interpreted_cp(*args, **kwargs):
         paths.append(kwargs["implementation"])
         return mla_attention_cp(*args, **kwargs, interpret=True)
 
+    saved = attention_lib.use_flash, attention_lib.flash_attention, mla_lib.mla_attention_cp
+    attention_lib.use_flash = lambda *a: True  # "pallas" on CPU: the interpreter below stands in
+    attention_lib.flash_attention = functools.partial(attention_lib.flash_attention, interpret=True)
     mla_lib.mla_attention_cp = interpreted_cp
-    cfg = _mla_cfg("pallas")
-    x, params, seg = _setup(cfg, B, T, packed=True)
-    want = jax.jit(functools.partial(_run, cfg))(params, x, seg)
-    with use_mesh(mesh):
-        got = jax.jit(functools.partial(_run, cfg))(params, x, seg)
+    try:
+        cfg = _mla_cfg("pallas")
+        x, params, seg = _setup(cfg, B, T, packed=True)
+        want = jax.jit(functools.partial(_run, cfg))(params, x, seg)
+        with use_mesh(mesh):
+            got = jax.jit(functools.partial(_run, cfg))(params, x, seg)
+    finally:
+        attention_lib.use_flash, attention_lib.flash_attention, mla_lib.mla_attention_cp = saved
     errors = [rel_rmse(a.astype(jnp.float32), b.astype(jnp.float32))
               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     return {"y": errors[0], "max_logit": errors[1], "grads": max(errors[2:]), "paths": sorted(set(paths))}
+
+
+def train_step_lowering():
+    """Triton kernels of a 2-layer train step (KDA, then MLA with attention_implementation="pallas",
+    remat per layer) on a data 4 × sequence 2 mesh, lowered for CUDA: the real call path, no patches
+    besides pretending the host is a Hopper GPU. Run last: the pretence stays."""
+    import collections
+    import dataclasses
+
+    import pallas_kernels.mla_attention.ops as ops
+    from jax._src.pallas.triton import gpu_info
+    from k3jax.config import preset
+    from k3jax.train.config import DataConfig, TrainConfig
+    from k3jax.train.step import Trainer
+    from tests.k3jax.train.cuda_lowering_worker import pretend_hopper
+
+    pretend_hopper()
+    ops._cuda_gpu = lambda: True
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    m = preset("small")
+    m = dataclasses.replace(m, num_layers=2, vocab_size=1024, mla_layers=(1,),
+                            mlp=dataclasses.replace(m.mlp, first_dense_layers=0),
+                            mla=dataclasses.replace(m.mla, attention_implementation="pallas"))
+    cfg = TrainConfig(model=m, batch_size=4, seq_len=256, remat="layer", data=DataConfig(source="random"))
+    trainer = Trainer(cfg, make_mesh(data=4, sequence=2))
+    batch = {k: jax.ShapeDtypeStruct((4, 256), jnp.int32) for k in ("tokens", "segment_ids", "labels", "loss_mask")}
+    state = trainer.abstract_state()  # init traces outside the parallel context
+    with trainer._context():
+        text = jax.jit(trainer.train_step).trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    names = [re.search(r'name = "(\w+)"', re.sub(r'ir = "[^"]*"', "", line)).group(1)
+             for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    return dict(collections.Counter(names))
 
 
 def main():
@@ -139,6 +176,7 @@ def main():
     with use_mesh(make_mesh(data=1, sequence=8)):
         out["err_balanced"] = value_error(lambda: mla_attention_cp(
             *cut, scale=SCALE, nope_dim=DN, segment_ids=seg[:, :40], interpret=True, balanced=True))
+    out["train_step_kernels"] = train_step_lowering()
     emit(out)
 
 

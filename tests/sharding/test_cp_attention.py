@@ -53,6 +53,11 @@ def test_flash_path_lowers_for_cuda(results):
     assert balanced["collectives"] == {"all_gather": 3, "reduce_scatter": 2, "collective_permute": 8}
 
 
+def test_train_step_with_pallas_attention_lowers_under_context_parallel(results):
+    # Balanced: two kernel calls per pass; the forward runs twice (remat per layer).
+    assert results["train_step_kernels"] == {"mla_flash_fwd": 4, "mla_flash_dkdv": 2, "mla_flash_dq": 2}
+
+
 def test_balanced_needs_two_halves_per_shard(results):
     assert "T=40" in results["err_balanced"] and "= 16" in results["err_balanced"], results["err_balanced"]
 
