@@ -39,7 +39,7 @@ def _inputs(seed, B, T, H, K, V, lengths, gate_bound=False):
     "B,T,H,K,V,lengths,gate_bound",
     [
         (1, 100, 1, 128, 128, (30, 1, 69), False),  # 2 chunks, 2 slabs, documents mid-chunk, padded last chunk
-        (2, 64, 1, 64, 128, None, False),  # K != V, one slab, one full chunk, several batches
+        (2, 64, 2, 64, 128, None, False),  # K != V, one slab, one full chunk, several batches and heads
         (1, 80, 1, 128, 64, (50, 30), True),  # K != V the other way, gates at the bound
     ],
 )
