@@ -18,6 +18,7 @@ from typing import Iterator
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import Rules, mesh_axes_of, rules_for_mesh, spec
@@ -82,6 +83,25 @@ class ParallelConfig:
 
     def sharding(self, *logical: str | None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(*logical))
+
+    def in_specs(self, specs: tuple[PartitionSpec, ...], *arrays) -> tuple[PartitionSpec, ...]:
+        """``shard_map`` in_specs for ``arrays``: each spec plus the size-1 mesh axes it leaves out.
+
+        The transpose of ``shard_map`` (``check_vma=False``) psums an input's cotangent over every
+        mesh axis its spec does not name. Over a size-1 axis that is an all-reduce of one device,
+        which XLA keeps (on CPU it copies the whole cotangent: every KDA and MoE input, each
+        layer); naming those axes on the first dimension changes no placement and drops it.
+        """
+        return tuple(self._name_unit_axes(spec, jnp.ndim(x)) for spec, x in zip(specs, arrays, strict=True))
+
+    def _name_unit_axes(self, spec: PartitionSpec, ndim: int) -> PartitionSpec:
+        entries = list(spec) + [None] * (ndim - len(spec))
+        named = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        unit = tuple(a for a, n in self.mesh.shape.items() if n == 1 and a not in named)
+        if not unit or not entries:
+            return spec
+        first = () if entries[0] is None else ((entries[0],) if isinstance(entries[0], str) else tuple(entries[0]))
+        return PartitionSpec(first + unit, *entries[1:])
 
 
 def current() -> ParallelConfig | None:

@@ -131,10 +131,10 @@ def chunk_kda_cp(
     body = functools.partial(_kda_body, axis=ctx.sequence_axis, shards=ctx.sequence_size, scale=scale,
                              chunk_size=chunk_size, implementation=implementation,
                              gpu_prep_backward=gpu_prep_backward)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=head,
-                       in_specs=(head, head, head, head, ctx.spec("batch", "length", "heads"),
-                                 ctx.spec("batch", "length")))
-    return fn(q, k, v, g, beta, _segments(segment_ids, B, T))
+    args = (q, k, v, g, beta, _segments(segment_ids, B, T))
+    specs = (head,) * 4 + (ctx.spec("batch", "length", "heads"), ctx.spec("batch", "length"))
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=head, in_specs=ctx.in_specs(specs, *args))
+    return fn(*args)
 
 
 def _conv_body(x, weight, seg, *, axis, shards):
@@ -172,9 +172,10 @@ def causal_conv1d_cp(
         raise ValueError(f"causal_conv1d_cp: each shard's T={T // ctx.sequence_size} must be >= W-1={W - 1}")
     act = ctx.spec("batch", "length", "heads")
     body = functools.partial(_conv_body, axis=ctx.sequence_axis, shards=ctx.sequence_size)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=act,
-                       in_specs=(act, ctx.spec("heads", None), ctx.spec("batch", "length")))
-    return fn(x, weight, _segments(segment_ids, B, T))
+    args = (x, weight, _segments(segment_ids, B, T))
+    specs = (act, ctx.spec("heads", None), ctx.spec("batch", "length"))
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=act, in_specs=ctx.in_specs(specs, *args))
+    return fn(*args)
 
 
 def _attend(q, k, v, mask, scale):

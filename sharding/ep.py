@@ -261,6 +261,7 @@ def moe_ffn_ep(
     body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
     stats_spec = {"ep_overflow": P(), "ep_dropped": P()}
     # check_vma=False: the kernels' internal zero-initialised carries are not typed as varying.
+    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
-                       in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec))
-    return fn(x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)
+                       in_specs=ctx.in_specs((tok_spec,) * 3 + (w_spec,) * 3, *args))
+    return fn(*args)

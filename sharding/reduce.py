@@ -99,6 +99,7 @@ def head_cross_entropy_sharded(
     def body(f, w, y, m):
         return head_cross_entropy(f, w, y, m, chunk)[None]  # [1]: this device's sum
 
+    args = (features, head, labels, mask)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=P(ctx.token_axes or None),
-                       in_specs=(P(*tok, None), P(), tok, tok))
-    return jnp.sum(fn(features, head, labels, mask))
+                       in_specs=ctx.in_specs((P(*tok, None), P(), tok, tok), *args))
+    return jnp.sum(fn(*args))

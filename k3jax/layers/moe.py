@@ -71,7 +71,8 @@ def _route_tokens(cfg: ModelConfig, scores: Float[Array, "T E"], bias: Float[Arr
         shapes = jax.eval_shape(lambda s, b: balance.step_statistics(cfg.balance, s, b, cfg.moe.top_k), scores, bias)
         stat_specs = {n: tok if n == "margins" else P() for n in shapes}
     body = functools.partial(_route_and_stats, cfg, with_stats=with_stats, token_axes=ctx.token_axes)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=(tok, P()), out_specs=(tok, tok, stat_specs))
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, in_specs=ctx.in_specs((tok, P()), scores, bias),
+                       out_specs=(tok, tok, stat_specs))
     return fn(scores, bias)
 
 
