@@ -120,7 +120,10 @@ def chunk_kda_cp(
     gpu_prep_backward: str = "xla",
     ctx: ParallelConfig | None = None,
 ) -> Float[Array, "B T H V"]:
-    """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis."""
+    """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis.
+
+    ``implementation`` and ``gpu_prep_backward`` are passed to every ``chunk_kda`` call.
+    """
     ctx = _require_ctx(ctx, "chunk_kda_cp")
     B, T, H, K = q.shape
     # Shards must hold whole chunks, so each shard's chunking equals the unsplit one's.
