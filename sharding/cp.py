@@ -15,20 +15,17 @@ KDA (SPEC §2, "Context parallel"), exact and with communication independent of 
 4. add the entering state's contribution ``R_t S_r`` to the local output (no second scan).
 
 The short conv needs the ``W−1`` inputs before the shard: ``ppermute`` them from the previous
-shard. MLA all-gathers the compressed latent ``[c_kv, k_rope]`` (576 values/token for K3),
-expands keys/values locally and attends causally with the shard's own queries.
+shard. MLA's context-parallel attention is in :mod:`sharding.cp_attention`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kda import causal_conv1d, chunk_kda
@@ -117,7 +114,7 @@ def chunk_kda_cp(
     segment_ids: Int[Array, "B T"] | None = None,
     chunk_size: int = 64,
     implementation: str | None = None,
-    gpu_prep_backward: str = "xla",
+    gpu_prep_backward: str = "split",
     ctx: ParallelConfig | None = None,
 ) -> Float[Array, "B T H V"]:
     """``pallas_kernels.kda.chunk_kda`` (from a zero state) with T split over the sequence axis.
@@ -179,63 +176,3 @@ def causal_conv1d_cp(
     specs = (act, ctx.spec("heads", None), ctx.spec("batch", "length"))
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=act, in_specs=ctx.in_specs(specs, *args))
     return fn(*args)
-
-
-def _attend(q, k, v, mask, scale):
-    """Masked softmax attention in the inputs' (wide) dtype; returns (out, max logit per head)."""
-    hi = lax.Precision.HIGHEST
-    logits = jnp.einsum("BTHK,BSHK->BHTS", q, k, precision=hi) * scale
-    masked = jnp.where(mask[:, None], logits, -jnp.inf)
-    p = jax.nn.softmax(masked, axis=-1)
-    return jnp.einsum("BHTS,BSHV->BTHV", p, v, precision=hi), jnp.max(masked, axis=(0, 2, 3))
-
-
-def _mla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, attend):
-    B, Tl, H, _ = q.shape
-    gather = functools.partial(lax.all_gather, axis_name=axis, axis=1, tiled=True)
-    c_all, k_r = gather(c), gather(k_rope)  # [B, T, R], [B, T, dr]: the only activations that move
-    seg_all = gather(seg)  # [B, T]
-    kv = jnp.einsum("BSR,RHK->BSHK", c_all, kv_b.astype(c.dtype))  # [B, T, H, dn+dv]
-    wide = q.dtype
-    k_r = jnp.broadcast_to(k_r[:, :, None, :].astype(wide), kv.shape[:3] + k_r.shape[-1:])
-    k = jnp.concatenate([kv[..., :nope_dim].astype(wide), k_r], axis=-1)
-    v = kv[..., nope_dim:].astype(wide)
-    q_pos = lax.axis_index(axis) * Tl + jnp.arange(Tl)
-    causal = q_pos[:, None] >= jnp.arange(seg_all.shape[1])[None]  # [Tl, T]
-    mask = causal[None] & (seg[:, :, None] == seg_all[:, None, :])  # [B, Tl, T]
-    o, max_logit = attend(q, k, v, mask, scale)
-    # A statistic (QK-Clip reads it): no gradient, and pmax has no differentiation rule.
-    return o, lax.pmax(lax.stop_gradient(max_logit), batch_axes + (axis,))
-
-
-def mla_attention_cp(
-    q: Float[Array, "B T H Dq"],
-    c_kv: Float[Array, "B T R"],
-    k_rope: Float[Array, "B T Dr"],
-    kv_b: Float[Array, "R H Dkv"],
-    *,
-    scale: float,
-    nope_dim: int,
-    segment_ids: Int[Array, "B T"] | None = None,
-    attend: Callable | None = None,
-    ctx: ParallelConfig | None = None,
-) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
-    """MLA attention with T split over the sequence axis; returns ``(o, max_logit [H])``.
-
-    ``q = [q_nope, q_rope]`` (positions already applied, in the wide dtype), ``c_kv`` the
-    normalised latent and ``k_rope`` the shared rope key; ``kv_b`` the up-projection
-    ``[R, H, dn+dv]``. Only ``[c_kv, k_rope]`` crosses shards. ``attend(q, k, v, mask, scale)``
-    may be the model's own attention (mask ``[B, Tq, S]`` bool); the default is plain softmax.
-    """
-    ctx = _require_ctx(ctx, "mla_attention_cp")
-    B, T, H, _ = q.shape
-    _check_length("mla_attention_cp", T, ctx)
-    _check_batch("mla_attention_cp", B, ctx)
-    seq3 = ctx.spec("batch", "length", None)
-    # Heads stay whole inside: the shared latent expands to every head on every shard.
-    heads = ctx.spec("batch", "length", None, None)
-    body = functools.partial(_mla_body, axis=ctx.sequence_axis, batch_axes=ctx.batch_axes, scale=scale,
-                             nope_dim=nope_dim, attend=attend or _attend)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(heads, P()),
-                       in_specs=(heads, seq3, seq3, P(), ctx.spec("batch", "length")))
-    return fn(q, c_kv, k_rope, kv_b, _segments(segment_ids, B, T))

@@ -151,6 +151,7 @@ def mla_attention_cp(
                                  blocks=blocks, balanced=_use_balanced(balanced, T, ctx.sequence_size))
     else:
         body = functools.partial(_xla_body, **common, attend=attend)
+    args = (q, c_kv, k_rope, kv_b, _segments(segment_ids, B, T))
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(heads, P()),
-                       in_specs=(heads, seq3, seq3, P(), ctx.spec("batch", "length")))
-    return fn(q, c_kv, k_rope, kv_b, _segments(segment_ids, B, T))
+                       in_specs=ctx.in_specs((heads, seq3, seq3, P(), ctx.spec("batch", "length")), *args))
+    return fn(*args)

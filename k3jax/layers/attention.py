@@ -64,6 +64,8 @@ def flash_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H
         return o, (lax.pmax(max_logit, batch_axes) if batch_axes else max_logit)
 
     heads = ctx.spec("batch", None, "heads", None)
+    args = (q_nope, q_rope, k_nope, k_rope, v, seg)
+    specs = (heads, heads, heads, ctx.spec("batch", None, None), heads, ctx.spec("batch", None))
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(heads, ctx.spec("heads")),
-                       in_specs=(heads, heads, heads, ctx.spec("batch", None, None), heads, ctx.spec("batch", None)))
-    return fn(q_nope, q_rope, k_nope, k_rope, v, seg)
+                       in_specs=ctx.in_specs(specs, *args))
+    return fn(*args)

@@ -126,6 +126,17 @@ class Trainer:
         return sharding.use_mesh(self.mesh, self.shardings["rules"])
 
     # ---------------------------------------------------------------- loss
+    def _head_ce(self, features, model_params, labels, mask):
+        """The fused head + CE sum; on a mesh each device walks only its own tokens (under plain
+        jit XLA would gather the token-sharded features and run the head for the whole batch on
+        every device)."""
+        head = self._head(model_params)
+        if self.mesh is None:
+            return head_cross_entropy(features, head, labels, mask, self.cfg.loss_chunk)
+        from sharding.reduce import head_cross_entropy_sharded
+
+        return head_cross_entropy_sharded(features, head, labels, mask, self.cfg.loss_chunk)
+
     def loss(self, params, balance, batch, denom, mtp_denoms):
         """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts."""
         mcfg = self.cfg.model
@@ -134,8 +145,7 @@ class Trainer:
         variables = {"params": params["model"], "balance": balance["model"]}
         (features, hidden), mut = self.model.apply(variables, batch["tokens"], segment_ids=seg,
                                                    method="features", mutable=["stats"])
-        ce = head_cross_entropy(features, self._head(params["model"]), batch["labels"], mask,
-                                self.cfg.loss_chunk)
+        ce = self._head_ce(features, params["model"], batch["labels"], mask)
         stats = {"model": st.combine_stats(mut.get("stats", {}))}
         objective = ce / denom
         mtp_ce = []
@@ -146,8 +156,7 @@ class Trainer:
             weight = mcfg.mtp.loss_weight / mcfg.mtp.num_layers
             for j, depth_features in enumerate(all_features, start=1):
                 _, target, depth_mask = mtp_targets(batch["labels"], mask, seg, j)
-                mtp_ce.append(head_cross_entropy(depth_features, self._head(params["model"]), target, depth_mask,
-                                                 self.cfg.loss_chunk))
+                mtp_ce.append(self._head_ce(depth_features, params["model"], target, depth_mask))
                 objective = objective + weight * mtp_ce[-1] / mtp_denoms[j - 1]
             stats["mtp"] = st.combine_stats(mut.get("stats", {}))
         aux = {"ce": ce, "mtp_ce": jnp.stack(mtp_ce) if mtp_ce else jnp.zeros([0]), "stats": stats}

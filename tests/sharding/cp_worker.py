@@ -9,7 +9,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from pallas_kernels.kda import causal_conv1d, chunk_kda  # noqa: E402
 from sharding import make_mesh, use_mesh  # noqa: E402
-from sharding.cp import _attend, causal_conv1d_cp, chunk_kda_cp, mla_attention_cp  # noqa: E402
+from sharding.cp import causal_conv1d_cp, chunk_kda_cp  # noqa: E402
 from tests.sharding.multidevice import emit, value_error  # noqa: E402
 from tests.tolerances import rel_rmse  # noqa: E402
 
@@ -83,34 +83,9 @@ def check_conv(mesh):
     return {"fwd": rel_rmse(y, y_ref), "grad": _rel(g, g_ref)}
 
 
-def check_mla(mesh):
-    T, R, dr, dn, dv, scale = 32, 12, 4, 8, 8, 0.3
-    ks = jax.random.split(jax.random.PRNGKey(3), 4)
-    q = jax.random.normal(ks[0], (B, T, H, dn + dr))
-    c, kr = jax.random.normal(ks[1], (B, T, R)), jax.random.normal(ks[2], (B, T, dr))
-    kv_b = 0.3 * jax.random.normal(ks[3], (R, H, dn + dv))
-    seg = _segments(T)
-    mask = jnp.tril(jnp.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
-
-    def ref(q, c, kr, kv_b):
-        kv = jnp.einsum("BSR,RHK->BSHK", c, kv_b)
-        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(kr[:, :, None], (B, T, H, dr))], -1)
-        return _attend(q, k, kv[..., dn:], mask, scale)
-
-    def fwd_grad(f, a):
-        (o, m), vjp = jax.vjp(f, *a)
-        return (o, m), vjp((jnp.cos(o), jnp.zeros_like(m)))
-
-    (o_ref, m_ref), g_ref = fwd_grad(ref, (q, c, kr, kv_b))
-    cp = lambda *a: mla_attention_cp(*a, scale=scale, nope_dim=dn, segment_ids=seg)
-    with use_mesh(mesh):
-        (o, m), g = jax.jit(lambda *a: fwd_grad(cp, a))(q, c, kr, kv_b)
-    return {"fwd": rel_rmse(o, o_ref), "max_logit": rel_rmse(m, m_ref), "grad": _rel(g, g_ref)}
-
-
 def main():
     mesh = make_mesh(data=2, sequence=4)
-    out = {"kda": check_kda(mesh), "conv": check_conv(mesh), "mla": check_mla(mesh)}
+    out = {"kda": check_kda(mesh), "conv": check_conv(mesh)}
     out["kda_seq8"] = check_kda(make_mesh(data=1, sequence=8))
     out["collectives_T64"] = kda_collectives(mesh, 64)
     out["collectives_T128"] = kda_collectives(mesh, 128)
