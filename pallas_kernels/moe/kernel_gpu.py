@@ -31,7 +31,7 @@ from pallas_kernels.moe.kernel_gpu_base import (  # noqa: F401  (GpuTiling: the 
     _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
 )
 from pallas_kernels.moe.kernel_gpu_tgmm import TGMM_CANDIDATES, tgmm  # noqa: F401  (one module per backend for ops.py)
-from pallas_kernels.moe.schedule import aligned_tile_schedule, tile_schedule
+from pallas_kernels.moe.schedule import aligned_tile_schedule, fits_half, tile_schedule
 
 GMM_TILING = GpuTiling()
 
@@ -109,6 +109,20 @@ def _gmm_epilogue(acc, o_smem, out_gmem, is_tail, row0, lo, count, n_slice, max_
     _store_rows(o_smem, out_gmem, row0, lo, count, n_slice, max_rows)
 
 
+def _half_or_full_wgmma(acc, a_smem, b, half):
+    """``acc += a @ b``, on the first half of the rows only where ``half``: the other rows of
+    the tile belong to other groups and are never stored (their accumulator rows stay 0)."""
+    rows = pl.ds(0, acc.shape[0] // 2)
+
+    @pl.when(half)
+    def _():
+        plgpu.wgmma(acc.at[rows], a_smem.at[rows], b)
+
+    @pl.when(~half)
+    def _():
+        plgpu.wgmma(acc, a_smem, b)
+
+
 def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = cfg.cta_n()
@@ -143,7 +157,10 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
 
             def mma(_, a_smem, b_smem, acc):
                 b = b_smem.at[wg_n].T if transpose_rhs else b_smem.at[:, wg_n]
-                plgpu.wgmma(acc, a_smem, b)
+                if cfg.half_tiles:
+                    _half_or_full_wgmma(acc, a_smem, b, fits_half(lo, count, tm))
+                else:
+                    plgpu.wgmma(acc, a_smem, b)
                 # a slot is released when the body returns, and the warp-specialised pipeline
                 # does not guard a delayed release across calls: finish the wgmma here (the
                 # other compute warpgroup keeps the tensor cores busy meanwhile)
@@ -173,6 +190,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     cfg = tiling or GMM_TILING
     if k % cfg.tile_k or n % cfg.cta_n():
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
+    if cfg.half_tiles and cfg.tile_m % 128:  # wgmma issues rows in groups of 64
+        raise ValueError(f"tiling.tile_m must be a multiple of 128 with half_tiles, got {cfg.tile_m}")
     m_run = m
     if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
         m_run = max(cfg.tile_m, m + (-m % 8))

@@ -21,6 +21,10 @@ class GpuTiling:
     ``overlap_wgmma`` (tgmm only): a step waits for the previous step's wgmma, not its own;
     its slot is released one step later, and the memory warpgroup waits for the compute
     warpgroups' last wgmma before it refills the slots for the next pipeline.
+    ``half_tiles`` (gmm only, ``tile_m`` a multiple of 128): a work tile whose rows all lie in its
+    first ``tile_m / 2`` issues its wgmmas on those rows only (half the tensor-core work).
+    ``trim_rows`` (tgmm only, ``tile_m`` at least two wgmma K groups): a row block contracts only
+    over the K groups (64 rows at the 128-byte swizzle) that hold rows of its group.
     """
 
     tile_m: int = 128
@@ -32,6 +36,8 @@ class GpuTiling:
     group_chunk: int = 0
     overlap_wgmma: bool = False  # tgmm only: keep one wgmma in flight (slots released a step late)
     reset_acc: bool = False  # chunked tgmm, compiled only: zero the accumulator at group ends
+    half_tiles: bool = False  # gmm only: wgmma on the first tile_m/2 rows when the tile's rows fit there
+    trim_rows: bool = False  # tgmm only: contract a partial row block over its valid K groups only
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

@@ -93,6 +93,29 @@ def _tgmm_pipeline(cfg, dtype, body, compute_context, block_of=lambda i: i, num_
     )
 
 
+def k_group_rows(cfg, dtype) -> int:
+    """Rows per wgmma K group of tgmm's operands: the contraction runs over rows, and Mosaic GPU
+    issues a wgmma's K in whole groups of the operands' swizzle width (64 bf16 rows at 128 bytes)."""
+    item = jnp.dtype(dtype).itemsize
+    return max(plgpu.find_swizzle(d * item * 8) for d in (cfg.tile_k, cfg.cta_n())) // item
+
+
+def _wgmma_rows(cfg, acc, a_smem, b, lo, hi):
+    """``acc += a_smemᵀ @ b`` over rows ``[lo, hi)`` of the block (the others are zero in ``b``):
+    with ``trim_rows``, over the K groups that hold those rows only; a static branch per
+    (first group, end group) pair, as a wgmma's K is static. No rows: no wgmma."""
+    if not cfg.trim_rows:
+        plgpu.wgmma(acc, a_smem.T, b)
+        return
+    tm, group = cfg.tile_m, k_group_rows(cfg, a_smem.dtype)
+    first = jnp.clip(lo, 0, tm) // group
+    end = (jnp.clip(hi, 0, tm) + group - 1) // group
+    for g0 in range(tm // group):
+        for g1 in range(g0 + 1, tm // group + 1):
+            rows = pl.ds(g0 * group, (g1 - g0) * group)
+            pl.when((first == g0) & (end == g1))(lambda rows=rows: plgpu.wgmma(acc, a_smem.at[rows].T, b.at[rows]))
+
+
 def _wgmma_step_wait(cfg):
     """After issuing a step's wgmma: with ``overlap_wgmma`` only the previous step's must be
     done (its slot is released after this body returns), else this one's."""
@@ -177,7 +200,7 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n):
                 def _():
                     _mask_rows(b, lo, hi)
 
-                plgpu.wgmma(acc, a_smem.T, b)
+                _wgmma_rows(cfg, acc, a_smem, b, lo, hi)
                 _wgmma_step_wait(cfg)
                 return acc
 
@@ -240,7 +263,7 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
                 def _():
                     _mask_rows(b, lo, lo + count)  # an empty group's tile keeps no row
 
-                plgpu.wgmma(acc, a_smem.T, b)
+                _wgmma_rows(cfg, acc, a_smem, b, lo, lo + count)
                 _wgmma_step_wait(cfg)
 
                 def flush():  # the group's sum is complete; the accumulator keeps running
@@ -286,6 +309,9 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     if cfg.reset_acc and (interpret or not cfg.group_chunk):
         raise ValueError("tiling.reset_acc needs group_chunk > 0 and a compiled kernel (interpret=False): "
                          "the GPU interpreter cannot overwrite a wgmma accumulator")
+    if cfg.trim_rows and cfg.tile_m < 2 * k_group_rows(cfg, lhs.dtype):
+        raise ValueError(f"tiling.tile_m must be >= {2 * k_group_rows(cfg, lhs.dtype)} (two wgmma K groups) "
+                         f"with trim_rows, got {cfg.tile_m}")
     if cfg.group_chunk:
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)

@@ -82,3 +82,18 @@ def aligned_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, align: in
     return jnp.stack(
         [jnp.where(active, grp, -1), row0, lo, count, jnp.minimum(grp, e - 1)]
     ).astype(jnp.int32)
+
+
+def fits_half(lo, count, tile_m: int):
+    """True where a work tile's rows ``[lo, lo + count)`` all lie in its first ``tile_m / 2``
+    rows: ``gmm`` with ``half_tiles`` then issues its wgmmas on those rows only."""
+    return lo + count <= tile_m // 2
+
+
+def issued_rows(meta: jax.Array, tile_m: int, half_tiles: bool) -> jax.Array:
+    """Rows per active work tile that ``gmm``'s wgmmas compute (inactive tiles issue none);
+    the issued FLOPs of one gmm are ``2 · K · N · sum(issued_rows)``."""
+    rows = jnp.full(meta.shape[1], tile_m, jnp.int32)
+    if half_tiles:
+        rows = jnp.where(fits_half(meta[LO], meta[COUNT], tile_m), tile_m // 2, rows)
+    return jnp.where(meta[GROUP] >= 0, rows, 0)
