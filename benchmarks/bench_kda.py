@@ -112,6 +112,11 @@ def ours_split_bwd():
     return _ours_gpu(prep="fused", prep_bwd="split")
 
 
+def ours_split_saved():
+    """Ours with the split prep backward reading the forward's saved ``T`` (``prep_bwd="split-saved"``)."""
+    return _ours_gpu(prep="fused", prep_bwd="split-saved")
+
+
 def ours_highest():
     """Ours with the XLA prep's matmuls in full fp32 (``prep_precision="highest"``; default TF32)."""
     return _ours_gpu(prep_precision="highest")
@@ -279,6 +284,7 @@ def main():
     parser.add_argument("--skip-check", action="store_true", help="skip the check against the reference")
     args = parser.parse_args()
     factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-split-bwd": ours_split_bwd,
+                 "ours-split-saved": ours_split_saved,
                  "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):

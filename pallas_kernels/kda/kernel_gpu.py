@@ -18,7 +18,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
 (or, opt-in, a Mosaic GPU prep backward: ``prep_bwd="kernel"``, one kernel, :mod:`kernel_gpu_prep_bwd`;
-``prep_bwd="split"``, two kernels, :mod:`kernel_gpu_prep_bwd_split`).
+``prep_bwd="split"``, two kernels, :mod:`kernel_gpu_prep_bwd_split`; ``"split-saved"``, the same
+reading the forward's ``T``).
 
 Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pallas is deprecated
 since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,
@@ -52,6 +53,7 @@ BF16 = jnp.bfloat16
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
+PREP_BWDS = ("xla", "kernel", "split", "split-saved")
 CHUNK = 64  # one wgmma M tile: the chunk is also the warpgroup's row block
 
 
@@ -204,13 +206,15 @@ def chunk_kda_pallas(
     benchmarks/RESULTS.md) or ``"highest"``. ``prep_bwd`` (``prep="fused"`` only) is the prep's
     backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"kernel"`` (the Mosaic GPU
     backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward) or ``"split"`` (the same with the
-    two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`).
+    two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`) or ``"split-saved"`` (the same, with
+    the forward's ``T`` saved for the backward instead of inverted again).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
-    if prep_bwd not in ("xla", "kernel", "split") or (prep_bwd != "xla" and prep != "fused"):
+    if prep_bwd not in PREP_BWDS or (prep_bwd != "xla" and prep != "fused"):
         raise ValueError(
-            f"prep_bwd must be 'xla', or 'kernel' or 'split' with prep='fused'; got {prep_bwd!r}, prep={prep!r}"
+            f"prep_bwd must be 'xla', or 'kernel', 'split' or 'split-saved' with prep='fused'; "
+            f"got {prep_bwd!r}, prep={prep!r}"
         )
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
@@ -221,8 +225,9 @@ def chunk_kda_pallas(
     V = v.shape[-1]
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
-        if prep_bwd == "split":
-            w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret))
+        if prep_bwd in ("split", "split-saved"):
+            w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret),
+                                                 prep_bwd == "split-saved")
         else:
             w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
                                                  prep_bwd)

@@ -147,9 +147,12 @@ def _chain(acc, ops):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t"))
+def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool, save_t: bool = False):
     """``(w, u, qg, kg, aqk)`` bf16, head-major ``[B*H, Tp, .]`` like :func:`kernel_gpu_intra.prepare`.
+
+    ``save_t`` also returns ``T = (I + L)^{-1}`` per chunk as its hi/lo bf16 halves (``[B*H, Tp, C]``
+    each, exactly the operands of ``W, U``) for the backward of ``prep_bwd="split-saved"``.
 
     Token-major inputs (read in place by TMA, no transposes): q, k ``[B,Tp,H,K]`` and v
     ``[B,Tp,H,V]`` bf16; G ``[B,Tp,H,K]`` f32 chunk-local cumsum; anchors ``[B,N*8,H,K]`` f32
@@ -161,8 +164,9 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
     C = CHUNK
     n, nt = Tp // C, C // SUB
 
-    def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g,
-               q_s, k_s, v_s, anc_s, vec_s, aqk_s, union, bar):
+    def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, *rest):
+        t_g = rest[:2] if save_t else ()
+        q_s, k_s, v_s, anc_s, vec_s, aqk_s, union, bar = rest[len(t_g):]
         (G_s,), score_bufs, inv_bufs = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
@@ -207,6 +211,8 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
         xh, xl = inv_bufs[:2]
         xh[...], xl[...] = _split(x)
         plgpu.commit_smem()
+        for half, dst in zip((xh, xl), t_g):  # nothing writes the halves again: no wait before the end
+            plgpu.copy_smem_to_gmem(half, dst.at[bh, rows])
         w = pl.run_scoped(lambda acc: _chain(acc, [(xh, k_s), (xl, k_s)]), plgpu.ACC((C, K), F32))
         u = pl.run_scoped(lambda acc: _chain(acc, [(xh, v_s), (xl, v_s)]), plgpu.ACC((C, V), F32))
         k_s[...] = _wg(w.astype(BF16))
@@ -219,7 +225,7 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool):
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
-                jax.ShapeDtypeStruct((BH, Tp, C), BF16)]
+                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (1 + 2 * save_t)]
     one = dict(slots=None)
     # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
     # TMA, exp and wgmma latency. G, the score operands and the inverse's operands have disjoint

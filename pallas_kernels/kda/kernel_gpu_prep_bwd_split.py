@@ -89,6 +89,27 @@ def _inverse_grad(th, tl, bufs, x_s, v_s, dw_s, du_s, beta_c):
     return pl.run_scoped(lambda a: _three(a, yh, yl, T(th), T(tl)), acc())
 
 
+def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype):
+    """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta.
+
+    dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
+    """
+    th, tl, dw_s, du_s, k_s, v_s = refs
+    dv_o, dx_o, mkk_o, db_o = outs
+    C, K, V = th.shape[0], k_s.shape[1], v_s.shape[1]
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    dx = _t_transpose_times(th, tl, dw_s, (C, K))
+    dx_o[...] = _wg(dx.astype(BF16))  # in bf16, as the one-kernel version reads it
+    dbeta = jnp.sum(dx * load(k_s), axis=1)
+    dy = _t_transpose_times(th, tl, du_s, (C, V))
+    dv_o[...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
+    dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
+    d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
+    d_l = _wg(jnp.where(strict, -d_l, 0.0))
+    db_o[...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
+    mkk_o[...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
+
+
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
 @functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
 def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
@@ -125,22 +146,10 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
         th[...], tl[...] = _split(t_inv)
         plgpu.commit_smem()
         plgpu.barrier_wait(bar_d)
-        # dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
-        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-        dx = _t_transpose_times(th, tl, dw_s, (C, K))
-        dx_g.at[bh, rows][...] = _wg(dx.astype(BF16))  # in bf16, as the one-kernel version reads it
-        dbeta = jnp.sum(dx * load(k_s), axis=1)
-        dy = _t_transpose_times(th, tl, du_s, (C, V))
-        dv_g.at[b, rows, h][...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
-        dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
-        d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
-        d_l = _wg(jnp.where(strict, -d_l, 0.0))
-        db_g.at[bh, rows][...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
-        mkk_g.at[bh, rows][...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
+        outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
+        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
 
-    BH = B * H
-    out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
-                jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
+    out_type = _wy_out_type(B, Tp, H, K, V, dv_dtype)
     cc = lambda: smem((C, C), **ONE)
     # 104 KiB at K = V = 128, so two CTAs share an SM: G with the score recompute, the inverse, and
     # then T's halves (the first two buffers of both later groups) with dW, dU or the dL products.
@@ -156,10 +165,77 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     ]
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch, grid=(n, BH), grid_names=("c", "bh"),
+        kernel, out_type=out_type, scratch_types=scratch, grid=(n, B * H), grid_names=("c", "bh"),
         kernel_name="kda_prep_bwd_wy", **extra,
     )
     return call(k, v, G, anchors, vecs, dw, du)
+
+
+# Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
+@functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
+def wy_bwd_saved(k, v, G, anchors, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype):
+    """Kernel A reading the forward's ``T`` (hi/lo ``[B*H,Tp,C]`` bf16, ``prep_fwd(save_t=True)``).
+
+    Same outputs as :func:`wy_bwd`, bit for bit: the halves are the ones :func:`wy_bwd` recomputes.
+    ``S_kk`` is still recomputed (4 N=16 wgmmas), for dbeta's ``rowsum(dL S_kk)`` only.
+    """
+    B, Tp, H, K = k.shape
+    V = v.shape[-1]
+    C = CHUNK
+    n = Tp // C
+
+    def kernel(k_g, v_g, G_g, anc_g, vec_g, th_g, tl_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
+               k_s, v_s, anc_s, vec_s, union, bar, bar_t, bar_d):
+        (G_s, *score_bufs), (th, tl, dw_s, du_s), (_, _, *dl_bufs) = union
+        c, bh = lax.axis_index("c"), lax.axis_index("bh")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        rows = pl.ds(c * C, C)
+        for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
+                         (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s)):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+        col_vec, row_vec = _vec_loaders(vec_s, C)
+        _, _, strict, _ = _masks(col_vec, row_vec, vec_s, C)
+        G = plgpu.load(G_s, layout=WGMMA)
+        plgpu.commit_smem()  # every thread has read G: T's halves land in its memory during S_kk
+        plgpu.copy_gmem_to_smem(th_g.at[bh, rows], th, bar_t)
+        plgpu.copy_gmem_to_smem(tl_g.at[bh, rows], tl, bar_t)
+        s_kk = _wg(jnp.where(strict, _scores_kk(G, k_s, lambda t: col_vec(anc_s.at[t], K), score_bufs), 0.0))
+        # dW, dU land in the score operands' memory, free now that S_kk is read; X' is formed meanwhile.
+        plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
+        plgpu.copy_gmem_to_smem(du_g.at[bh, rows], du_s, bar_d)
+        k_s[...] = _wg((row_vec(FRESH, K) * plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
+        plgpu.commit_smem()
+        plgpu.barrier_wait(bar_t)
+        plgpu.barrier_wait(bar_d)
+        outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
+        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
+
+    cc = lambda: smem((C, C), **ONE)
+    # 104 KiB at K = V = 128 as :func:`wy_bwd` (two CTAs per SM): G with the score recompute, then
+    # T's halves (in G's bytes) with dW, dU, or with the dL products.
+    union = plgpu.RefUnion(
+        (smem((C, K), F32, mma=False, **ONE), smem((C, K), **ONE), smem((C, K), **ONE)),
+        (cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
+        (cc(), cc(), cc(), cc(), cc(), cc()),
+    )
+    scratch = [
+        smem((C, K), **ONE), smem((C, V), **ONE), smem((8, K), F32, mma=False, **ONE),
+        smem((5, C), F32, mma=False, **ONE), union, plgpu.Barrier(num_arrivals=5),
+        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=_wy_out_type(B, Tp, H, K, V, dv_dtype), scratch_types=scratch, grid=(n, B * H),
+        grid_names=("c", "bh"), kernel_name="kda_prep_bwd_wy_saved", **extra,
+    )
+    return call(k, v, G, anchors, vecs, t_hi, t_lo, dw, du)
+
+
+def _wy_out_type(B, Tp, H, K, V, dv_dtype):
+    BH = B * H
+    return [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
+            jax.ShapeDtypeStruct((BH, Tp, CHUNK), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
 
 
 def _reverse_cumsum(dG, up_s, halves, C):
@@ -279,49 +355,53 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     return call(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg)
 
 
-def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
+def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool, saved_t=None):
     """Gradients ``(dq, dk, dv, dg, dbeta)`` of :func:`kernel_gpu_intra.prepare_from_index` (chunk 64).
 
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
+    ``saved_t``: None (kernel A recomputes ``T``) or the forward's hi/lo halves of ``T``.
     """
     _, _, _, *inputs = _kernel_inputs(q, k, v, g, beta, sidx)
-    return _grads(q, k, v, g, beta, inputs, cts, scale=scale, interpret=interpret)
+    return _grads(q, k, v, g, beta, inputs, cts, saved_t, scale=scale, interpret=interpret)
 
 
-def _grads(q, k, v, g, beta, inputs, cts, *, scale: float, interpret: bool):
+def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: bool):
     """:func:`prepare_bwd_split` from the kernel inputs ``(G, anchors, vecs, d)``; g only gives its dtype."""
     G, anchors, vecs, d = inputs
     pad = G.shape[1] - q.shape[1]
     qh, kh, vh = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]).astype(BF16) for x in (q, k, v))
     dw, du, dqg, dkg, daqk, dd = cts
-    dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16),
-                                interpret=interpret, dv_dtype=v.dtype)
+    wy = (wy_bwd, ()) if saved_t is None else (wy_bwd_saved, tuple(saved_t))
+    dv, dx, mkk, dbeta = wy[0](kh, vh, G, anchors, vecs, *wy[1], dw.astype(BF16), du.astype(BF16),
+                               interpret=interpret, dv_dtype=v.dtype)
     dq, dk, dg = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
                            dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype))
     return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), dd, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
     The residuals are the inputs and the kernel inputs built from them (the chunk cumsum G, its
     anchors, the per-token vectors and d), so the backward rebuilds none of them; g itself is not
-    kept (G replaces it), only its dtype.
+    kept (G replaces it), only its dtype. ``save_t`` (``prep_bwd="split-saved"``): the forward also
+    writes ``T``'s hi/lo halves (16 KiB per chunk) and kernel A reads them instead of inverting again.
     """
     return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
 
 
-def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret):
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
     qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret)
+    outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret, save_t=save_t)
+    saved_t = outs[5:] if save_t else None
     g_dtype = jnp.zeros((0,), g.dtype)
-    return (*(x.astype(F32) for x in outs), d), (q, k, v, g_dtype, beta, sidx_f, (G, anchors, vecs, d))
+    return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (G, anchors, vecs, d), saved_t)
 
 
-def _split_bwd(scale, interpret, res, cts):
-    q, k, v, g_dtype, beta, sidx_f, inputs = res
-    grads = _grads(q, k, v, g_dtype, beta, inputs, tuple(cts), scale=scale, interpret=interpret)
+def _split_bwd(scale, interpret, save_t, res, cts):
+    q, k, v, g_dtype, beta, sidx_f, inputs, saved_t = res
+    grads = _grads(q, k, v, g_dtype, beta, inputs, tuple(cts), saved_t, scale=scale, interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))
 
 

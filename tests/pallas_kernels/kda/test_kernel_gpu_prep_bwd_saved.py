@@ -1,0 +1,148 @@
+"""Split prep backward reading the forward's saved ``T`` (``prep_bwd="split-saved"``).
+
+Gradients == ``jax.vjp`` of the fp32 XLA prep, kernel A == the recomputing kernel A, in the CPU
+interpreter (default suite, tiny sizes) and compiled on the H200 (``-m gpu``); the CUDA lowering
+(layouts, Mosaic GPU's shared-memory estimate) is checked on the CPU host.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
+from pallas_kernels.kda.kernel_gpu_intra import prepare_from_index
+from pallas_kernels.kda.kernel_gpu_prep import CHUNK, _kernel_inputs, prep_fwd
+from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_split, wy_bwd, wy_bwd_saved
+from tests.pallas_kernels.kda.test_kernel_gpu_prep_bwd_split import (
+    GRADS, MODES, SM_SMEM_BYTES, _inputs, _shapes,
+)
+from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
+
+
+def _cotangents(outs):
+    keys = jax.random.split(jax.random.PRNGKey(1), len(outs))
+    return tuple(jax.random.normal(key, o.shape, jnp.float32) for key, o in zip(keys, outs))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "B,T,H,K,V,lengths,gate_bound",
+    [
+        (1, 100, 1, 128, 128, (30, 1, 69), False),  # 2 chunks, 2 slabs, documents mid-chunk, padded last chunk
+        (2, 64, 2, 64, 128, None, False),  # K != V, one slab, one full chunk, several batches and heads
+        (1, 80, 1, 128, 64, (50, 30), True),  # K != V the other way, gates at the bound
+    ],
+)
+def test_saved_prep_bwd_matches_xla_vjp(interpret, B, T, H, K, V, lengths, gate_bound):
+    """Through the custom_vjp: the kernel forward saves T, kernels A (reading T) and B run backward."""
+    args, sidx, _ = _inputs(7, B, T, H, K, V, lengths, gate_bound)
+    scale = K**-0.5
+    xla = lambda *a: prepare_from_index(*a, sidx, scale=scale, chunk=CHUNK, precision="highest")
+    want_outs, vjp = jax.vjp(xla, *(x.astype(jnp.float32) for x in args))
+    cts = _cotangents(want_outs)
+
+    @jax.jit
+    def ours(cts, *a):
+        outs, ours_vjp = jax.vjp(lambda *p: prepare_split(*p, sidx.astype(jnp.float32), scale, interpret, True), *a)
+        return outs, ours_vjp(cts)[:5]
+
+    outs, got = ours(cts, *args)
+    for i, (a, b) in enumerate(zip(outs, want_outs)):  # the forward is unchanged by saving T
+        assert rel_rmse(a, b) <= BF16_FWD_RTOL, (i, rel_rmse(a, b))
+    for name, x, a, b in zip(GRADS, args, got, vjp(cts)):
+        assert a.shape == b.shape and a.dtype == x.dtype, (name, a.shape, b.shape, a.dtype)
+        err = rel_rmse(a.astype(jnp.float32), b)
+        assert err <= BF16_GRAD_RTOL, f"{name}: rel RMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_kernel_a_reading_t_equals_kernel_a_recomputing_it(interpret):
+    """The saved halves are the operands the recomputing kernel A builds, so A's outputs agree
+    (documents mid-chunk, padded last chunk, K != V)."""
+    B, T, H, K, V = 1, 100, 1, 128, 64
+    (q, k, v, g, beta), sidx, _ = _inputs(4, B, T, H, K, V, (30, 1, 69))
+    qh, kh, vh, G, anchors, vecs, _ = _kernel_inputs(q, k, v, g, beta, sidx)
+    n_tok = G.shape[1]
+    dw, du = (jax.random.normal(jax.random.PRNGKey(i), (B * H, n_tok, d), jnp.float32).astype(jnp.bfloat16)
+              for i, d in ((2, K), (3, V)))
+
+    @jax.jit
+    def both(qh, kh, vh, G, anchors, vecs, dw, du):
+        t_hi, t_lo = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=K**-0.5, interpret=interpret, save_t=True)[5:]
+        common = dict(interpret=interpret, dv_dtype=jnp.bfloat16)
+        return (wy_bwd_saved(kh, vh, G, anchors, vecs, t_hi, t_lo, dw, du, **common),
+                wy_bwd(kh, vh, G, anchors, vecs, dw, du, **common))
+
+    saved, recomputed = both(qh, kh, vh, G, anchors, vecs, dw, du)
+    for name, a, b in zip(("dv", "dx", "m_kk", "dbeta"), saved, recomputed):
+        err = rel_rmse(a.astype(jnp.float32), b.astype(jnp.float32))
+        assert err <= F32_RTOL, f"{name}: rel RMSE {err:.3e}"
+
+
+def test_chunk_kda_takes_the_saved_path_only_when_asked():
+    (q, k, v, g, beta), _, _ = _inputs(3, 1, 64, 1, 64, 64, None)
+    for choice, expected in (("split-saved", True), ("split", False)):
+        loss = lambda *a: jnp.sum(chunk_kda(*a, implementation="pallas", interpret="gpu",
+                                            gpu_prep_backward=choice)[0].astype(jnp.float32))
+        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta))
+        assert ("kda_prep_bwd_wy_saved" in text) == expected, choice
+        assert "kda_prep_bwd_intra" in text
+
+
+def _smem_recorder(monkeypatch):
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    smem_bytes = []
+    estimate = lowering._estimate_resources
+
+    def recording(*a, **kw):
+        resources = estimate(*a, **kw)
+        smem_bytes.append(resources.smem_scratch_bytes)
+        return resources
+
+    monkeypatch.setattr(lowering, "_estimate_resources", recording)
+    return smem_bytes
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
+def test_saving_kernels_lower_for_cuda(K, V, monkeypatch):
+    """The forward with ``save_t`` and kernel A reading T lower for CUDA; by Mosaic GPU's own
+    estimate two CTAs of each still fit on one SM, and saving T costs the forward no shared memory."""
+    smem_bytes = _smem_recorder(monkeypatch)
+    B, Tp, H = 1, 128, 2
+    S, bf, f32, C, BH, tok, common = _shapes(B, Tp, H, K, V)
+    fwd_args = (tok(K, bf), tok(K, bf), tok(V, bf), *common.values())
+    per_kernel = {}
+    for save_t in (False, True):
+        smem_bytes.clear()
+        text = prep_fwd.trace(*fwd_args, scale=0.1, interpret=False, save_t=save_t).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1 and "kda_prep_fwd_mosaic_gpu" in text
+        per_kernel[f"fwd save_t={save_t}"] = max(smem_bytes)
+    smem_bytes.clear()
+    wy = wy_bwd_saved.trace(tok(K, bf), tok(V, bf), *common.values(), S((BH, Tp, C), bf), S((BH, Tp, C), bf),
+                            S((BH, Tp, K), bf), S((BH, Tp, V), bf), interpret=False, dv_dtype=bf)
+    text = wy.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1 and "kda_prep_bwd_wy_saved_mosaic_gpu" in text
+    per_kernel["wy saved"] = max(smem_bytes)
+    print(f"K={K} V={V} smem bytes: {per_kernel}")
+    assert per_kernel["fwd save_t=True"] == per_kernel["fwd save_t=False"], per_kernel
+    for name, used in per_kernel.items():
+        assert 2 * (used + 1024) <= SM_SMEM_BYTES, (name, used)
+
+
+def test_chunk_kda_gradient_lowers_for_cuda_with_saved_t():
+    """The differentiated op lowers to prep fwd (saving T), scan fwd and bwd, A reading T, and B."""
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    B, T, H, K, V = 1, 200, 2, 128, 128
+
+    def loss(*a):
+        o, _ = chunk_kda_pallas(*a, scale=0.1, prep="fused", prep_bwd="split-saved")
+        return jnp.sum(o.astype(f32))
+
+    args = (S((B, T, H, K), bf), S((B, T, H, K), bf), S((B, T, H, V), bf), S((B, T, H, K), f32), S((B, T, H), f32))
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 5
+    for name in ("kda_prep_fwd", "kda_prep_bwd_wy_saved", "kda_prep_bwd_intra", "kda_scan_fwd", "kda_scan_bwd"):
+        assert f"{name}_mosaic_gpu" in text, name
