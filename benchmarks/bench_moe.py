@@ -171,6 +171,9 @@ def tune(results, m, e, k, n):
         kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
         kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=2),
         kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
+        # tiles whose rows fit in their first 64 issue half the wgmma rows
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True),
+        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True),
     ]
     best = None
     for cfg in configs:

@@ -51,6 +51,12 @@ TGMM_CANDIDATES = (
     # 128 rows per step at 224 KiB of shared memory
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, overlap_wgmma=True),
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True),
+    # 128-row steps whose partial blocks contract over 64 rows where their rows fit (trim_rows)
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True, trim_rows=True),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8, overlap_wgmma=True, trim_rows=True),
+    GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, overlap_wgmma=True, trim_rows=True),
+    GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True,
+              trim_rows=True),
 )
 
 
