@@ -15,6 +15,10 @@ B. ``kda_prep_bwd_intra``, one CTA per (64-channel slab, chunk): every remaining
    the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG, and the
    in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
    shared memory (102 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
+
+``prep_bwd="split-saved"`` (opt-in, ``DESIGN_BWD.md`` section 4): the forward also stores ``T``'s
+hi/lo halves and kernel A (``kda_prep_bwd_wy_saved``) reads them instead of inverting again; its
+outputs are the same bit for bit. It still recomputes ``S_kk``, for dbeta only.
 """
 
 from __future__ import annotations
