@@ -25,6 +25,8 @@ class GpuTiling:
     first ``tile_m / 2`` issues its wgmmas on those rows only (half the tensor-core work).
     ``trim_rows`` (tgmm only, ``tile_m`` at least two wgmma K groups): a row block contracts only
     over the K groups (64 rows at the 128-byte swizzle) that hold rows of its group.
+    ``swizzle_bytes`` (tgmm only; 0: the widest that fits): the operand tiles' swizzle; a
+    wgmma's K group is ``swizzle_bytes / itemsize`` rows, so 32 lets ``trim_rows`` trim to 16 rows.
     """
 
     tile_m: int = 128
@@ -38,6 +40,7 @@ class GpuTiling:
     reset_acc: bool = False  # chunked tgmm, compiled only: zero the accumulator at group ends
     half_tiles: bool = False  # gmm only: wgmma on the first tile_m/2 rows when the tile's rows fit there
     trim_rows: bool = False  # tgmm only: contract a partial row block over its valid K groups only
+    swizzle_bytes: int = 0  # tgmm only: operand swizzle (0: widest; 32: 16-row K groups for trim_rows)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -47,8 +50,10 @@ def _num_sms(interpret: bool) -> int:
     return 2 if interpret else jax.devices()[0].core_count
 
 
-def _swizzled(minor_elems: int, dtype):
-    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+def _swizzled(minor_elems: int, dtype, swizzle_bytes: int = 0):
+    """SMEM transforms of a tile with ``minor_elems`` contiguous elements: the widest swizzle
+    that fits, or ``swizzle_bytes`` if nonzero."""
+    swizzle = swizzle_bytes or plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 

@@ -57,6 +57,12 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, overlap_wgmma=True, trim_rows=True),
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True,
               trim_rows=True),
+    # 32-byte swizzle: partial blocks contract over 16-row K groups (narrower TMA boxes)
+    dataclasses.replace(TGMM_TILING, swizzle_bytes=32, trim_rows=True),
+    dataclasses.replace(TGMM_TILING, overlap_wgmma=True, swizzle_bytes=32, trim_rows=True),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True, swizzle_bytes=32, trim_rows=True),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=8, overlap_wgmma=True, swizzle_bytes=32,
+              trim_rows=True),
 )
 
 
@@ -87,10 +93,9 @@ def _tgmm_pipeline(cfg, dtype, body, compute_context, block_of=lambda i: i, num_
         grid=(cfg.stages if num_steps is None else num_steps,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((tm, tk), lambda i: (block_of(i), 0), transforms=_swizzled(tk, dtype), delay_release=delay),
-            plgpu.BlockSpec(
-                (tm, cta_n), lambda i: (block_of(i), 0), transforms=_swizzled(cta_n, dtype), delay_release=delay
-            ),
+            plgpu.BlockSpec(shape, lambda i: (block_of(i), 0), delay_release=delay,
+                            transforms=_swizzled(shape[1], dtype, cfg.swizzle_bytes))
+            for shape in ((tm, tk), (tm, cta_n))
         ],
         wg_axis="wg",
         num_compute_wgs=_COMPUTE_WGS,
@@ -103,7 +108,7 @@ def k_group_rows(cfg, dtype) -> int:
     """Rows per wgmma K group of tgmm's operands: the contraction runs over rows, and Mosaic GPU
     issues a wgmma's K in whole groups of the operands' swizzle width (64 bf16 rows at 128 bytes)."""
     item = jnp.dtype(dtype).itemsize
-    return max(plgpu.find_swizzle(d * item * 8) for d in (cfg.tile_k, cfg.cta_n())) // item
+    return max(cfg.swizzle_bytes or plgpu.find_swizzle(d * item * 8) for d in (cfg.tile_k, cfg.cta_n())) // item
 
 
 def _wgmma_rows(cfg, acc, a_smem, b, lo, hi):
@@ -315,6 +320,8 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     if cfg.reset_acc and (interpret or not cfg.group_chunk):
         raise ValueError("tiling.reset_acc needs group_chunk > 0 and a compiled kernel (interpret=False): "
                          "the GPU interpreter cannot overwrite a wgmma accumulator")
+    if cfg.swizzle_bytes not in (0, 32, 64, 128):
+        raise ValueError(f"tiling.swizzle_bytes must be 0, 32, 64 or 128, got {cfg.swizzle_bytes}")
     if cfg.trim_rows and cfg.tile_m < 2 * k_group_rows(cfg, lhs.dtype):
         raise ValueError(f"tiling.tile_m must be >= {2 * k_group_rows(cfg, lhs.dtype)} (two wgmma K groups) "
                          f"with trim_rows, got {cfg.tile_m}")
