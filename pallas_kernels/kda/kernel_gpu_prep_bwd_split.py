@@ -18,7 +18,8 @@ B. ``kda_prep_bwd_intra``, one CTA per (64-channel slab, chunk): every remaining
 
 ``prep_bwd="split-saved"`` (opt-in, ``DESIGN_BWD.md`` section 4): the forward also stores ``T``'s
 hi/lo halves and kernel A (``kda_prep_bwd_wy_saved``) reads them instead of inverting again; its
-outputs are the same bit for bit. It still recomputes ``S_kk``, for dbeta only.
+dv, dX, ``M_kk`` are the same bit for bit. ``S_kk`` is not recomputed either: dbeta's
+``rowsum(dL S_kk)`` comes from kernel B, as ``sum_c k (M_kk-row term of dk)`` divided by beta.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _inverse_grad(th, tl, bufs, x_s, v_s, dw_s, du_s, beta_c):
 
 
 def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype):
-    """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta.
+    """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta
+    (without ``rowsum(dL S_kk)`` when ``s_kk`` is None).
 
     dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
     """
@@ -110,7 +112,7 @@ def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtyp
     dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
     d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
     d_l = _wg(jnp.where(strict, -d_l, 0.0))
-    db_o[...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
+    db_o[...] = dbeta if s_kk is None else dbeta + jnp.sum(d_l * s_kk, axis=1)
     mkk_o[...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
 
 
@@ -177,63 +179,57 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
 @functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
-def wy_bwd_saved(k, v, G, anchors, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype):
+def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype):
     """Kernel A reading the forward's ``T`` (hi/lo ``[B*H,Tp,C]`` bf16, ``prep_fwd(save_t=True)``).
 
-    Same outputs as :func:`wy_bwd`, bit for bit: the halves are the ones :func:`wy_bwd` recomputes.
-    ``S_kk`` is still recomputed (4 N=16 wgmmas), for dbeta's ``rowsum(dL S_kk)`` only.
+    Same dv, dX, ``M_kk`` as :func:`wy_bwd`, bit for bit (the halves are the ones it recomputes);
+    dbeta lacks ``rowsum(dL S_kk)``, which kernel B gives (``dbeta_rows=True``), so ``S_kk`` is not
+    recomputed either and neither anchors nor score operands are needed.
     """
     B, Tp, H, K = k.shape
     V = v.shape[-1]
     C = CHUNK
     n = Tp // C
 
-    def kernel(k_g, v_g, G_g, anc_g, vec_g, th_g, tl_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
-               k_s, v_s, anc_s, vec_s, union, bar, bar_t, bar_d):
-        (G_s, *score_bufs), (th, tl, dw_s, du_s), (_, _, *dl_bufs) = union
+    def kernel(k_g, v_g, G_g, vec_g, th_g, tl_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
+               k_s, v_s, vec_s, th, tl, union, bar, bar_d):
+        (G_s,), (dw_s, du_s), dl_bufs = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
-                         (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s)):
+                         (vec_g.at[bh, :, rows], vec_s), (th_g.at[bh, rows], th), (tl_g.at[bh, rows], tl)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
         col_vec, row_vec = _vec_loaders(vec_s, C)
         _, _, strict, _ = _masks(col_vec, row_vec, vec_s, C)
         G = plgpu.load(G_s, layout=WGMMA)
-        plgpu.commit_smem()  # every thread has read G: T's halves land in its memory during S_kk
-        plgpu.copy_gmem_to_smem(th_g.at[bh, rows], th, bar_t)
-        plgpu.copy_gmem_to_smem(tl_g.at[bh, rows], tl, bar_t)
-        s_kk = _wg(jnp.where(strict, _scores_kk(G, k_s, lambda t: col_vec(anc_s.at[t], K), score_bufs), 0.0))
-        # dW, dU land in the score operands' memory, free now that S_kk is read; X' is formed meanwhile.
+        plgpu.commit_smem()  # every thread has read G: dW, dU land in its memory while X' is formed
         plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
         plgpu.copy_gmem_to_smem(du_g.at[bh, rows], du_s, bar_d)
         k_s[...] = _wg((row_vec(FRESH, K) * plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
         plgpu.commit_smem()
-        plgpu.barrier_wait(bar_t)
         plgpu.barrier_wait(bar_d)
         outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
-        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
+        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, None, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
 
     cc = lambda: smem((C, C), **ONE)
-    # 104 KiB at K = V = 128 as :func:`wy_bwd` (two CTAs per SM): G with the score recompute, then
-    # T's halves (in G's bytes) with dW, dU, or with the dL products.
+    # 81 KiB at K = V = 128 (104 KiB for :func:`wy_bwd`): T's halves have their own memory (they
+    # arrive with the inputs); dW, dU, then the dL products, land in G's bytes.
     union = plgpu.RefUnion(
-        (smem((C, K), F32, mma=False, **ONE), smem((C, K), **ONE), smem((C, K), **ONE)),
-        (cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
-        (cc(), cc(), cc(), cc(), cc(), cc()),
+        (smem((C, K), F32, mma=False, **ONE),), (smem((C, K), **ONE), smem((C, V), **ONE)),
+        (cc(), cc(), cc(), cc()),
     )
     scratch = [
-        smem((C, K), **ONE), smem((C, V), **ONE), smem((8, K), F32, mma=False, **ONE),
-        smem((5, C), F32, mma=False, **ONE), union, plgpu.Barrier(num_arrivals=5),
-        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),
+        smem((C, K), **ONE), smem((C, V), **ONE), smem((5, C), F32, mma=False, **ONE), cc(), cc(), union,
+        plgpu.Barrier(num_arrivals=6), plgpu.Barrier(num_arrivals=2),
     ]
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=_wy_out_type(B, Tp, H, K, V, dv_dtype), scratch_types=scratch, grid=(n, B * H),
         grid_names=("c", "bh"), kernel_name="kda_prep_bwd_wy_saved", **extra,
     )
-    return call(k, v, G, anchors, vecs, t_hi, t_lo, dw, du)
+    return call(k, v, G, vecs, t_hi, t_lo, dw, du)
 
 
 def _wy_out_type(B, Tp, H, K, V, dv_dtype):
@@ -257,9 +253,10 @@ def _reverse_cumsum(dG, up_s, halves, C):
     return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
 
 
-def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out):
+def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
     """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
-    dq goes to ``dq_out(dq)`` as soon as it is formed.
+    dq goes to ``dq_out(dq)`` as soon as it is formed, and ``sum_c k (M_kk-row term of dk)`` to
+    ``db_out`` if given: it is ``beta_i sum_j dL_ij S_kk,ij`` restricted to the slab's channels.
 
     The terms are ordered so that each [C, S] array dies as early as it can (at most ~6 live).
     """
@@ -275,8 +272,11 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
     dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
     dq_out(dq)
     dG = load(q_s) * dq
-    dk_x = e_own * acc_kr + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
+    dk_r = e_own * acc_kr
+    dk_x = dk_r + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
     k = load(k_s)
+    if db_out is not None:
+        db_out(jnp.sum(k * dk_r, axis=1))
     dG = dG + k * (dk_x - dk_c)
     kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
     dkg = load(dkg_s)
@@ -285,9 +285,13 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
 
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes"))
-def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes", "dbeta_rows"))
+def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple,
+              dbeta_rows: bool = False):
     """Kernel B: ``(dq, dk, dg)`` token-major ``[B,Tp,H,K]`` (dg f32, without d's term).
+
+    ``dbeta_rows`` (for :func:`wy_bwd_saved`) adds ``[K/64, B*H, Tp]`` f32: per slab,
+    ``beta_i sum_j dL_ij S_kk,ij`` over the slab's channels.
 
     q, k, G, anchors, vecs as :func:`kernel_gpu_prep.prep_fwd` takes them; daqk ``[B*H,Tp,C]``
     f32 and dqg, dkg ``[B*H,Tp,K]`` f32 (the scan's cotangents); mkk, dx from :func:`wy_bwd`.
@@ -297,8 +301,9 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     C = CHUNK
     n, nt, S = Tp // C, C // SUB, min(SLAB, K)
 
-    def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, dq_g, dk_g, dg_g,
-               q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail):
+    def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, dq_g, dk_g, dg_g, *rest):
+        db_g = rest[0] if dbeta_rows else None
+        q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail = rest[int(dbeta_rows):]
         (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), halves = G_u
         p, c, bh = lax.axis_index("p"), lax.axis_index("c"), lax.axis_index("bh")
@@ -326,7 +331,11 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         def dq_out(dq):
             dq_g.at[b, rows, h, cols][...] = dq.astype(dtypes[0])
 
-        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out)
+        def db_out(rowsum):
+            db_g.at[p, bh, rows][...] = rowsum
+
+        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out,
+                                     db_out if dbeta_rows else None)
         dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
         # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
         dg = _reverse_cumsum(dG, up_s, halves, C)
@@ -334,7 +343,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
-                jax.ShapeDtypeStruct((B, Tp, H, K), F32)]
+                jax.ShapeDtypeStruct((B, Tp, H, K), F32)] + [jax.ShapeDtypeStruct((K // S, BH, Tp), F32)] * dbeta_rows
     # 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score backward), the score
     # backward's operands (32-byte swizzle: it contracts over 16-token multiples only) and the tail's
     # inputs share one region; G and the halves of dG share another.
@@ -375,11 +384,18 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
     pad = G.shape[1] - q.shape[1]
     qh, kh, vh = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]).astype(BF16) for x in (q, k, v))
     dw, du, dqg, dkg, daqk, dd = cts
-    wy = (wy_bwd, ()) if saved_t is None else (wy_bwd_saved, tuple(saved_t))
-    dv, dx, mkk, dbeta = wy[0](kh, vh, G, anchors, vecs, *wy[1], dw.astype(BF16), du.astype(BF16),
-                               interpret=interpret, dv_dtype=v.dtype)
-    dq, dk, dg = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
-                           dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype))
+    wy_args = (dw.astype(BF16), du.astype(BF16))
+    wy = dict(interpret=interpret, dv_dtype=v.dtype)
+    if saved_t is None:
+        dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, *wy_args, **wy)
+    else:
+        dv, dx, mkk, dbeta = wy_bwd_saved(kh, vh, G, vecs, *saved_t, *wy_args, **wy)
+    dq, dk, dg, *rows = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
+                                  dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype),
+                                  dbeta_rows=saved_t is not None)
+    if rows:  # B gave beta_i sum_j dL_ij S_kk,ij per slab; beta > 0 except on padded rows (where dL = 0)
+        b = vecs[:, BETA]
+        dbeta = dbeta + jnp.where(b > 0, jnp.sum(rows[0], axis=0) / jnp.where(b > 0, b, 1.0), 0.0)
     return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), dd, d)
 
 
