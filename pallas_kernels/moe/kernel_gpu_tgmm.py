@@ -13,6 +13,9 @@ its start, kept in registers (the GPU interpreter cannot overwrite an accumulato
 accumulator-sized register tile: use tile_k x tile_n <= 64 x 128). ``reset_acc`` instead
 zeroes the accumulator after each group's store (no second tile, any output tile; compiled
 kernels only, so checked on the GPU). An empty group is one fully masked block.
+``trim_rows``: a partial row block contracts only over the wgmma K groups holding its group's
+rows; Mosaic GPU issues a wgmma's K in whole swizzle widths (64 bf16 rows at 128 bytes), so
+finer trimming needs the narrower ``swizzle_bytes=32`` (16 rows).
 """
 
 import dataclasses
