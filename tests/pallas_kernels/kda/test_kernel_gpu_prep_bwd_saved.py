@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.kda import chunk_kda
+from k3jax.config import KDAConfig
+from pallas_kernels.kda import chunk_kda, chunk_kda_reference
 from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
 from pallas_kernels.kda.kernel_gpu_intra import prepare_from_index
 from pallas_kernels.kda.kernel_gpu_prep import CHUNK, _kernel_inputs, prep_fwd
@@ -89,6 +90,34 @@ def test_saved_backward_equals_recomputing_backward(interpret):
         assert rel_rmse(a, c) <= rel_rmse(b, c) * 1.05 + F32_RTOL, (name, rel_rmse(a, c), rel_rmse(b, c))
 
 
+@pytest.mark.parametrize("interpret", [
+    pytest.param(True, id="interpret", marks=pytest.mark.slow),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+])
+def test_chunk_kda_gradients_with_saved_t(interpret):
+    """The whole op through ``chunk_kda(gpu_prep_backward="split-saved")`` against the fp32 chunked reference."""
+    B, T, H, K, V = 1, 100, 1, 64, 64
+    (q, k, v, g, beta), _, seg = _inputs(1, B, T, H, K, V, (40, 60))
+    s0 = jax.random.normal(jax.random.PRNGKey(5), (B, H, K, V), jnp.float32)
+    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, jnp.float32) for i, s in ((6, v.shape), (7, s0.shape)))
+
+    def grads(fn):
+        def loss(*a):
+            o, S = fn(*a)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(S * w_s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, s0)
+
+    ours = lambda *a: chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True,
+                                implementation="pallas", interpret="gpu" if interpret else False,
+                                gpu_prep_backward="split-saved")
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v, g, beta, s0: chunk_kda_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0,
+                                                           segment_ids=seg)
+    for name, a, b in zip(GRADS + ("ds0",), grads(ours), grads(ref)):
+        err = rel_rmse(a.astype(jnp.float32), b)
+        assert err <= BF16_GRAD_RTOL, f"{name}: rel RMSE {err:.3e}"
+
+
 def test_chunk_kda_takes_the_saved_path_only_when_asked():
     (q, k, v, g, beta), _, _ = _inputs(3, 1, 64, 1, 64, 64, None)
     for choice, expected in (("split-saved", True), ("split", False)):
@@ -97,6 +126,9 @@ def test_chunk_kda_takes_the_saved_path_only_when_asked():
         text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta))
         assert ("kda_prep_bwd_wy_saved" in text) == expected, choice
         assert "kda_prep_bwd_intra" in text
+    assert KDAConfig(num_heads=1, head_dim=16, gpu_prep_backward="split-saved").gpu_prep_backward == "split-saved"
+    with pytest.raises(ValueError, match="prep_bwd"):
+        chunk_kda_pallas(q, k, v, g, beta, scale=1.0, prep="xla", prep_bwd="split-saved")
 
 
 def _smem_recorder(monkeypatch):
