@@ -284,6 +284,25 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
     return dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
 
 
+def _intra_scratch(C, S):
+    """Kernel B's shared memory, 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score
+    backward), the score backward's operands (32-byte swizzle: it contracts over 16-token multiples
+    only) and the tail's inputs share one region; G and the halves of dG share another."""
+    union = plgpu.RefUnion(
+        (smem((C, C), F32, mma=False, **ONE),),
+        (smem((C, C), swizzle=32, **ONE), smem((C, C), swizzle=32, **ONE),
+         *(smem((C, S), swizzle=32, **ONE) for _ in range(4))),
+        (smem((C, S), F32, mma=False, **ONE), smem((C, S), F32, mma=False, **ONE), smem((C, C), **ONE)),
+    )
+    return [
+        smem((C, S), **ONE), smem((C, S), **ONE),
+        plgpu.RefUnion((smem((C, S), F32, mma=False, **ONE),), (smem((C, S), **ONE), smem((C, S), **ONE))),
+        smem((8, S), F32, mma=False, **ONE), smem((5, C), F32, mma=False, **ONE),
+        smem((C, C), **ONE), smem((C, S), **ONE), union,
+        plgpu.Barrier(num_arrivals=8), plgpu.Barrier(num_arrivals=2),
+    ]
+
+
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes", "dbeta_rows"))
 def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple,
@@ -344,22 +363,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
                 jax.ShapeDtypeStruct((B, Tp, H, K), F32)] + [jax.ShapeDtypeStruct((K // S, BH, Tp), F32)] * dbeta_rows
-    # 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score backward), the score
-    # backward's operands (32-byte swizzle: it contracts over 16-token multiples only) and the tail's
-    # inputs share one region; G and the halves of dG share another.
-    union = plgpu.RefUnion(
-        (smem((C, C), F32, mma=False, **ONE),),
-        (smem((C, C), swizzle=32, **ONE), smem((C, C), swizzle=32, **ONE),
-         *(smem((C, S), swizzle=32, **ONE) for _ in range(4))),
-        (smem((C, S), F32, mma=False, **ONE), smem((C, S), F32, mma=False, **ONE), smem((C, C), **ONE)),
-    )
-    scratch = [
-        smem((C, S), **ONE), smem((C, S), **ONE),
-        plgpu.RefUnion((smem((C, S), F32, mma=False, **ONE),), (smem((C, S), **ONE), smem((C, S), **ONE))),
-        smem((8, S), F32, mma=False, **ONE), smem((5, C), F32, mma=False, **ONE),
-        smem((C, C), **ONE), smem((C, S), **ONE), union,
-        plgpu.Barrier(num_arrivals=8), plgpu.Barrier(num_arrivals=2),
-    ]
+    scratch = _intra_scratch(C, S)
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(K // S, n, BH), grid_names=("p", "c", "bh"),
