@@ -5,6 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+# The Pallas GPU interpreter imports the fuser on its first run, which registers a config value
+# in JAX's tracing context: every function traced before that would be traced again once after.
+from jax.experimental.pallas import fuser  # noqa: F401, E402
+
 
 def group_sizes_strategy(num_groups: int, m: int):
     """Group sizes summing to at most ``m``: cut points of ``[0, total]`` (equal cuts give empty

@@ -87,16 +87,11 @@ def _check(sizes, *, against_base=True):
 
 
 def test_half_tiles_and_trimmed_rows_match_ragged_dot():
-    for sizes in (CASES[1], CASES[3], CASES[5]):
-        _check(sizes, against_base=False)
+    for i in (1, 2, 3, 4):  # CASES[0], [5]: the hypothesis cases and test_kernel_gpu_interpret
+        _check(CASES[i], against_base=i in (2, 4))  # many half tiles and trimmed first and last blocks
 
 
-def test_half_tiles_and_trimmed_rows_are_bit_identical_to_full_tiles():
-    for sizes in (CASES[0], CASES[2], CASES[4]):  # half tiles, trimmed first and last blocks
-        _check(sizes)
-
-
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=group_sizes_strategy(E, M))
 def test_half_tiles_and_trimmed_rows_hypothesis_group_sizes(sizes):
     _check(sizes.tolist(), against_base=False)
@@ -111,7 +106,7 @@ def test_trimmed_tgmm_matches_ragged_dot_and_untrimmed(name):
     dout = dout.astype(jnp.bfloat16)
     tg = lambda cfg: jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=E, tiling=cfg, interpret=True))
     trimmed, full = tg(cfg), tg(dataclasses.replace(cfg, trim_rows=False))
-    for sizes in (CASES[2], CASES[4]):
+    for sizes in (CASES[4] if name == "TRIM_CHUNK" else CASES[2],):
         gs = jnp.asarray(sizes, jnp.int32)
         got = np.asarray(trimmed(lhs, dout, gs), np.float32)
         assert rel_rmse(got, np.asarray(_reference(lhs, jnp.zeros((E, K, N), lhs.dtype), gs, dout)[2])) < BF16_GRAD_RTOL
