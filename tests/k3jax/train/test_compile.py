@@ -113,5 +113,6 @@ def test_identical_kernels_lower_once():
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["modules"] == {"kda_scan_fwd": 1, "kda_scan_bwd": 1, "moe_gmm": 1, "moe_gmm_transposed": 1,
-                                 "moe_tgmm": 1}
+    # KDA: the fused prep forward, the scan, and the default split prep backward (two kernels)
+    assert result["modules"] == {"kda_prep_fwd": 1, "kda_scan_fwd": 1, "kda_scan_bwd": 1, "kda_prep_bwd_wy": 1,
+                                 "kda_prep_bwd_intra": 1, "moe_gmm": 1, "moe_gmm_transposed": 1, "moe_tgmm": 1}
