@@ -10,38 +10,25 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.config import KDAConfig
-from pallas_kernels.kda import chunk_kda, chunk_kda_reference
+from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
 from pallas_kernels.kda.kernel_gpu_intra import prepare_from_index
 from pallas_kernels.kda.kernel_gpu_prep import CHUNK, _kernel_inputs, prep_fwd
 from pallas_kernels.kda.kernel_gpu_prep_bwd_split import intra_bwd, prepare_bwd_split, prepare_split, wy_bwd_saved
-from tests.pallas_kernels.kda.test_kernel_gpu_prep_bwd_split import (
-    GRADS, MODES, SM_SMEM_BYTES, _inputs, _shapes,
+from tests.pallas_kernels.kda.prep_bwd_cases import (
+    CASES, GRADS, MODES, SM_SMEM_BYTES, assert_grads_close, assert_whole_op_grads, cotangents, cuda_gradient_text,
+    kernel_shapes, prep_inputs, record_smem, xla_prep_vjp,
 )
-from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
-
-
-def _cotangents(outs):
-    keys = jax.random.split(jax.random.PRNGKey(1), len(outs))
-    return tuple(jax.random.normal(key, o.shape, jnp.float32) for key, o in zip(keys, outs))
+from tests.tolerances import BF16_FWD_RTOL, F32_RTOL, rel_rmse
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize(
-    "B,T,H,K,V,lengths,gate_bound",
-    [
-        (1, 100, 1, 128, 128, (30, 1, 69), False),  # 2 chunks, 2 slabs, documents mid-chunk, padded last chunk
-        (2, 64, 2, 64, 128, None, False),  # K != V, one slab, one full chunk, several batches and heads
-        (1, 80, 1, 128, 64, (50, 30), True),  # K != V the other way, gates at the bound
-    ],
-)
+@pytest.mark.parametrize("B,T,H,K,V,lengths,gate_bound", CASES)
 def test_saved_prep_bwd_matches_xla_vjp(interpret, B, T, H, K, V, lengths, gate_bound):
     """Through the custom_vjp: the kernel forward saves T, kernels A (reading T) and B run backward."""
-    args, sidx, _ = _inputs(7, B, T, H, K, V, lengths, gate_bound)
+    args, sidx, _ = prep_inputs(7, B, T, H, K, V, lengths, gate_bound)
     scale = K**-0.5
-    xla = lambda *a: prepare_from_index(*a, sidx, scale=scale, chunk=CHUNK, precision="highest")
-    want_outs, vjp = jax.vjp(xla, *(x.astype(jnp.float32) for x in args))
-    cts = _cotangents(want_outs)
+    want_outs, cts, want = xla_prep_vjp(args, sidx, scale)
 
     @jax.jit
     def ours(cts, *a):
@@ -51,10 +38,7 @@ def test_saved_prep_bwd_matches_xla_vjp(interpret, B, T, H, K, V, lengths, gate_
     outs, got = ours(cts, *args)
     for i, (a, b) in enumerate(zip(outs, want_outs)):  # the forward is unchanged by saving T
         assert rel_rmse(a, b) <= BF16_FWD_RTOL, (i, rel_rmse(a, b))
-    for name, x, a, b in zip(GRADS, args, got, vjp(cts)):
-        assert a.shape == b.shape and a.dtype == x.dtype, (name, a.shape, b.shape, a.dtype)
-        err = rel_rmse(a.astype(jnp.float32), b)
-        assert err <= BF16_GRAD_RTOL, f"{name}: rel RMSE {err:.3e}"
+    assert_grads_close(args, got, want)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -66,10 +50,10 @@ def test_saved_backward_equals_recomputing_backward(interpret):
     gradient must be as close to the XLA vjp as the recomputing path's. Documents mid-chunk,
     padded last chunk, K != V."""
     B, T, H, K, V = 1, 100, 1, 128, 64
-    args, sidx, _ = _inputs(4, B, T, H, K, V, (30, 1, 69))
+    args, sidx, _ = prep_inputs(4, B, T, H, K, V, (30, 1, 69))
     scale = K**-0.5
     shapes = jax.eval_shape(lambda *a: prepare_from_index(*a, sidx, scale=scale, chunk=CHUNK), *args)
-    cts = _cotangents(shapes)
+    cts = cotangents(shapes)
 
     @jax.jit
     def both(cts, *a):
@@ -96,30 +80,13 @@ def test_saved_backward_equals_recomputing_backward(interpret):
 ])
 def test_chunk_kda_gradients_with_saved_t(interpret):
     """The whole op through ``chunk_kda(gpu_prep_backward="split-saved")`` against the fp32 chunked reference."""
-    B, T, H, K, V = 1, 100, 1, 64, 64
-    (q, k, v, g, beta), _, seg = _inputs(1, B, T, H, K, V, (40, 60))
-    s0 = jax.random.normal(jax.random.PRNGKey(5), (B, H, K, V), jnp.float32)
-    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, jnp.float32) for i, s in ((6, v.shape), (7, s0.shape)))
-
-    def grads(fn):
-        def loss(*a):
-            o, S = fn(*a)
-            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(S * w_s)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, s0)
-
-    ours = lambda *a: chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True,
-                                implementation="pallas", interpret="gpu" if interpret else False,
-                                gpu_prep_backward="split-saved")
-    f32 = lambda x: x.astype(jnp.float32)
-    ref = lambda q, k, v, g, beta, s0: chunk_kda_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0,
-                                                           segment_ids=seg)
-    for name, a, b in zip(GRADS + ("ds0",), grads(ours), grads(ref)):
-        err = rel_rmse(a.astype(jnp.float32), b)
-        assert err <= BF16_GRAD_RTOL, f"{name}: rel RMSE {err:.3e}"
+    assert_whole_op_grads(lambda *a: chunk_kda(*a[:5], initial_state=a[5], segment_ids=a[6], output_final_state=True,
+                                               implementation="pallas", interpret="gpu" if interpret else False,
+                                               gpu_prep_backward="split-saved"), 64, 64)
 
 
 def test_chunk_kda_takes_the_saved_path_only_when_asked():
-    (q, k, v, g, beta), _, _ = _inputs(3, 1, 64, 1, 64, 64, None)
+    (q, k, v, g, beta), _, _ = prep_inputs(3, 1, 64, 1, 64, 64, None)
     for choice, expected in (("split-saved", True), ("split", False)):
         loss = lambda *a: jnp.sum(chunk_kda(*a, implementation="pallas", interpret="gpu",
                                             gpu_prep_backward=choice)[0].astype(jnp.float32))
@@ -131,28 +98,13 @@ def test_chunk_kda_takes_the_saved_path_only_when_asked():
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, prep="xla", prep_bwd="split-saved")
 
 
-def _smem_recorder(monkeypatch):
-    from jax._src.pallas.mosaic_gpu import lowering
-
-    smem_bytes = []
-    estimate = lowering._estimate_resources
-
-    def recording(*a, **kw):
-        resources = estimate(*a, **kw)
-        smem_bytes.append(resources.smem_scratch_bytes)
-        return resources
-
-    monkeypatch.setattr(lowering, "_estimate_resources", recording)
-    return smem_bytes
-
-
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
 def test_saving_kernels_lower_for_cuda(K, V, monkeypatch):
     """The forward with ``save_t`` and kernel A reading T lower for CUDA; by Mosaic GPU's own
     estimate two CTAs of each still fit on one SM, and saving T costs the forward no shared memory."""
-    smem_bytes = _smem_recorder(monkeypatch)
+    smem_bytes = record_smem(monkeypatch)
     B, Tp, H = 1, 128, 2
-    S, bf, f32, C, BH, tok, common = _shapes(B, Tp, H, K, V)
+    S, bf, f32, C, BH, tok, common = kernel_shapes(B, Tp, H, K, V)
     fwd_args = (tok(K, bf), tok(K, bf), tok(V, bf), *common.values())
     per_kernel = {}
     for save_t in (False, True):
@@ -180,15 +132,7 @@ def test_saving_kernels_lower_for_cuda(K, V, monkeypatch):
 
 def test_chunk_kda_gradient_lowers_for_cuda_with_saved_t():
     """The differentiated op lowers to prep fwd (saving T), scan fwd and bwd, A reading T, and B."""
-    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    B, T, H, K, V = 1, 200, 2, 128, 128
-
-    def loss(*a):
-        o, _ = chunk_kda_pallas(*a, scale=0.1, prep="fused", prep_bwd="split-saved")
-        return jnp.sum(o.astype(f32))
-
-    args = (S((B, T, H, K), bf), S((B, T, H, K), bf), S((B, T, H, V), bf), S((B, T, H, K), f32), S((B, T, H), f32))
-    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_gradient_text("split-saved")
     assert text.count("custom_call @mosaic_gpu") == 5
     for name in ("kda_prep_fwd", "kda_prep_bwd_wy_saved", "kda_prep_bwd_intra", "kda_scan_fwd", "kda_scan_bwd"):
         assert f"{name}_mosaic_gpu" in text, name
