@@ -288,3 +288,24 @@ def finish_grads(primals, grads, dd, d):
     dbeta = jnp.moveaxis(dbeta.reshape(B, H, n * C), 1, 2)
     cut = lambda x, dt: x[:, :T_len].astype(dt)
     return cut(dq, q.dtype), cut(dk, k.dtype), cut(dv, v.dtype), cut(dg, g.dtype), cut(dbeta, beta.dtype)
+
+
+# ---- shared with the split backward (kernel_gpu_prep_bwd_split / _intra)
+
+def _vec_loaders(vec_s, n_rows):
+    """``(col_vec, row_vec)``: an smem row repeated down the rows; a per-token row of the vector block."""
+
+    def col_vec(ref, n_cols):
+        return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (n_rows, n_cols), [1]))
+
+    def row_vec(i, n_cols):
+        return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (n_rows, n_cols), [0]))
+
+    return col_vec, row_vec
+
+
+def _masks(col_vec, row_vec, vec_s, C):
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], C)
+    return ri, cj, (cj < ri) & same, (cj <= ri) & same

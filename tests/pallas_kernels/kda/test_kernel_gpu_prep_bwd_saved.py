@@ -14,7 +14,8 @@ from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
 from pallas_kernels.kda.kernel_gpu_intra import prepare_from_index
 from pallas_kernels.kda.kernel_gpu_prep import CHUNK, _kernel_inputs, prep_fwd
-from pallas_kernels.kda.kernel_gpu_prep_bwd_split import intra_bwd, prepare_bwd_split, prepare_split, wy_bwd_saved
+from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
+from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_bwd_split, prepare_split, wy_bwd_saved
 from tests.pallas_kernels.kda.prep_bwd_cases import (
     CASES, GRADS, MODES, SM_SMEM_BYTES, assert_grads_close, assert_whole_op_grads, cotangents, cuda_gradient_text,
     kernel_shapes, prep_inputs, record_smem, xla_prep_vjp,

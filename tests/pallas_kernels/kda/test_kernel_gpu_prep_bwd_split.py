@@ -11,7 +11,8 @@ import pytest
 from k3jax.config import KDAConfig
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
-from pallas_kernels.kda.kernel_gpu_prep_bwd_split import intra_bwd, prepare_bwd_split, wy_bwd
+from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
+from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_bwd_split, wy_bwd
 from tests.pallas_kernels.kda.prep_bwd_cases import (
     CASES, MODES, SM_SMEM_BYTES, assert_grads_close, assert_whole_op_grads, cuda_gradient_text, kernel_shapes,
     prep_inputs, record_smem, xla_prep_vjp,
