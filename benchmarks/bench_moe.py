@@ -7,8 +7,8 @@ the dense equal-group batched einsum (the no-routing ceiling); then the whole La
 layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragged_dot with
 XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
 BENCHMARKS.md); a missing or failing peer is recorded, not fatal. Per shape, the forward
-tiling (``tune``) and then the weight-gradient tiling (``tune_bwd``, over
-``kernel_gpu_tgmm.TGMM_CANDIDATES`` incl. the chunked tgmm) are picked by timing before the table.
+tiling and then the weight-gradient tiling (over ``kernel_gpu_tgmm.TGMM_CANDIDATES``) are picked
+by timing before the table (``moe_tuning.py``; a candidate whose result differs is never picked).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
@@ -159,68 +159,6 @@ def check_moe_ffn(results):
     print("check moe_ffn", results["checks"]["moe_ffn"])
 
 
-def tune(results, m, e, k, n):
-    """Pick the fastest forward tiling for our kernel at one shape; keep it for the rest."""
-    key = jax.random.PRNGKey(1)
-    lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
-    rhs = (jax.random.normal(key, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-    gs = random_group_sizes(key, m, e)
-    configs = [
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, aligned=False),
-        kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
-        kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=2),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
-        # tiles whose rows fit in their first 64 issue half the wgmma rows
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True),
-    ]
-    best = None
-    for cfg in configs:
-        try:
-            ms = timeit(jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg)), lhs, rhs, gs, reps=5, warmup=2)
-        except Exception as ex:  # noqa: BLE001 (a config over the shared-memory budget)
-            ms = None
-            print("tiling", cfg, "failed:", repr(ex)[:300])
-        results["tuning"].append(dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg), fwd_ms=ms))
-        print("tiling", cfg, ms)
-        if ms is not None and (best is None or ms < best[1]):
-            best = (cfg, ms)
-    if best is not None:
-        kernel_gpu.GMM_TILING = best[0]
-    return best
-
-
-def tune_bwd(results, m, e, k, n, candidates=None):
-    """Pick the fastest weight-gradient (tgmm) tiling at one shape by timing our forward+backward
-    with each of ``kernel_gpu_tgmm.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
-    lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
-    rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-    cot = jax.random.normal(k3, (m, n), jnp.bfloat16)
-    gs = random_group_sizes(k3, m, e)
-    want = None
-    best = None
-    for cfg in candidates or kernel_gpu_tgmm.TGMM_CANDIDATES:
-        row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg))
-        try:
-            tg = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=e, tiling=cfg))
-            got = tg(lhs, cot, gs).astype(jnp.float32)
-            want = got if want is None else want  # the default tiling's drhs, checked in check_ours
-            row["rel_vs_default"] = rel(got, want)
-            row["tgmm_ms"] = timeit(tg, lhs, cot, gs, reps=5, warmup=1)
-            _, train = fwd_and_train(functools.partial(grouped_matmul, implementation="pallas", tgmm_tiling=cfg))
-            row["train_ms"] = timeit(train, lhs, rhs, gs, cot, reps=5, warmup=2)
-        except Exception as ex:  # noqa: BLE001 (a tiling that fails to compile is recorded)
-            row["error"] = repr(ex)[:300]
-        results["tuning_bwd"].append(row)
-        print("tgmm tiling", cfg, {key: v for key, v in row.items() if key not in ("shape", "tiling")})
-        ok = "train_ms" in row and row["rel_vs_default"] < 1e-2
-        if ok and (best is None or row["train_ms"] < best[1]):
-            best = (cfg, row["train_ms"])
-    return best[0] if best is not None else kernel_gpu_tgmm.TGMM_TILING
-
-
 def bench_gmm(results, shape, impls, tgmm_tiling=None):
     m, e, k, n = shape
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
@@ -344,6 +282,8 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
     args = ap.parse_args()
+    import moe_tuning  # benchmarks/ is the script's directory
+
     start = time.perf_counter()
     in_budget = lambda: time.perf_counter() - start < args.budget_s
     skip = set(filter(None, args.skip.split(",")))
@@ -365,18 +305,18 @@ def main():
             continue
         shape = GMM_SHAPES[idx]
         if not args.skip_tune:
-            tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
+            moe_tuning.tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
-        tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else tune_bwd(results, *shape, picks)
+        tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else moe_tuning.tune_bwd(results, *shape, picks)
         tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
         bench_gmm(results, shape, impls, tgmm_cfg)
         results["gmm_tiling"], results["tgmm_tiling"] = tilings, tgmm_tilings
         save()
     if "layer" not in skip and in_budget():
         if not args.skip_tune:
-            tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
+            moe_tuning.tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
         if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
-            kernel_gpu_tgmm.TGMM_TILING = tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
+            kernel_gpu_tgmm.TGMM_TILING = moe_tuning.tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)
         results["layer_tgmm_tiling"] = dataclasses.asdict(kernel_gpu_tgmm.TGMM_TILING)
         bench_layer(results, impls)
