@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
-from pallas_kernels.kda.kernel_gpu_prep_bwd import _masks, _scores_bwd, _vec_loaders
+from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_bwd, _vec_loaders
 from pallas_kernels.kda.kernel_gpu_util import smem
 
 BF16 = jnp.bfloat16
@@ -155,6 +155,6 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(K // S, n, BH), grid_names=("p", "c", "bh"),
-        kernel_name="kda_prep_bwd_intra", **extra,
+        kernel_name="kda_prep_bwd_intra", compiler_params=APPROX, **extra,
     )
     return call(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg)

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, FRESH, WGMMA, _chain, _kernel_inputs, _split, _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
-from pallas_kernels.kda.kernel_gpu_prep_bwd import _masks, _scores_kk, _vec_loaders, finish_grads
+from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
 from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
 from pallas_kernels.kda.kernel_gpu_util import T, smem
 
@@ -153,7 +153,7 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(n, B * H), grid_names=("c", "bh"),
-        kernel_name="kda_prep_bwd_wy", **extra,
+        kernel_name="kda_prep_bwd_wy", compiler_params=APPROX, **extra,
     )
     return call(k, v, G, anchors, vecs, dw, du)
 
@@ -208,7 +208,7 @@ def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=_wy_out_type(B, Tp, H, K, V, dv_dtype), scratch_types=scratch, grid=(n, B * H),
-        grid_names=("c", "bh"), kernel_name="kda_prep_bwd_wy_saved", **extra,
+        grid_names=("c", "bh"), kernel_name="kda_prep_bwd_wy_saved", compiler_params=APPROX, **extra,
     )
     return call(k, v, G, vecs, t_hi, t_lo, dw, du)
 
