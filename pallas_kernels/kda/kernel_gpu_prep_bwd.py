@@ -16,7 +16,7 @@ recomputes ``S_kk`` and ``T`` (as the forward does) and forms
    at the column's tile s: ``e^{b_s - G_j} (M[:, tile s]^T @ (a e^{G - b_s}, rows i >= 16 s))``.
    Every exponent is at most 75 (the -5 gate bound), as in the forward. Each tile's masked M and
    (hi/lo) operands are 64-row wgmmas into one running accumulator per output (dq, dk rows, dk
-   cols), contracting only over the tokens the causal mask leaves (32-byte swizzle: 16-token steps).
+   cols), each a real loop over the tiles contracting over the whole chunk (masked operands are zero).
 3. ``dG`` collects each ``e^{±G}`` factor: ``q dq_S + k (dk_rows - dk_cols) + dX X + dqg qg - dkg kg``,
    plus ``sum_i dkg_i kg_i`` on the chunk's last row (through ``G_last``); the reverse in-chunk
    cumsum that turns dG into dg is one more (hi/lo) product. The anchors are constants: the
@@ -246,9 +246,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         tuple(cc() for _ in range(6)),
         (cc(), cc(), smem((C, K), **one), smem((C, V), **one)),
         (smem((C, C), F32, mma=False, **one),),
-        # 32-byte swizzle ([8, 16] tiles): the score backward contracts over 16-token multiples only.
-        (smem((C, C), swizzle=32, **one), smem((C, C), swizzle=32, **one),
-         *(smem((C, K), swizzle=32, **one) for _ in range(4))),
+        (cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
         (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one), cc()),
     )
     scratch = [

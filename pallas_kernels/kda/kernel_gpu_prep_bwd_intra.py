@@ -74,12 +74,11 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
 
 def _intra_scratch(C, S):
     """Kernel B's shared memory, 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score
-    backward), the score backward's operands (32-byte swizzle: it contracts over 16-token multiples
-    only) and the tail's inputs share one region; G and the halves of dG share another."""
+    backward), the score backward's operands and the tail's inputs share one region; G and the
+    halves of dG share another."""
     union = plgpu.RefUnion(
         (smem((C, C), F32, mma=False, **ONE),),
-        (smem((C, C), swizzle=32, **ONE), smem((C, C), swizzle=32, **ONE),
-         *(smem((C, S), swizzle=32, **ONE) for _ in range(4))),
+        (smem((C, C), **ONE), smem((C, C), **ONE), *(smem((C, S), **ONE) for _ in range(4))),
         (smem((C, S), F32, mma=False, **ONE), smem((C, S), F32, mma=False, **ONE), smem((C, C), **ONE)),
     )
     return [
