@@ -95,7 +95,8 @@ def profile_impls(impls, shape, directory, top=12):
     (q, k, v, g, b), do = make_inputs(9, *shape)
     out = {}
     for name, (fwd, fwdbwd, conv, sync) in impls.items():
-        if sync is not jax_sync:  # the torch peer's kernels are not in a JAX trace
+        # by name: run as a script, bench_kda's functions live in __main__, not in the imported module
+        if sync.__name__ != jax_sync.__name__:  # the torch peer's kernels are not in a JAX trace
             continue
         for mode, fn, args in (("fwd", fwd, (q, k, v, g, b)), ("fwdbwd", fwdbwd, (q, k, v, g, b, do))):
             sub = os.path.join(directory, f"{name}-{mode}")
