@@ -6,6 +6,10 @@ Reads the newest ``perfetto_trace.json.gz`` under ``DIR`` (written by
 ``jax.profiler.trace(DIR, create_perfetto_trace=True)``, e.g. ``bench_train.py --profile DIR``),
 keeps complete events (``ph == "X"``) of the processes whose name contains ``--process`` (on a GPU
 trace, the device streams; ``""`` keeps all) and prints per name: total ms, share, calls.
+
+``--hlo DUMP`` names where each XLA fusion comes from: it reads the optimised HLO that
+``XLA_FLAGS=--xla_dump_to=DUMP`` wrote (``*after_optimizations.txt``) and prints, under each
+kernel named like a fusion instruction, its shape and the ``op_name`` / source line of its metadata.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import gzip
 import json
 import pathlib
+import re
 
 
 def load_events(directory: str) -> tuple[list[dict], dict[int, str]]:
@@ -50,6 +55,25 @@ def summarise(events: list[dict], names: dict[int, str], process: str, key: str 
     return [(name, ms, calls[name]) for name, ms in total.most_common()]
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)?) [\w\-]+\(.*?metadata=\{([^}]*)\}")
+
+
+def hlo_origins(dump_dir: str) -> dict[str, str]:
+    """``instruction name -> "shape  op_name  file:line"`` over the optimised HLO modules in a dump."""
+    origins = {}
+    for path in pathlib.Path(dump_dir).glob("*after_optimizations.txt"):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _INSTR.match(line)
+            if m is None:
+                continue
+            name, shape, meta = m.groups()
+            op = re.search(r'op_name="([^"]*)"', meta)
+            src = re.search(r'source_file="([^"]*)" source_line=(\d+)', meta)
+            where = f"{src.group(1).split('/')[-1]}:{src.group(2)}" if src else ""
+            origins.setdefault(name, f"{shape.split('{')[0]}  {op.group(1) if op else ''}  {where}")
+    return origins
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("directory")
@@ -57,7 +81,9 @@ def main() -> None:
     ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
     ap.add_argument("--key", default="name", help="group by the event name or an args field, e.g. tf_op")
     ap.add_argument("--depth", type=int, default=None, help="keep the first DEPTH '/'-parts of the key")
+    ap.add_argument("--hlo", default=None, metavar="DUMP", help="an XLA dump directory: print each fusion's origin")
     a = ap.parse_args()
+    origins = hlo_origins(a.hlo) if a.hlo else {}
     events, names = load_events(a.directory)
     rows = summarise(events, names, a.process, a.key, a.depth)
     if not rows:
@@ -67,6 +93,8 @@ def main() -> None:
     print(f"{grand:.1f} ms in {len(rows)} names (processes matching {a.process!r})")
     for name, ms, n in rows[: a.top]:
         print(f"{ms:10.2f} ms {100 * ms / grand:5.1f} % {n:6d}x  {name[:110]}")
+        if name in origins:
+            print(f"{'':28}{origins[name][:200]}")
 
 
 if __name__ == "__main__":
