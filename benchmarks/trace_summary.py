@@ -70,7 +70,8 @@ def hlo_origins(dump_dir: str) -> dict[str, str]:
             op = re.search(r'op_name="([^"]*)"', meta)
             src = re.search(r'source_file="([^"]*)" source_line=(\d+)', meta)
             where = f"{src.group(1).split('/')[-1]}:{src.group(2)}" if src else ""
-            origins.setdefault(name, f"{shape.split('{')[0]}  {op.group(1) if op else ''}  {where}")
+            # kernels are named after their fusion instruction with '.' -> '_' (gemm_fusion_dot.1001)
+            origins.setdefault(name.replace(".", "_"), f"{shape.split('{')[0]}  {op.group(1) if op else ''}  {where}")
     return origins
 
 
