@@ -13,7 +13,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
 2. ``kda_scan_fwd`` (this module, Pallas Mosaic GPU): one warpgroup per (head, V block) walks the
    chunks in order with the fp32 state in registers and a bf16 copy in smem as the wgmma operand:
    ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk
-   c+1 in while chunk c computes. For training it also stores each chunk's entering state (bf16,
+   c+1 in while chunk c computes; ``o`` goes token-major ``[B, T, H, V]`` straight from smem by TMA
+   (no transpose after). For training it also stores each chunk's entering state (bf16,
    exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
@@ -67,9 +68,10 @@ class ScanConfig:
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("cfg", "store_states", "out_dtype"))
-def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, out_dtype):
-    """``(o [BH,Tp,V], S_final [BH,K,V] fp32, h [BH,N*K,V] bf16 or None)``; operands bf16."""
+@functools.partial(jax.jit, static_argnames=("cfg", "store_states", "out_dtype", "heads"))
+def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, out_dtype, heads: int):
+    """``(o [B,Tp,H,V] token-major, S_final [BH,K,V] fp32, h [BH,N*K,V] bf16 or None)``; operands
+    bf16 head-major ``[BH, Tp, .]`` with ``BH = B * heads``."""
     BH, Tp, K = w.shape
     V = u.shape[-1]
     C = aqk.shape[-1]
@@ -102,7 +104,8 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
             S = S * decay + mma(T(kg_s), vn_buf, (K, bv))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
-                o_buf.at[slot], o_g.at[bh, pl.ds(c * C, C), vs], commit_group=not store_states
+                o_buf.at[slot], o_g.at[lax.div(bh, heads), pl.ds(c * C, C), lax.rem(bh, heads), vs],
+                commit_group=not store_states,
             )
             if store_states:
                 plgpu.copy_smem_to_gmem(sb, h_g.at[bh, pl.ds(c * K, K), vs])
@@ -113,7 +116,7 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
         sT_g.at[bh, :, vs][...] = S
         plgpu.wait_smem_to_gmem(0)
 
-    out_type = [jax.ShapeDtypeStruct((BH, Tp, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), F32)]
+    out_type = [jax.ShapeDtypeStruct((BH // heads, Tp, heads, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), F32)]
     if store_states:
         out_type.append(jax.ShapeDtypeStruct((BH, n * K, V), BF16))
     smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
@@ -138,24 +141,25 @@ def _bf16_operands(w, u, qg, kg, aqk):
     return tuple(x.astype(BF16) for x in (w, u, qg, kg, aqk))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _scan(w, u, qg, kg, aqk, d, s0, cfg: ScanConfig, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _scan(w, u, qg, kg, aqk, d, s0, cfg: ScanConfig, out_dtype, heads: int):
     w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
-    o, S, _ = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=False, out_dtype=out_dtype)
+    o, S, _ = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=False, out_dtype=out_dtype, heads=heads)
     return o, S
 
 
-def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype):
+def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype, heads):
     w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
-    o, S, h = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=True, out_dtype=out_dtype)
+    o, S, h = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=True, out_dtype=out_dtype, heads=heads)
     return (o, S), (w, u, qg, kg, aqk, d, h)
 
 
-def _scan_vjp_bwd(cfg, out_dtype, res, cts):
+def _scan_vjp_bwd(cfg, out_dtype, heads, res, cts):
     w, u, qg, kg, aqk, d, h = res
     do, dS = cts
+    do = jnp.swapaxes(do.astype(BF16), 1, 2).reshape(u.shape)  # the backward reads head-major [BH, Tp, V]
     dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
-        w, qg, kg, u, aqk, d, h, do.astype(BF16), dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret
+        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret
     )
     return dw, du, dqg, dkg, daqk, dd, ds0
 
@@ -240,6 +244,5 @@ def chunk_kda_pallas(
     if V % bv or bv % 32:
         raise ValueError(f"block_v must be a multiple of 32 dividing V={V}, got {bv}")
     cfg = ScanConfig(bv=bv, interpret=bool(interpret))
-    o, S = _scan(w, u, qg, kg, aqk, d, s0.reshape(B * H, K, V), cfg, out_dtype)
-    o = o.reshape(B, H, -1, V)[:, :, :T_len]
-    return jnp.moveaxis(o, 1, 2).astype(v.dtype), S.reshape(B, H, K, V)
+    o, S = _scan(w, u, qg, kg, aqk, d, s0.reshape(B * H, K, V), cfg, out_dtype, H)
+    return o[:, :T_len].astype(v.dtype), S.reshape(B, H, K, V)

@@ -1,0 +1,172 @@
+"""Forward scan kernel (``kernel_gpu.scan_fwd``): ``o`` stored token-major ``[B, Tp, H, V]`` by TMA,
+against a ``jnp`` scan and the fp32 chunked reference.
+
+Interpreter runs watch the output staging with the CPU interpreter's race detector; the kernel
+lowers for CUDA on the CPU host within one SM's shared memory.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda import chunk_kda_reference
+from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, chunk_kda_pallas, scan_fwd
+from tests.pallas_kernels.kda.conftest import kda_inputs
+from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
+from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
+
+BF, F32 = jnp.bfloat16, jnp.float32
+MODES = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
+CTA_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one CTA may take on an H100/H200
+
+
+def _operands(seed, BH, n, K, V):
+    """Scan operands as the prep hands them over: head-major ``[BH, n*C, .]`` bf16, fp32 decays."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    tok = lambda key, cols, s: (s * jax.random.normal(key, (BH, n * CHUNK, cols), F32)).astype(BF)
+    w, qg, kg = (tok(ks[i], K, K**-0.5) for i in range(3))
+    u, aqk = tok(ks[3], V, 1.0), tok(ks[4], CHUNK, CHUNK**-0.5)
+    d = jax.random.uniform(ks[5], (BH, n, K), F32, 0.5, 1.0)
+    return w, qg, kg, u, aqk, d, jax.random.normal(ks[6], (BH, K, V), F32)
+
+
+def _jnp_scan(w, qg, kg, u, aqk, d, s0):
+    """``(o [BH,Tp,V], S_final, h [BH,N*K,V])`` with the kernel's bf16 rounding of ``S`` and ``v_new``."""
+    f = lambda x: x.astype(F32)
+    per_chunk = lambda x: jnp.swapaxes(x.reshape(x.shape[0], -1, CHUNK, x.shape[-1]), 0, 1)
+
+    def step(S, ins):
+        w_c, qg_c, kg_c, u_c, aqk_c, d_c = ins
+        sb = f(S.astype(BF))
+        vn = f((f(u_c) - jnp.einsum("bck,bkv->bcv", f(w_c), sb)).astype(BF))
+        o = jnp.einsum("bck,bkv->bcv", f(qg_c), sb) + jnp.einsum("bcs,bsv->bcv", f(aqk_c), vn)
+        return d_c[..., None] * S + jnp.einsum("bck,bcv->bkv", f(kg_c), vn), (o, sb)
+
+    ins = (*(per_chunk(x) for x in (w, qg, kg, u, aqk)), jnp.swapaxes(d, 0, 1))
+    S, (o, h) = jax.lax.scan(step, s0, ins)
+    BH, K, V = s0.shape
+    return jnp.swapaxes(o, 0, 1).reshape(BH, -1, V), S, jnp.swapaxes(h, 0, 1).reshape(BH, -1, V)
+
+
+def _run(monkeypatch, interpret, operands, *, store_states, out_dtype, heads):
+    """The kernel traced afresh (no jit cache), with the interpreter's race detector on; asserts no race."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    if interpret:
+        monkeypatch.setattr(plgpu, "InterpretGPUParams", functools.partial(plgpu.InterpretGPUParams, detect_races=True))
+    cfg = ScanConfig(bv=64, interpret=interpret)
+    fn = functools.partial(scan_fwd.__wrapped__, cfg=cfg, store_states=store_states, out_dtype=out_dtype, heads=heads)
+    outs = jax.block_until_ready(jax.jit(fn)(*operands))
+    if interpret:
+        assert not gpu_callbacks.get_races().races_found
+    return outs
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "B,H,n,K,V,store_states,out_dtype",
+    [
+        (1, 2, 3, 128, 128, True, BF),
+        (2, 3, 2, 64, 128, False, F32),  # K != V, fp32 output staging
+    ],
+)
+def test_scan_fwd_matches_jnp_scan(monkeypatch, interpret, B, H, n, K, V, store_states, out_dtype):
+    ops = _operands(0, B * H, n, K, V)
+    got = _run(monkeypatch, interpret, ops, store_states=store_states, out_dtype=out_dtype, heads=H)
+    o_r, S_r, h_r = _jnp_scan(*ops)
+    o_r = jnp.swapaxes(o_r.reshape(B, H, n * CHUNK, V), 1, 2)  # token-major
+    assert got[0].shape == (B, n * CHUNK, H, V) and got[0].dtype == out_dtype
+    assert rel_rmse(got[0].astype(F32), o_r) <= BF16_FWD_RTOL
+    assert rel_rmse(got[1], S_r) <= BF16_FWD_RTOL
+    assert (got[2] is None) != store_states
+    if store_states:
+        assert rel_rmse(got[2].astype(F32), h_r) <= BF16_FWD_RTOL
+
+
+def _reference(q, k, v, g, beta, s0):
+    f = lambda x: x.astype(F32)
+    return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)
+
+
+def _inputs(seed, B, T, H, K, V):
+    q, k, v, g, beta, s0 = kda_inputs(seed, B, T, H, K, V, dtype=F32)
+    return (*(x.astype(BF) for x in (q, k, v)), g, beta, s0)
+
+
+def _ours(interpret):
+    def fn(q, k, v, g, beta, s0):
+        return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
+                                prep="xla", prep_precision="highest")
+    return fn
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "B,T,H,K,V",
+    [
+        (2, 100, 3, 128, 128),  # few programs: 32-wide V blocks
+        (3, 70, 2, 64, 128),
+    ],
+)
+def test_forward_token_major_matches_reference(interpret, B, T, H, K, V):
+    """T not a multiple of the chunk: the padded rows are sliced off the token-major ``o``."""
+    args = _inputs(0, B, T, H, K, V)
+    o, S = jax.jit(_ours(interpret))(*args)
+    o_r, S_r = jax.jit(_reference)(*args)
+    assert o.shape == (B, T, H, V) and o.dtype == BF
+    assert rel_rmse(o, o_r) <= BF16_FWD_RTOL, rel_rmse(o, o_r)
+    assert rel_rmse(S, S_r) <= BF16_FWD_RTOL, rel_rmse(S, S_r)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_gradients_match_reference(interpret):
+    """Several batches and heads, so the token-major ``do`` must reach the backward head-major."""
+    B, T, H, K, V = 2, 70, 2, 64, 128
+    args = _inputs(1, B, T, H, K, V)
+    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, F32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
+
+    def grads(fn):
+        def loss(*a):
+            o, S = fn(*a)
+            return jnp.sum(o.astype(F32) * w_o) + jnp.sum(S * w_s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret)), grads(_reference)):
+        err = rel_rmse(a.astype(F32), b)
+        assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
+def test_scan_fwd_lowers_for_cuda(K, V, monkeypatch):
+    """Every variant (states stored or not, bf16 or fp32 ``o``) lowers for CUDA on the CPU host and
+    fits one CTA's shared memory by Mosaic GPU's own estimate."""
+    smem_bytes = record_smem(monkeypatch)
+    S = jax.ShapeDtypeStruct
+    BH, Tp, C = 4, 2 * CHUNK, CHUNK
+    args = (*[S((BH, Tp, K), BF)] * 3, S((BH, Tp, V), BF), S((BH, Tp, C), BF), S((BH, Tp // C, K), F32),
+            S((BH, K, V), F32))
+    for store_states in (False, True):
+        for out_dtype in (BF, F32):
+            smem_bytes.clear()
+            traced = scan_fwd.trace(*args, cfg=ScanConfig(bv=64), store_states=store_states,
+                                    out_dtype=out_dtype, heads=2)
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") == 1 and "kda_scan_fwd_mosaic_gpu" in text
+            assert max(smem_bytes) <= CTA_SMEM_BYTES, (store_states, out_dtype, max(smem_bytes))
+
+
+def test_wrapper_does_not_transpose_o():
+    """After the scan the forward only slices ``o``'s padding off (and reshapes ``S``)."""
+    S = jax.ShapeDtypeStruct
+    B, T, H, K, V = 2, 100, 3, 128, 128
+    args = (S((B, T, H, K), BF), S((B, T, H, K), BF), S((B, T, H, V), BF), S((B, T, H, K), F32), S((B, T, H), F32))
+    eqns = jax.make_jaxpr(lambda *a: chunk_kda_pallas(*a, scale=0.1))(*args).jaxpr.eqns
+    last_scan = max(i for i, e in enumerate(eqns) if e.primitive.name == "custom_vjp_call")
+    assert [e.primitive.name for e in eqns[last_scan + 1:]] == ["slice", "reshape"]
