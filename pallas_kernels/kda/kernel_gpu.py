@@ -15,7 +15,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk
    c+1 in while chunk c computes; ``o`` goes token-major ``[B, T, H, V]`` straight from smem by TMA
    (no transpose after). For training it also stores each chunk's entering state (bf16,
-   exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
+   exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`). Opt-in
+   ``shared_v``: one CTA per head, one warpgroup per V block, the per-chunk loads shared in smem.
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
 (or, opt-in, a Mosaic GPU prep backward: ``prep_bwd="kernel"``, one kernel, :mod:`kernel_gpu_prep_bwd`;
@@ -47,7 +48,7 @@ from pallas_kernels.kda.kernel_gpu_intra import prepare
 from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
 from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_split
 from pallas_kernels.kda.reference import segment_index
-from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
+from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, pipelined_chunks_shared
 from pallas_kernels.kda.kernel_gpu_util import smem as _smem
 
 BF16 = jnp.bfloat16
@@ -60,10 +61,14 @@ CHUNK = 64  # one wgmma M tile: the chunk is also the warpgroup's row block
 
 @dataclasses.dataclass(frozen=True)
 class ScanConfig:
-    """Static knobs of the scan kernels: V block per program and the CPU interpreter."""
+    """Static knobs of the scan kernels: V block per warpgroup, the CPU interpreter, and
+    ``shared_v``: one CTA per head whose ``V // bv`` warpgroups (one per V block) share one copy
+    of the per-chunk ``W, qg, kg, A_qk, d`` in smem, instead of one CTA per (head, V block)
+    that each read them from HBM."""
 
     bv: int = 64
     interpret: bool = False
+    shared_v: bool = False
 
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
@@ -76,65 +81,99 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
     V = u.shape[-1]
     C = aqk.shape[-1]
     n, nv, bv = Tp // C, V // cfg.bv, cfg.bv
+    if cfg.shared_v and nv > 2:  # two warpgroups' buffers already fill the SM's smem
+        raise ValueError(f"cfg.bv must be at least V/2={V // 2} with shared_v, got {bv}")
+    groups = nv if cfg.shared_v else None
 
     def kernel(w_g, qg_g, kg_g, u_g, aqk_g, d_g, s0_g, o_g, sT_g, *rest):
         h_g = rest[0] if store_states else None
-        w_b, qg_b, kg_b, u_b, aqk_b, d_b, o_buf, s_buf, vn_buf, bar = rest[int(store_states):]
-        vi, bh = lax.axis_index("v"), lax.axis_index("bh")
+        w_b, qg_b, kg_b, aqk_b, d_b, u_b, o_buf, s_buf, vn_buf, *bars = rest[int(store_states):]
+        if cfg.shared_v:
+            vi, bh = lax.axis_index("wg"), lax.axis_index("bh")
+            o_buf, s_buf, vn_buf, u_b = (x.at[vi] for x in (o_buf, s_buf, vn_buf, u_b))
+        else:
+            vi, bh = lax.axis_index("v"), lax.axis_index("bh")
         vs = pl.ds(vi * bv, bv)
-        streams = [
-            Stream(w_g.at[bh], C, w_b), Stream(qg_g.at[bh], C, qg_b), Stream(kg_g.at[bh], C, kg_b),
-            Stream(u_g.at[bh, :, vs], C, u_b), Stream(aqk_g.at[bh], C, aqk_b),
-            Stream(d_g.at[bh], 1, d_b),
-        ]
-
-        def body(c, slot, bufs, S):
-            w_s, qg_s, kg_s, u_s, aqk_s, d_s = bufs
-            sb = s_buf.at[slot] if store_states else s_buf
-            # The TMA stores that read this output slot two chunks ago must be done.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            sb[...] = S.astype(BF16)
-            plgpu.commit_smem()
-            v_new = plgpu.load(u_s, layout=WGMMA).astype(F32) - mma(w_s, sb, (C, bv))
-            vn_buf[...] = v_new.astype(BF16)
-            plgpu.commit_smem()
-            o = mma2(qg_s, sb, aqk_s, vn_buf, (C, bv))
-            o_buf.at[slot][...] = o.astype(out_dtype)
-            decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
-            S = S * decay + mma(T(kg_s), vn_buf, (K, bv))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_buf.at[slot], o_g.at[lax.div(bh, heads), pl.ds(c * C, C), lax.rem(bh, heads), vs],
-                commit_group=not store_states,
-            )
-            if store_states:
-                plgpu.copy_smem_to_gmem(sb, h_g.at[bh, pl.ds(c * K, K), vs])
-            return S
-
+        shared = [Stream(w_g.at[bh], C, w_b), Stream(qg_g.at[bh], C, qg_b), Stream(kg_g.at[bh], C, kg_b),
+                  Stream(aqk_g.at[bh], C, aqk_b), Stream(d_g.at[bh], 1, d_b)]
+        own = [Stream(u_g.at[bh, :, vs], C, u_b)]
+        o_rows = lambda c: o_g.at[lax.div(bh, heads), pl.ds(c * C, C), lax.rem(bh, heads), vs]
+        h_rows = (lambda c: h_g.at[bh, pl.ds(c * K, K), vs]) if store_states else None
+        bufs = (o_buf, s_buf, vn_buf)
+        step = functools.partial(_chunk_step, bufs, o_rows, h_rows, K=K, out_dtype=out_dtype,
+                                 slotted=not cfg.shared_v)
         s0 = plgpu.load(s0_g.at[bh, :, vs], layout=WGMMA, optimized=False)  # once: no TMA needed
-        S = pipelined_chunks(n, streams, bar, body, s0)
+        if cfg.shared_v:
+            S = pipelined_chunks_shared(n, shared, own, *bars, step, s0, wg=vi)
+        else:
+            S = pipelined_chunks(n, shared + own, *bars, step, s0)
         sT_g.at[bh, :, vs][...] = S
         plgpu.wait_smem_to_gmem(0)
 
     out_type = [jax.ShapeDtypeStruct((BH // heads, Tp, heads, V), out_dtype), jax.ShapeDtypeStruct((BH, K, V), F32)]
     if store_states:
         out_type.append(jax.ShapeDtypeStruct((BH, n * K, V), BF16))
-    smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
-    scratch = [
-        smem((C, K)), smem((C, K)), smem((C, K)), smem((C, bv)), smem((C, C)),
-        smem((1, K), F32, mma=False),
-        smem((C, bv), out_dtype, mma=jnp.dtype(out_dtype) == BF16),
-        smem((K, bv), slots=SLOTS if store_states else None),
-        smem((C, bv), slots=None),
-        plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS),
-    ]
     extra = {"interpret": plgpu.InterpretGPUParams()} if cfg.interpret else {}
-    call = plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch, grid=(nv, BH), grid_names=("v", "bh"),
-        kernel_name="kda_scan_fwd", **extra,
-    )
+    if cfg.shared_v:
+        grid = dict(grid=(BH,), grid_names=("bh",), num_threads=nv, thread_name="wg")
+    else:
+        grid = dict(grid=(nv, BH), grid_names=("v", "bh"))
+    scratch = _scan_scratch(C, K, bv, out_dtype, store_states, groups)
+    call = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, kernel_name="kda_scan_fwd", **grid, **extra)
     outs = call(w, qg, kg, u, aqk, d, s0)
     return outs[0], outs[1], (outs[2] if store_states else None)
+
+
+def _scan_scratch(C, K, bv, out_dtype, store_states, groups):
+    """Slotted input buffers (``u`` per warpgroup with ``groups``), then the output staging.
+
+    One CTA per V block keeps two slots of ``o`` (and of ``S`` when storing states) so a chunk
+    never waits on the previous chunk's stores; with ``groups`` warpgroups there is smem for one.
+    """
+    smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
+    out_slots = None if groups else SLOTS
+    return [
+        smem((C, K)), smem((C, K)), smem((C, K)), smem((C, C)), smem((1, K), F32, mma=False),
+        smem((C, bv), groups=groups),
+        smem((C, bv), out_dtype, mma=jnp.dtype(out_dtype) == BF16, slots=out_slots, groups=groups),
+        smem((K, bv), slots=out_slots if store_states else None, groups=groups),
+        smem((C, bv), slots=None, groups=groups),
+        plgpu.Barrier(num_arrivals=5 + (groups or 1), num_barriers=SLOTS),
+        *([plgpu.Barrier(num_arrivals=groups, num_barriers=SLOTS)] if groups else []),
+    ]
+
+
+def _chunk_step(bufs, o_rows, h_rows, c, slot, ins, S, *, K, out_dtype, slotted):
+    """One chunk of one V block: ``v_new = U - W S``; ``o = qg S + A_qk v_new``;
+    ``S <- d * S + kg^T v_new``; ``o`` (and the entering ``S`` when ``h_rows``) stored by TMA."""
+    o_buf, s_buf, vn_buf = bufs
+    w_s, qg_s, kg_s, aqk_s, d_s, u_s = ins
+    C, bv = u_s.shape
+    store = h_rows is not None
+    ob = o_buf.at[slot] if slotted else o_buf
+    sb = s_buf.at[slot] if slotted and store else s_buf
+    # Slotted: the stores that read this slot two chunks ago must be done. One slot: the previous
+    # chunk's S store must be done (its o store, issued after it, may still be reading).
+    if slotted or store:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    sb[...] = S.astype(BF16)
+    plgpu.commit_smem()
+    if store and not slotted:
+        plgpu.copy_smem_to_gmem(sb, h_rows(c))
+    v_new = plgpu.load(u_s, layout=WGMMA).astype(F32) - mma(w_s, sb, (C, bv))
+    vn_buf[...] = v_new.astype(BF16)
+    plgpu.commit_smem()
+    o = mma2(qg_s, sb, aqk_s, vn_buf, (C, bv))
+    if not slotted:  # one slot: the previous chunk's o store must be done (this chunk's S store may not)
+        plgpu.wait_smem_to_gmem(int(store), wait_read_only=True)
+    ob[...] = o.astype(out_dtype)
+    decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
+    S = S * decay + mma(T(kg_s), vn_buf, (K, bv))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ob, o_rows(c), commit_group=not (slotted and store))
+    if store and slotted:
+        plgpu.copy_smem_to_gmem(sb, h_rows(c))
+    return S
 
 
 def _bf16_operands(w, u, qg, kg, aqk):
@@ -174,6 +213,14 @@ def _block_v(V: int, programs: int) -> int:
     return 64
 
 
+def _scan_config(V: int, heads: int, block_v: int | None, shared_v: bool, interpret: bool) -> ScanConfig:
+    """``shared_v`` runs one CTA per head whatever ``block_v``, so it defaults to 64-wide blocks."""
+    bv = (64 if shared_v else _block_v(V, heads)) if block_v is None else block_v
+    if V % bv or bv % 32 or (shared_v and V // bv > 2):
+        raise ValueError(f"block_v must be a multiple of 32 dividing V={V} (at least V/2 with shared_v), got {bv}")
+    return ScanConfig(bv=bv, interpret=bool(interpret), shared_v=shared_v)
+
+
 def supports(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
              chunk_size=CHUNK, interpret=False) -> bool:
     """Static check: chunk 64, K and V in {64, 128} (the tested tile shapes), no float64."""
@@ -199,6 +246,7 @@ def chunk_kda_pallas(
     prep: str = "fused",
     prep_precision: str = "tf32",
     prep_bwd: str = "xla",
+    shared_v: bool = False,
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
@@ -211,7 +259,9 @@ def chunk_kda_pallas(
     backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"kernel"`` (the Mosaic GPU
     backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward) or ``"split"`` (the same with the
     two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`) or ``"split-saved"`` (the same, with
-    the forward's ``T`` saved for the backward instead of inverted again).
+    the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
+    forward scan as one CTA per head, one warpgroup per V block, sharing the chunk loads
+    (:class:`ScanConfig`).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
@@ -227,6 +277,7 @@ def chunk_kda_pallas(
         )
     B, T_len, H, K = k.shape
     V = v.shape[-1]
+    cfg = _scan_config(V, B * H, block_v, shared_v, interpret)
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         if prep_bwd in ("split", "split-saved"):
@@ -240,9 +291,5 @@ def chunk_kda_pallas(
                                        precision=prep_precision)
     s0 = jnp.zeros((B * H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     out_dtype = BF16 if v.dtype == BF16 else F32
-    bv = _block_v(V, B * H) if block_v is None else block_v
-    if V % bv or bv % 32:
-        raise ValueError(f"block_v must be a multiple of 32 dividing V={V}, got {bv}")
-    cfg = ScanConfig(bv=bv, interpret=bool(interpret))
     o, S = _scan(w, u, qg, kg, aqk, d, s0.reshape(B * H, K, V), cfg, out_dtype, H)
     return o[:, :T_len].astype(v.dtype), S.reshape(B, H, K, V)

@@ -30,9 +30,10 @@ def mma_transforms(cols: int, dtype=jnp.bfloat16, swizzle: int = 128):
     )
 
 
-def smem(shape, dtype=jnp.bfloat16, *, mma: bool = True, slots: int | None = SLOTS, swizzle: int = 128):
-    """A (slotted) smem scratch; wgmma operands get the swizzled layout."""
-    full = shape if slots is None else (slots, *shape)
+def smem(shape, dtype=jnp.bfloat16, *, mma: bool = True, slots: int | None = SLOTS, swizzle: int = 128,
+         groups: int | None = None):
+    """A (slotted) smem scratch, one per warpgroup with ``groups``; wgmma operands get the swizzled layout."""
+    full = ((groups,) if groups else ()) + ((slots,) if slots else ()) + tuple(shape)
     transforms = mma_transforms(shape[-1], dtype, swizzle) if mma else ()
     return plgpu.SMEM(full, dtype, transforms=transforms)
 
@@ -83,6 +84,64 @@ def pipelined_chunks(
         return body(chunk_of(s), slot, [st.buf.at[slot] for st in streams], carry)
 
     return lax.fori_loop(0, n, step, carry)
+
+
+def pipelined_chunks_shared(
+    n: int,
+    shared: Sequence[Stream],
+    own: Sequence[Stream],
+    barrier,
+    released,
+    body: Callable,
+    carry,
+    *,
+    wg,
+):
+    """:func:`pipelined_chunks` for the warpgroups of one CTA reading the same ``shared`` inputs.
+
+    Warpgroup 0 fetches the ``shared`` streams once for all; every warpgroup fetches its ``own``.
+    ``barrier`` is a ``Barrier(num_arrivals=len(shared) + warpgroups * len(own), num_barriers=SLOTS)``;
+    ``released`` a ``Barrier(num_arrivals=warpgroups, num_barriers=SLOTS)`` that each warpgroup
+    arrives at when done with a slot, so warpgroup 0 refills a slot only once no warpgroup reads it.
+    """
+
+    def fetch(c, slot):
+        @pl.when(wg == 0)
+        def _shared():
+            for st in shared:
+                plgpu.copy_gmem_to_smem(st.gmem.at[pl.ds(c * st.rows, st.rows)], st.buf.at[slot], barrier.at[slot])
+
+        for st in own:
+            plgpu.copy_gmem_to_smem(st.gmem.at[pl.ds(c * st.rows, st.rows)], st.buf.at[slot], barrier.at[slot])
+
+    fetch(0, 0)
+
+    def step(s, carry):
+        slot = lax.rem(s, SLOTS)
+
+        @pl.when(s + 1 < n)
+        def _prefetch():
+            # The other slot last held chunk s-1 (none before step 1): wait until all are done with it.
+            @pl.when(jnp.logical_and(wg == 0, s >= 1))
+            def _():
+                plgpu.barrier_wait(released.at[1 - slot])
+
+            fetch(s + 1, 1 - slot)
+
+        plgpu.barrier_wait(barrier.at[slot])
+        carry = body(s, slot, [st.buf.at[slot] for st in (*shared, *own)], carry)
+        plgpu.barrier_arrive(released.at[slot])
+        return carry
+
+    carry = lax.fori_loop(0, n, step, carry)
+
+    # Observe the releases of the last two chunks too, so no barrier phase is left unobserved.
+    @pl.when(wg == 0)
+    def _drain():
+        for c in range(max(n - SLOTS, 0), n):
+            plgpu.barrier_wait(released.at[c % SLOTS])
+
+    return carry
 
 
 def mma(a, b, shape) -> jnp.ndarray:

@@ -1,8 +1,9 @@
 """Forward scan kernel (``kernel_gpu.scan_fwd``): ``o`` stored token-major ``[B, Tp, H, V]`` by TMA,
-against a ``jnp`` scan and the fp32 chunked reference.
+and ``ScanConfig(shared_v=True)`` (one CTA per head, one warpgroup per V block sharing the chunk
+loads) against the one-CTA-per-V-block mode, a ``jnp`` scan and the fp32 chunked reference.
 
-Interpreter runs watch the output staging with the CPU interpreter's race detector; the kernel
-lowers for CUDA on the CPU host within one SM's shared memory.
+Interpreter runs watch the shared pipeline and the output staging with the CPU interpreter's race
+detector; both modes lower for CUDA on the CPU host within one SM's shared memory.
 """
 
 import functools
@@ -55,17 +56,17 @@ def _jnp_scan(w, qg, kg, u, aqk, d, s0):
     return jnp.swapaxes(o, 0, 1).reshape(BH, -1, V), S, jnp.swapaxes(h, 0, 1).reshape(BH, -1, V)
 
 
-def _run(monkeypatch, interpret, operands, *, store_states, out_dtype, heads):
+def _run(monkeypatch, interpret, shared_v, operands, *, store_states, out_dtype, heads):
     """The kernel traced afresh (no jit cache), with the interpreter's race detector on; asserts no race."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     if interpret:
         monkeypatch.setattr(plgpu, "InterpretGPUParams", functools.partial(plgpu.InterpretGPUParams, detect_races=True))
-    cfg = ScanConfig(bv=64, interpret=interpret)
+    cfg = ScanConfig(bv=64, interpret=interpret, shared_v=shared_v)
     fn = functools.partial(scan_fwd.__wrapped__, cfg=cfg, store_states=store_states, out_dtype=out_dtype, heads=heads)
     outs = jax.block_until_ready(jax.jit(fn)(*operands))
     if interpret:
-        assert not gpu_callbacks.get_races().races_found
+        assert not gpu_callbacks.get_races().races_found, f"race in shared_v={shared_v}"
     return outs
 
 
@@ -73,21 +74,28 @@ def _run(monkeypatch, interpret, operands, *, store_states, out_dtype, heads):
 @pytest.mark.parametrize(
     "B,H,n,K,V,store_states,out_dtype",
     [
-        (1, 2, 3, 128, 128, True, BF),
+        (1, 2, 3, 128, 128, True, BF),  # three chunks: the shared pipeline refills each slot
         (2, 3, 2, 64, 128, False, F32),  # K != V, fp32 output staging
+        (3, 1, 3, 128, 64, True, F32),  # one V block: one warpgroup with shared_v
     ],
 )
-def test_scan_fwd_matches_jnp_scan(monkeypatch, interpret, B, H, n, K, V, store_states, out_dtype):
+def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, B, H, n, K, V, store_states, out_dtype):
     ops = _operands(0, B * H, n, K, V)
-    got = _run(monkeypatch, interpret, ops, store_states=store_states, out_dtype=out_dtype, heads=H)
+    split = _run(monkeypatch, interpret, False, ops, store_states=store_states, out_dtype=out_dtype, heads=H)
+    shared = _run(monkeypatch, interpret, True, ops, store_states=store_states, out_dtype=out_dtype, heads=H)
     o_r, S_r, h_r = _jnp_scan(*ops)
     o_r = jnp.swapaxes(o_r.reshape(B, H, n * CHUNK, V), 1, 2)  # token-major
-    assert got[0].shape == (B, n * CHUNK, H, V) and got[0].dtype == out_dtype
-    assert rel_rmse(got[0].astype(F32), o_r) <= BF16_FWD_RTOL
-    assert rel_rmse(got[1], S_r) <= BF16_FWD_RTOL
-    assert (got[2] is None) != store_states
-    if store_states:
-        assert rel_rmse(got[2].astype(F32), h_r) <= BF16_FWD_RTOL
+    assert split[0].shape == (B, n * CHUNK, H, V) and split[0].dtype == out_dtype
+    for got in (split, shared):
+        assert rel_rmse(got[0].astype(F32), o_r) <= BF16_FWD_RTOL
+        assert rel_rmse(got[1], S_r) <= BF16_FWD_RTOL
+        assert (got[2] is None) != store_states
+        if store_states:
+            assert rel_rmse(got[2].astype(F32), h_r) <= BF16_FWD_RTOL
+    if interpret:  # the same products in the same order: bit-identical
+        for a, b in zip(split, shared):
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)))
 
 
 def _reference(q, k, v, g, beta, s0):
@@ -100,25 +108,25 @@ def _inputs(seed, B, T, H, K, V):
     return (*(x.astype(BF) for x in (q, k, v)), g, beta, s0)
 
 
-def _ours(interpret):
+def _ours(interpret, shared_v):
     def fn(q, k, v, g, beta, s0):
         return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
-                                prep="xla", prep_precision="highest")
+                                prep="xla", prep_precision="highest", shared_v=shared_v)
     return fn
 
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "B,T,H,K,V",
+    "B,T,H,K,V,shared_v",
     [
-        (2, 100, 3, 128, 128),  # few programs: 32-wide V blocks
-        (3, 70, 2, 64, 128),
+        (2, 100, 3, 128, 128, False),  # few programs: 32-wide V blocks
+        (3, 70, 2, 64, 128, True),
     ],
 )
-def test_forward_token_major_matches_reference(interpret, B, T, H, K, V):
+def test_forward_token_major_matches_reference(interpret, B, T, H, K, V, shared_v):
     """T not a multiple of the chunk: the padded rows are sliced off the token-major ``o``."""
     args = _inputs(0, B, T, H, K, V)
-    o, S = jax.jit(_ours(interpret))(*args)
+    o, S = jax.jit(_ours(interpret, shared_v))(*args)
     o_r, S_r = jax.jit(_reference)(*args)
     assert o.shape == (B, T, H, V) and o.dtype == BF
     assert rel_rmse(o, o_r) <= BF16_FWD_RTOL, rel_rmse(o, o_r)
@@ -127,8 +135,9 @@ def test_forward_token_major_matches_reference(interpret, B, T, H, K, V):
 
 @pytest.mark.parametrize("interpret", MODES)
 def test_gradients_match_reference(interpret):
-    """Several batches and heads, so the token-major ``do`` must reach the backward head-major."""
-    B, T, H, K, V = 2, 70, 2, 64, 128
+    """``shared_v`` storing states for the backward; several batches and heads, so the token-major
+    ``do`` must reach the backward head-major."""
+    B, T, H, K, V, shared_v = 2, 70, 2, 64, 128, True
     args = _inputs(1, B, T, H, K, V)
     w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, F32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
 
@@ -138,13 +147,14 @@ def test_gradients_match_reference(interpret):
             return jnp.sum(o.astype(F32) * w_o) + jnp.sum(S * w_s)
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
 
-    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret)), grads(_reference)):
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret, shared_v)), grads(_reference)):
         err = rel_rmse(a.astype(F32), b)
         assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
 
 
+@pytest.mark.parametrize("shared_v", [False, True])
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
-def test_scan_fwd_lowers_for_cuda(K, V, monkeypatch):
+def test_scan_fwd_lowers_for_cuda(K, V, shared_v, monkeypatch):
     """Every variant (states stored or not, bf16 or fp32 ``o``) lowers for CUDA on the CPU host and
     fits one CTA's shared memory by Mosaic GPU's own estimate."""
     smem_bytes = record_smem(monkeypatch)
@@ -155,7 +165,7 @@ def test_scan_fwd_lowers_for_cuda(K, V, monkeypatch):
     for store_states in (False, True):
         for out_dtype in (BF, F32):
             smem_bytes.clear()
-            traced = scan_fwd.trace(*args, cfg=ScanConfig(bv=64), store_states=store_states,
+            traced = scan_fwd.trace(*args, cfg=ScanConfig(bv=64, shared_v=shared_v), store_states=store_states,
                                     out_dtype=out_dtype, heads=2)
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("custom_call @mosaic_gpu") == 1 and "kda_scan_fwd_mosaic_gpu" in text
@@ -167,6 +177,16 @@ def test_wrapper_does_not_transpose_o():
     S = jax.ShapeDtypeStruct
     B, T, H, K, V = 2, 100, 3, 128, 128
     args = (S((B, T, H, K), BF), S((B, T, H, K), BF), S((B, T, H, V), BF), S((B, T, H, K), F32), S((B, T, H), F32))
-    eqns = jax.make_jaxpr(lambda *a: chunk_kda_pallas(*a, scale=0.1))(*args).jaxpr.eqns
-    last_scan = max(i for i, e in enumerate(eqns) if e.primitive.name == "custom_vjp_call")
-    assert [e.primitive.name for e in eqns[last_scan + 1:]] == ["slice", "reshape"]
+    for shared_v in (False, True):
+        eqns = jax.make_jaxpr(lambda *a: chunk_kda_pallas(*a, scale=0.1, shared_v=shared_v))(*args).jaxpr.eqns
+        last_scan = max(i for i, e in enumerate(eqns) if e.primitive.name == "custom_vjp_call")
+        assert [e.primitive.name for e in eqns[last_scan + 1:]] == ["slice", "reshape"]
+
+
+def test_shared_v_needs_at_most_two_v_blocks():
+    q, k, v, g, beta, _ = _inputs(2, 1, 20, 1, 64, 128)
+    with pytest.raises(ValueError, match="block_v"):
+        chunk_kda_pallas(q, k, v, g, beta, scale=1.0, block_v=32, shared_v=True)
+    with pytest.raises(ValueError, match="bv"):
+        scan_fwd(*_operands(0, 1, 1, 64, 128), cfg=ScanConfig(bv=32, shared_v=True), store_states=False,
+                 out_dtype=BF, heads=1)
