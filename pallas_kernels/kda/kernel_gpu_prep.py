@@ -1,10 +1,11 @@
 """KDA intra-chunk prep as one Mosaic GPU kernel per chunk (the forward of ``kernel_gpu_intra``).
 
-Same outputs as :func:`kernel_gpu_intra.prepare` (``W, U, qg, kg, A_qk``; ``d`` and the chunk
-cumsum G stay in XLA), computed on the tensor cores per chunk of C = 64 tokens by one warpgroup;
-q, k, v, G are read token-major by TMA (``[B,T,H,.]`` sliced per head, no transposes), the
-outputs are head-major for the scan.
+Same outputs as :func:`kernel_gpu_intra.prepare` (``W, U, qg, kg, A_qk, d``), computed on the
+tensor cores per chunk of C = 64 tokens by one warpgroup; q, k, v, g are read token-major by TMA
+(``[B,T,H,.]`` sliced per head, no transposes), the outputs are head-major for the scan.
 
+0. ``G = tril(1) @ g`` (g split into three bf16 parts: the chunk cumsum to fp32 accuracy), so XLA
+   builds neither G nor the anchors for the forward.
 1. Scores with one anchor per 16-token column tile s (its first row, ``b_s``):
    ``Kc_j = k_j e^{b_s - G_j}`` once for all columns, then per tile ``(q|k)_i e^{G_i - b_s}`` on rows
    ``i >= 16 s`` (exponent masked before ``exp``) times ``Kc[tile s]^T`` as an N=16 wgmma into the
@@ -12,14 +13,18 @@ outputs are head-major for the scan.
 2. ``T = (I + L)^{-1} = sum_{m<64} P^m`` (``P = -L`` strictly lower) by doubling,
    ``S <- S + S Q``, ``Q <- Q^2``: both products of a round are issued together (6 dependent
    steps), each as three bf16 wgmmas on a hi/lo split of the fp32 factors (near fp32 precision).
-3. ``W = T (beta k e^G)``, ``U = T (beta v)`` (T split hi/lo, right-hand sides in bf16);
-   ``qg = scale q e^G``, ``kg = k e^{G_last - G}``; document masks as in the XLA version.
+3. ``W = T (beta k e^G)``, ``U = T (beta v)`` (T split hi/lo, right-hand sides in bf16; v is
+   loaded by TMA during the inverse, both products under one wait); ``qg = scale q e^G``,
+   ``kg = k e^{G_last - G}``, ``d = e^{G_last}``; document masks as in the XLA version.
+   ``exp`` is ``ex2.approx`` (``approx_math``).
 
-Shared memory is ~109 KB (K = V = 128: G, the score operands and the inverse's operands share
-one region by lifetime) so two CTAs share an SM. H200, B,T,H,D = 4,8192,32,128: 5.05 ms for the
-kernel (9.90 ms for the previous one-anchor-per-row-tile, 10-step-inverse version). Under
-differentiation the XLA prep runs instead, with its own autodiff (see :func:`prepare_fused`), or,
-opt-in (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`.
+Shared memory is ~109 KB (K = V = 128: g/G, the score operands and the inverse's operands with v
+share one region by lifetime) so two CTAs share an SM. The version before the in-kernel cumsum
+(G and anchors from XLA, exact exp, v loaded with the inputs) took 5.05 ms for the kernel on the
+H200 at B,T,H,D = 4,8192,32,128; this version is untimed. Under differentiation the XLA prep
+runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
+(``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
+the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`).
 """
 
 from __future__ import annotations
@@ -151,39 +156,62 @@ def _chain(acc, ops):
     return acc[...]
 
 
+def _chunk_cumsum(g_s, parts, tri_s):
+    """``G = tril(1) @ g`` on the tensor cores, g split into three bf16 parts (exact to fp32)."""
+    C, K = g_s.shape
+    g = plgpu.load(g_s, layout=WGMMA)
+    plgpu.commit_smem()  # every thread has read g before the parts overwrite its memory
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    tri_s[...] = _wg(jnp.where(cj <= ri, 1.0, 0.0).astype(BF16))
+    for part in parts:
+        hi = _wg(g.astype(BF16))
+        part[...] = hi
+        g = _wg(g - hi.astype(F32))
+    plgpu.commit_smem()
+    return pl.run_scoped(lambda acc: _chain(acc, [(tri_s, part) for part in parts]), plgpu.ACC((C, K), F32))
+
+
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t"))
-def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool, save_t: bool = False):
-    """``(w, u, qg, kg, aqk)`` bf16, head-major ``[B*H, Tp, .]`` like :func:`kernel_gpu_intra.prepare`.
+def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False):
+    """``(w, u, qg, kg, aqk, e^{G_last})``: bf16 head-major ``[B*H, Tp, .]`` like
+    :func:`kernel_gpu_intra.prepare`, and the fp32 chunk decay ``[B*H, N, K]`` before its mask.
 
     ``save_t`` also returns ``T = (I + L)^{-1}`` per chunk as its hi/lo bf16 halves (``[B*H, Tp, C]``
     each, exactly the operands of ``W, U``) for the backward of ``prep_bwd="split-saved"``.
 
-    Token-major inputs (read in place by TMA, no transposes): q, k ``[B,Tp,H,K]`` and v
-    ``[B,Tp,H,V]`` bf16; G ``[B,Tp,H,K]`` f32 chunk-local cumsum; anchors ``[B,N*8,H,K]`` f32
-    (rows 0-3: G at each tile's first row, row 4: G at the chunk's last row); vecs ``[B*H,5,Tp]``
-    f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
+    Token-major inputs, read in place by TMA (no transposes): q, k ``[B,Tp,H,K]`` and v
+    ``[B,Tp,H,V]`` bf16; g ``[B,Tp,H,K]`` f32 (its chunk-local cumsum G is taken here); vecs
+    ``[B*H,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
     n, nt = Tp // C, C // SUB
 
-    def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, *rest):
+    def kernel(q_g, k_g, v_g, g_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, dl_g, *rest):
         t_g = rest[:2] if save_t else ()
-        q_s, k_s, v_s, anc_s, vec_s, aqk_s, union, bar = rest[len(t_g):]
-        (G_s,), score_bufs, inv_bufs = union
+        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g):]
+        (g_s,), (G_s,), score_bufs, (inv_bufs, v_s) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
-        for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
-                         (G_g.at[b, rows, h], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s),
+        for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (g_g.at[b, rows, h], g_s),
                          (vec_g.at[bh, :, rows], vec_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        G = plgpu.load(G_s, layout=WGMMA)
-        plgpu.commit_smem()  # every thread has read G_s before its memory is reused
+        G = _chunk_cumsum(g_s, score_bufs, aqk_s)
+        # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
+        # whole (WGMMA layout) and by rows (COL) sends Mosaic's layout inference into an endless search.
+        G_s[...] = G
+        plgpu.commit_smem()
+        for t, row in enumerate([SUB * i for i in range(nt)] + [C - 1]):  # anchors, then G_last
+            anc_s.at[t][...] = plgpu.load(G_s.at[row], layout=COL)
+        anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
+        plgpu.commit_smem()  # anchors visible; G_s is read before the score operands reuse it
+        plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(nt + 1, 1)], dl_g.at[bh, pl.ds(c, 1)])
 
         def col_vec(ref, n_cols=K):  # a [n_cols] smem row, repeated down the rows
             return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, n_cols), [1]))
@@ -206,21 +234,22 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool, save_t
         k = plgpu.load(k_s, layout=WGMMA).astype(F32)
         kg_s[...] = _wg((row_vec(TO_END, K) * k * jnp.exp(col_vec(anc_s.at[nt]) - G)).astype(BF16))
         k_s[...] = _wg((row_vec(BETA, K) * fresh * k * jnp.exp(G)).astype(BF16))  # W's right side
-        v_s[...] = _wg((row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(BF16))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(kg_s, kg_g.at[bh, rows])
         plgpu.copy_smem_to_gmem(q_s, qg_g.at[bh, rows])
         plgpu.copy_smem_to_gmem(aqk_s, aqk_g.at[bh, rows])
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the kg store has read its buffer
+        plgpu.copy_gmem_to_smem(v_g.at[b, rows, h], v_s, bar_v)  # lands during the inverse
 
         x = _unit_lower_inverse(p, ri, cj, inv_bufs)
         xh, xl = inv_bufs[:2]
         xh[...], xl[...] = _split(x)
+        plgpu.barrier_wait(bar_v)
+        v_s[...] = _wg((row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(BF16))
         plgpu.commit_smem()
         for half, dst in zip((xh, xl), t_g):  # nothing writes the halves again: no wait before the end
             plgpu.copy_smem_to_gmem(half, dst.at[bh, rows])
-        w = pl.run_scoped(lambda acc: _chain(acc, [(xh, k_s), (xl, k_s)]), plgpu.ACC((C, K), F32))
-        u = pl.run_scoped(lambda acc: _chain(acc, [(xh, v_s), (xl, v_s)]), plgpu.ACC((C, V), F32))
+        w, u = _pair([(xh, k_s), (xl, k_s)], [(xh, v_s), (xl, v_s)], ((C, K), (C, V)))
         k_s[...] = _wg(w.astype(BF16))
         v_s[...] = _wg(u.astype(BF16))
         plgpu.commit_smem()
@@ -231,48 +260,75 @@ def prep_fwd(q, k, v, G, anchors, vecs, *, scale: float, interpret: bool, save_t
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
-                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (1 + 2 * save_t)]
+                jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, n, K), F32),
+                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t)]
     one = dict(slots=None)
     # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
-    # TMA, exp and wgmma latency. G, the score operands and the inverse's operands have disjoint
-    # lifetimes and share one region.
+    # TMA, exp and wgmma latency. g/G, the score operands (first the parts of g) and the
+    # inverse's operands with v have disjoint lifetimes and share one region.
     union = plgpu.RefUnion(
         (smem((C, K), F32, mma=False, **one),),
+        (smem((C, K), F32, mma=False, **one),),
         (smem((C, K), **one), smem((C, K), **one), smem((C, K), **one)),
-        tuple(smem((C, C), **one) for _ in range(6)),
+        (tuple(smem((C, C), **one) for _ in range(6)), smem((C, V), **one)),
     )
     scratch = [
-        smem((C, K), **one), smem((C, K), **one), smem((C, V), **one),
-        smem((8, K), F32, mma=False, **one), smem((5, C), F32, mma=False, **one), smem((C, C), **one),
-        union, plgpu.Barrier(num_arrivals=6),
+        smem((C, K), **one), smem((C, K), **one), smem((8, K), F32, mma=False, **one),
+        smem((5, C), F32, mma=False, **one), smem((C, C), **one),
+        union, plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=1),
     ]
+    # approx_math: exp as ex2.approx of x log2(e). Rounding that product costs a relative error of
+    # about |x| 2^-24 (4.5e-6 at |x| = 75; ex2.approx adds ~2^-22), far below bf16's 2^-8.
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(n, BH), grid_names=("c", "bh"),
         kernel_name="kda_prep_fwd", compiler_params=plgpu.CompilerParams(approx_math=True), **extra,
     )
-    return call(q, k, v, G, anchors, vecs)
+    return call(q, k, v, g, vecs)
 
 
 def _kernel_inputs(q, k, v, g, beta, sidx):
-    """Token-major bf16 q/k/v and cumsum G, per-chunk anchors, head-major row vectors, and d."""
+    """:func:`prep_fwd`'s inputs (token-major bf16 q/k/v and f32 g padded to whole chunks,
+    head-major row vectors) and, for d's mask, whether each chunk's last row is fresh [B,N]."""
     B, T, H, K = k.shape
     C = CHUNK
     n = -(-T // C)
     pad = n * C - T
     padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
     q, k, v = (padded(x).astype(BF16) for x in (q, k, v))
-    G = jnp.cumsum(padded(g.astype(F32)).reshape(B, n, C, H, K), axis=2)  # [B,N,C,H,K]
-    anchors = jnp.concatenate(
-        [G[:, :, ::SUB], G[:, :, -1:], jnp.zeros((B, n, 8 - C // SUB - 1, H, K), F32)], axis=2
-    )
     seg, fresh, to_end = document_masks(sidx, C)  # [B,N,C]
     per_head = lambda x: jnp.broadcast_to(x.reshape(B, 1, n * C), (B, H, n * C)).astype(F32)
     b = jnp.moveaxis(padded(beta.astype(F32)), 2, 1)  # [B,H,Tp]
     vecs = jnp.stack([b, per_head(fresh), per_head(to_end), per_head(seg), per_head(seg)], axis=2)
-    d = jnp.where(fresh[:, :, -1, None, None], jnp.exp(G[:, :, -1]), 0.0)  # [B,N,H,K]
-    return q, k, v, G.reshape(B, n * C, H, K), anchors.reshape(B, n * 8, H, K), \
-        vecs.reshape(B * H, 5, n * C), jnp.moveaxis(d, 2, 1).reshape(B * H, n, K)
+    return q, k, v, padded(g.astype(F32)), vecs.reshape(B * H, 5, n * C), fresh[:, :, -1]
+
+
+def _masked_decay(decay, fresh_last):
+    """``d``: the chunk decay ``[B*H,N,K]`` where the chunk's last row is fresh ``[B,N]``, else 0."""
+    H = decay.shape[0] // fresh_last.shape[0]
+    return jnp.where(jnp.repeat(fresh_last, H, axis=0)[..., None], decay, 0.0)
+
+
+def _cumsum_anchors(g_p):
+    """The backward kernels' G ``[B,Tp,H,K]`` (chunk-local cumsum of the padded f32 g) and anchors
+    ``[B,N*8,H,K]`` (rows 0-3: G at each tile's first row, row 4: G at the chunk's last row), in XLA."""
+    B, Tp, H, K = g_p.shape
+    C = CHUNK
+    n = Tp // C
+    G = jnp.cumsum(g_p.reshape(B, n, C, H, K), axis=2)  # [B,N,C,H,K]
+    anchors = jnp.concatenate(
+        [G[:, :, ::SUB], G[:, :, -1:], jnp.zeros((B, n, 8 - C // SUB - 1, H, K), F32)], axis=2
+    )
+    return G.reshape(B, Tp, H, K), anchors.reshape(B, n * 8, H, K)
+
+
+def _bwd_inputs(q, k, v, g, beta, sidx):
+    """The backward kernels' inputs, all in XLA: ``(q, k, v, G, anchors, vecs, d)``."""
+    q, k, v, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx)
+    G, anchors = _cumsum_anchors(g_p)
+    B, Tp, H, K = G.shape
+    decay = jnp.exp(jnp.moveaxis(G.reshape(B, Tp // CHUNK, CHUNK, H, K)[:, :, -1], 2, 1))  # [B,H,N,K]
+    return q, k, v, G, anchors, vecs, _masked_decay(decay.reshape(B * H, -1, K), fresh_last)
 
 
 PREP_BWDS = ("xla", "kernel")
@@ -295,9 +351,9 @@ def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, preci
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if prep_bwd not in PREP_BWDS:
         raise ValueError(f"prep_bwd must be one of {PREP_BWDS}, got {prep_bwd!r}")
-    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret)
-    return (*(x.astype(F32) for x in outs), d)
+    *ins, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
+    *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret)
+    return (*(x.astype(F32) for x in outs), _masked_decay(decay, fresh_last))
 
 
 def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _chain, _kernel_inputs, _pair, _split,
+    BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _bwd_inputs, _chain, _pair, _split,
     _unit_lower_inverse, _wg,
 )
 from pallas_kernels.kda.kernel_gpu_util import T, smem
@@ -258,7 +258,7 @@ def prepare_bwd(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
 
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
     """
-    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx)
+    qh, kh, vh, G, anchors, vecs, d = _bwd_inputs(q, k, v, g, beta, sidx)
     dw, du, dqg, dkg, daqk, dd = cts
     grads = prep_bwd(
         qh, kh, vh, G, anchors, vecs, dw.astype(BF16), du.astype(BF16), dqg.astype(F32), dkg.astype(F32),

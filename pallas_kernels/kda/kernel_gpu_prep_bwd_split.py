@@ -20,8 +20,10 @@ B. ``kda_prep_bwd_intra`` (:mod:`kernel_gpu_prep_bwd_intra`), one CTA per (64-ch
 
 ``prep_bwd="split-saved"`` (opt-in, ``DESIGN_BWD.md`` section 4): the forward also stores ``T``'s
 hi/lo halves and kernel A (``kda_prep_bwd_wy_saved``) reads them instead of inverting again; its
-dv, dX, ``M_kk`` are the same bit for bit. ``S_kk`` is not recomputed either: dbeta's
-``rowsum(dL S_kk)`` comes from kernel B, as ``sum_c k (M_kk-row term of dk)`` divided by beta.
+dv, dX, ``M_kk`` agree with the recomputing kernel's to fp32 rounding (the forward takes G by its
+own in-kernel cumsum, kernel A from XLA's: the same sum in another order). ``S_kk`` is not
+recomputed either: dbeta's ``rowsum(dL S_kk)`` comes from kernel B, as
+``sum_c k (M_kk-row term of dk)`` divided by beta.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, FRESH, WGMMA, _chain, _kernel_inputs, _split, _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
+    BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
+    _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
 from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
@@ -169,9 +172,10 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
 def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype):
     """Kernel A reading the forward's ``T`` (hi/lo ``[B*H,Tp,C]`` bf16, ``prep_fwd(save_t=True)``).
 
-    Same dv, dX, ``M_kk`` as :func:`wy_bwd`, bit for bit (the halves are the ones it recomputes);
-    dbeta lacks ``rowsum(dL S_kk)``, which kernel B gives (``dbeta_rows=True``), so ``S_kk`` is not
-    recomputed either and neither anchors nor score operands are needed.
+    Same dv, dX, ``M_kk`` as :func:`wy_bwd` up to fp32 rounding (the saved halves come from the
+    forward's in-kernel cumsum G, the recomputed ones from XLA's); dbeta lacks ``rowsum(dL S_kk)``,
+    which kernel B gives (``dbeta_rows=True``), so ``S_kk`` is not recomputed either and neither
+    anchors nor score operands are needed.
     """
     B, Tp, H, K = k.shape
     V = v.shape[-1]
@@ -230,7 +234,7 @@ def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: b
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
     ``saved_t``: None (kernel A recomputes ``T``) or the forward's hi/lo halves of ``T``.
     """
-    _, _, _, *inputs = _kernel_inputs(q, k, v, g, beta, sidx)
+    _, _, _, *inputs = _bwd_inputs(q, k, v, g, beta, sidx)
     return _grads(q, k, v, g, beta, inputs, cts, saved_t, scale=scale, interpret=interpret)
 
 
@@ -259,25 +263,29 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
 def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
-    The residuals are the inputs and the kernel inputs built from them (the chunk cumsum G, its
-    anchors, the per-token vectors and d), so the backward rebuilds none of them; g itself is not
-    kept (G replaces it), only its dtype. ``save_t`` (``prep_bwd="split-saved"``): the forward also
-    writes ``T``'s hi/lo halves (16 KiB per chunk) and kernel A reads them instead of inverting again.
+    The residuals are the inputs with g as the kernel takes it (padded, f32; of g itself only its
+    dtype is kept), the per-token vectors and d. The forward kernel takes the chunk cumsum G itself,
+    so G and its anchors, which the backward kernels read, are built in XLA by the backward.
+    ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
+    per chunk) and kernel A reads them instead of inverting again.
     """
     return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
 
 
 def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
-    qh, kh, vh, G, anchors, vecs, d = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret, save_t=save_t)
-    saved_t = outs[5:] if save_t else None
+    qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t)
+    d = _masked_decay(outs[5], fresh_last)
+    saved_t = outs[6:] if save_t else None
     g_dtype = jnp.zeros((0,), g.dtype)
-    return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (G, anchors, vecs, d), saved_t)
+    return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t)
 
 
 def _split_bwd(scale, interpret, save_t, res, cts):
-    q, k, v, g_dtype, beta, sidx_f, inputs, saved_t = res
-    grads = _grads(q, k, v, g_dtype, beta, inputs, tuple(cts), saved_t, scale=scale, interpret=interpret)
+    q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t = res
+    G, anchors = _cumsum_anchors(g_p)  # here, not in the forward: the backward kernels take G and its anchors
+    grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), saved_t, scale=scale,
+                   interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))
 
 

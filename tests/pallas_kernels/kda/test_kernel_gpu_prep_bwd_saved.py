@@ -44,11 +44,12 @@ def test_saved_prep_bwd_matches_xla_vjp(interpret, B, T, H, K, V, lengths, gate_
 
 @pytest.mark.parametrize("interpret", MODES)
 def test_saved_backward_equals_recomputing_backward(interpret):
-    """The saved halves are the operands the recomputing kernel A builds: dv (and A's outputs for B)
-    agree bit for bit, dq, dk, dg to fp32 rounding (B's extra row sum changes how the interpreter
-    fuses its ops: 6e-8 at most in dg); dbeta's ``dL S_kk`` term moves from A (fp32 dL) to B (bf16
-    ``beta dL``: 1e-4 rel. RMSE between the two paths, each 1.7e-3 from the fp32 XLA vjp), so each
-    gradient must be as close to the XLA vjp as the recomputing path's. Documents mid-chunk,
+    """The saved halves are the operands the recomputing kernel A builds, up to fp32 rounding (the
+    forward's G is its in-kernel tensor-core cumsum, A's is XLA's: the same sum in another order):
+    in the interpreter dv differs by a few bf16 one-ulp flips (2.7e-6 rel. RMSE), dg by 1e-7, dq
+    and dk not at all, each within the fp32 tolerance; dbeta's ``dL S_kk`` term moves from A (fp32
+    dL) to B (bf16 ``beta dL``: 1e-4 rel. RMSE between the two paths, each 1.7e-3 from the fp32 XLA
+    vjp), so each gradient must be as close to the XLA vjp as the recomputing path's. Documents mid-chunk,
     padded last chunk, K != V."""
     B, T, H, K, V = 1, 100, 1, 128, 64
     args, sidx, _ = prep_inputs(4, B, T, H, K, V, (30, 1, 69))
@@ -58,8 +59,8 @@ def test_saved_backward_equals_recomputing_backward(interpret):
 
     @jax.jit
     def both(cts, *a):
-        qh, kh, vh, G, anchors, vecs, _ = _kernel_inputs(*a, sidx)
-        t = prep_fwd(qh, kh, vh, G, anchors, vecs, scale=scale, interpret=interpret, save_t=True)[5:]
+        *fwd_inputs, _ = _kernel_inputs(*a, sidx)
+        t = prep_fwd(*fwd_inputs, scale=scale, interpret=interpret, save_t=True)[6:]
         bwd = lambda saved_t: prepare_bwd_split(*a, sidx, cts, scale=scale, interpret=interpret, saved_t=saved_t)
         return bwd(tuple(t)), bwd(None)
 
@@ -68,8 +69,6 @@ def test_saved_backward_equals_recomputing_backward(interpret):
     want = jax.vjp(xla, *(x.astype(jnp.float32) for x in args))[1](cts)
     for name, a, b, c in zip(GRADS, saved, recomputed, want):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        if interpret and name == "dv":  # the same ops on the same operands
-            assert jnp.array_equal(a, b), (name, float(jnp.max(jnp.abs(a - b))))
         err = rel_rmse(a, b)
         assert err <= (BF16_FWD_RTOL if name == "dbeta" else F32_RTOL), f"{name}: rel RMSE {err:.3e}"
         assert rel_rmse(a, c) <= rel_rmse(b, c) * 1.05 + F32_RTOL, (name, rel_rmse(a, c), rel_rmse(b, c))
@@ -106,7 +105,7 @@ def test_saving_kernels_lower_for_cuda(K, V, monkeypatch):
     smem_bytes = record_smem(monkeypatch)
     B, Tp, H = 1, 128, 2
     S, bf, f32, C, BH, tok, common = kernel_shapes(B, Tp, H, K, V)
-    fwd_args = (tok(K, bf), tok(K, bf), tok(V, bf), *common.values())
+    fwd_args = (tok(K, bf), tok(K, bf), tok(V, bf), common["G"], common["vecs"])  # g has G's shape
     per_kernel = {}
     for save_t in (False, True):
         smem_bytes.clear()
