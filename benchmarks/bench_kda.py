@@ -117,6 +117,11 @@ def ours_split_saved():
     return _ours_gpu(prep="fused", prep_bwd="split-saved")
 
 
+def ours_shared_v():
+    """Ours with the forward scan's V blocks as warpgroups of one CTA sharing the chunk loads (``shared_v``)."""
+    return _ours_gpu(prep="fused", prep_bwd="split", shared_v=True, block_v=64)
+
+
 def ours_highest():
     """Ours with the XLA prep's matmuls in full fp32 (``prep_precision="highest"``; default TF32)."""
     return _ours_gpu(prep_precision="highest")
@@ -284,7 +289,7 @@ def main():
     parser.add_argument("--skip-check", action="store_true", help="skip the check against the reference")
     args = parser.parse_args()
     factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-split-bwd": ours_split_bwd,
-                 "ours-split-saved": ours_split_saved,
+                 "ours-split-saved": ours_split_saved, "ours-shared-v": ours_shared_v,
                  "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):
