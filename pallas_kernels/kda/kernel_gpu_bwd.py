@@ -10,9 +10,6 @@ With ``dS`` the gradient of ``S'`` and ``do`` that of ``o``, walking chunks last
 
 Step 2's products contract over V, so each V block writes partial sums (summed in XLA). Outputs go
 straight from registers to global memory: no smem staging, so two input slots still fit in smem.
-The per-chunk gradients are written in bf16 (their consumers, the prep backward kernels, take bf16
-operands anyway): the kernel is bound by memory, and fp32 partials doubled its writes and the XLA
-pass that sums them.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
 @functools.partial(jax.jit, static_argnames=("bv", "interpret"))
 def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
-    """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32 (bf16-rounded but for dd
-    and ds0), same shapes as inputs.
+    """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32, same shapes as inputs.
 
     w, qg, kg ``[BH,Tp,K]``, u and do ``[BH,Tp,V]``, aqk ``[BH,Tp,C]`` (bf16); d ``[BH,N,K]``,
     h ``[BH,N*K,V]`` (bf16 entering states), dsT ``[BH,K,V]`` (fp32).
@@ -69,13 +65,13 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
             ds_buf[...] = dS.astype(BF16)
             plgpu.commit_smem()
             dvn = mma2(T(aqk_s), do_s, kg_s, ds_buf, (C, bv))
-            du_g.at[bh, rows, vs][...] = dvn.astype(BF16)
+            du_g.at[bh, rows, vs][...] = dvn
             ndvn_buf[...] = (-dvn).astype(BF16)
             plgpu.commit_smem()
-            daqk_g.at[vi, bh, rows][...] = mma(do_s, T(vn_buf), (C, C)).astype(BF16)
-            dqg_g.at[vi, bh, rows][...] = mma(do_s, T(h_s), (C, K)).astype(BF16)
-            dkg_g.at[vi, bh, rows][...] = mma(vn_buf, T(ds_buf), (C, K)).astype(BF16)
-            dw_g.at[vi, bh, rows][...] = mma(ndvn_buf, T(h_s), (C, K)).astype(BF16)
+            daqk_g.at[vi, bh, rows][...] = mma(do_s, T(vn_buf), (C, C))
+            dqg_g.at[vi, bh, rows][...] = mma(do_s, T(h_s), (C, K))
+            dkg_g.at[vi, bh, rows][...] = mma(vn_buf, T(ds_buf), (C, K))
+            dw_g.at[vi, bh, rows][...] = mma(ndvn_buf, T(h_s), (C, K))
             s_prev = plgpu.load(h_s, layout=WGMMA).astype(F32)
             dd_g.at[vi, bh, c][...] = jnp.sum(dS * s_prev, axis=1)
             decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
@@ -85,9 +81,9 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
         dS = pipelined_chunks(n, streams, bar, body, ds_init, reverse=True)
         ds0_g.at[bh, :, vs][...] = dS
 
-    part = lambda cols: jax.ShapeDtypeStruct((nv, BH, Tp, cols), BF16)
+    part = lambda cols: jax.ShapeDtypeStruct((nv, BH, Tp, cols), F32)
     out_type = [
-        jax.ShapeDtypeStruct((BH, Tp, V), BF16), part(K), part(K), part(K), part(C),
+        jax.ShapeDtypeStruct((BH, Tp, V), F32), part(K), part(K), part(K), part(C),
         jax.ShapeDtypeStruct((nv, BH, n, K), F32), jax.ShapeDtypeStruct((BH, K, V), F32),
     ]
     smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
@@ -103,5 +99,5 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
         kernel_name="kda_scan_bwd", **extra,
     )
     du, dw, dqg, dkg, daqk, dd, ds0 = call(w, qg, kg, u, aqk, d, h, do, dsT)
-    total = lambda x: jnp.sum(x, axis=0, dtype=F32)
-    return total(dw), du.astype(F32), total(dqg), total(dkg), total(daqk), total(dd), ds0
+    total = lambda x: jnp.sum(x, axis=0)
+    return total(dw), du, total(dqg), total(dkg), total(daqk), total(dd), ds0
