@@ -206,20 +206,36 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         m_kk = _wg((row_vec(BETA, C) * d_l).astype(BF16))
         plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
         mqk_s[...], mkk_s[...] = m_qk, m_kk
-        accs = _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bwd_bufs)
+        acc_q, acc_kr, acc_kc = _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bwd_bufs)
+        G = load(G_s)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows], dqg_s, bar_tail)
         plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows], dkg_s, bar_tail)
+        r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+        own = anchor(0)
+        for s in range(1, nt):
+            own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
         plgpu.barrier_wait(bar_tail)
 
-        def dq_out(dq):
-            dq_g.at[b, rows, h][...] = dq.astype(dtypes[0])
-
-        # dX (bf16, in dw_s) enters as in kernel B of the split backward.
-        dk, dG, dkg_kg = _intra_tail(G_s, q_s, k_s, dw_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out)
-        dk_g.at[b, rows, h][...] = dk.astype(dtypes[1])
-        # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
-        dg = _reverse_cumsum(dG, up_s, (dgh_s, dgl_s), C)
+        # Each term is folded into dq, dk, dG as soon as it is formed, to keep few [C, K] live.
+        q, k, eg, e_own = load(q_s), load(k_s), jnp.exp(G), jnp.exp(G - own)
+        dq = e_own * acc_q + plgpu.load(dqg_s, layout=WGMMA) * (scale * row_vec(FRESH, K) * eg)
+        dq_g.at[b, rows, h][...] = dq.astype(dtypes[0])
+        dk_c = acc_kc * jnp.exp(own - G)  # enters dG with a minus sign: its factor is e^{-G_j}
+        dk_x = e_own * acc_kr + load(dw_s) * (row_vec(BETA, K) * row_vec(FRESH, K) * eg)  # + dX X / k
+        dG = q * dq + k * (dk_x - dk_c)
+        kg_f = row_vec(TO_END, K) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
+        dkg = plgpu.load(dkg_s, layout=WGMMA)
+        dk_g.at[b, rows, h][...] = (dk_x + dk_c + dkg * kg_f).astype(dtypes[1])
+        dkg_kg = dkg * k * kg_f
+        dG = dG - dkg_kg
+        # dg = reverse in-chunk cumsum of dG, as one product with the 0/1 upper triangle (exact in
+        # bf16) and dG split hi/lo; G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
+        up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
+        plgpu.commit_smem()  # every thread has read G_s before dG's halves overwrite it
+        dgh_s[...], dgl_s[...] = _split(dG)
+        plgpu.commit_smem()
+        dg = pl.run_scoped(lambda acc: _chain(acc, [(up_s, dgh_s), (up_s, dgl_s)]), plgpu.ACC((C, K), F32))
         dg_g.at[b, rows, h][...] = _wg(dg + lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, K), [1]))
 
     BH = B * H
@@ -304,53 +320,3 @@ def _masks(col_vec, row_vec, vec_s, C):
     cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
     same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], C)
     return ri, cj, (cj < ri) & same, (cj <= ri) & same
-
-
-def _reverse_cumsum(dG, up_s, halves, C):
-    """``sum_{s >= t} dG_s`` in the chunk: the 0/1 upper triangle (exact in bf16) times dG split hi/lo.
-
-    ``halves`` may share memory with G: the caller has read G (it is dead by now).
-    """
-    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
-    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
-    up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
-    plgpu.commit_smem()  # every thread has read G before dG's halves overwrite it
-    hi_s, lo_s = halves
-    hi_s[...], lo_s[...] = _split(dG)
-    plgpu.commit_smem()
-    return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
-
-
-def _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
-    """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
-    dq goes to ``dq_out(dq)`` as soon as it is formed, and ``sum_c k (M_kk-row term of dk)`` to
-    ``db_out`` if given: it is ``beta_i sum_j dL_ij S_kk,ij`` restricted to the slab's channels.
-
-    The terms are ordered so that each [C, S] array dies as early as it can (at most ~5 live, with
-    the accumulators): G is read from smem where it is needed rather than held, and the anchors
-    enter once, through ``d = G - own``.
-    """
-    acc_q, acc_kr, acc_kc = accs
-    C, S = G_s.shape
-    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-    r = plgpu.broadcasted_iota(jnp.int32, (C, S), 0, layout=WGMMA)
-    own = anchor(0)
-    for s in range(1, nt):
-        own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
-    d = load(G_s) - own
-    e_own = jnp.exp(d)
-    dk_c = acc_kc * jnp.exp(-d)  # enters dG with a minus sign: its factor is e^{-G_j}
-    eg = jnp.exp(load(G_s))
-    dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
-    dq_out(dq)
-    dG = load(q_s) * dq
-    dk_r = e_own * acc_kr
-    dk_x = dk_r + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
-    k = load(k_s)
-    if db_out is not None:
-        db_out(jnp.sum(k * dk_r, axis=1))
-    dG = dG + k * (dk_x - dk_c)
-    kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - load(G_s))  # kg = k * kg_f
-    dkg = load(dkg_s)
-    dkg_kg = dkg * k * kg_f
-    return dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg

@@ -16,16 +16,64 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.kernel_gpu_prep import CHUNK, SUB, WGMMA, _wg
-from pallas_kernels.kda.kernel_gpu_prep_bwd import (
-    APPROX, _intra_tail, _masks, _reverse_cumsum, _scores_bwd, _vec_loaders,
-)
+from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
+from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_bwd, _vec_loaders
 from pallas_kernels.kda.kernel_gpu_util import smem
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 SLAB = 64  # channels per CTA
 ONE = dict(slots=None)
+
+
+def _reverse_cumsum(dG, up_s, halves, C):
+    """``sum_{s >= t} dG_s`` in the chunk: the 0/1 upper triangle (exact in bf16) times dG split hi/lo.
+
+    ``halves`` may share memory with G: the caller has read G (it is dead by now).
+    """
+    ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
+    cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
+    up_s[...] = _wg(jnp.where(cj >= ri, 1.0, 0.0).astype(BF16))
+    plgpu.commit_smem()  # every thread has read G before dG's halves overwrite it
+    hi_s, lo_s = halves
+    hi_s[...], lo_s[...] = _split(dG)
+    plgpu.commit_smem()
+    return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
+
+
+def _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
+    """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
+    dq goes to ``dq_out(dq)`` as soon as it is formed, and ``sum_c k (M_kk-row term of dk)`` to
+    ``db_out`` if given: it is ``beta_i sum_j dL_ij S_kk,ij`` restricted to the slab's channels.
+
+    The terms are ordered so that each [C, S] array dies as early as it can (at most ~5 live, with
+    the accumulators): G is read from smem where it is needed rather than held, and the anchors
+    enter once, through ``d = G - own``.
+    """
+    acc_q, acc_kr, acc_kc = accs
+    C, S = G_s.shape
+    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
+    r = plgpu.broadcasted_iota(jnp.int32, (C, S), 0, layout=WGMMA)
+    own = anchor(0)
+    for s in range(1, nt):
+        own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
+    d = load(G_s) - own
+    e_own = jnp.exp(d)
+    dk_c = acc_kc * jnp.exp(-d)  # enters dG with a minus sign: its factor is e^{-G_j}
+    eg = jnp.exp(load(G_s))
+    dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
+    dq_out(dq)
+    dG = load(q_s) * dq
+    dk_r = e_own * acc_kr
+    dk_x = dk_r + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
+    k = load(k_s)
+    if db_out is not None:
+        db_out(jnp.sum(k * dk_r, axis=1))
+    dG = dG + k * (dk_x - dk_c)
+    kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - load(G_s))  # kg = k * kg_f
+    dkg = load(dkg_s)
+    dkg_kg = dkg * k * kg_f
+    return dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
 
 
 def _intra_scratch(C, S):
