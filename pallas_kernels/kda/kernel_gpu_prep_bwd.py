@@ -78,7 +78,7 @@ def _scores_kk(G_s, k_s, anchor, bufs):
     return pl.run_scoped(scope, plgpu.ACC((C, C), F32))
 
 
-def _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bufs):
+def _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bufs):
     """``(sum_t M_qk[t rows] @ B_t, sum_t M_kk[t rows] @ B_t, sum_s M_qk[:, s]^T A^q_s + M_kk[:, s]^T A^k_s)``.
 
     ``B_t = k e^{b_t - G}`` on columns ``j < 16(t+1)``; ``A^a_s = a e^{G - b_s}`` on rows ``i >= 16 s``;
@@ -86,9 +86,9 @@ def _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bufs):
     operands are hi/lo bf16 splits (two wgmmas per product): dg is a reverse cumsum of
     ``q dq - k dk`` in which the pairs of tokens after each row cancel, and plain bf16 operands
     leave it 1.4e-2 off the fp32 vjp; split operands 1.5e-3, splitting M too 3e-5, splitting only M
-    1.4e-2 (measured on one 2-chunk case with documents). M comes masked in bf16 smem (as the
-    wgmmas read it) and it and G are reloaded per tile, to spare registers; the column side runs
-    first so that one accumulator, not two, stays live through the other loop.
+    1.4e-2 (measured on one 2-chunk case with documents). M comes in bf16 (as the wgmmas read it)
+    and G is reloaded from smem per tile, to spare registers; the column side runs first so that
+    one accumulator, not two, stays live through the other loop.
 
     The tiles are real loops (the unrolled kernel was bound by instruction fetch), so every wgmma
     contracts over all C tokens: the masks zero what the causal structure leaves out.
@@ -103,7 +103,7 @@ def _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bufs):
     def rows_scope(acc_q, acc_kr):
         def tile(t, carry):
             in_rows = tile_of(0) == t
-            m1_s[...], m2_s[...] = (bf16(jnp.where(in_rows, plgpu.load(m, layout=WGMMA), 0.0)) for m in (mqk_s, mkk_s))
+            m1_s[...], m2_s[...] = bf16(jnp.where(in_rows, m_qk, 0.0)), bf16(jnp.where(in_rows, m_kk, 0.0))
             x = jnp.exp(jnp.where(r < (t + 1) * SUB, anchor(t) - load(G_s), -jnp.inf))
             a1h[...], a1l[...] = _split(load(k_s) * x)
             plgpu.commit_smem()
@@ -119,7 +119,7 @@ def _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bufs):
     def cols_scope(acc):
         def tile(t, carry):
             in_cols = tile_of(1) == t
-            m1_s[...], m2_s[...] = (bf16(jnp.where(in_cols, plgpu.load(m, layout=WGMMA), 0.0)) for m in (mqk_s, mkk_s))
+            m1_s[...], m2_s[...] = bf16(jnp.where(in_cols, m_qk, 0.0)), bf16(jnp.where(in_cols, m_kk, 0.0))
             x = jnp.exp(jnp.where(r >= t * SUB, load(G_s) - anchor(t), -jnp.inf))
             a1h[...], a1l[...] = _split(load(q_s) * x)
             a2h[...], a2l[...] = _split(load(k_s) * x)
@@ -155,7 +155,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
     def kernel(q_g, k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dqg_g, dkg_g, daqk_g,
                dq_g, dk_g, dv_g, dg_g, db_g,
                q_s, k_s, v_s, G_s, anc_s, vec_s, dw_s, du_s, union, bar, bar_aqk, bar_tail):
-        score_bufs, inv_bufs, (th, tl, xw_s, yu_s), (daqk_s,), (mqk_s, mkk_s, *bwd_bufs), (dqg_s, dkg_s, up_s) = union
+        score_bufs, inv_bufs, (th, tl, xw_s, yu_s), (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), (dgh_s, dgl_s) = G_s
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
@@ -205,8 +205,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0).astype(BF16))
         m_kk = _wg((row_vec(BETA, C) * d_l).astype(BF16))
         plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
-        mqk_s[...], mkk_s[...] = m_qk, m_kk
-        acc_q, acc_kr, acc_kc = _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bwd_bufs)
+        acc_q, acc_kr, acc_kc = _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
         G = load(G_s)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows], dqg_s, bar_tail)
@@ -244,14 +243,14 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
                 jax.ShapeDtypeStruct((BH, Tp), F32)]
     one = dict(slots=None)
     cc = lambda: smem((C, C), **one)
-    # Buffers by lifetime (216 KiB at K = V = 128, one CTA per SM): the score recompute, the
+    # Buffers by lifetime (200 KB at K = V = 128, one CTA per SM): the score recompute, the
     # inverse, the WY products, the score backward and the final elementwise inputs share one region.
     union = plgpu.RefUnion(
         (smem((C, K), **one), smem((C, K), **one)),
         tuple(cc() for _ in range(6)),
         (cc(), cc(), smem((C, K), **one), smem((C, V), **one)),
         (smem((C, C), F32, mma=False, **one),),
-        (cc(), cc(), cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
+        (cc(), cc(), *(smem((C, K), **one) for _ in range(4))),
         (smem((C, K), F32, mma=False, **one), smem((C, K), F32, mma=False, **one), cc()),
     )
     scratch = [

@@ -3,7 +3,7 @@
 One CTA per (64-channel slab, chunk). Every term left after kernel A (:mod:`kernel_gpu_prep_bwd_split`)
 is per channel: the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG,
 and the in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and
-its shared memory (110 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
+its shared memory (102 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale,
 
 
 def _intra_scratch(C, S):
-    """Kernel B's shared memory, 110 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score
-    backward), the masked M_qk and the score backward's operands, and the tail's inputs share one
-    region; G and the halves of dG share another."""
+    """Kernel B's shared memory, 102 KiB at K = 128 (two CTAs per SM): dA_qk (read before the score
+    backward), the score backward's operands and the tail's inputs share one region; G and the
+    halves of dG share another."""
     union = plgpu.RefUnion(
         (smem((C, C), F32, mma=False, **ONE),),
-        (smem((C, C), **ONE), smem((C, C), **ONE), smem((C, C), **ONE), *(smem((C, S), **ONE) for _ in range(4))),
+        (smem((C, C), **ONE), smem((C, C), **ONE), *(smem((C, S), **ONE) for _ in range(4))),
         (smem((C, S), F32, mma=False, **ONE), smem((C, S), F32, mma=False, **ONE), smem((C, C), **ONE)),
     )
     return [
@@ -114,7 +114,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, dq_g, dk_g, dg_g, *rest):
         db_g = rest[0] if dbeta_rows else None
         q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail = rest[int(dbeta_rows):]
-        (daqk_s,), (mqk_s, *bwd_bufs), (dqg_s, dkg_s, up_s) = union
+        (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), halves = G_u
         p, c, bh = lax.axis_index("p"), lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
@@ -131,8 +131,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0).astype(BF16))
         m_kk = _wg(jnp.where(strict, plgpu.load(mkk_s, layout=WGMMA), 0.0).astype(BF16))  # A leaves it unmasked
         plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
-        mqk_s[...], mkk_s[...] = m_qk, m_kk  # the loops reload them: no [C, C] held through both
-        accs = _scores_bwd(G_s, q_s, k_s, mqk_s, mkk_s, anchor, bwd_bufs)
+        accs = _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows, cols], dqg_s, bar_tail)
         plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows, cols], dkg_s, bar_tail)

@@ -16,7 +16,7 @@ B. ``kda_prep_bwd_intra`` (:mod:`kernel_gpu_prep_bwd_intra`), one CTA per (64-ch
    every remaining term is per channel:
    the score backward of ``A_qk`` and ``L`` on the slab, the assembly of dq, dk, dG, and the
    in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
-   shared memory (110 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
+   shared memory (102 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
 
 ``prep_bwd="split-saved"`` (opt-in, ``DESIGN_BWD.md`` section 4): the forward also stores ``T``'s
 hi/lo halves and kernel A (``kda_prep_bwd_wy_saved``) reads them instead of inverting again; its
