@@ -29,7 +29,7 @@ ONE = dict(slots=None)
 def _reverse_cumsum(dG, up_s, halves, C):
     """``sum_{s >= t} dG_s`` in the chunk: the 0/1 upper triangle (exact in bf16) times dG split hi/lo.
 
-    ``halves`` may share memory with G: the caller has read G (it is dead by now).
+    ``halves`` may share memory with G: the caller has read G into registers.
     """
     ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
     cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
@@ -41,26 +41,22 @@ def _reverse_cumsum(dG, up_s, halves, C):
     return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
 
 
-def _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
+def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
     """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
     dq goes to ``dq_out(dq)`` as soon as it is formed, and ``sum_c k (M_kk-row term of dk)`` to
     ``db_out`` if given: it is ``beta_i sum_j dL_ij S_kk,ij`` restricted to the slab's channels.
 
-    The terms are ordered so that each [C, S] array dies as early as it can (at most ~5 live, with
-    the accumulators): G is read from smem where it is needed rather than held, and the anchors
-    enter once, through ``d = G - own``.
+    The terms are ordered so that each [C, S] array dies as early as it can (at most ~6 live).
     """
     acc_q, acc_kr, acc_kc = accs
-    C, S = G_s.shape
+    C, S = G.shape
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     r = plgpu.broadcasted_iota(jnp.int32, (C, S), 0, layout=WGMMA)
     own = anchor(0)
     for s in range(1, nt):
         own = _wg(jnp.where(r >= s * SUB, anchor(s), own))
-    d = load(G_s) - own
-    e_own = jnp.exp(d)
-    dk_c = acc_kc * jnp.exp(-d)  # enters dG with a minus sign: its factor is e^{-G_j}
-    eg = jnp.exp(load(G_s))
+    dk_c = acc_kc * jnp.exp(own - G)  # enters dG with a minus sign: its factor is e^{-G_j}
+    e_own, eg = jnp.exp(G - own), jnp.exp(G)
     dq = e_own * acc_q + load(dqg_s) * (scale * row_vec(FRESH, S) * eg)
     dq_out(dq)
     dG = load(q_s) * dq
@@ -70,7 +66,7 @@ def _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale,
     if db_out is not None:
         db_out(jnp.sum(k * dk_r, axis=1))
     dG = dG + k * (dk_x - dk_c)
-    kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - load(G_s))  # kg = k * kg_f
+    kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
     dkg = load(dkg_s)
     dkg_kg = dkg * k * kg_f
     return dk_x + dk_c + dkg * kg_f, dG - dkg_kg, dkg_kg
@@ -135,6 +131,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.
         plgpu.copy_gmem_to_smem(dqg_g.at[bh, rows, cols], dqg_s, bar_tail)
         plgpu.copy_gmem_to_smem(dkg_g.at[bh, rows, cols], dkg_s, bar_tail)
+        G = plgpu.load(G_s, layout=WGMMA)
         plgpu.barrier_wait(bar_tail)
 
         def dq_out(dq):
@@ -143,7 +140,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         def db_out(rowsum):
             db_g.at[p, bh, rows][...] = rowsum
 
-        dk, dG, dkg_kg = _intra_tail(G_s, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out,
+        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out,
                                      db_out if dbeta_rows else None)
         dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
         # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
