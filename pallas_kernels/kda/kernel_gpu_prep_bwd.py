@@ -48,25 +48,21 @@ F32 = jnp.float32
 APPROX = plgpu.CompilerParams(approx_math=True)
 
 
-def _scores_kk(G_s, k_s, anchor, bufs):
+def _scores_kk(G, k_s, anchor, bufs):
     """Unmasked ``sum_c k_i k_j e^{G_i-G_j}`` [C, C], anchored per column tile as in the forward.
 
     A real loop over the tiles (as the forward's): tile s is ``k_i e^{G_i - b_s}`` (rows
     ``i >= 16 s``) times ``k_j e^{b_s - G_j}`` on tile s's rows j only, accumulated full width.
-    G is read from smem per tile rather than held through the loop (64 registers at K = 128).
     """
-    C, K = G_s.shape
+    C, K = G.shape
     kc_s, ka_s = bufs
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-    load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
 
     def scope(acc):
         def tile(s, carry):
-            b = anchor(s)
-            x = jnp.exp(jnp.where(r >= s * SUB, load(G_s) - b, -jnp.inf))
-            ka_s[...] = _wg((load(k_s) * x).astype(BF16))
-            y = jnp.exp(jnp.where(lax.div(r, SUB) == s, b - load(G_s), -jnp.inf))
-            kc_s[...] = _wg((load(k_s) * y).astype(BF16))
+            b, k = anchor(s), plgpu.load(k_s, layout=WGMMA).astype(F32)
+            ka_s[...] = _wg((k * jnp.exp(jnp.where(r >= s * SUB, G - b, -jnp.inf))).astype(BF16))
+            kc_s[...] = _wg((k * jnp.exp(jnp.where(lax.div(r, SUB) == s, b - G, -jnp.inf))).astype(BF16))
             plgpu.commit_smem()
             plgpu.wgmma(acc, ka_s, T(kc_s))
             plgpu.wgmma_wait(0)  # the next tile overwrites the operands
@@ -180,7 +176,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         strict, causal = (cj < ri) & same, (cj <= ri) & same
 
         # Recompute S_kk and T exactly as the forward does.
-        s_kk = _wg(jnp.where(strict, _scores_kk(G_s, k_s, anchor, score_bufs), 0.0))
+        s_kk = _wg(jnp.where(strict, _scores_kk(load(G_s), k_s, anchor, score_bufs), 0.0))
         t_inv = _unit_lower_inverse(_wg(-row_vec(BETA, C) * s_kk), ri, cj, inv_bufs)
         th[...], tl[...] = _split(t_inv)
         eg = jnp.exp(load(G_s))

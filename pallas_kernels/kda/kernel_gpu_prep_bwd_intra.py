@@ -100,7 +100,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     ``beta_i sum_j dL_ij S_kk,ij`` over the slab's channels.
 
     q, k, G, anchors, vecs as :func:`kernel_gpu_prep.prep_fwd` takes them; daqk ``[B*H,Tp,C]``
-    f32 and dqg, dkg ``[B*H,Tp,K]`` f32 (the scan's cotangents); mkk (unmasked), dx from :func:`wy_bwd`.
+    f32 and dqg, dkg ``[B*H,Tp,K]`` f32 (the scan's cotangents); mkk, dx from :func:`wy_bwd`.
     ``dtypes``: (dq, dk) dtypes.
     """
     B, Tp, H, K = q.shape
@@ -123,9 +123,9 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         plgpu.barrier_wait(bar)
         col_vec, row_vec = _vec_loaders(vec_s, C)
         anchor = lambda t: col_vec(anc_s.at[t], S)
-        _, _, strict, causal = _masks(col_vec, row_vec, vec_s, C)
+        _, _, _, causal = _masks(col_vec, row_vec, vec_s, C)
         m_qk = _wg(jnp.where(causal, scale * plgpu.load(daqk_s, layout=WGMMA), 0.0).astype(BF16))
-        m_kk = _wg(jnp.where(strict, plgpu.load(mkk_s, layout=WGMMA), 0.0).astype(BF16))  # A leaves it unmasked
+        m_kk = plgpu.load(mkk_s, layout=WGMMA)
         plgpu.commit_smem()  # every thread has read dA_qk before the score backward reuses its memory
         accs = _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bwd_bufs)
         # dqg, dkg land in the score operands' memory, free now that the last wgmma is read.

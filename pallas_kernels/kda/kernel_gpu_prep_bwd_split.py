@@ -5,9 +5,8 @@ stops needing all K channels of a chunk at once (plan: ``DESIGN_BWD.md``):
 
 A. ``kda_prep_bwd_wy``, one CTA per chunk: recompute ``S_kk`` and ``T = (I + L)^{-1}`` as the
    forward does; ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -T^T Z T^T`` with
-   ``Z = dW X^T + dU Y^T`` (masked strictly lower, same document, by kernel B; no ``W, U``
-   recompute, and hi/lo ``T`` on both sides, which is closer to fp32 than the one-kernel
-   version's bf16 ``W, U``); writes
+   ``Z = dW X^T + dU Y^T`` (strictly lower, same document; no ``W, U`` recompute, and hi/lo ``T``
+   on both sides, which is closer to fp32 than the one-kernel version's bf16 ``W, U``); writes
    ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's upstream matrix)
    and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel). 104 KiB of shared memory
    at K = V = 128 (G's memory goes to the inverse once ``X / beta`` is formed; dW, dU arrive after
@@ -79,13 +78,11 @@ def _inverse_grad(th, tl, bufs, x_s, v_s, dw_s, du_s, beta_c):
     return pl.run_scoped(lambda a: _three(a, yh, yl, T(th), T(tl)), acc())
 
 
-def _wy_tail(refs, dl_bufs, skk_s, col_vec, row_vec, vec_s, outs, dv_dtype):
+def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype):
     """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta
-    (without ``rowsum(dL S_kk)`` when ``skk_s``, the masked ``S_kk`` in smem, is None).
+    (without ``rowsum(dL S_kk)`` when ``s_kk`` is None).
 
-    dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time. ``M_kk``
-    is stored unmasked (kernel B masks it, with masks it builds anyway): ``S_kk`` is already masked,
-    so dbeta's ``rowsum(dL S_kk)`` is the same, and no mask is held through the inverse.
+    dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
     """
     th, tl, dw_s, du_s, k_s, v_s = refs
     dv_o, dx_o, mkk_o, db_o = outs
@@ -97,8 +94,9 @@ def _wy_tail(refs, dl_bufs, skk_s, col_vec, row_vec, vec_s, outs, dv_dtype):
     dy = _t_transpose_times(th, tl, du_s, (C, V))
     dv_o[...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
     dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
-    d_l = _wg(-_inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C)))
-    db_o[...] = dbeta if skk_s is None else dbeta + jnp.sum(d_l * plgpu.load(skk_s, layout=WGMMA), axis=1)
+    d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
+    d_l = _wg(jnp.where(strict, -d_l, 0.0))
+    db_o[...] = dbeta if s_kk is None else dbeta + jnp.sum(d_l * s_kk, axis=1)
     mkk_o[...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
 
 
@@ -107,8 +105,7 @@ def _wy_tail(refs, dl_bufs, skk_s, col_vec, row_vec, vec_s, outs, dv_dtype):
 def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     """Kernel A: ``(dv [B,Tp,H,V], dx [B*H,Tp,K] bf16, m_kk [B*H,Tp,C] bf16, dbeta [B*H,Tp] f32)``.
 
-    Inputs as :func:`kernel_gpu_prep.prep_fwd` takes them (no q); dw, du head-major bf16. m_kk is
-    ``beta dL`` before the strictly-lower, same-document mask (:func:`intra_bwd` applies it).
+    Inputs as :func:`kernel_gpu_prep.prep_fwd` takes them (no q); dw, du head-major bf16.
     """
     B, Tp, H, K = k.shape
     V = v.shape[-1]
@@ -117,7 +114,7 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
 
     def kernel(k_g, v_g, G_g, anc_g, vec_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
                k_s, v_s, anc_s, vec_s, union, bar, bar_d):
-        (G_s, *score_bufs), (skk_s, *inv_bufs), (_, th, tl, dw_s, du_s), (_, _, _, *dl_bufs) = union
+        (G_s, *score_bufs), inv_bufs, (th, tl, dw_s, du_s), (_, _, *dl_bufs) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         rows = pl.ds(c * C, C)
@@ -127,12 +124,11 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
         plgpu.barrier_wait(bar)
         col_vec, row_vec = _vec_loaders(vec_s, C)
         ri, cj, strict, _ = _masks(col_vec, row_vec, vec_s, C)
-        s_kk = _wg(jnp.where(strict, _scores_kk(G_s, k_s, lambda t: col_vec(anc_s.at[t], K), score_bufs), 0.0))
-        # k becomes X' = fresh k e^G (X = beta X'), the only use of G: G's memory goes to S_kk and the inverse.
-        load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
-        k_s[...] = _wg((row_vec(FRESH, K) * load(k_s) * jnp.exp(load(G_s))).astype(BF16))
+        G = plgpu.load(G_s, layout=WGMMA)
+        s_kk = _wg(jnp.where(strict, _scores_kk(G, k_s, lambda t: col_vec(anc_s.at[t], K), score_bufs), 0.0))
+        # k becomes X' = fresh k e^G (X = beta X'), the only use of G: G's memory goes to the inverse.
+        k_s[...] = _wg((row_vec(FRESH, K) * plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
         plgpu.commit_smem()
-        skk_s[...] = s_kk  # waits in smem for dbeta rather than in registers through the inverse
         t_inv = _unit_lower_inverse(_wg(-row_vec(BETA, C) * s_kk), ri, cj, inv_bufs)
         # dW, dU land in the inverse's memory (after T's halves), now that its last product is read.
         plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
@@ -141,19 +137,17 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
         plgpu.commit_smem()
         plgpu.barrier_wait(bar_d)
         outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
-        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, skk_s, col_vec, row_vec, vec_s, outs, dv_dtype)
+        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
 
     out_type = _wy_out_type(B, Tp, H, K, V, dv_dtype)
     cc = lambda: smem((C, C), **ONE)
-    # 104 KiB at K = V = 128, so two CTAs share an SM: G with the score recompute, then S_kk (f32,
-    # kept for dbeta: the first buffer of every later group) with the inverse, and then T's halves
-    # (the next two buffers of both later groups) with dW, dU or the dL products.
-    skk = lambda: smem((C, C), F32, mma=False, **ONE)
+    # 104 KiB at K = V = 128, so two CTAs share an SM: G with the score recompute, the inverse, and
+    # then T's halves (the first two buffers of both later groups) with dW, dU or the dL products.
     union = plgpu.RefUnion(
         (smem((C, K), F32, mma=False, **ONE), smem((C, K), **ONE), smem((C, K), **ONE)),
-        (skk(), *(cc() for _ in range(6))),
-        (skk(), cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
-        (skk(), cc(), cc(), cc(), cc(), cc(), cc()),
+        tuple(cc() for _ in range(6)),
+        (cc(), cc(), smem((C, K), **ONE), smem((C, V), **ONE)),
+        (cc(), cc(), cc(), cc(), cc(), cc()),
     )
     scratch = [
         smem((C, K), **ONE), smem((C, V), **ONE), smem((8, K), F32, mma=False, **ONE),
@@ -193,6 +187,7 @@ def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
         col_vec, row_vec = _vec_loaders(vec_s, C)
+        _, _, strict, _ = _masks(col_vec, row_vec, vec_s, C)
         G = plgpu.load(G_s, layout=WGMMA)
         plgpu.commit_smem()  # every thread has read G: dW, dU land in its memory while X' is formed
         plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
@@ -201,7 +196,7 @@ def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype
         plgpu.commit_smem()
         plgpu.barrier_wait(bar_d)
         outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
-        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, None, col_vec, row_vec, vec_s, outs, dv_dtype)
+        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, None, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
 
     cc = lambda: smem((C, C), **ONE)
     # 81 KiB at K = V = 128 (104 KiB for :func:`wy_bwd`): T's halves have their own memory (they
