@@ -7,9 +7,10 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    the WY solve gives ``W, U`` and the decayed ``qg, kg, d``. ``prep="fused"`` (default,
    :mod:`kernel_gpu_prep`: one Mosaic GPU kernel per chunk when not differentiated, the XLA prep
    and its autodiff under ``jax.grad``) or ``prep="xla"`` (:mod:`kernel_gpu_intra` always).
-   Why fused by default (H200, B,T,H,D = 4,8192,32,128, bf16): the forward is 7.60 ms against
-   9.34 ms with the XLA prep (device time: prep kernel 5.05 ms plus 1.1 ms of XLA input prep,
-   against 7.7 ms of XLA prep); training runs the same XLA prep either way (fwd+bwd 27.9 ms).
+   Why fused by default (H200, B,T,H,D = 4,8192,32,128, bf16): the forward is 3.16 ms against
+   9.34 ms with the XLA prep (prep kernel 1.9 ms, scan 0.6 ms, no XLA pre- or post-processing);
+   with the split Mosaic GPU prep backward (``chunk_kda``'s default) fwd+bwd is 13.7 ms against
+   27.9 ms with the XLA prep's autodiff (benchmarks/RESULTS.md).
 2. ``kda_scan_fwd`` (this module, Pallas Mosaic GPU): one warpgroup per (head, V block) walks the
    chunks in order with the fp32 state in registers and a bf16 copy in smem as the wgmma operand:
    ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk

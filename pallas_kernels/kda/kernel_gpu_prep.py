@@ -6,10 +6,10 @@ tensor cores per chunk of C = 64 tokens by one warpgroup; q, k, v, g are read to
 
 0. ``G = tril(1) @ g`` (g split into three bf16 parts: the chunk cumsum to fp32 accuracy), so XLA
    builds neither G nor the anchors for the forward.
-1. Scores with one anchor per 16-token column tile s (its first row, ``b_s``):
-   ``Kc_j = k_j e^{b_s - G_j}`` once for all columns, then per tile ``(q|k)_i e^{G_i - b_s}`` on rows
-   ``i >= 16 s`` (exponent masked before ``exp``) times ``Kc[tile s]^T`` as an N=16 wgmma into the
-   tile's 16 accumulator columns; bf16 operands (|exponents| <= 75 thanks to the -5 gate bound).
+1. Scores with one anchor per 16-token column tile s (its first row, ``b_s``): per tile,
+   ``(q|k)_i e^{G_i - b_s}`` on rows ``i >= 16 s`` (exponent masked before ``exp``) times
+   ``k_j e^{b_s - G_j}`` on the tile's rows j (other rows zero), accumulated full width; bf16
+   operands (|exponents| <= 75 thanks to the -5 gate bound).
 2. ``T = (I + L)^{-1} = sum_{m<64} P^m`` (``P = -L`` strictly lower) by doubling,
    ``S <- S + S Q``, ``Q <- Q^2``: both products of a round are issued together (6 dependent
    steps), each as three bf16 wgmmas on a hi/lo split of the fp32 factors (near fp32 precision).
@@ -19,9 +19,11 @@ tensor cores per chunk of C = 64 tokens by one warpgroup; q, k, v, g are read to
    ``exp`` is ``ex2.approx`` (``approx_math``).
 
 Shared memory is ~109 KB (K = V = 128: g/G, the score operands and the inverse's operands with v
-share one region by lifetime) so two CTAs share an SM. The version before the in-kernel cumsum
-(G and anchors from XLA, exact exp, v loaded with the inputs) took 5.05 ms for the kernel on the
-H200 at B,T,H,D = 4,8192,32,128; this version is untimed. Under differentiation the XLA prep
+share one region by lifetime) so two CTAs share an SM. The score tiles and the inverse's rounds
+are ``lax.fori_loop``s, not Python loops: unrolled, the kernel was bound by instruction fetch
+(Nsight Compute on the H200: 61 % of its stall cycles, 5.05 ms at B,T,H,D = 4,8192,32,128); as
+loops with ``ex2.approx`` it took 1.9 ms, and the whole forward 3.16 ms with this in-kernel
+cumsum (benchmarks/RESULTS.md). Under differentiation the XLA prep
 runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
 (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
 the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`).
