@@ -65,7 +65,7 @@ class ScanConfig:
     """Static knobs of the scan kernels: V block per warpgroup, the CPU interpreter, and
     ``shared_v``: one CTA per head whose ``V // bv`` warpgroups (one per V block) share one copy
     of the per-chunk ``W, qg, kg, A_qk, d`` in smem, instead of one CTA per (head, V block)
-    that each read them from HBM."""
+    that each read them from HBM; in the backward scan too, which then sums over V in the kernel."""
 
     bv: int = 64
     interpret: bool = False
@@ -199,7 +199,7 @@ def _scan_vjp_bwd(cfg, out_dtype, heads, res, cts):
     do, dS = cts
     do = jnp.swapaxes(do.astype(BF16), 1, 2).reshape(u.shape)  # the backward reads head-major [BH, Tp, V]
     dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
-        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret
+        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v
     )
     return dw, du, dqg, dkg, daqk, dd, ds0
 

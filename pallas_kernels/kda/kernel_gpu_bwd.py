@@ -8,8 +8,27 @@ With ``dS`` the gradient of ``S'`` and ``do`` that of ``o``, walking chunks last
 2. ``dA_qk = do v_new^T``, ``dqg = do S^T``, ``dkg = v_new dS^T``, ``dd = rowsum(dS * S)``
 3. ``dS <- d * dS + qg^T do - W^T dv_new``
 
-Step 2's products contract over V, so each V block writes partial sums (summed in XLA). Outputs go
-straight from registers to global memory: no smem staging, so two input slots still fit in smem.
+Default: one CTA per (head, V block). Step 2's products contract over V, so each V block writes
+partial sums (summed in XLA). Outputs go straight from registers to global memory: no smem
+staging, so two input slots still fit in smem.
+
+``shared_v`` (opt-in, as in the forward): one CTA per head, one warpgroup per V block; warpgroup 0
+loads ``W, qg, kg, A_qk, d`` once per chunk for all. Step 2 is summed inside the CTA by chaining
+wgmmas: every operand of those products (``do, h, v_new, dS, -dv_new`` of each V block) already
+sits in smem for step 1 or 3, so one warpgroup owns each whole product and accumulates all V
+blocks' ``a_j @ b_j^T`` into one accumulator (``dqg, dA_qk, dd`` on warpgroup 0, ``dkg, dW`` on
+warpgroup 1). Why not stage one warpgroup's fp32 partial in smem and add: a [C, K] fp32 partial is
+32 KiB that the budget below does not have, and chaining costs no smem, no extra adds and no
+extra pass. Only ``dd`` (a diagonal, no matmul) is staged: 512 B per warpgroup.
+
+Smem at K = V = 128 (bf16, C = 64, two warpgroups; the limit is 227 KiB): per chunk W, qg, kg
+48 KiB, A_qk 8, d 0.5, and per warpgroup u 8, h 16, do 8; plus per warpgroup dS 16 and -dv_new 8
+(``v_new`` overwrites ``u`` in place). Two slots of every input would take 290 KiB, so when they do
+not fit (:func:`shared_slotted`) the shared inputs and ``u`` get one slot, loaded once every
+warpgroup is done with the previous chunk (that load is not overlapped), while ``h`` and ``do``
+(the per-V-block bytes) keep two: 217.5 KiB. At K = 64 everything keeps two slots (193 KiB).
+The warpgroups meet twice per chunk: after writing ``v_new, dS, -dv_new`` (so the owners may read
+them) and at the chunk's end (so nobody overwrites what another still reads).
 """
 
 from __future__ import annotations
@@ -22,28 +41,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks
+from pallas_kernels.kda.kernel_gpu_util import (
+    SLOTS, Stream, T, mma, mma2, mma_sum, pipelined_chunks, pipelined_chunks_lockstep,
+)
 from pallas_kernels.kda.kernel_gpu_util import smem as _smem
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
+CTA_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one CTA may take on an H100/H200
 
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("bv", "interpret"))
-def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("bv", "interpret", "shared_v"))
+def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shared_v: bool = False):
     """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32, same shapes as inputs.
 
     w, qg, kg ``[BH,Tp,K]``, u and do ``[BH,Tp,V]``, aqk ``[BH,Tp,C]`` (bf16); d ``[BH,N,K]``,
-    h ``[BH,N*K,V]`` (bf16 entering states), dsT ``[BH,K,V]`` (fp32).
+    h ``[BH,N*K,V]`` (bf16 entering states), dsT ``[BH,K,V]`` (fp32). ``shared_v``: one CTA per
+    head (at most two V blocks), the V sums taken in the kernel.
     """
     BH, Tp, K = w.shape
     V = u.shape[-1]
     C = aqk.shape[-1]
     n, nv = Tp // C, V // bv
+    if shared_v:
+        if nv > 2:
+            raise ValueError(f"bv must be at least V/2={V // 2} with shared_v, got {bv}")
+        return _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, bv=bv, interpret=interpret)
 
     def kernel(w_g, qg_g, kg_g, u_g, aqk_g, d_g, h_g, do_g, dsT_g,
                du_g, dw_g, dqg_g, dkg_g, daqk_g, dd_g, ds0_g,
@@ -101,3 +128,109 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool):
     du, dw, dqg, dkg, daqk, dd, ds0 = call(w, qg, kg, u, aqk, d, h, do, dsT)
     total = lambda x: jnp.sum(x, axis=0)
     return total(dw), du, total(dqg), total(dkg), total(daqk), total(dd), ds0
+
+
+def shared_slotted(C: int, K: int, V: int, bv: int) -> bool:
+    """Whether every input of the ``shared_v`` backward fits two slots in one CTA's smem (bf16 operands)."""
+    nv = V // bv
+    shared = 3 * C * K * 2 + C * C * 2 + K * 4
+    own = nv * (2 * C * bv + K * bv) * 2
+    scratch = nv * ((K * bv + C * bv) * 2 + K * 4)
+    return SLOTS * (shared + own) + scratch + 1024 <= CTA_SMEM_BYTES  # 1 KiB for barriers and alignment
+
+
+def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
+    """``scan_bwd`` with one CTA per head whose warpgroups (one per V block) share the chunk loads
+    and chain step 2's V sums in wgmma accumulators (module docstring)."""
+    BH, Tp, K = w.shape
+    V, C = u.shape[-1], aqk.shape[-1]
+    n, nv = Tp // C, V // bv
+    two = shared_slotted(C, K, V, bv)
+
+    def kernel(w_g, qg_g, kg_g, u_g, aqk_g, d_g, h_g, do_g, dsT_g,
+               du_g, dw_g, dqg_g, dkg_g, daqk_g, dd_g, ds0_g,
+               w_b, qg_b, kg_b, aqk_b, d_b, u_b, h_b, do_b, ds_buf, ndvn_buf, dd_buf, bar, released, ready):
+        vi, bh = lax.axis_index("wg"), lax.axis_index("bh")
+        vs = pl.ds(vi * bv, bv)
+        shared = [Stream(g.at[bh], r, b, two) for g, r, b in
+                  ((w_g, C, w_b), (qg_g, C, qg_b), (kg_g, C, kg_b), (aqk_g, C, aqk_b), (d_g, 1, d_b))]
+        own = [Stream(u_g.at[bh, :, vs], C, u_b.at[vi], two), Stream(h_g.at[bh, :, vs], K, h_b.at[vi]),
+               Stream(do_g.at[bh, :, vs], C, do_b.at[vi])]
+        bufs = dict(u=u_b, h=h_b, do=do_b, ds=ds_buf, ndvn=ndvn_buf, dd=dd_buf)
+        step = functools.partial(_shared_step, bufs, (dw_g, dqg_g, dkg_g, daqk_g, dd_g), du_g, ready,
+                                 bh=bh, vi=vi, nv=nv)
+        ds_init = plgpu.load(dsT_g.at[bh, :, vs], layout=WGMMA, optimized=False)
+        dS = pipelined_chunks_lockstep(n, shared, own, bar, released, step, ds_init, wg=vi, reverse=True)
+        ds0_g.at[bh, :, vs][...] = dS
+
+    out_type = [jax.ShapeDtypeStruct(s, F32) for s in
+                ((BH, Tp, V), (BH, Tp, K), (BH, Tp, K), (BH, Tp, K), (BH, Tp, C), (BH, n, K), (BH, K, V))]
+    smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
+    slots = SLOTS if two else None
+    scratch = [
+        smem((C, K), slots=slots), smem((C, K), slots=slots), smem((C, K), slots=slots), smem((C, C), slots=slots),
+        smem((1, K), F32, mma=False, slots=slots),
+        smem((C, bv), slots=slots, groups=nv), smem((K, bv), groups=nv), smem((C, bv), groups=nv),
+        smem((K, bv), slots=None, groups=nv), smem((C, bv), slots=None, groups=nv),
+        smem((1, K), F32, mma=False, slots=None, groups=nv),
+        plgpu.Barrier(num_arrivals=5 + 3 * nv, num_barriers=SLOTS),
+        plgpu.Barrier(num_arrivals=nv, num_barriers=SLOTS),
+        plgpu.Barrier(num_arrivals=nv),
+    ]
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    call = plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=(BH,), grid_names=("bh",), num_threads=nv,
+        thread_name="wg", kernel_name="kda_scan_bwd_shared", **extra,
+    )
+    du, dw, dqg, dkg, daqk, dd, ds0 = call(w, qg, kg, u, aqk, d, h, do, dsT)
+    return dw, du, dqg, dkg, daqk, dd, ds0
+
+
+def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, *, bh, vi, nv):
+    """One chunk of one warpgroup: steps 1 and 3 on its V block; the step-2 products it owns over all."""
+    dw_g, dqg_g, dkg_g, daqk_g, dd_g = outs
+    w_s, qg_s, kg_s, aqk_s, d_s, u_s, h_s, do_s = ins
+    C, bv = u_s.shape
+    K = h_s.shape[0]
+    rows = pl.ds(c * C, C)
+    ds_s, ndvn_s = bufs["ds"].at[vi], bufs["ndvn"].at[vi]
+    v_new = plgpu.load(u_s, layout=WGMMA).astype(F32) - mma(w_s, h_s, (C, bv))
+    u_s[...] = v_new.astype(BF16)  # u is not read again: its slot holds v_new for every warpgroup
+    ds_s[...] = dS.astype(BF16)
+    plgpu.commit_smem()
+    dvn = mma2(T(aqk_s), do_s, kg_s, ds_s, (C, bv))
+    du_g.at[bh, rows, pl.ds(vi * bv, bv)][...] = dvn
+    ndvn_s[...] = (-dvn).astype(BF16)
+    s_prev = plgpu.load(h_s, layout=WGMMA).astype(F32)
+    bufs["dd"].at[vi, 0][...] = jnp.sum(dS * s_prev, axis=1)
+    # Plain smem loads come before the sync below: the interpreter's race detector orders them
+    # against the next chunk's refill only through a sync event that follows them.
+    decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready)
+    plgpu.barrier_wait(ready)  # every V block's v_new, dS, -dv_new and dd partial are in smem
+
+
+    def of(name, j):  # warpgroup j's buffer for this chunk
+        buf = bufs[name].at[j]
+        return buf.at[slot] if len(buf.shape) == 3 else buf
+
+    vn, h, do, ds, ndvn = (functools.partial(of, name) for name in ("u", "h", "do", "ds", "ndvn"))
+    products = [  # (gmem rows, a_j, b_j, cols): sum_j a_j @ b_j^T over the V blocks j
+        (dqg_g.at[bh, rows], do, h, K), (dkg_g.at[bh, rows], vn, ds, K),
+        (daqk_g.at[bh, rows], do, vn, C), (dw_g.at[bh, rows], ndvn, h, K),
+    ]
+    for p, (out, a, b, cols) in enumerate(products):
+        @pl.when(vi == p % nv)
+        def _own():
+            out[...] = mma_sum([(a(j), T(b(j))) for j in range(nv)], (C, cols))
+
+    @pl.when(vi == 0)
+    def _dd():
+        part = lambda j: plgpu.load(bufs["dd"].at[j, 0], layout=ROW)
+        total = part(0)
+        for j in range(1, nv):
+            total = total + part(j)
+        dd_g.at[bh, c][...] = total
+
+    return dS * decay + mma2(T(qg_s), do_s, T(w_s), ndvn_s, (K, bv))

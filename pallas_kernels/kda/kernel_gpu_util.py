@@ -45,6 +45,7 @@ class Stream:
     gmem: object
     rows: int
     buf: object
+    slotted: bool = True  # False: one buffer, refilled only once every warpgroup is done with it
 
 
 def pipelined_chunks(
@@ -142,6 +143,80 @@ def pipelined_chunks_shared(
             plgpu.barrier_wait(released.at[c % SLOTS])
 
     return carry
+
+
+def pipelined_chunks_lockstep(
+    n: int,
+    shared: Sequence[Stream],
+    own: Sequence[Stream],
+    barrier,
+    released,
+    body: Callable,
+    carry,
+    *,
+    wg,
+    reverse: bool = False,
+):
+    """:func:`pipelined_chunks_shared` whose warpgroups finish chunk ``s-1`` together before ``s``
+    starts, so they may read each other's per-chunk smem (and unslotted streams fit the budget).
+
+    Every warpgroup waits on ``released`` (``Barrier(num_arrivals=warpgroups, num_barriers=SLOTS)``)
+    at the top of each step: then warpgroup 0 refills the unslotted (``slotted=False``) streams for
+    this chunk (their load is not hidden) and the slotted ones for the next chunk. ``barrier``
+    counts every copy of one chunk, slotted or not. ``body(chunk, slot, bufs, carry)``.
+    """
+    chunk_of = (lambda s: n - 1 - s) if reverse else (lambda s: s)
+    view = lambda st, slot: st.buf.at[slot] if st.slotted else st.buf
+
+    def fetch(step, slot, slotted):
+        c = chunk_of(step)
+        copy = lambda st: plgpu.copy_gmem_to_smem(
+            st.gmem.at[pl.ds(c * st.rows, st.rows)], view(st, slot), barrier.at[slot])
+
+        @pl.when(wg == 0)
+        def _shared():
+            for st in shared:
+                if st.slotted == slotted:
+                    copy(st)
+
+        for st in own:
+            if st.slotted == slotted:
+                copy(st)
+
+    fetch(0, 0, True)
+    fetch(0, 0, False)
+
+    def step(s, carry):
+        slot = lax.rem(s, SLOTS)
+
+        @pl.when(s >= 1)
+        def _refill():
+            plgpu.barrier_wait(released.at[1 - slot])  # chunk s-1 is done in every warpgroup
+            fetch(s, slot, False)
+
+        @pl.when(s + 1 < n)
+        def _prefetch():
+            fetch(s + 1, 1 - slot, True)
+
+        plgpu.barrier_wait(barrier.at[slot])
+        carry = body(chunk_of(s), slot, [view(st, slot) for st in (*shared, *own)], carry)
+        plgpu.barrier_arrive(released.at[slot])
+        return carry
+
+    carry = lax.fori_loop(0, n, step, carry)
+    plgpu.barrier_wait(released.at[(n - 1) % SLOTS])  # every phase observed by every waiter
+    return carry
+
+
+def mma_sum(pairs, shape) -> jnp.ndarray:
+    """``sum(a @ b for a, b in pairs)`` in one fp32 accumulator, in order; waits for the result."""
+
+    def scope(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
 def mma(a, b, shape) -> jnp.ndarray:

@@ -1,0 +1,140 @@
+"""Backward scan kernel (``kernel_gpu_bwd.scan_bwd``) with ``shared_v``: one CTA per head, one
+warpgroup per V block, the V sums of ``dW, dqg, dkg, dA_qk, dd`` taken in the kernel, against the
+default one-CTA-per-V-block kernel (whose V partials XLA sums) and through the whole op's gradients.
+
+Interpreter runs watch the lockstep pipeline and the cross-warpgroup smem reads with the CPU
+interpreter's race detector; the shared kernel lowers for CUDA on the CPU host within one SM's smem.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda import chunk_kda_reference
+from pallas_kernels.kda.kernel_gpu import CHUNK, chunk_kda_pallas
+from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd, shared_slotted
+from tests.pallas_kernels.kda.conftest import kda_inputs
+from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
+from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
+
+BF, F32 = jnp.bfloat16, jnp.float32
+MODES = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
+CTA_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one CTA may take on an H100/H200
+NAMES = ("dw", "du", "dqg", "dkg", "daqk", "dd", "ds0")
+
+
+def _operands(seed, BH, n, K, V):
+    """Backward operands as ``_scan_vjp_bwd`` hands them over: head-major bf16, fp32 decays and ``dS``."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 9)
+    tok = lambda key, rows, cols, s: (s * jax.random.normal(key, (BH, rows, cols), F32)).astype(BF)
+    w, qg, kg = (tok(ks[i], n * CHUNK, K, K**-0.5) for i in range(3))
+    u, do = tok(ks[3], n * CHUNK, V, 1.0), tok(ks[7], n * CHUNK, V, 1.0)
+    aqk = tok(ks[4], n * CHUNK, CHUNK, CHUNK**-0.5)
+    d = jax.random.uniform(ks[5], (BH, n, K), F32, 0.5, 1.0)
+    h = tok(ks[6], n * K, V, 1.0)
+    return w, qg, kg, u, aqk, d, h, do, jax.random.normal(ks[8], (BH, K, V), F32)
+
+
+def _run(monkeypatch, interpret, shared_v, operands):
+    """The kernel traced afresh (no jit cache); ``shared_v`` with the interpreter's race detector on,
+    asserting no race. (The default kernel is not watched: the detector flags its slot refills after
+    the plain smem loads of ``h`` and ``d`` that end the previous chunk, with no sync event between.)"""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    watch = interpret and shared_v
+    params = functools.partial(plgpu.InterpretGPUParams, detect_races=watch)
+    monkeypatch.setattr(plgpu, "InterpretGPUParams", params)
+    fn = functools.partial(scan_bwd.__wrapped__, bv=64, interpret=interpret, shared_v=shared_v)
+    outs = jax.block_until_ready(jax.jit(fn)(*operands))
+    if watch:
+        assert not gpu_callbacks.get_races().races_found, f"race in shared_v={shared_v}"
+    return outs
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "BH,n,K,V",
+    [
+        (2, 3, 128, 128),  # one-slot shared inputs: refilled after every warpgroup is done
+        (3, 2, 64, 128),  # K != V: every input keeps two slots
+        (1, 2, 128, 64),  # one V block: one warpgroup owns every product
+    ],
+)
+def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, BH, n, K, V):
+    ops = _operands(0, BH, n, K, V)
+    split = _run(monkeypatch, interpret, False, ops)
+    shared = _run(monkeypatch, interpret, True, ops)
+    for name, a, b in zip(NAMES, split, shared):
+        assert a.shape == b.shape and b.dtype == F32, name
+        # Same products; only the V sum's order differs (one accumulator instead of XLA's add).
+        assert rel_rmse(b, a) <= F32_RTOL, f"{name}: {rel_rmse(b, a):.3e}"
+
+
+def test_slots_chosen_by_smem_budget():
+    assert not shared_slotted(CHUNK, 128, 128, 64) and shared_slotted(CHUNK, 64, 128, 64)
+    assert shared_slotted(CHUNK, 128, 64, 64)
+
+
+def _inputs(seed, B, T, H, K, V):
+    q, k, v, g, beta, s0 = kda_inputs(seed, B, T, H, K, V, dtype=F32)
+    return (*(x.astype(BF) for x in (q, k, v)), g, beta, s0)
+
+
+def _ours(interpret, shared_v):
+    def fn(q, k, v, g, beta, s0):
+        return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
+                                prep="xla", prep_precision="highest", shared_v=shared_v)
+    return fn
+
+
+def _reference(q, k, v, g, beta, s0):
+    f = lambda x: x.astype(F32)
+    return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("B,T,H,K,V", [(1, 130, 2, 128, 128), (2, 70, 1, 64, 128)])
+def test_gradients_match_reference(interpret, B, T, H, K, V):
+    """T not a multiple of the chunk; the shared forward stores the states the shared backward reads."""
+    args = _inputs(1, B, T, H, K, V)
+    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, F32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
+
+    def grads(fn):
+        def loss(*a):
+            o, S = fn(*a)
+            return jnp.sum(o.astype(F32) * w_o) + jnp.sum(S * w_s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret, True)), grads(_reference)):
+        err = rel_rmse(a.astype(F32), b)
+        assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (128, 64)])
+def test_scan_bwd_shared_lowers_for_cuda(K, V, monkeypatch):
+    """One Mosaic GPU kernel, no V-partial outputs (so no XLA sum after it), within one CTA's smem."""
+    smem_bytes = record_smem(monkeypatch)
+    S = jax.ShapeDtypeStruct
+    BH, n, C = 4, 2, CHUNK
+    args = (*[S((BH, n * C, K), BF)] * 3, S((BH, n * C, V), BF), S((BH, n * C, C), BF), S((BH, n, K), F32),
+            S((BH, n * K, V), BF), S((BH, n * C, V), BF), S((BH, K, V), F32))
+    traced = scan_bwd.trace(*args, bv=64, interpret=False, shared_v=True)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1 and "kda_scan_bwd_shared_mosaic_gpu" in text
+    jaxpr = jax.make_jaxpr(functools.partial(scan_bwd.__wrapped__, bv=64, interpret=False, shared_v=True))(*args)
+    assert len(jaxpr.jaxpr.eqns) == 1, "the V partials should be summed in the kernel, not after it"
+    assert max(smem_bytes) <= CTA_SMEM_BYTES, max(smem_bytes)
+    outs = jax.eval_shape(functools.partial(scan_bwd, bv=64, interpret=False, shared_v=True), *args)
+    assert [o.shape for o in outs] == [(BH, n * C, K), (BH, n * C, V), (BH, n * C, K), (BH, n * C, K),
+                                       (BH, n * C, C), (BH, n, K), (BH, K, V)]
+
+
+def test_shared_v_needs_at_most_two_v_blocks():
+    with pytest.raises(ValueError, match="bv"):
+        scan_bwd(*_operands(0, 1, 1, 64, 128), bv=32, interpret=True, shared_v=True)
