@@ -24,9 +24,11 @@ extra pass. Only ``dd`` (a diagonal, no matmul) is staged: 512 B per warpgroup.
 Smem at K = V = 128 (bf16, C = 64, two warpgroups; the limit is 227 KiB): per chunk W, qg, kg
 48 KiB, A_qk 8, d 0.5, and per warpgroup u 8, h 16, do 8; plus per warpgroup dS 16 and -dv_new 8
 (``v_new`` overwrites ``u`` in place). Two slots of every input would take 290 KiB, so when they do
-not fit (:func:`shared_slotted`) the shared inputs and ``u`` get one slot, loaded once every
-warpgroup is done with the previous chunk (that load is not overlapped), while ``h`` and ``do``
-(the per-V-block bytes) keep two: 217.5 KiB. At K = 64 everything keeps two slots (193 KiB).
+not fit (:func:`shared_slotted`) the shared inputs and ``u`` get one slot while ``h`` and ``do``
+(the per-V-block bytes) keep two: 225280 B by Mosaic GPU's estimate (the default kernel: 216064).
+Of the one-slot inputs, kg, A_qk and d are refilled for the next chunk as soon as every
+warpgroup has its dv_new and decay (mid-chunk); W, qg and u (48 KiB) once the chunk is done, so
+their load is not overlapped. At K = 64 every input keeps two slots (200704 B).
 The warpgroups meet twice per chunk: after writing ``v_new, dS, -dv_new`` (so the owners may read
 them) and at the chunk's end (so nobody overwrites what another still reads).
 """
@@ -152,8 +154,11 @@ def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
                w_b, qg_b, kg_b, aqk_b, d_b, u_b, h_b, do_b, ds_buf, ndvn_buf, dd_buf, bar, released, ready):
         vi, bh = lax.axis_index("wg"), lax.axis_index("bh")
         vs = pl.ds(vi * bv, bv)
-        shared = [Stream(g.at[bh], r, b, two) for g, r, b in
-                  ((w_g, C, w_b), (qg_g, C, qg_b), (kg_g, C, kg_b), (aqk_g, C, aqk_b), (d_g, 1, d_b))]
+        # kg, A_qk and d are done with once every warpgroup has dv_new and its decay: one slot,
+        # refilled mid-chunk; W and qg are read until the chunk's end.
+        shared = [Stream(g.at[bh], r, b, two, early=not two and early) for g, r, b, early in
+                  ((w_g, C, w_b, False), (qg_g, C, qg_b, False), (kg_g, C, kg_b, True), (aqk_g, C, aqk_b, True),
+                   (d_g, 1, d_b, True))]
         own = [Stream(u_g.at[bh, :, vs], C, u_b.at[vi], two), Stream(h_g.at[bh, :, vs], K, h_b.at[vi]),
                Stream(do_g.at[bh, :, vs], C, do_b.at[vi])]
         bufs = dict(u=u_b, h=h_b, do=do_b, ds=ds_buf, ndvn=ndvn_buf, dd=dd_buf)
@@ -186,7 +191,7 @@ def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
     return dw, du, dqg, dkg, daqk, dd, ds0
 
 
-def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, *, bh, vi, nv):
+def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, refill, *, bh, vi, nv):
     """One chunk of one warpgroup: steps 1 and 3 on its V block; the step-2 products it owns over all."""
     dw_g, dqg_g, dkg_g, daqk_g, dd_g = outs
     w_s, qg_s, kg_s, aqk_s, d_s, u_s, h_s, do_s = ins
@@ -209,6 +214,7 @@ def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, *, bh, vi, nv):
     plgpu.commit_smem()
     plgpu.barrier_arrive(ready)
     plgpu.barrier_wait(ready)  # every V block's v_new, dS, -dv_new and dd partial are in smem
+    refill()  # and nobody reads kg, A_qk, d again in this chunk
 
 
     def of(name, j):  # warpgroup j's buffer for this chunk

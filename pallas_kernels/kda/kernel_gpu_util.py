@@ -46,6 +46,7 @@ class Stream:
     rows: int
     buf: object
     slotted: bool = True  # False: one buffer, refilled only once every warpgroup is done with it
+    early: bool = False  # unslotted, and refilled when the body says every warpgroup is done with it
 
 
 def pipelined_chunks(
@@ -162,29 +163,29 @@ def pipelined_chunks_lockstep(
 
     Every warpgroup waits on ``released`` (``Barrier(num_arrivals=warpgroups, num_barriers=SLOTS)``)
     at the top of each step: then warpgroup 0 refills the unslotted (``slotted=False``) streams for
-    this chunk (their load is not hidden) and the slotted ones for the next chunk. ``barrier``
-    counts every copy of one chunk, slotted or not. ``body(chunk, slot, bufs, carry)``.
+    this chunk (their load is not hidden) and the slotted ones for the next chunk. ``early`` streams
+    (unslotted) are refilled for the next chunk when the body calls ``refill()``, which it may do
+    once every warpgroup is done with them (after a sync). ``barrier`` counts every copy of one
+    chunk. ``body(chunk, slot, bufs, carry, refill)``.
     """
     chunk_of = (lambda s: n - 1 - s) if reverse else (lambda s: s)
     view = lambda st, slot: st.buf.at[slot] if st.slotted else st.buf
+    late = lambda st: not st.slotted and not st.early
 
-    def fetch(step, slot, slotted):
+    def fetch(step, slot, which):
         c = chunk_of(step)
         copy = lambda st: plgpu.copy_gmem_to_smem(
             st.gmem.at[pl.ds(c * st.rows, st.rows)], view(st, slot), barrier.at[slot])
 
         @pl.when(wg == 0)
         def _shared():
-            for st in shared:
-                if st.slotted == slotted:
-                    copy(st)
-
-        for st in own:
-            if st.slotted == slotted:
+            for st in filter(which, shared):
                 copy(st)
 
-    fetch(0, 0, True)
-    fetch(0, 0, False)
+        for st in filter(which, own):
+            copy(st)
+
+    fetch(0, 0, lambda st: True)
 
     def step(s, carry):
         slot = lax.rem(s, SLOTS)
@@ -192,14 +193,19 @@ def pipelined_chunks_lockstep(
         @pl.when(s >= 1)
         def _refill():
             plgpu.barrier_wait(released.at[1 - slot])  # chunk s-1 is done in every warpgroup
-            fetch(s, slot, False)
+            fetch(s, slot, late)
 
         @pl.when(s + 1 < n)
         def _prefetch():
-            fetch(s + 1, 1 - slot, True)
+            fetch(s + 1, 1 - slot, lambda st: st.slotted)
+
+        def refill():
+            @pl.when(s + 1 < n)
+            def _early():
+                fetch(s + 1, 1 - slot, lambda st: st.early)
 
         plgpu.barrier_wait(barrier.at[slot])
-        carry = body(chunk_of(s), slot, [view(st, slot) for st in (*shared, *own)], carry)
+        carry = body(chunk_of(s), slot, [view(st, slot) for st in (*shared, *own)], carry, refill)
         plgpu.barrier_arrive(released.at[slot])
         return carry
 

@@ -14,8 +14,9 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import chunk_kda_reference
-from pallas_kernels.kda.kernel_gpu import CHUNK, chunk_kda_pallas
+from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, _scan, chunk_kda_pallas
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd, shared_slotted
+from pallas_kernels.kda.kernel_gpu_intra import prepare
 from tests.pallas_kernels.kda.conftest import kda_inputs
 from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
@@ -73,6 +74,33 @@ def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, BH, n, K, V):
     for name, a, b in zip(NAMES, split, shared):
         assert a.shape == b.shape and b.dtype == F32, name
         # Same products; only the V sum's order differs (one accumulator instead of XLA's add).
+        assert rel_rmse(b, a) <= F32_RTOL, f"{name}: {rel_rmse(b, a):.3e}"
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("B,T,H,K,V", [(2, 100, 2, 128, 128), (3, 70, 1, 64, 128)])
+def test_scan_vjp_shared_equals_default(interpret, B, T, H, K, V):
+    """Through ``_scan``'s custom VJP (so ``ScanConfig.shared_v`` reaches the backward) on the prep's
+    operands: T not a multiple of the chunk (zero padded rows), several batches and heads, all seven
+    cotangents."""
+    q, k, v, g, beta, s0 = _inputs(2, B, T, H, K, V)
+    ops = prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None, chunk=CHUNK)
+    s0 = s0.reshape(B * H, K, V)
+    Tp = ops[0].shape[1]
+    k_o, k_s = jax.random.split(jax.random.PRNGKey(3))
+    do = jax.random.normal(k_o, (B, Tp, H, V), F32) * (jnp.arange(Tp) < T)[None, :, None, None]
+    dS = jax.random.normal(k_s, s0.shape, F32)
+
+    def cotangents(shared_v):
+        cfg = ScanConfig(bv=64, interpret=interpret, shared_v=shared_v)
+        _, pull = jax.vjp(lambda *a: _scan(*a, cfg, BF, H), *ops, s0)
+        cts = (do.astype(BF), dS)
+        assert ("kda_scan_bwd_shared" in str(jax.make_jaxpr(pull)(cts))) == shared_v  # the config reaches it
+        return jax.jit(pull)(cts)
+
+    default, shared = cotangents(False), cotangents(True)
+    for name, a, b in zip(NAMES, default, shared):
+        assert a.shape == b.shape and b.dtype == F32, name
         assert rel_rmse(b, a) <= F32_RTOL, f"{name}: {rel_rmse(b, a):.3e}"
 
 
