@@ -261,8 +261,8 @@ def chunk_kda_pallas(
     backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward) or ``"split"`` (the same with the
     two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`) or ``"split-saved"`` (the same, with
     the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
-    forward scan as one CTA per head, one warpgroup per V block, sharing the chunk loads
-    (:class:`ScanConfig`).
+    forward and backward scans as one CTA per head, one warpgroup per V block, sharing the chunk
+    loads (:class:`ScanConfig`).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")

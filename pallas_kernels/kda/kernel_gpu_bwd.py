@@ -210,12 +210,11 @@ def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, refill, *, bh, vi, n
     bufs["dd"].at[vi, 0][...] = jnp.sum(dS * s_prev, axis=1)
     # Plain smem loads come before the sync below: the interpreter's race detector orders them
     # against the next chunk's refill only through a sync event that follows them.
-    decay = lax.broadcast_in_dim(plgpu.load(d_s.at[0], layout=ROW), (K, bv), [0])
+    d_row = plgpu.load(d_s.at[0], layout=ROW)  # [K]: a few registers, broadcast only at the end
     plgpu.commit_smem()
     plgpu.barrier_arrive(ready)
     plgpu.barrier_wait(ready)  # every V block's v_new, dS, -dv_new and dd partial are in smem
     refill()  # and nobody reads kg, A_qk, d again in this chunk
-
 
     def of(name, j):  # warpgroup j's buffer for this chunk
         buf = bufs[name].at[j]
@@ -239,4 +238,5 @@ def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, refill, *, bh, vi, n
             total = total + part(j)
         dd_g.at[bh, c][...] = total
 
+    decay = lax.broadcast_in_dim(d_row, (K, bv), [0])
     return dS * decay + mma2(T(qg_s), do_s, T(w_s), ndvn_s, (K, bv))
