@@ -88,6 +88,23 @@ def pipelined_chunks(
     return lax.fori_loop(0, n, step, carry)
 
 
+def _fetch_chunk(c, slot, shared, own, barrier, *, wg, view=lambda st, slot: st.buf.at[slot],
+                 which=lambda st: True):
+    """TMA loads of chunk ``c`` into ``slot`` (``view`` picks the buffer): the ``shared`` streams by
+    warpgroup 0 for all, each warpgroup's ``own`` by itself; ``which`` filters both; every copy
+    counts on ``barrier.at[slot]``."""
+    copy = lambda st: plgpu.copy_gmem_to_smem(
+        st.gmem.at[pl.ds(c * st.rows, st.rows)], view(st, slot), barrier.at[slot])
+
+    @pl.when(wg == 0)
+    def _shared():
+        for st in filter(which, shared):
+            copy(st)
+
+    for st in filter(which, own):
+        copy(st)
+
+
 def pipelined_chunks_shared(
     n: int,
     shared: Sequence[Stream],
@@ -107,15 +124,7 @@ def pipelined_chunks_shared(
     arrives at when done with a slot, so warpgroup 0 refills a slot only once no warpgroup reads it.
     """
 
-    def fetch(c, slot):
-        @pl.when(wg == 0)
-        def _shared():
-            for st in shared:
-                plgpu.copy_gmem_to_smem(st.gmem.at[pl.ds(c * st.rows, st.rows)], st.buf.at[slot], barrier.at[slot])
-
-        for st in own:
-            plgpu.copy_gmem_to_smem(st.gmem.at[pl.ds(c * st.rows, st.rows)], st.buf.at[slot], barrier.at[slot])
-
+    fetch = lambda c, slot: _fetch_chunk(c, slot, shared, own, barrier, wg=wg)
     fetch(0, 0)
 
     def step(s, carry):
@@ -173,17 +182,7 @@ def pipelined_chunks_lockstep(
     late = lambda st: not st.slotted and not st.early
 
     def fetch(step, slot, which):
-        c = chunk_of(step)
-        copy = lambda st: plgpu.copy_gmem_to_smem(
-            st.gmem.at[pl.ds(c * st.rows, st.rows)], view(st, slot), barrier.at[slot])
-
-        @pl.when(wg == 0)
-        def _shared():
-            for st in filter(which, shared):
-                copy(st)
-
-        for st in filter(which, own):
-            copy(st)
+        _fetch_chunk(chunk_of(step), slot, shared, own, barrier, wg=wg, view=view, which=which)
 
     fetch(0, 0, lambda st: True)
 

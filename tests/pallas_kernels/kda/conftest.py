@@ -34,3 +34,46 @@ def segments_from_lengths(lengths, ids=None):
     """One row of segment ids from document lengths (ids default 0, 1, 2, ...)."""
     ids = range(len(lengths)) if ids is None else ids
     return jnp.concatenate([jnp.full((n,), i, jnp.int32) for i, n in zip(ids, lengths)])
+
+
+def assert_grads_match(ours, reference, args, tol):
+    """Gradients of ``Σ o·w_o + Σ S·w_s`` (random weights) w.r.t. ``(q, k, v, g, beta, s0)``:
+    ``ours`` against ``reference`` (both ``fn(*args) -> (o, S)``), rel. RMSE <= ``tol`` each."""
+    from tests.tolerances import rel_rmse
+
+    f32 = jnp.float32
+    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, f32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
+
+    def grads(fn):
+        def loss(*a):
+            o, S = fn(*a)
+            return jnp.sum(o.astype(f32) * w_o) + jnp.sum(S * w_s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(ours), grads(reference)):
+        err = rel_rmse(a.astype(f32), b)
+        assert err <= tol, f"d{name}: rel RMSE {err:.3e}"
+
+
+def bf16_qkv_inputs(seed, B, T, H, K, V):
+    """``kda_inputs`` with bf16 q, k, v (fp32 g, beta, s0): the kernels' operand dtypes."""
+    q, k, v, g, beta, s0 = kda_inputs(seed, B, T, H, K, V, dtype=jnp.float32)
+    return (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, s0)
+
+
+def pallas_scan_op(interpret, shared_v):
+    """``chunk_kda_pallas`` with the fp32 XLA prep, so what differs from the reference is the scans."""
+    from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
+
+    def fn(q, k, v, g, beta, s0):
+        return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
+                                prep="xla", prep_precision="highest", shared_v=shared_v)
+    return fn
+
+
+def fp32_reference(q, k, v, g, beta, s0):
+    """The chunked reference on fp32 copies of the inputs."""
+    from pallas_kernels.kda import chunk_kda_reference
+
+    f = lambda x: x.astype(jnp.float32)
+    return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda import chunk_kda_reference
-from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, _scan, chunk_kda_pallas
+from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, _scan
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd, shared_slotted
 from pallas_kernels.kda.kernel_gpu_intra import prepare
-from tests.pallas_kernels.kda.conftest import kda_inputs
+from tests.pallas_kernels.kda.conftest import (
+    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
+)
 from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
@@ -83,7 +84,7 @@ def test_scan_vjp_shared_equals_default(interpret, B, T, H, K, V):
     """Through ``_scan``'s custom VJP (so ``ScanConfig.shared_v`` reaches the backward) on the prep's
     operands: T not a multiple of the chunk (zero padded rows), several batches and heads, all seven
     cotangents."""
-    q, k, v, g, beta, s0 = _inputs(2, B, T, H, K, V)
+    q, k, v, g, beta, s0 = bf16_qkv_inputs(2, B, T, H, K, V)
     ops = prepare(q, k, v, g, beta, scale=K**-0.5, segment_ids=None, chunk=CHUNK)
     s0 = s0.reshape(B * H, K, V)
     Tp = ops[0].shape[1]
@@ -109,39 +110,17 @@ def test_slots_chosen_by_smem_budget():
     assert shared_slotted(CHUNK, 128, 64, 64)
 
 
-def _inputs(seed, B, T, H, K, V):
-    q, k, v, g, beta, s0 = kda_inputs(seed, B, T, H, K, V, dtype=F32)
-    return (*(x.astype(BF) for x in (q, k, v)), g, beta, s0)
 
 
-def _ours(interpret, shared_v):
-    def fn(q, k, v, g, beta, s0):
-        return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
-                                prep="xla", prep_precision="highest", shared_v=shared_v)
-    return fn
 
 
-def _reference(q, k, v, g, beta, s0):
-    f = lambda x: x.astype(F32)
-    return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)
 
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("B,T,H,K,V", [(1, 130, 2, 128, 128), (2, 70, 1, 64, 128)])
 def test_gradients_match_reference(interpret, B, T, H, K, V):
     """T not a multiple of the chunk; the shared forward stores the states the shared backward reads."""
-    args = _inputs(1, B, T, H, K, V)
-    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, F32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
-
-    def grads(fn):
-        def loss(*a):
-            o, S = fn(*a)
-            return jnp.sum(o.astype(F32) * w_o) + jnp.sum(S * w_s)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
-
-    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret, True)), grads(_reference)):
-        err = rel_rmse(a.astype(F32), b)
-        assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
+    assert_grads_match(pallas_scan_op(interpret, True), fp32_reference, bf16_qkv_inputs(1, B, T, H, K, V), BF16_GRAD_RTOL)
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (128, 64)])

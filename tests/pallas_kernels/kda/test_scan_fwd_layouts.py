@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda import chunk_kda_reference
 from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, chunk_kda_pallas, scan_fwd
-from tests.pallas_kernels.kda.conftest import kda_inputs
+from tests.pallas_kernels.kda.conftest import (
+    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
+)
 from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
 
@@ -98,21 +99,10 @@ def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, B, H, n, K, V
                 np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)))
 
 
-def _reference(q, k, v, g, beta, s0):
-    f = lambda x: x.astype(F32)
-    return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)
 
 
-def _inputs(seed, B, T, H, K, V):
-    q, k, v, g, beta, s0 = kda_inputs(seed, B, T, H, K, V, dtype=F32)
-    return (*(x.astype(BF) for x in (q, k, v)), g, beta, s0)
 
 
-def _ours(interpret, shared_v):
-    def fn(q, k, v, g, beta, s0):
-        return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=s0, interpret=interpret,
-                                prep="xla", prep_precision="highest", shared_v=shared_v)
-    return fn
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -125,9 +115,9 @@ def _ours(interpret, shared_v):
 )
 def test_forward_token_major_matches_reference(interpret, B, T, H, K, V, shared_v):
     """T not a multiple of the chunk: the padded rows are sliced off the token-major ``o``."""
-    args = _inputs(0, B, T, H, K, V)
-    o, S = jax.jit(_ours(interpret, shared_v))(*args)
-    o_r, S_r = jax.jit(_reference)(*args)
+    args = bf16_qkv_inputs(0, B, T, H, K, V)
+    o, S = jax.jit(pallas_scan_op(interpret, shared_v))(*args)
+    o_r, S_r = jax.jit(fp32_reference)(*args)
     assert o.shape == (B, T, H, V) and o.dtype == BF
     assert rel_rmse(o, o_r) <= BF16_FWD_RTOL, rel_rmse(o, o_r)
     assert rel_rmse(S, S_r) <= BF16_FWD_RTOL, rel_rmse(S, S_r)
@@ -137,19 +127,7 @@ def test_forward_token_major_matches_reference(interpret, B, T, H, K, V, shared_
 def test_gradients_match_reference(interpret):
     """``shared_v`` storing states for the backward; several batches and heads, so the token-major
     ``do`` must reach the backward head-major."""
-    B, T, H, K, V, shared_v = 2, 70, 2, 64, 128, True
-    args = _inputs(1, B, T, H, K, V)
-    w_o, w_s = (jax.random.normal(jax.random.PRNGKey(i), s, F32) for i, s in ((6, args[2].shape), (7, args[5].shape)))
-
-    def grads(fn):
-        def loss(*a):
-            o, S = fn(*a)
-            return jnp.sum(o.astype(F32) * w_o) + jnp.sum(S * w_s)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
-
-    for name, a, b in zip(("q", "k", "v", "g", "beta", "s0"), grads(_ours(interpret, shared_v)), grads(_reference)):
-        err = rel_rmse(a.astype(F32), b)
-        assert err <= BF16_GRAD_RTOL, f"d{name}: rel RMSE {err:.3e}"
+    assert_grads_match(pallas_scan_op(interpret, True), fp32_reference, bf16_qkv_inputs(1, 2, 70, 2, 64, 128), BF16_GRAD_RTOL)
 
 
 @pytest.mark.parametrize("shared_v", [False, True])
@@ -184,7 +162,7 @@ def test_wrapper_does_not_transpose_o():
 
 
 def test_shared_v_needs_at_most_two_v_blocks():
-    q, k, v, g, beta, _ = _inputs(2, 1, 20, 1, 64, 128)
+    q, k, v, g, beta, _ = bf16_qkv_inputs(2, 1, 20, 1, 64, 128)
     with pytest.raises(ValueError, match="block_v"):
         chunk_kda_pallas(q, k, v, g, beta, scale=1.0, block_v=32, shared_v=True)
     with pytest.raises(ValueError, match="bv"):
