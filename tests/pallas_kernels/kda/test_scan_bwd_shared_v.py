@@ -19,15 +19,10 @@ from pallas_kernels.kda.kernel_gpu_intra import prepare
 from tests.pallas_kernels.kda.conftest import (
     assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
 )
-from tests.pallas_kernels.kda.prep_bwd_cases import record_smem
+from tests.pallas_kernels.kda.prep_bwd_cases import CTA_SMEM_BYTES, MODES, record_smem
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 BF, F32 = jnp.bfloat16, jnp.float32
-MODES = [
-    pytest.param(True, id="interpret"),
-    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
-]
-CTA_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one CTA may take on an H100/H200
 NAMES = ("dw", "du", "dqg", "dkg", "daqk", "dd", "ds0")
 
 
