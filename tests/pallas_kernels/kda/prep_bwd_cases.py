@@ -20,6 +20,13 @@ MODES = [
     pytest.param(True, id="interpret"),
     pytest.param(False, id="compiled", marks=pytest.mark.gpu),
 ]
+# shared_v kernels (several warpgroups of one CTA meeting at barriers) have deadlocked in the CPU
+# interpreter: twice in a full `make test` (both pytest workers parked on a futex), once in a
+# helper's script. Their interpret runs are opt-in (-m slow); the CUDA lowering tests stay default.
+SHARED_MODES = [
+    pytest.param(True, id="interpret", marks=pytest.mark.slow),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
 GRADS = ("dq", "dk", "dv", "dg", "dbeta")
 # (B, T, H, K, V, document lengths, gates at the bound)
 CASES = [

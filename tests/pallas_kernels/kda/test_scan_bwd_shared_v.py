@@ -19,7 +19,7 @@ from pallas_kernels.kda.kernel_gpu_intra import prepare
 from tests.pallas_kernels.kda.conftest import (
     assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
 )
-from tests.pallas_kernels.kda.prep_bwd_cases import CTA_SMEM_BYTES, MODES, record_smem
+from tests.pallas_kernels.kda.prep_bwd_cases import CTA_SMEM_BYTES, SHARED_MODES, record_smem
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -54,7 +54,7 @@ def _run(monkeypatch, interpret, shared_v, operands):
     return outs
 
 
-@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("interpret", SHARED_MODES)
 @pytest.mark.parametrize(
     "BH,n,K,V",
     [
@@ -73,7 +73,7 @@ def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, BH, n, K, V):
         assert rel_rmse(b, a) <= F32_RTOL, f"{name}: {rel_rmse(b, a):.3e}"
 
 
-@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("interpret", SHARED_MODES)
 @pytest.mark.parametrize("B,T,H,K,V", [(2, 100, 2, 128, 128), (3, 70, 1, 64, 128)])
 def test_scan_vjp_shared_equals_default(interpret, B, T, H, K, V):
     """Through ``_scan``'s custom VJP (so ``ScanConfig.shared_v`` reaches the backward) on the prep's
@@ -111,7 +111,7 @@ def test_slots_chosen_by_smem_budget():
 
 
 
-@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("interpret", SHARED_MODES)
 @pytest.mark.parametrize("B,T,H,K,V", [(1, 130, 2, 128, 128), (2, 70, 1, 64, 128)])
 def test_gradients_match_reference(interpret, B, T, H, K, V):
     """T not a multiple of the chunk; the shared forward stores the states the shared backward reads."""
