@@ -24,6 +24,7 @@ def _require(ok: bool, message: str) -> None:
 
 MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32",
                      "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "TF32_TF32_F32", "F32_F32_F32")
+NS_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class OptimizerConfig:
     # name. bf16 operands with fp32 accumulation, as in Jordan's Muon; None: JAX's default (TF32
     # for fp32 on a GPU). float64 runs always use the default.
     ns_precision: str | None = "BF16_BF16_F32"
+    # Storage dtype of the Newton–Schulz iterate and its products (the momentum stays fp32 and the
+    # update returns to fp32): bf16 as in Jordan's Muon; None: the momentum's dtype (fp32).
+    # float64 runs always keep float64.
+    ns_dtype: str | None = "bfloat16"
 
     def __post_init__(self):
         _require(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
@@ -64,6 +69,8 @@ class OptimizerConfig:
                  f"qk_clip_tau={self.qk_clip_tau} must be > 0 or None")
         _require(self.ns_precision is None or self.ns_precision in MATMUL_PRECISIONS,
                  f"ns_precision={self.ns_precision!r} must be None or one of {MATMUL_PRECISIONS}")
+        _require(self.ns_dtype is None or self.ns_dtype in NS_DTYPES,
+                 f"ns_dtype={self.ns_dtype!r} must be None or one of {NS_DTYPES}")
 
 
 @dataclasses.dataclass(frozen=True)

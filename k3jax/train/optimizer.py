@@ -1,6 +1,7 @@
 """Per-head Muon for matrices, AdamW for everything else, global-norm clipping (SPEC §7).
 
-Muon (Jordan 2024; Moonlight, Liu et al., arXiv 2502.16982) through ``optax.contrib.muon``:
+Muon (Jordan 2024; Moonlight, Liu et al., arXiv 2502.16982) as ``optax.contrib.muon`` builds it
+(its partition, momentum, Newton–Schulz and shape scaling; only the NS storage dtype is ours):
 Nesterov momentum, 5 quintic Newton–Schulz steps (3.4445, −4.7750, 2.0315), update RMS matched to
 AdamW by ``0.2·√max(fan_in, fan_out)`` (``consistent_rms``), decoupled weight decay ``lr·λ·W``.
 Per-head Muon (Kimi K3 report): every axis of a weight that is neither its reduction nor its output
@@ -19,7 +20,12 @@ Which optimiser a parameter gets:
 
 Mixed precision [ours, SPEC §10]: master parameters and both optimisers' moments are fp32
 (``ModelConfig.param_dtype``); the model casts to bf16 (``ModelConfig.dtype``) for matmuls, so
-gradients arrive in fp32 and every update is computed and applied in fp32.
+gradients arrive in fp32. Newton–Schulz alone stores its iterate in ``OptimizerConfig.ns_dtype``
+(bf16 by default, as Jordan's Muon runs it): the fp32 Nesterov momentum is cast to bf16, every NS
+product is a bf16 matrix (fp32 accumulation inside the matmul under ``ns_precision``), and the
+orthogonalised result is cast back to fp32 before the shape scaling, decay and learning rate. optax
+casts the quintic's coefficients to the iterate's dtype, so in bf16 they are (3.4375, −4.78125,
+2.03125); the result is as close to the exact polar factor as fp32's (``tests/tolerances.py``).
 """
 
 from typing import Any, NamedTuple
@@ -28,7 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers
+from optax.contrib import MuonDimensionNumbers, MuonState
+from optax.contrib import _muon  # its NS iteration and shape scaling are not exported in optax 0.2.8
 
 from k3jax.train.config import OptimizerConfig
 
@@ -102,12 +109,67 @@ def _decoupled_decay(learning_rate: optax.Schedule, rate: float, mask: Any) -> o
     return optax.GradientTransformation(init, update)
 
 
+def _is_dims(x) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def _orthogonalize(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, dims: MuonDimensionNumbers,
+                   ns_dtype: str | None) -> jax.Array:
+    """optax's per-head Newton–Schulz on ``x`` stored in ``ns_dtype`` (float64 runs keep float64)."""
+    if ns_dtype is None or x.dtype == jnp.float64 or x.dtype == jnp.dtype(ns_dtype):
+        return _muon.orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps, dims)
+    # optax iterates in its input's dtype (coefficients included): casting here makes every product bf16.
+    y = _muon.orthogonalize_via_newton_schulz(x.astype(ns_dtype), coeffs, ns_steps, "frobenius", eps, dims)
+    return y.astype(x.dtype)
+
+
+def _scale_by_muon(ns_steps: int, beta: float, eps: float, dims: Any,
+                   ns_dtype: str | None) -> optax.GradientTransformation:
+    """``optax.contrib.scale_by_muon`` (Nesterov, Frobenius preconditioning, momentum in the params'
+    dtype) with the Newton–Schulz iterate stored in ``ns_dtype``; its init, state and momentum formula
+    are optax 0.2.8's, so ``ns_dtype=None`` gives optax's update bit for bit. ``dims``: the masked
+    dimension numbers (`MaskedNode` on AdamW leaves)."""
+    init = optax.contrib.scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps).init
+
+    def update(updates, state, params=None):
+        del params
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                              optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                              optax.tree.bias_correction(updates, beta, count))
+        updates = jax.tree.map(lambda x, d: _orthogonalize(x, state.ns_coeffs, ns_steps, eps, d, ns_dtype),
+                               mu_hat, dims, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        return updates, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _muon_and_adamw(cfg: OptimizerConfig, schedule: optax.Schedule, adam_schedule: optax.Schedule,
+                    dims: Any) -> optax.GradientTransformation:
+    """``optax.contrib.muon`` with these arguments (same partition, chain and state tree, so old
+    checkpoints restore), its ``scale_by_muon`` swapped for `_scale_by_muon`."""
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=_is_dims)
+    masked = jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=_is_dims)
+    muon = optax.chain(
+        _scale_by_muon(cfg.ns_steps, cfg.muon_beta, cfg.eps, masked, cfg.ns_dtype),
+        _muon.scale_by_shape(weight_dimension_numbers=masked, consistent_rms=cfg.consistent_rms),
+        optax.add_decayed_weights(cfg.weight_decay, None),
+        optax.scale_by_learning_rate(schedule))
+    adam = optax.adamw(learning_rate=adam_schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.eps, eps_root=0.0,
+                       weight_decay=0.0, mu_dtype=None, nesterov=True)
+    return optax.partition({"muon": muon, "adam": adam}, labels)
+
+
 def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule, params: Any,
                    axes: Any) -> optax.GradientTransformation:
     """Clip by global norm → per-head Muon / AdamW, both on ``schedule`` (AdamW's scaled by
     ``adam_learning_rate / learning_rate`` when set).
 
     ``params`` (arrays or ``ShapeDtypeStruct``s) and ``axes`` (`logical_axes`) fix the partition.
+    ``cfg.ns_dtype`` is the storage dtype of Newton–Schulz's iterate and products ("bfloat16":
+    Jordan's Muon; the fp32 momentum is cast on the way in and the update cast back to fp32 on the
+    way out; None: the momentum's own dtype, i.e. ``optax.contrib.muon`` bit for bit).
     """
     ratio = (cfg.adam_learning_rate or cfg.learning_rate) / cfg.learning_rate
     adam_schedule = schedule if ratio == 1 else (lambda step: ratio * schedule(step))
@@ -115,11 +177,7 @@ def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule, params: Any,
                               is_leaf=lambda x: isinstance(x, tuple))
     if cfg.muon:
         dims = muon_dimension_numbers(params, axes)
-        main = optax.contrib.muon(
-            learning_rate=schedule, ns_steps=cfg.ns_steps, beta=cfg.muon_beta, eps=cfg.eps,
-            weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1, adam_b2=cfg.adam_b2,
-            adam_weight_decay=0.0, adam_learning_rate=adam_schedule,
-            muon_weight_dimension_numbers=dims, consistent_rms=cfg.consistent_rms)
+        main = _muon_and_adamw(cfg, schedule, adam_schedule, dims)
         tail = [_decoupled_decay(adam_schedule, cfg.weight_decay, decay_mask)]
     else:
         matrices = jax.tree.map(lambda d: d is not None, muon_dimension_numbers(params, axes),
