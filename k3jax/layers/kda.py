@@ -32,6 +32,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
+from pallas_kernels.kda.conv import same_document_taps, short_conv
 from sharding import current as parallel_context
 from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 
@@ -87,26 +88,49 @@ def recurrent_steps(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: F
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
+def short_conv_qkv(xs: list[Float[Array, "B T H K"]], ws: list[Float[Array, "W H K"]],
+                   segment_ids: Int[Array, "B T"] | None, *, wide_dtype, eps: float = QK_L2_EPS
+                   ) -> tuple[Float[Array, "B T H K"], ...]:
+    """Steps 1-2 of the layer for training: ``SiLU(conv(x))`` of the q, k, v projections ``xs`` with
+    conv weights ``ws``, q and k L2-normalised per head; in ``wide_dtype`` (the weights are cast to it).
+
+    ``pallas_kernels.kda.short_conv`` (custom VJP, bandwidth-bound fusions); the packed-document mask
+    is built once for all three.
+    """
+    B, T, H, K = xs[0].shape
+    W = ws[0].shape[0]
+    keep = same_document_taps(segment_ids, W)  # [B, T, W-1]
+    out = []
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        w = w.reshape(W, H * K).T.astype(wide_dtype)  # [C, W]
+        y = short_conv(x.reshape(B, T, H * K), w, keep, l2_group=K if i < 2 else None, eps=eps)
+        out.append(y.reshape(B, T, H, K))
+    return tuple(out)
+
+
 class KDA(nn.Module):
     """One KDA token mixer; ``segment_ids`` resets the state and the conv history per document."""
 
     cfg: ModelConfig
 
-    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids, tail=None):
-        """SiLU(causal depthwise conv) in the wide dtype; weights ``[W, H, K]``. With a cached ``tail``
-        ``[B, W-1, H·K]`` returns ``(y, window)``: the tail followed by the new inputs ``[B, W-1+T, H·K]``."""
+    def _conv_weight(self, name: str) -> Float[Array, "W H K"]:
         c = self.cfg.kda
-        W, (B, T, H, K) = c.conv_size, x.shape
-        w = param(self, name, _conv_init, (W, H, K), ("conv", "heads", "head_dim"), wide_param_dtype(self.cfg))
-        w = w.reshape(W, H * K).T  # [C, W]
+        return param(self, name, _conv_init, (c.conv_size, c.num_heads, c.head_dim), ("conv", "heads", "head_dim"),
+                     wide_param_dtype(self.cfg))
+
+    def _short_conv(self, name: str, x: Float[Array, "B T H K"], segment_ids, tail=None):
+        """SiLU(causal depthwise conv) in the wide dtype (decode and context parallel; training on one
+        sequence shard takes :func:`short_conv_qkv`). With a cached ``tail`` ``[B, W-1, H·K]`` returns
+        ``(y, window)``: the tail followed by the new inputs ``[B, W-1+T, H·K]``."""
+        B, T, H, K = x.shape
+        w = self._conv_weight(name)
+        w = w.reshape(w.shape[0], H * K).T  # [C, W]
         xf, wf = x.reshape(B, T, H * K).astype(self.cfg.fp32_dtype), w.astype(self.cfg.fp32_dtype)
         if tail is not None:
             y, _ = causal_conv1d(xf, wf, initial_state=tail)
             return jax.nn.silu(y).reshape(B, T, H, K), jnp.concatenate([tail, xf.astype(tail.dtype)], axis=1)
-        if parallel_context() is None:
-            y, _ = causal_conv1d(xf, wf, segment_ids=segment_ids)
-        else:  # the previous sequence shard's last W-1 inputs come by ppermute (sharding/cp.py)
-            y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
+        # the previous sequence shard's last W-1 inputs come by ppermute (sharding/cp.py)
+        y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
     def _log_decay(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
@@ -134,17 +158,16 @@ class KDA(nn.Module):
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
         head_proj = lambda name: proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), name)
-        if cache is None:
-            conv = lambda i, name, y: self._short_conv(name, y, segment_ids)
-        else:
-            windows = []
-            def conv(i, name, y):
-                y, window = self._short_conv(name, y, None, cache.conv[i])
-                windows.append(window)
-                return y
-        q = l2_normalize(conv(0, "q_conv", head_proj("q_proj")(x)), QK_L2_EPS)
-        k = l2_normalize(conv(1, "k_conv", head_proj("k_proj")(x)), QK_L2_EPS)
-        v = conv(2, "v_conv", head_proj("v_proj")(x))
+        xs = [head_proj(f"{n}_proj")(x) for n in "qkv"]
+        if cache is None and parallel_context() is None:
+            ws = [self._conv_weight(f"{n}_conv") for n in "qkv"]
+            q, k, v = short_conv_qkv(xs, ws, segment_ids, wide_dtype=cfg.fp32_dtype, eps=QK_L2_EPS)
+        else:  # decode, or context parallel
+            ys = [self._short_conv(f"{n}_conv", xs[i], segment_ids, None if cache is None else cache.conv[i])
+                  for i, n in enumerate("qkv")]
+            if cache is not None:
+                ys, windows = zip(*ys)
+            q, k, v = l2_normalize(ys[0], QK_L2_EPS), l2_normalize(ys[1], QK_L2_EPS), ys[2]
         beta = proj(cfg, "BTD,DH->BTH", (D, H), ("embed", "heads"), "b_proj")(x)
         beta = jax.nn.sigmoid(beta.astype(cfg.fp32_dtype))  # [B, T, H]
         g = self._log_decay(x)  # [B, T, H, K]
