@@ -32,7 +32,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
-from pallas_kernels.kda.conv import same_document_taps, short_conv
+from pallas_kernels.kda.conv import same_document_taps, short_convs
 from sharding import current as parallel_context
 from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 
@@ -89,23 +89,23 @@ def recurrent_steps(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: F
 
 
 def short_conv_qkv(xs: list[Float[Array, "B T H K"]], ws: list[Float[Array, "W H K"]],
-                   segment_ids: Int[Array, "B T"] | None, *, wide_dtype, eps: float = QK_L2_EPS
+                   segment_ids: Int[Array, "B T"] | None, *, wide_dtype, out_dtype,
+                   eps: float = QK_L2_EPS
                    ) -> tuple[Float[Array, "B T H K"], ...]:
     """Steps 1-2 of the layer for training: ``SiLU(conv(x))`` of the q, k, v projections ``xs`` with
-    conv weights ``ws``, q and k L2-normalised per head; in ``wide_dtype`` (the weights are cast to it).
+    conv weights ``ws``, q and k L2-normalised per head; computed in ``wide_dtype`` (the weights are
+    cast to it), returned in ``out_dtype`` (the kernel's input dtype).
 
-    ``pallas_kernels.kda.short_conv`` (custom VJP, bandwidth-bound fusions); the packed-document mask
-    is built once for all three.
+    One ``pallas_kernels.kda.conv.short_convs`` (custom VJP, bandwidth-bound fusions) for all three,
+    with the packed-document mask built once.
     """
     B, T, H, K = xs[0].shape
     W = ws[0].shape[0]
     keep = same_document_taps(segment_ids, W)  # [B, T, W-1]
-    out = []
-    for i, (x, w) in enumerate(zip(xs, ws)):
-        w = w.reshape(W, H * K).T.astype(wide_dtype)  # [C, W]
-        y = short_conv(x.reshape(B, T, H * K), w, keep, l2_group=K if i < 2 else None, eps=eps)
-        out.append(y.reshape(B, T, H, K))
-    return tuple(out)
+    flat = tuple(x.reshape(B, T, H * K) for x in xs)
+    ws = tuple(w.reshape(W, H * K).T.astype(wide_dtype) for w in ws)  # [C, W]
+    ys = short_convs(flat, ws, keep, l2_groups=(K, K, None), eps=eps, out_dtype=out_dtype)
+    return tuple(y.reshape(B, T, H, K) for y in ys)
 
 
 class KDA(nn.Module):
@@ -161,7 +161,8 @@ class KDA(nn.Module):
         xs = [head_proj(f"{n}_proj")(x) for n in "qkv"]
         if cache is None and parallel_context() is None:
             ws = [self._conv_weight(f"{n}_conv") for n in "qkv"]
-            q, k, v = short_conv_qkv(xs, ws, segment_ids, wide_dtype=cfg.fp32_dtype, eps=QK_L2_EPS)
+            q, k, v = short_conv_qkv(xs, ws, segment_ids, wide_dtype=cfg.fp32_dtype,
+                                     out_dtype=cfg.compute_dtype)
         else:  # decode, or context parallel
             ys = [self._short_conv(f"{n}_conv", xs[i], segment_ids, None if cache is None else cache.conv[i])
                   for i, n in enumerate("qkv")]

@@ -108,32 +108,43 @@ def causal_conv1d_step(
     return causal_conv1d(x, weight, initial_state=conv_state)
 
 
-def short_conv(
-    x: Float[Array, "B T C"],
-    weight: Float[Array, "C W"],
+def short_convs(
+    xs: tuple[Float[Array, "B T C"], ...],
+    weights: tuple[Float[Array, "C W"], ...],
     keep: Bool[Array, "B T Wm1"] | None = None,
     *,
-    l2_group: int | None = None,
+    l2_groups: tuple[int | None, ...],
     eps: float = 1e-6,
-) -> Float[Array, "B T C"]:
-    """Training forward of the KDA short conv: ``SiLU(causal_conv1d(x))``, fp32 (f64 for f64 inputs),
-    and with ``l2_group`` each run of ``l2_group`` channels (a head) scaled to unit norm,
-    ``s / sqrt(sum s^2 + eps)`` (fla's ``l2norm_fwd``). ``keep`` is :func:`same_document_taps`.
+    out_dtype=None,
+) -> tuple[Float[Array, "B T C"], ...]:
+    """Training forward of KDA's short convs (q, k and v at once): ``SiLU(causal_conv1d(x))`` for each
+    ``x``, computed in fp32 (f64 for f64 inputs); where ``l2_groups`` gives a group size, each run of
+    that many channels (a head) is scaled to unit norm, ``s / sqrt(sum s^2 + eps)`` (fla's
+    ``l2norm_fwd``). ``keep`` is :func:`same_document_taps`, shared by all of them. Results are cast
+    to ``out_dtype`` (default: the compute dtype) inside the op, so the cotangents stay that narrow.
 
-    Same values as ``l2_normalize(silu(causal_conv1d(x, weight, segment_ids=...)[0]))``, computed
-    so that XLA emits simple bandwidth-bound fusions (a ``custom_vjp``; the forward saves only the
-    inputs and the per-head inverse norms, the backward recomputes the conv). The sums of squares
-    of the norm, and of its backward, are fenced off with ``optimization_barrier``: fused with the
-    convs and the normalisation they became one slow multi-output reduction on the H200.
+    Same values as ``l2_normalize(silu(causal_conv1d(x, w, segment_ids=...)[0]))``, computed so that
+    XLA emits only simple bandwidth-bound fusions: a ``custom_vjp`` whose forward saves the inputs
+    and the per-head inverse norms and whose backward recomputes the conv, in stages fenced off by
+    ``optimization_barrier`` (per-head sums; outputs | dz and dx; dw), so that no stage's reduction
+    is fused with another stage's full-size outputs: such multi-output reductions (the convs, the
+    norms and their gradients in one) ran ~12x slower than their bandwidth time on the H200.
     """
-    if x.ndim != 3 or weight.ndim != 2 or weight.shape[0] != x.shape[2]:
-        raise ValueError(f"x [B, T, C] and weight [C, W] must agree on C, got {x.shape} and {weight.shape}")
-    B, T, C = x.shape
-    if keep is not None and keep.shape != (B, T, weight.shape[1] - 1):
-        raise ValueError(f"keep must have shape [B, T, W-1] = {(B, T, weight.shape[1] - 1)}, got {keep.shape}")
-    if l2_group is not None and (l2_group < 1 or C % l2_group):
-        raise ValueError(f"l2_group must divide C={C}, got {l2_group}")
-    return _short_conv(x, weight, keep, l2_group, eps)
+    if not (len(xs) == len(weights) == len(l2_groups)) or not xs:
+        raise ValueError(f"xs, weights and l2_groups must have one entry per conv, got "
+                         f"{len(xs)}, {len(weights)} and {len(l2_groups)}")
+    for x, w, group in zip(xs, weights, l2_groups):
+        if x.ndim != 3 or x.shape != xs[0].shape:
+            raise ValueError(f"each x must have shape [B, T, C] = {xs[0].shape}, got {x.shape}")
+        if w.shape != (x.shape[2], weights[0].shape[-1]) or w.shape[1] < 1:
+            raise ValueError(f"each weight must have shape [C, W] = {(x.shape[2], weights[0].shape[-1])}, got {w.shape}")
+        if group is not None and (group < 1 or x.shape[2] % group):
+            raise ValueError(f"l2_groups entries must divide C={x.shape[2]} (or be None), got {group}")
+    B, T, _ = xs[0].shape
+    if keep is not None and keep.shape != (B, T, weights[0].shape[1] - 1):
+        raise ValueError(f"keep must have shape [B, T, W-1] = {(B, T, weights[0].shape[1] - 1)}, got {keep.shape}")
+    out_dtype = compute_dtype(*xs, *weights) if out_dtype is None else jnp.dtype(out_dtype)
+    return _short_convs(tuple(xs), tuple(weights), keep, tuple(l2_groups), eps, out_dtype)
 
 
 def _silu_conv(x, weight, keep):
@@ -157,46 +168,74 @@ def _per_group(a, scale):
     return (a.reshape(B, T, scale.shape[2], -1) * scale).reshape(B, T, C)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _short_conv(x, weight, keep, l2_group, eps):
-    return _short_conv_fwd(x, weight, keep, l2_group, eps)[0]
+def _keep_tap(a, keep, j):
+    """``a`` where tap ``j`` stays inside the document (the current tap ``W-1`` always does)."""
+    return a if keep is None or j == keep.shape[-1] else jnp.where(keep[..., j : j + 1], a, 0.0)
 
 
-def _short_conv_fwd(x, weight, keep, l2_group, eps):
-    z, sig = _silu_conv(x, weight, keep)
-    s = z * sig
-    if l2_group is None:
-        return s, (x, weight, keep, None)
-    inv = jax.lax.rsqrt(_group_sum(jnp.square(s), l2_group) + eps)  # [B, T, H, 1]
-    x_again, inv = jax.lax.optimization_barrier((x, inv))  # the norm's reduction is its own fusion
-    z, sig = _silu_conv(x_again, weight, keep)  # recomputed in the output's loop fusion
-    return _per_group(z * sig, inv), (x, weight, keep, inv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _short_convs(xs, weights, keep, l2_groups, eps, out_dtype):
+    return _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype)[0]
 
 
-def _short_conv_bwd(l2_group, eps, res, dy):
-    x, weight, keep, inv = res
-    W = weight.shape[1]
-    T = x.shape[1]
-    dy = dy.astype(compute_dtype(x, weight))
-    if l2_group is not None:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s) per head
-        z, sig = _silu_conv(x, weight, keep)
-        dot = _group_sum(dy * z * sig, l2_group)
-        x, dot = jax.lax.optimization_barrier((x, dot))
-        z, sig = _silu_conv(x, weight, keep)
-        dy = _per_group(dy, inv) - _per_group(z * sig, dot * inv**3)
-    else:
-        z, sig = _silu_conv(x, weight, keep)
-    dz = dy * sig * (1.0 + z * (1.0 - sig))  # SiLU'
-    w = weight.astype(dz.dtype)
-    x_ext = jnp.pad(x.astype(dz.dtype), ((0, 0), (W - 1, 0), (0, 0)))
-    dx, dw = None, []
+def _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype):
+    invs = []
+    for x, w, group in zip(xs, weights, l2_groups):  # stage 1: the per-head sums of squares
+        if group is not None:
+            z, sig = _silu_conv(x, w, keep)
+            invs.append(jax.lax.rsqrt(_group_sum(jnp.square(z * sig), group) + eps))  # [B, T, G, 1]
+        else:
+            invs.append(None)
+    xs_, invs = jax.lax.optimization_barrier((xs, invs))
+    outs = []
+    for x, w, inv in zip(xs_, weights, invs):  # stage 2: the outputs, the conv recomputed
+        z, sig = _silu_conv(x, w, keep)
+        outs.append((z * sig if inv is None else _per_group(z * sig, inv)).astype(out_dtype))
+    return tuple(outs), (xs, weights, keep, invs)
+
+
+def _short_convs_bwd(l2_groups, eps, out_dtype, res, dys):
+    xs, weights, keep, invs = res
+    wide = lambda dy, x, w: dy.astype(compute_dtype(x, w))  # inside each stage: never written wide
+    dots = []
+    for x, w, dy, group in zip(xs, weights, dys, l2_groups):  # stage 1: Σ(dy·s) per head
+        if group is not None:
+            z, sig = _silu_conv(x, w, keep)
+            dots.append(_group_sum(wide(dy, x, w) * z * sig, group))
+        else:
+            dots.append(None)
+    xs, dys, dots = jax.lax.optimization_barrier((xs, dys, dots))
+    dzs, dxs = [], []
+    for x, w, dy, inv, dot in zip(xs, weights, dys, invs, dots):  # stage 2: dz and dx
+        z, sig = _silu_conv(x, w, keep)
+        dy = wide(dy, x, w)
+        if inv is not None:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
+            dy = _per_group(dy, inv) - _per_group(z * sig, dot * inv**3)
+        dz = dy * sig * (1.0 + z * (1.0 - sig))  # SiLU'
+        dzs.append(dz)
+        dxs.append(_conv_transpose(dz, w.astype(dz.dtype), keep).astype(x.dtype))
+    xs, dzs, dxs = jax.lax.optimization_barrier((xs, dzs, dxs))
+    dws = [_conv_weight_grad(x, dz, keep, w.shape[1]).astype(w.dtype) for x, dz, w in zip(xs, dzs, weights)]
+    return tuple(dxs), tuple(dws), None
+
+
+def _conv_transpose(dz, w, keep):
+    """``dx[u] = sum_j w[:, j] dz[u + (W-1) - j]`` over the taps that stayed in the document."""
+    W, T = w.shape[1], dz.shape[1]
+    dx = None
     for j in range(W):  # tap j carried input t-(W-1)+j into output t
-        dzj = dz if keep is None or j == W - 1 else jnp.where(keep[..., j : j + 1], dz, 0.0)
-        dw.append(jnp.sum(x_ext[:, j : j + T] * dzj, axis=(0, 1)))
-        dzj = jnp.pad(dzj, ((0, 0), (0, W - 1), (0, 0)))  # no outputs after T
+        dzj = jnp.pad(_keep_tap(dz, keep, j), ((0, 0), (0, W - 1), (0, 0)))  # no outputs after T
         term = dzj[:, W - 1 - j : W - 1 - j + T] * w[:, j]
         dx = term if dx is None else dx + term
-    return dx.astype(x.dtype), jnp.stack(dw, axis=1).astype(weight.dtype), None
+    return dx
 
 
-_short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
+def _conv_weight_grad(x, dz, keep, width):
+    """``dw[:, j] = sum_{b,t} x[t-(W-1)+j] dz[t]`` over the taps that stayed in the document."""
+    T = x.shape[1]
+    x_ext = jnp.pad(x.astype(dz.dtype), ((0, 0), (width - 1, 0), (0, 0)))
+    taps = jnp.stack([x_ext[:, j : j + T] * _keep_tap(dz, keep, j) for j in range(width)], axis=-1)  # [B, T, C, W]
+    return jnp.sum(taps, axis=(0, 1))  # one reduction reading x and dz once
+
+
+_short_convs.defvjp(_short_convs_fwd, _short_convs_bwd)
