@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from k3jax.layers.linear import constrain, einsum, param
+from k3jax.layers.linear import constrain, param
 
 HIDDEN_AXES = ("batch", "length", "embed")
 
@@ -55,12 +55,20 @@ def attn_res_mix(blocks: Float[Array, "N B T D"], count: int, partial: Float[Arr
     """Softmax mix of ``blocks[:count]`` and ``partial`` along ``direction`` (= γ ⊙ w), in ``wide_dtype``.
 
     ``count`` is static, so the unused buffer entries are never read (they would get weight 0).
+    Each source is widened where it is read, one at a time: a stacked ``[count+1, B, T, D]`` fp32
+    copy made XLA write and re-read it and reduce over its leading axis (on the H200 about 8 ms of
+    a ``small()`` train step, `benchmarks/RESULTS.md`); here the logits are row reductions and the
+    mix is one elementwise sum over the sources.
     """
-    sources = jnp.concatenate([blocks[:count], partial[None]], axis=0).astype(wide_dtype)  # [count+1, B, T, D]
-    keys = sources * jax.lax.rsqrt(jnp.mean(jnp.square(sources), axis=-1, keepdims=True) + eps)
-    logits = einsum("NBTD,D->NBT", keys, direction.astype(wide_dtype))
-    p = jax.nn.softmax(logits, axis=0)  # [count+1, B, T]
-    return einsum("NBT,NBTD->BTD", p, sources)
+    d = direction.astype(wide_dtype)
+    sources = [blocks[n] for n in range(count)] + [partial]
+
+    def logit(v):  # (v · d) / rms(v) = RMSNorm-keyed logit, both sums over D in one pass
+        v = v.astype(wide_dtype)
+        return jnp.sum(v * d, axis=-1) * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps)
+
+    p = jax.nn.softmax(jnp.stack([logit(v) for v in sources]), axis=0)  # [count+1, B, T]
+    return sum(p[n][..., None] * v.astype(wide_dtype) for n, v in enumerate(sources))
 
 
 class AttnResMix(nn.Module):
