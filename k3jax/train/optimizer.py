@@ -118,7 +118,7 @@ def _orthogonalize(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, d
     """optax's per-head Newton–Schulz on ``x`` stored in ``ns_dtype`` (float64 runs keep float64)."""
     if ns_dtype is None or x.dtype == jnp.float64 or x.dtype == jnp.dtype(ns_dtype):
         return _muon.orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps, dims)
-    # optax iterates in its input's dtype (coefficients included): casting here makes every product bf16.
+    # optax iterates in its input's dtype (coefficients included): this cast sets every product's dtype.
     y = _muon.orthogonalize_via_newton_schulz(x.astype(ns_dtype), coeffs, ns_steps, "frobenius", eps, dims)
     return y.astype(x.dtype)
 

@@ -1,5 +1,7 @@
 """Per-head Muon / AdamW routing, the update each gets (Newton–Schulz in bf16 or fp32), schedules."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,11 @@ def _newton_schulz(g, steps=5, coeffs=(3.4445, -4.7750, 2.0315)):
     return x.T if tall else x
 
 
+_boxed_params = functools.cache(toy.boxed_params)  # op-by-op draws: seconds per call on a loaded CPU
+
+
 def _setup(muon=True, lr=0.01, wd=0.0, ns_dtype="bfloat16", clip=None):
-    boxed = toy.boxed_params()
+    boxed = _boxed_params()
     params, axes = nn.unbox(boxed), logical_axes(boxed)
     cfg = OptimizerConfig(learning_rate=lr, weight_decay=wd, grad_clip_norm=clip, muon=muon, ns_dtype=ns_dtype)
     tx = make_optimizer(cfg, optax.constant_schedule(lr), params, axes)
@@ -149,6 +154,20 @@ def test_bf16_newton_schulz_agrees_with_fp32():
             np.testing.assert_array_equal(a, b)
         for a, b in zip(jax.tree.leaves(s16), jax.tree.leaves(s32), strict=True):  # momentum is fp32 either way
             np.testing.assert_array_equal(a, b)
+
+
+def test_float64_runs_keep_float64_newton_schulz():
+    boxed = {"o_proj": _boxed_params()["layers_0"]["kda"]["o_proj"]}  # one per-head Muon leaf
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), nn.unbox(boxed))
+        grads = jax.tree.map(lambda p: jnp.cos(7.0 * p), params)
+        got = []
+        for ns_dtype in ("bfloat16", None):
+            cfg = OptimizerConfig(grad_clip_norm=None, ns_dtype=ns_dtype)
+            tx = make_optimizer(cfg, optax.constant_schedule(0.01), params, logical_axes(boxed))
+            got.append(jax.jit(tx.update)(grads, tx.init(params), params)[0]["o_proj"]["kernel"])
+    assert got[0].dtype == jnp.float64
+    np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_one_dimensional_params_get_adamw():
