@@ -170,9 +170,9 @@ def moe_ffn(
 ) -> Float[Array, "T L"]:
     """Routed expert FFN of SPEC §4: ``Σ_s w_ts · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids_ts``.
 
-    Steps: 1. permute the T·k assignments into expert order; 2. gate and up grouped
-    matmuls; 3. activation in >= float32 (SiTU-GLU or SwiGLU), cast to ``x.dtype``; 4. down
-    grouped matmul; 5. router-weighted combine summed in float32. Output in ``x.dtype``;
+    Steps: 1. permute the T·k assignments into expert order; 2. gate and up as one grouped
+    matmul with ``[W1 | W3]``; 3. activation in >= float32 (SiTU-GLU or SwiGLU), cast to
+    ``x.dtype``; 4. down grouped matmul; 5. router-weighted combine summed in float32. Output in ``x.dtype``;
     float64 inputs stay float64 throughout.
     """
     validate.check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, checked=checked)
@@ -182,9 +182,11 @@ def moe_ffn(
     with jax.named_scope("moe_permute"):
         xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
     with jax.named_scope("moe_experts"):
-        g = gmm(xs, w1, group_sizes)  # [T·k, F]
-        u = gmm(xs, w3, group_sizes)
-        a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(x.dtype)
+        # gate and up as one product of width 2F: one kernel each way, and the backward's two
+        # input gradients come out of one dlhs product already summed
+        F = w1.shape[2]
+        gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
+        a = gated_activation(gu[:, :F], gu[:, F:], activation, situ_beta, situ_linear_beta).astype(x.dtype)
         y = gmm(a, w2, group_sizes)  # [T·k, L]
     with jax.named_scope("moe_combine"):
         return combine(y, inverse, topk_weights)
