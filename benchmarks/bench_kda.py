@@ -118,8 +118,13 @@ def ours_split_saved():
 
 
 def ours_shared_v():
-    """Ours with the forward scan's V blocks as warpgroups of one CTA sharing the chunk loads (``shared_v``)."""
+    """Ours with both scans' V blocks as warpgroups of one CTA sharing the chunk loads (``shared_v=True``)."""
     return _ours_gpu(prep="fused", prep_bwd="split", shared_v=True, block_v=64)
+
+
+def ours_unshared():
+    """Ours with one CTA per (head, V block) in both scans (``shared_v=False``), whatever ``B·H``."""
+    return _ours_gpu(prep="fused", prep_bwd="split", shared_v=False)
 
 
 def ours_highest():
@@ -290,6 +295,7 @@ def main():
     args = parser.parse_args()
     factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-split-bwd": ours_split_bwd,
                  "ours-split-saved": ours_split_saved, "ours-shared-v": ours_shared_v,
+                 "ours-unshared": ours_unshared,
                  "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):

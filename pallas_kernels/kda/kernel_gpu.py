@@ -214,6 +214,19 @@ def _block_v(V: int, programs: int) -> int:
     return 64
 
 
+# Fewest B·H for which ``shared_v=None`` picks the shared scans. On the H200 (benchmarks/RESULTS.md,
+# stop 14) they cut fwd+bwd by 13-14 % at B·H = 96 and 128 and cost 19 % at B·H = 16, where one CTA
+# per head leaves most SMs idle.
+SHARED_V_MIN_HEADS = 64
+
+
+def _resolve_shared_v(shared_v: bool | None, V: int, heads: int, interpret: bool) -> bool:
+    """``None``: shared on the compiled path when V = 128 (two 64-wide warpgroups) and heads are many."""
+    if shared_v is None:
+        return not interpret and V == 128 and heads >= SHARED_V_MIN_HEADS
+    return bool(shared_v)
+
+
 def _scan_config(V: int, heads: int, block_v: int | None, shared_v: bool, interpret: bool) -> ScanConfig:
     """``shared_v`` runs one CTA per head whatever ``block_v``, so it defaults to 64-wide blocks."""
     bv = (64 if shared_v else _block_v(V, heads)) if block_v is None else block_v
@@ -247,7 +260,7 @@ def chunk_kda_pallas(
     prep: str = "fused",
     prep_precision: str = "tf32",
     prep_bwd: str = "xla",
-    shared_v: bool = False,
+    shared_v: bool | None = None,
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
@@ -262,7 +275,8 @@ def chunk_kda_pallas(
     two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`) or ``"split-saved"`` (the same, with
     the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
     forward and backward scans as one CTA per head, one warpgroup per V block, sharing the chunk
-    loads (:class:`ScanConfig`).
+    loads (:class:`ScanConfig`); ``None`` (default) picks it when compiled, V = 128 and
+    ``B·H >= SHARED_V_MIN_HEADS``.
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
@@ -278,7 +292,7 @@ def chunk_kda_pallas(
         )
     B, T_len, H, K = k.shape
     V = v.shape[-1]
-    cfg = _scan_config(V, B * H, block_v, shared_v, interpret)
+    cfg = _scan_config(V, B * H, block_v, _resolve_shared_v(shared_v, V, B * H, interpret), interpret)
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         if prep_bwd in ("split", "split-saved"):

@@ -144,3 +144,15 @@ def test_long_sequence_at_gate_bound_is_finite():
     o_r, S_r = jax.jit(_reference(None))(q, k, v, g, beta, s0)
     assert rel_rmse(o, o_r) <= BF16_FWD_RTOL and rel_rmse(S, S_r) <= BF16_FWD_RTOL
     assert np.isfinite(rel_rmse(o, o_r))
+
+
+def test_shared_v_default_follows_heads():
+    """``shared_v=None``: shared scans only when compiled, V = 128 and B·H is large; explicit values win."""
+    from pallas_kernels.kda.kernel_gpu import SHARED_V_MIN_HEADS, _resolve_shared_v
+
+    many, few = SHARED_V_MIN_HEADS, SHARED_V_MIN_HEADS - 1
+    assert _resolve_shared_v(None, 128, many, interpret=False)
+    assert not _resolve_shared_v(None, 128, few, interpret=False)
+    assert not _resolve_shared_v(None, 64, many, interpret=False)
+    assert not _resolve_shared_v(None, 128, many, interpret=True)
+    assert _resolve_shared_v(True, 128, 1, interpret=True) and not _resolve_shared_v(False, 128, many, False)
