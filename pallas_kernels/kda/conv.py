@@ -1,10 +1,12 @@
 """The KDA short convolution: causal depthwise Conv1d (width W, no bias), per channel.
 
 Kimi Linear (arXiv:2510.26692) runs q, k and v through a width-4 causal depthwise conv followed by
-SiLU (applied by the layer, not here). ``y[t, c] = sum_j weight[c, j] * x[t - (W-1) + j, c]``: tap
-``W-1`` is the current token, history before the first token is zero (or ``initial_state``).
-Computed in fp32 (float64 for float64 inputs); packed documents never see each other's history.
-"""
+SiLU. ``y[t, c] = sum_j weight[c, j] * x[t - (W-1) + j, c]``: tap ``W-1`` is the current token,
+history before the first token is zero (or ``initial_state``). Computed in fp32 (float64 for
+float64 inputs); packed documents never see each other's history.
+
+:func:`causal_conv1d` is the conv alone (decode, context parallel); :func:`short_convs` is the
+training op: the conv, SiLU and the q/k L2 norm of all three tensors with a custom VJP."""
 
 from __future__ import annotations
 
