@@ -139,7 +139,8 @@ def short_convs(
         if x.ndim != 3 or x.shape != xs[0].shape:
             raise ValueError(f"each x must have shape [B, T, C] = {xs[0].shape}, got {x.shape}")
         if w.shape != (x.shape[2], weights[0].shape[-1]) or w.shape[1] < 1:
-            raise ValueError(f"each weight must have shape [C, W] = {(x.shape[2], weights[0].shape[-1])}, got {w.shape}")
+            want = (x.shape[2], weights[0].shape[-1])
+            raise ValueError(f"each weight must have shape [C, W] = {want}, got {w.shape}")
         if group is not None and (group < 1 or x.shape[2] % group):
             raise ValueError(f"l2_groups entries must divide C={x.shape[2]} (or be None), got {group}")
     B, T, _ = xs[0].shape
