@@ -183,10 +183,10 @@ def moe_ffn(
         xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
     with jax.named_scope("moe_experts"):
         # gate and up as one product of width 2F: one kernel each way, and the backward's two
-        # input gradients come out of one dlhs product already summed
-        F = w1.shape[2]
-        gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
-        a = gated_activation(gu[:, :F], gu[:, F:], activation, situ_beta, situ_linear_beta).astype(x.dtype)
+        # input gradients come out of one dlhs product already summed. `split` (not two slices)
+        # so the cotangent of [g | u] is one concatenate, not two zero-padded halves added
+        g, u = jnp.split(gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes), 2, axis=1)
+        a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(x.dtype)
         y = gmm(a, w2, group_sizes)  # [T·k, L]
     with jax.named_scope("moe_combine"):
         return combine(y, inverse, topk_weights)
