@@ -2,8 +2,9 @@
 
 What is timed: ``q, k, v = SiLU(conv(x_q)), ...`` with q and k L2-normalised per head, from the bf16
 projections ``[B, T, H, K]`` and fp32 conv weights ``[W, H, K]`` to the bf16 kernel inputs, forward
-alone and forward+backward (``jax.value_and_grad`` of ``sum(out * cotangent)`` w.r.t. the inputs and
-the conv weights, so the forward stays alive), with and without ``segment_ids`` (packed documents).
+alone and forward+backward (``jax.vjp`` w.r.t. the inputs and the conv weights with a bf16 cotangent,
+i.e. the gradient of ``sum(out * cotangent)``, returning the outputs too so the forward stays alive),
+with and without ``segment_ids`` (packed documents).
 Each time is the median over ``--bursts`` bursts of ``--calls`` back-to-back calls of one jitted
 function. GB/s counts the bytes a two-pass design must move: forward reads x and writes the outputs
 (bf16), backward reads x and the cotangent and writes dx (bf16): 4 and 4 + 6 bytes per element per
@@ -24,6 +25,9 @@ Variants:
 
 On the H200, from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_kda_conv.py --out $OUT/conv.json``
 (``--fusions`` also lists each compiled variant's kernels). On a CPU: ``--small`` (tiny shapes).
+Without a GPU, ``--aot-h200`` compiles every variant for an H200 (XLA's GPU pipeline, no device:
+needs the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` wheels of the pinned jax version) and lists
+the kernels XLA emits, with the bytes of their operands and outputs; nothing is run or timed.
 """
 
 from __future__ import annotations
@@ -153,15 +157,17 @@ def make_inputs(seed, B, T, H, K, W, dtype, docs_per_row=6):
 
 @functools.lru_cache(maxsize=None)
 def functions(name, out_dtype, with_segments):
-    """Jitted ``fwd(xs, ws, seg)`` and ``fwdbwd(xs, ws, seg, cts) -> (loss, (dxs, dws))``."""
+    """Jitted ``fwd(xs, ws, seg) -> outs`` and ``fwdbwd(xs, ws, seg, cts) -> (outs, (dxs, dws))``: the
+    gradient of ``sum(outs * cts)``, as a VJP that also returns the outputs (as in the layer, where
+    they are the kernel's inputs), so no loss reduction gets fused into the variant's kernels."""
     def fwd(xs, ws, seg):
         return VARIANTS[name](xs, ws, seg if with_segments else None, out_dtype)
 
-    def loss(xs, ws, seg, cts):
-        outs = fwd(xs, ws, seg)
-        return sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32)) for o, c in zip(outs, cts))
+    def fwdbwd(xs, ws, seg, cts):
+        outs, vjp = jax.vjp(lambda xs, ws: fwd(xs, ws, seg), xs, ws)
+        return outs, vjp(tuple(c.astype(o.dtype) for c, o in zip(cts, outs)))
 
-    return jax.jit(fwd), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return jax.jit(fwd), jax.jit(fwdbwd)
 
 
 def max_abs_errors(name, with_segments, xs, ws, cts, seg, out_dtype):
@@ -202,6 +208,53 @@ def fusion_summary(fn, args, top=6):
     return len(rows), sorted(rows, key=lambda r: -r[1])[:top]
 
 
+H200_TARGET = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: 233472 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536 }
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200" """
+
+
+def aot_h200(names, shape):
+    """Compile each variant for a device-less H200 and print its kernels (``--aot-h200``)."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
+    on_gpu = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    B, T, H, K, W = shape
+    spec = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=on_gpu)
+    xs = (spec((B, T, H, K), jnp.bfloat16),) * 3
+    ws, seg = (spec((W, H, K), jnp.float32),) * 3, spec((B, T), jnp.int32)
+    for with_segments in (False, True):
+        for name in names:
+            fwd, fwdbwd = functions(name, jnp.bfloat16, with_segments)
+            for label, fn, a in (("fwd", fwd, (xs, ws, seg)), ("fwd+bwd", fwdbwd, (xs, ws, seg, xs))):
+                rows = _kernels(fn.trace(*a).lower(lowering_platforms=("cuda",)).compile().as_text())
+                big = [r for r in rows if r[1] + r[2] > 1e6]
+                print(f"{name} seg={'yes' if with_segments else 'no'} {label}: {len(rows)} kernels, operands+outputs "
+                      f"{sum(r[1] + r[2] for r in rows) / 1e6:.0f} MB")
+                for kname, mb_in, mb_out, out_shape in big:
+                    print(f"    {kname:44s} in {mb_in / 1e6:7.1f} MB  out {mb_out / 1e6:7.1f} MB  {out_shape[:70]}")
+
+
+def _kernels(hlo_text):
+    """``(name, operand bytes, output bytes, output shape)`` of each fusion / custom call of the entry."""
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1, "f64": 8, "f16": 2, "s8": 1, "u32": 4}
+    nbytes = lambda shape: sum(sizes.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
+                               for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape))
+    defs, rows = {}, []
+    for m in re.finditer(r"\n\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)", hlo_text[hlo_text.index("\nENTRY"):]):
+        name, shape, op, rest = m.groups()
+        defs[name] = shape
+        if op in ("fusion", "custom-call"):
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            rows.append((name, sum(nbytes(defs.get(o, "")) for o in operands), nbytes(shape), shape))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU)")
@@ -210,8 +263,11 @@ def main():
     ap.add_argument("--calls", type=int, default=10, help="calls per burst")
     ap.add_argument("--fusions", action="store_true", help="list each compiled variant's largest kernels")
     ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--aot-h200", action="store_true", help="no GPU: list the kernels XLA emits for an H200")
     args = ap.parse_args()
     B, T, H, K, W = (2, 64, 2, 16, 4) if args.small else (8, 4096, 8, 128, 4)
+    if args.aot_h200:
+        return aot_h200(args.variants.split(","), (B, T, H, K, W))
     if args.small:
         args.bursts, args.calls = max(20, min(args.bursts, 20)), min(args.calls, 2)
     names = args.variants.split(",")
