@@ -5,9 +5,11 @@ current block, instead of a plain residual: with sources ``v_1..v_N``,
 ``k_n = v_n / sqrt(mean(v_n²) + eps)``, ``logit_n = Σ_d k_nd γ_d w_d`` (the RMSNorm weight γ and the
 pseudo-query w fold into one vector; no 1/√D), ``h = Σ_n softmax(logit)_n v_n``, all in fp32.
 
-Bookkeeping has static shapes: ``ResidualStream`` holds a ``[Nmax,B,T,D]`` buffer of block sums,
-their ``count`` (static) and the ``partial`` sum of the current block. Plain pre-norm residual
-models use the same stream with no buffer (``partial`` is the hidden state).
+Bookkeeping is static: ``ResidualStream`` holds the finished block sums as a tuple (their number
+is known at trace time) and the ``partial`` sum of the current block. Separate arrays, not one
+``[Nmax,B,T,D]`` buffer: a layer that reads block n then differentiates into block n alone, where a
+read of a stacked buffer transposes into a zero-padded buffer-sized cotangent that XLA adds up
+over all later layers. Plain pre-norm residual models use the same stream with no blocks.
 """
 
 from __future__ import annotations
@@ -30,35 +32,44 @@ class ResidualStream:
     """What flows between decoder layers."""
 
     partial: Float[Array, "B T D"]  # current block's running sum (plain residual: the hidden state)
-    blocks: Float[Array, "N B T D"] | None = None  # stored block sums; entries >= count are unused
-    count: int = flax.struct.field(pytree_node=False, default=0)
+    stored: tuple = ()  # finished block sums [B, T, D], oldest first
+    max_blocks: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
     def start(cls, embeddings: Float[Array, "B T D"], max_blocks: int) -> "ResidualStream":
-        embeddings = constrain(embeddings, HIDDEN_AXES)
-        if max_blocks == 0:
-            return cls(partial=embeddings)
-        blocks = constrain(jnp.zeros((max_blocks,) + embeddings.shape, embeddings.dtype), (None,) + HIDDEN_AXES)
-        return cls(partial=embeddings, blocks=blocks, count=0)
+        return cls(partial=constrain(embeddings, HIDDEN_AXES), max_blocks=max_blocks)
+
+    @property
+    def count(self) -> int:
+        return len(self.stored)
+
+    @property
+    def blocks(self) -> Float[Array, "N B T D"] | None:
+        """The block sums as one ``[max_blocks, B, T, D]`` array, zeros past ``count`` (None without AttnRes)."""
+        if self.max_blocks == 0:
+            return None
+        unused = [jnp.zeros_like(self.partial)] * (self.max_blocks - self.count)
+        return jnp.stack(list(self.stored) + unused)
 
     def push(self) -> "ResidualStream":
         """Store the partial sum as a finished block and start a new, empty one."""
-        blocks = jax.lax.dynamic_update_index_in_dim(self.blocks, self.partial, self.count, axis=0)
-        return ResidualStream(partial=jnp.zeros_like(self.partial), blocks=blocks, count=self.count + 1)
+        if self.count >= self.max_blocks:
+            raise ValueError(f"push: all max_blocks={self.max_blocks} AttnRes blocks are already stored")
+        return self.replace(partial=jnp.zeros_like(self.partial), stored=self.stored + (self.partial,))
 
     def add(self, y: Float[Array, "B T D"]) -> "ResidualStream":
         return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES))
 
 
-def attn_res_mix(blocks: Float[Array, "N B T D"], count: int, partial: Float[Array, "B T D"],
+def attn_res_mix(blocks, count: int, partial: Float[Array, "B T D"],
                  direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
     """Softmax mix of ``blocks[:count]`` and ``partial`` along ``direction`` (= γ ⊙ w), in ``wide_dtype``.
 
-    ``count`` is static, so the unused buffer entries are never read (they would get weight 0).
-    Each source is widened where it is read, one at a time: a stacked ``[count+1, B, T, D]`` fp32
-    copy made XLA write and re-read it and reduce over its leading axis (on the H200 about 8 ms of
-    a ``small()`` train step, `benchmarks/RESULTS.md`); here the logits are row reductions and the
-    mix is one elementwise sum over the sources.
+    ``blocks``: a ``[N, B, T, D]`` array or a sequence of ``[B, T, D]`` arrays; ``count`` is static,
+    so entries past it are never read (they would get weight 0). Each source is widened where it
+    is read, one at a time: a stacked ``[count+1, B, T, D]`` fp32 copy made XLA write and re-read
+    it and reduce over its leading axis; here the logits are row reductions and the mix is one
+    elementwise sum over the sources.
     """
     d = direction.astype(wide_dtype)
     sources = [blocks[n] for n in range(count)] + [partial]
@@ -87,7 +98,7 @@ class AttnResMix(nn.Module):
         if stream.count == 0:  # the only source is the partial sum: its mix is itself
             return stream.partial
         direction = norm.astype(self.wide_dtype) * query.astype(self.wide_dtype)
-        h = attn_res_mix(stream.blocks, stream.count, stream.partial, direction, self.eps, self.wide_dtype)
+        h = attn_res_mix(stream.stored, stream.count, stream.partial, direction, self.eps, self.wide_dtype)
         return h.astype(self.dtype)
 
 
