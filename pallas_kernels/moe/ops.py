@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe import validate
-from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.activations import packed_gated_activation
 from pallas_kernels.moe.dispatch import combine, permute
 from pallas_kernels.moe.reference import grouped_matmul_ragged
 from pallas_kernels.moe.tiled import grouped_matmul_tiled
@@ -183,10 +183,9 @@ def moe_ffn(
         xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
     with jax.named_scope("moe_experts"):
         # gate and up as one product of width 2F: one kernel each way, and the backward's two
-        # input gradients come out of one dlhs product already summed. `split` (not two slices)
-        # so the cotangent of [g | u] is one concatenate, not two zero-padded halves added
-        g, u = jnp.split(gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes), 2, axis=1)
-        a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(x.dtype)
+        # input gradients come out of one dlhs product already summed
+        gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
+        a = packed_gated_activation(gu, activation, situ_beta, situ_linear_beta, x.dtype)
         y = gmm(a, w2, group_sizes)  # [T·k, L]
     with jax.named_scope("moe_combine"):
         return combine(y, inverse, topk_weights)

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.activations import gated_activation, situ_glu, swiglu
-from tests.tolerances import F32_RTOL, rel_rmse
+from pallas_kernels.moe.activations import gated_activation, packed_gated_activation, situ_glu, swiglu
+from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 
 def test_situ_matches_swiglu_near_zero():
@@ -40,3 +40,23 @@ def test_bad_input():
         gated_activation(jnp.ones(2), jnp.ones(2), "gelu")
     with pytest.raises(ValueError, match="u.shape"):
         situ_glu(jnp.ones(2), jnp.ones(3))
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_equals_unpacked_values_and_grads(activation, dtype):
+    """``packed_gated_activation([g | u])`` == ``gated_activation(g, u)`` cast, and its custom
+    backward == autodiff of the unpacked form (gradient in the packed layout, ``gu.dtype``)."""
+    gu = (jax.random.normal(jax.random.PRNGKey(4), (64, 2 * 24)) * 3).astype(dtype)
+    da = jax.random.normal(jax.random.PRNGKey(5), (64, 24))
+
+    def unpacked(gu):
+        return gated_activation(gu[:, :24], gu[:, 24:], activation).astype(dtype)
+
+    packed = lambda gu: packed_gated_activation(gu, activation, 4.0, 25.0, dtype)
+    assert packed(gu).dtype == dtype
+    np.testing.assert_array_equal(np.asarray(packed(gu), np.float32), np.asarray(unpacked(gu), np.float32))
+    loss = lambda f: lambda gu: jnp.sum(f(gu).astype(jnp.float32) * da)
+    got, want = jax.grad(loss(packed))(gu), jax.grad(loss(unpacked))(gu)
+    assert got.dtype == dtype and got.shape == gu.shape
+    assert rel_rmse(got, want) <= (F32_RTOL if dtype == jnp.float32 else BF16_GRAD_RTOL)
