@@ -16,8 +16,9 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    ``v_new = U - W S``; ``o = qg S + A_qk v_new``; ``S <- d * S + kg^T v_new``. TMA brings chunk
    c+1 in while chunk c computes; ``o`` goes token-major ``[B, T, H, V]`` straight from smem by TMA
    (no transpose after). For training it also stores each chunk's entering state (bf16,
-   exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`). Opt-in
-   ``shared_v``: one CTA per head, one warpgroup per V block, the per-chunk loads shared in smem.
+   exactly the operand the forward used) for ``kda_scan_bwd`` (:mod:`kernel_gpu_bwd`).
+   ``shared_v`` (default when B·H >= ``SHARED_V_MIN_HEADS`` and V = 128): one CTA per head, one
+   warpgroup per V block, the per-chunk loads shared in smem.
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
 (or, opt-in, a Mosaic GPU prep backward: ``prep_bwd="kernel"``, one kernel, :mod:`kernel_gpu_prep_bwd`;

@@ -12,7 +12,7 @@ Default: one CTA per (head, V block). Step 2's products contract over V, so each
 partial sums (summed in XLA). Outputs go straight from registers to global memory: no smem
 staging, so two input slots still fit in smem.
 
-``shared_v`` (opt-in, as in the forward): one CTA per head, one warpgroup per V block; warpgroup 0
+``shared_v`` (as in the forward; the default at B·H >= 64): one CTA per head, one warpgroup per V block; warpgroup 0
 loads ``W, qg, kg, A_qk, d`` once per chunk for all. Step 2 is summed inside the CTA by chaining
 wgmmas: every operand of those products (``do, h, v_new, dS, -dv_new`` of each V block) already
 sits in smem for step 1 or 3, so one warpgroup owns each whole product and accumulates all V
