@@ -306,7 +306,9 @@ def main():
         shape = GMM_SHAPES[idx]
         if not args.skip_tune:
             moe_tuning.tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
+            moe_tuning.tune(results, *shape, transpose_rhs=True)  # and the input gradient's
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
+        tilings[str(shape) + " dlhs"] = dataclasses.asdict(kernel_gpu.GMM_TILING_T)
         tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else moe_tuning.tune_bwd(results, *shape, picks)
         tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
         bench_gmm(results, shape, impls, tgmm_cfg)
@@ -314,7 +316,8 @@ def main():
         save()
     if "layer" not in skip and in_budget():
         if not args.skip_tune:
-            moe_tuning.tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"])
+            for transpose_rhs in (False, True):
+                moe_tuning.tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], transpose_rhs)
         if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
             kernel_gpu_tgmm.TGMM_TILING = moe_tuning.tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)

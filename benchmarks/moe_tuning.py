@@ -12,10 +12,11 @@ from bench_moe import fwd_and_train, random_group_sizes, rel, timeit
 from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm
 
 
-def tune(results, m, e, k, n):
-    """Pick the fastest forward tiling for our kernel at one shape; keep it for the rest."""
+def tune(results, m, e, k, n, transpose_rhs=False):
+    """Pick the fastest forward tiling for our kernel at one shape; keep it for the rest.
+    ``transpose_rhs``: the input gradient's product instead (``[M, N] @ rhs[e]ᵀ``, ``GMM_TILING_T``)."""
     key = jax.random.PRNGKey(1)
-    lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
+    lhs = jax.random.normal(key, (m, n if transpose_rhs else k), jnp.bfloat16)
     rhs = (jax.random.normal(key, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     gs = random_group_sizes(key, m, e)
     configs = [
@@ -30,9 +31,9 @@ def tune(results, m, e, k, n):
     ]
     best, want = None, None
     for cfg in configs:
-        row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg), fwd_ms=None)
+        row = dict(shape=[m, e, k, n], transpose_rhs=transpose_rhs, tiling=dataclasses.asdict(cfg), fwd_ms=None)
         try:
-            fn = jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg))
+            fn = jax.jit(functools.partial(kernel_gpu.gmm, tiling=cfg, transpose_rhs=transpose_rhs))
             got = fn(lhs, rhs, gs).astype(jnp.float32)
             want = got if want is None else want  # the first tiling that runs is the reference
             row["rel_vs_first"] = rel(got, want)
@@ -40,12 +41,16 @@ def tune(results, m, e, k, n):
         except Exception as ex:  # noqa: BLE001 (a config over the shared-memory budget)
             row["error"] = repr(ex)[:300]
         results["tuning"].append(row)
-        print("tiling", cfg, {key: v for key, v in row.items() if key not in ("shape", "tiling")})
+        print("tiling" + (" (dlhs)" if transpose_rhs else ""), cfg,
+              {key: v for key, v in row.items() if key not in ("shape", "tiling", "transpose_rhs")})
         ok = row["fwd_ms"] is not None and row["rel_vs_first"] < 1e-2  # a fast wrong tiling never wins
         if ok and (best is None or row["fwd_ms"] < best[1]):
             best = (cfg, row["fwd_ms"])
     if best is not None:
-        kernel_gpu.GMM_TILING = best[0]
+        if transpose_rhs:
+            kernel_gpu.GMM_TILING_T = best[0]
+        else:
+            kernel_gpu.GMM_TILING = best[0]
     return best
 
 

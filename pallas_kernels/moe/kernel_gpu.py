@@ -37,12 +37,14 @@ from pallas_kernels.moe.kernel_gpu_tgmm import TGMM_CANDIDATES, tgmm  # noqa: F4
 from pallas_kernels.moe.schedule import aligned_tile_schedule, fits_half, tile_schedule
 
 GMM_TILING = GpuTiling()
+# the input gradient (``transpose_rhs``) contracts over N and writes K: its own tiling
+GMM_TILING_T = GpuTiling()
 
 
 def required_multiple() -> int:
     """K and N must be multiples of this (K, N swap roles between gmm, dlhs and tgmm)."""
-    g, t = GMM_TILING, kernel_gpu_tgmm.TGMM_TILING
-    return math.lcm(g.tile_k, g.cta_n(), t.tile_k, t.cta_n())
+    g, d, t = GMM_TILING, GMM_TILING_T, kernel_gpu_tgmm.TGMM_TILING
+    return math.lcm(g.tile_k, g.cta_n(), d.tile_k, d.cta_n(), t.tile_k, t.cta_n())
 
 
 def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
@@ -190,7 +192,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     """``lhs [M,K]``, ``rhs [E,K,N]`` (``[E,N,K]`` read transposed when ``transpose_rhs``)."""
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    cfg = tiling or GMM_TILING
+    cfg = tiling or (GMM_TILING_T if transpose_rhs else GMM_TILING)
     if k % cfg.tile_k or n % cfg.cta_n():
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
     if cfg.half_tiles and cfg.tile_m % 128:  # wgmma issues rows in groups of 64
