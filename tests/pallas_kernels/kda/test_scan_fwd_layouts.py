@@ -18,7 +18,9 @@ from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, chunk_kda_pallas, s
 from tests.pallas_kernels.kda.conftest import (
     assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
 )
-from tests.pallas_kernels.kda.prep_bwd_cases import CTA_SMEM_BYTES, MODES, SHARED_MODES, record_smem
+from tests.pallas_kernels.kda.prep_bwd_cases import (
+    CTA_SMEM_BYTES, MODES, SHARED_INTERPRET_MARKS, SHARED_MODES, record_smem,
+)
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
 
 BF, F32 = jnp.bfloat16, jnp.float32
@@ -105,7 +107,7 @@ def test_shared_v_equals_one_cta_per_block(monkeypatch, interpret, B, H, n, K, V
     "B,T,H,K,V,shared_v",
     [
         (2, 100, 3, 128, 128, False),  # few programs: 32-wide V blocks
-        pytest.param(3, 70, 2, 64, 128, True, marks=pytest.mark.slow),  # see SHARED_MODES
+        pytest.param(3, 70, 2, 64, 128, True, marks=SHARED_INTERPRET_MARKS),  # see SHARED_MODES
     ],
 )
 def test_forward_token_major_matches_reference(interpret, B, T, H, K, V, shared_v):
