@@ -89,11 +89,15 @@ def repo(xs, ws, segment_ids, out_dtype):
     return short_conv_qkv(xs, ws, segment_ids, wide_dtype=wide, out_dtype=out_dtype)
 
 
-def repo_per_tensor(xs, ws, segment_ids, out_dtype):
+def _layout(xs, ws, segment_ids):
+    """``(B, T, H, K, W, keep, wide)``: the shapes, the shared document mask and the wide dtype."""
     B, T, H, K = xs[0].shape
     W = ws[0].shape[0]
-    keep = same_document_taps(segment_ids, W)
-    wide = jnp.promote_types(jnp.float32, xs[0].dtype)
+    return B, T, H, K, W, same_document_taps(segment_ids, W), jnp.promote_types(jnp.float32, xs[0].dtype)
+
+
+def repo_per_tensor(xs, ws, segment_ids, out_dtype):
+    B, T, H, K, W, keep, wide = _layout(xs, ws, segment_ids)
     out = []
     for i, (x, w) in enumerate(zip(xs, ws)):
         (y,) = short_convs((x.reshape(B, T, H * K),), (w.reshape(W, H * K).T.astype(wide),), keep,
@@ -116,10 +120,7 @@ def _pad_conv_silu(x, w, keep):
 
 
 def _plain(xs, ws, segment_ids, out_dtype, fence):
-    B, T, H, K = xs[0].shape
-    W = ws[0].shape[0]
-    keep = same_document_taps(segment_ids, W)
-    wide = jnp.promote_types(jnp.float32, xs[0].dtype)
+    B, T, H, K, W, keep, wide = _layout(xs, ws, segment_ids)
     out = []
     for i, (x, w) in enumerate(zip(xs, ws)):
         y = _pad_conv_silu(x.reshape(B, T, H * K), w.reshape(W, H * K).T.astype(wide), keep)
