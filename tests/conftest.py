@@ -3,10 +3,10 @@
 import os
 
 # XLA:CPU's intra-op thread pool (sized by PJRT_NPROC when the CPU client is created, else one
-# thread per usable core) also runs the host callbacks of the Mosaic GPU interpreter, and a
-# barrier wait is a callback that blocks its pool thread until another warpgroup arrives. With
-# one blocked callback per warpgroup plus the kernel's own thread_map callback, a pool no larger
-# than that leaves the arriving warpgroup's work queued behind them: a deadlock (seen with 2
-# warpgroups on a 1-thread pool, the parked threads in tsl::BlockUntilReady). 8 threads cover
-# the 3-warpgroup kernels with one to spare.
-os.environ.setdefault("PJRT_NPROC", str(max(8, len(os.sched_getaffinity(0)))))
+# thread per usable core) also runs host callbacks of the Mosaic GPU interpreter, and a barrier
+# wait is a callback that blocks its pool thread until another warpgroup arrives. When the
+# blocked callbacks (at most one per warpgroup, plus the kernel's own thread_map callback) fill
+# the pool, the arriving warpgroup's work stays queued behind them: a deadlock, the interpreter's
+# threads parked in tsl::BlockUntilReady (2-warpgroup KDA scans on a 1-thread pool: 7 of 8 runs).
+# 8 threads keep free ones even for the 3-warpgroup MoE kernels (4 blocked callbacks).
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))

@@ -30,7 +30,7 @@ def xla_cpu_threads() -> int:
     for name in ("PJRT_NPROC", "NPROC"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
-    return len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # shared_v kernels run one interpreter thread per warpgroup, whose barrier waits block XLA:CPU
