@@ -71,6 +71,23 @@ def test_residual_stream_push():
     np.testing.assert_array_equal(np.asarray(s.blocks[:, 0, 0, 0]), [1, 2, 0])
 
 
+def test_residual_stream_push_past_max_blocks_raises():
+    s = ResidualStream.start(jnp.ones((1, 2, 4)), max_blocks=1).push()
+    with pytest.raises(ValueError, match="max_blocks=1"):
+        s.push()
+    assert ResidualStream.start(jnp.ones((1, 2, 4)), max_blocks=0).blocks is None
+
+
+def test_attn_res_mix_reads_blocks_as_array_or_tuple():
+    """The stream's tuple of blocks and the stacked ``[N, B, T, D]`` array mix the same."""
+    blocks = jnp.asarray(RNG.normal(size=(3, 2, 4, 8)), jnp.float32)
+    partial = jnp.asarray(RNG.normal(size=(2, 4, 8)), jnp.float32)
+    direction = jnp.asarray(RNG.normal(size=8), jnp.float32)
+    stacked = attn_res_mix(blocks, 2, partial, direction, 1e-5, jnp.float32)
+    listed = attn_res_mix(tuple(blocks[:2]), 2, partial, direction, 1e-5, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(listed))
+
+
 def test_query_blocked_attention_equals_full(monkeypatch):
     b, t, h, k = 2, 16, 3, 8
     q, kk, v = (jnp.asarray(RNG.normal(size=(b, t, h, k)), jnp.float32) for _ in range(3))
