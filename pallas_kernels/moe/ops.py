@@ -172,8 +172,8 @@ def moe_ffn(
 
     Steps: 1. permute the T·k assignments into expert order; 2. gate and up as one grouped
     matmul with ``[W1 | W3]``; 3. activation in >= float32 (SiTU-GLU or SwiGLU), cast to
-    ``x.dtype``; 4. down grouped matmul; 5. router-weighted combine summed in float32. Output in ``x.dtype``;
-    float64 inputs stay float64 throughout.
+    ``x.dtype``; 4. down grouped matmul; 5. router-weighted combine summed in float32. Output in
+    ``x.dtype``; float64 inputs stay float64 throughout.
     """
     validate.check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, checked=checked)
     gmm = functools.partial(
