@@ -77,3 +77,19 @@ def fp32_reference(q, k, v, g, beta, s0):
 
     f = lambda x: x.astype(jnp.float32)
     return chunk_kda_reference(f(q), f(k), f(v), g, beta, initial_state=s0)
+
+
+def run_race_watched(monkeypatch, fn, operands, watch: bool, label: str):
+    """``jax.jit(fn)(*operands)`` traced afresh; with ``watch``, under the Mosaic GPU interpreter's
+    race detector, asserting it found no race (``label`` names the case)."""
+    import functools
+
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if watch:
+        monkeypatch.setattr(plgpu, "InterpretGPUParams", functools.partial(plgpu.InterpretGPUParams, detect_races=True))
+    outs = jax.block_until_ready(jax.jit(fn)(*operands))
+    if watch:
+        assert not gpu_callbacks.get_races().races_found, f"race in {label}"
+    return outs

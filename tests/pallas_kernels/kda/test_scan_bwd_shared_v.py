@@ -11,13 +11,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, _scan
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd, shared_slotted
 from pallas_kernels.kda.kernel_gpu_intra import prepare
 from tests.pallas_kernels.kda.conftest import (
-    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
+    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op, run_race_watched,
 )
 from tests.pallas_kernels.kda.prep_bwd_cases import CTA_SMEM_BYTES, SHARED_MODES, record_smem
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
@@ -42,16 +41,8 @@ def _run(monkeypatch, interpret, shared_v, operands):
     """The kernel traced afresh (no jit cache); ``shared_v`` with the interpreter's race detector on,
     asserting no race. (The default kernel is not watched: the detector flags its slot refills after
     the plain smem loads of ``h`` and ``d`` that end the previous chunk, with no sync event between.)"""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    watch = interpret and shared_v
-    params = functools.partial(plgpu.InterpretGPUParams, detect_races=watch)
-    monkeypatch.setattr(plgpu, "InterpretGPUParams", params)
     fn = functools.partial(scan_bwd.__wrapped__, bv=64, interpret=interpret, shared_v=shared_v)
-    outs = jax.block_until_ready(jax.jit(fn)(*operands))
-    if watch:
-        assert not gpu_callbacks.get_races().races_found, f"race in shared_v={shared_v}"
-    return outs
+    return run_race_watched(monkeypatch, fn, operands, interpret and shared_v, f"shared_v={shared_v}")
 
 
 @pytest.mark.parametrize("interpret", SHARED_MODES)

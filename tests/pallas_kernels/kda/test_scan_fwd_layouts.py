@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.kernel_gpu import CHUNK, ScanConfig, chunk_kda_pallas, scan_fwd
 from tests.pallas_kernels.kda.conftest import (
-    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op,
+    assert_grads_match, bf16_qkv_inputs, fp32_reference, pallas_scan_op, run_race_watched,
 )
 from tests.pallas_kernels.kda.prep_bwd_cases import (
     CTA_SMEM_BYTES, MODES, SHARED_INTERPRET_MARKS, SHARED_MODES, record_smem,
@@ -56,16 +55,9 @@ def _jnp_scan(w, qg, kg, u, aqk, d, s0):
 
 def _run(monkeypatch, interpret, shared_v, operands, *, store_states, out_dtype, heads):
     """The kernel traced afresh (no jit cache), with the interpreter's race detector on; asserts no race."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    if interpret:
-        monkeypatch.setattr(plgpu, "InterpretGPUParams", functools.partial(plgpu.InterpretGPUParams, detect_races=True))
     cfg = ScanConfig(bv=64, interpret=interpret, shared_v=shared_v)
     fn = functools.partial(scan_fwd.__wrapped__, cfg=cfg, store_states=store_states, out_dtype=out_dtype, heads=heads)
-    outs = jax.block_until_ready(jax.jit(fn)(*operands))
-    if interpret:
-        assert not gpu_callbacks.get_races().races_found, f"race in shared_v={shared_v}"
-    return outs
+    return run_race_watched(monkeypatch, fn, operands, bool(interpret), f"shared_v={shared_v}")
 
 
 @pytest.mark.parametrize("interpret", SHARED_MODES)
