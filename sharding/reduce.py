@@ -79,6 +79,7 @@ def head_cross_entropy_sharded(
     mask: Float[Array, "B T"],
     chunk: int = 4096,
     ctx: ParallelConfig | None = None,
+    logits_dtype: str | None = None,
 ) -> Float[Array, ""]:
     """``k3jax.train.loss.head_cross_entropy`` with each device walking only its own tokens.
 
@@ -97,7 +98,7 @@ def head_cross_entropy_sharded(
     tok = ctx.spec("batch", "length")
 
     def body(f, w, y, m):
-        return head_cross_entropy(f, w, y, m, chunk)[None]  # [1]: this device's sum
+        return head_cross_entropy(f, w, y, m, chunk, logits_dtype)[None]  # [1]: this device's sum
 
     args = (features, head, labels, mask)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=P(ctx.token_axes or None),

@@ -14,6 +14,7 @@ from k3jax.config import ModelConfig, tiny
 from k3jax.data.config import CopyConfig, TextConfig
 
 REMAT_POLICIES = ("none", "layer", "moe")
+LOSS_LOGITS_DTYPES = (None, "float32", "bfloat16")  # k3jax.train.loss.head_cross_entropy
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -180,6 +181,9 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     peak_flops: float | None = None  # per device, for MFU; None: looked up from the device kind
     loss_chunk: int = 4096  # tokens per chunk of the fused head + cross-entropy (k3jax.train.loss)
+    # dtype the head's matmul stores the fp32-accumulated logits in (None: fp32; "bfloat16": half
+    # the loss's memory traffic, as a bf16 PyTorch lm_head; k3jax.train.loss)
+    loss_logits_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
@@ -187,6 +191,8 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         _require(self.batch_size % self.micro_batches == 0,
                  f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")
+        _require(self.loss_logits_dtype in LOSS_LOGITS_DTYPES,
+                 f"loss_logits_dtype={self.loss_logits_dtype!r} must be one of {LOSS_LOGITS_DTYPES}")
         _require(self.remat in REMAT_POLICIES, f"remat={self.remat!r} must be one of {REMAT_POLICIES}")
         _require(self.seq_len <= self.model.max_position,
                  f"seq_len={self.seq_len} must be <= model.max_position={self.model.max_position}")

@@ -10,6 +10,11 @@ starts (``∂/∂logits = softmax − onehot``, times the mask). The gradient ma
 difference in the compute dtype (bf16: SPEC §10 matmul operands) with fp32 accumulation; the
 backward pass only scales the stored gradients by the incoming cotangent. Without differentiation
 the forward computes the loss alone. Peak extra memory: one chunk of fp32 logits.
+
+Each chunk's logits are read twice after the matmul writes them: once by ``logsumexp_rows`` (max
+and sum of exponentials in one variadic reduction) and once by the ``softmax − onehot`` pass. With
+``logits_dtype="bfloat16"`` the matmul stores them rounded to bf16 and all three passes move half
+the bytes (`benchmarks/RESULTS.md` has the H200 step times of both).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from k3jax.train.config import LOSS_LOGITS_DTYPES
 
 
 def _flat_chunks(features, labels, mask, chunk: int):
@@ -34,41 +41,73 @@ def _flat_chunks(features, labels, mask, chunk: int):
     return f.reshape(n, C, D), y.reshape(n, C), m.reshape(n, C), N
 
 
+def _logits_dtype(name):
+    if name not in LOSS_LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype={name!r} must be one of {LOSS_LOGITS_DTYPES}")
+    return None if name is None else jnp.dtype(name)
+
+
 def _wide(dtype):
     """The accumulation dtype: fp32, or float64 for float64 inputs."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _chunk_logits(f, head):
-    return jnp.einsum("CD,DV->CV", f, head.astype(f.dtype), preferred_element_type=_wide(f.dtype))
+def _chunk_logits(f, head, logits_dtype):
+    """One chunk's logits: compute-dtype operands, fp32 accumulation, stored in ``logits_dtype``
+    (None: the accumulation dtype)."""
+    return jnp.einsum("CD,DV->CV", f, head.astype(f.dtype), preferred_element_type=logits_dtype or _wide(f.dtype))
+
+
+def _online_max_sum(a, b):
+    """Combine two (running max, Σ exp(x − max)) pairs; one ``exp`` per combine."""
+    (m1, s1), (m2, s2) = a, b
+    hi = m1 >= m2
+    m = jnp.where(hi, m1, m2)
+    return m, jnp.where(hi, s1 + s2 * jnp.exp(m2 - m1), s1 * jnp.exp(m1 - m2) + s2)
+
+
+def logsumexp_rows(x: Float[Array, "C V"]) -> Float[Array, "C"]:
+    """``logsumexp`` over the last axis in one read of ``x``: a variadic reduction of (max, Σ exp)
+    pairs (``jax.nn.logsumexp`` reads ``x`` twice: its max, then the sum of exponentials). The
+    identity's max is the dtype's lowest finite value, so combining two identities stays finite."""
+    lowest = jnp.finfo(x.dtype).min
+    m, s = jax.lax.reduce((x, jnp.ones_like(x)), (jnp.array(lowest, x.dtype), jnp.array(0, x.dtype)),
+                          _online_max_sum, (x.ndim - 1,))
+    return m + jnp.log(s)
 
 
 def _chunk_ce(logits, y, m):
     """``Σ_c mask_c (logsumexp(logits_c) − logits_c[y_c])`` and the logsumexp per row."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    logits = logits.astype(_wide(logits.dtype))  # fused into the reads: the softmax runs in fp32
+    lse = logsumexp_rows(logits)
     picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
     return jnp.sum((lse - picked) * m), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"], labels: Int[Array, "B T"],
-                       mask: Float[Array, "B T"], chunk: int = 4096) -> Float[Array, ""]:
+                       mask: Float[Array, "B T"], chunk: int = 4096, logits_dtype: str | None = None) -> Float[Array, ""]:
     """``Σ_{b,t} mask · CE(softmax(features @ head), labels)`` in fp32, ``chunk`` tokens at a time.
 
     ``features`` are the final-norm outputs in the compute dtype; ``head`` is ``W_head [D, V]``
     (cast to the features' dtype). ``mask`` gets a zero gradient; ``labels`` none.
+    ``logits_dtype``: the dtype the head's matmul stores its fp32-accumulated logits in before the
+    fp32 softmax; None keeps the accumulation dtype, "bfloat16" halves the traffic of every pass
+    over the logits (as a PyTorch bf16 ``lm_head`` followed by ``logits.float()`` does).
     """
+    logits_dtype = _logits_dtype(logits_dtype)
     fs, ys, ms, _ = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
 
     def one(args):
         f, y, m = args
-        return _chunk_ce(_chunk_logits(f, head), y, m)[0]
+        return _chunk_ce(_chunk_logits(f, head, logits_dtype), y, m)[0]
 
     return jnp.sum(jax.lax.map(one, (fs, ys, ms)))
 
 
-def _fwd(features, head, labels, mask, chunk):
+def _fwd(features, head, labels, mask, chunk, logits_dtype):
+    logits_dtype = _logits_dtype(logits_dtype)
     fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
     # The barrier makes the cast happen once: XLA otherwise re-casts the [D, V] head inside every
@@ -78,8 +117,9 @@ def _fwd(features, head, labels, mask, chunk):
 
     def one(d_head, args):
         f, y, m = args
-        logits = _chunk_logits(f, w)
+        logits = _chunk_logits(f, w, logits_dtype)
         ce, lse = _chunk_ce(logits, y, m)
+        logits = logits.astype(wide)
         # softmax − onehot as one elementwise pass writing the compute dtype (a scatter of the
         # onehot would materialise the fp32 softmax first: two more passes over 2.7 GB per chunk)
         p = jnp.exp(logits - lse[:, None])
@@ -94,7 +134,7 @@ def _fwd(features, head, labels, mask, chunk):
     return jnp.sum(ces), (d_features, d_head, mask, jnp.zeros((0,), head.dtype))
 
 
-def _bwd(chunk, res, ct):
+def _bwd(chunk, logits_dtype, res, ct):
     d_features, d_head, mask, head_like = res
     return ((ct * d_features).astype(d_features.dtype), (ct * d_head).astype(head_like.dtype), None,
             jnp.zeros_like(mask))

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from k3jax.train.loss import head_cross_entropy
+from k3jax.train.config import TrainConfig
+from k3jax.train.loss import head_cross_entropy, logsumexp_rows
 from tests.tolerances import rel_rmse
 
 B, T, D, V = 2, 10, 8, 37
@@ -51,6 +52,51 @@ def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
         assert rel_rmse(a, b) < 2e-2  # bf16 operands (SPEC §10)
     dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
     assert len(dots) == 3 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots  # 3 matmuls
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: exp overflows without the running max
+def test_one_pass_logsumexp_equals_logsumexp(scale):
+    x = jax.random.normal(jax.random.key(1), (5, 1031)) * scale
+    x = x.at[1].set(-1e30).at[2, 7].set(1e30).at[3].set(4.0)  # very negative row, one huge entry, flat row
+    got, want = logsumexp_rows(x), jax.nn.logsumexp(x, axis=-1)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want)))) < 1e-6
+    with jax.enable_x64(True):
+        x64 = jax.random.normal(jax.random.key(2), (3, 257), jnp.float64) * 40
+        assert float(jnp.max(jnp.abs(logsumexp_rows(x64) - jax.nn.logsumexp(x64, axis=-1)))) < 1e-12
+
+
+def test_bf16_logits_close_to_fp32_logits():
+    f, w, y, m = _inputs(jnp.float32)
+    f = f.astype(jnp.bfloat16)
+    loss = {d: jax.value_and_grad(lambda f, w: head_cross_entropy(f, w, y, m, 8, d), argnums=(0, 1))(f, w)
+            for d in (None, "bfloat16")}
+    (v32, g32), (v16, g16) = loss[None], loss["bfloat16"]
+    assert abs(float(v16 - v32)) < 2e-2 * abs(float(v32))  # bf16-rounded logits, fp32 softmax
+    assert float(v16) != float(v32)  # the option does round the logits
+    for a, b in zip(g16, g32):
+        assert a.dtype == b.dtype
+        assert rel_rmse(a, b) < 2e-2
+    logits_dot = _dot_preferred_dtypes(jax.make_jaxpr(lambda f, w: head_cross_entropy(f, w, y, m, 8, "bfloat16"))(f, w).jaxpr)
+    assert logits_dot == [jnp.bfloat16], logits_dot  # the matmul itself stores bf16
+
+
+def test_bad_logits_dtype_is_named():
+    f, w, y, m = _inputs(jnp.float32)
+    with pytest.raises(ValueError, match="logits_dtype='float16' must be one of"):
+        head_cross_entropy(f, w, y, m, 8, "float16")
+    with pytest.raises(ValueError, match="loss_logits_dtype='fp8' must be one of"):
+        TrainConfig(loss_logits_dtype="fp8")
+
+
+def _dot_preferred_dtypes(jaxpr) -> list:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["preferred_element_type"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out.extend(_dot_preferred_dtypes(sub))
+    return out
 
 
 def _dot_operand_dtypes(jaxpr) -> list:
