@@ -113,14 +113,43 @@ def _is_dims(x) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
+def newton_schulz(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, dtype) -> jax.Array:
+    """Frobenius-normalised quintic Newton–Schulz on one ``[m, n]`` matrix, iterated in ``dtype``.
+
+    The same polynomial as optax's step ``a·X + (b·A + c·A²)·X`` with ``A = X Xᵀ``, factored as
+    ``(a·I + A (b·I + c·A)) X``: each sum is an operand of the next matmul, which XLA fuses into
+    that matmul's kernel, so a step is three matmuls and no elementwise pass over the ``[m, m]``
+    products (optax's form costs two such passes a step). The norm is taken and the coefficients
+    applied in fp32 (optax rounds them to the iterate's dtype); the matmuls take and return
+    ``dtype`` (their accumulation follows ``OptimizerConfig.ns_precision``). A ``fori_loop`` as
+    optax's, so `batch_scans` stacks the same-shaped ones. Wide rows are transposed as optax does."""
+    if x.shape[0] > x.shape[1]:
+        return newton_schulz(x.T, coeffs, ns_steps, eps, dtype).T
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(wide)
+    x = (x / (jnp.linalg.norm(x) + eps)).astype(dtype)
+    a, b, c = (coeffs[i].astype(wide) for i in range(3))
+
+    def step(_, x):
+        eye = jnp.eye(x.shape[0], dtype=wide)
+        gram = x @ x.T
+        poly = gram @ (b * eye + c * gram.astype(wide)).astype(dtype)
+        return (a * eye + poly.astype(wide)).astype(dtype) @ x
+
+    return jax.lax.fori_loop(0, ns_steps, step, x, unroll=True)
+
+
 def _orthogonalize(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, dims: MuonDimensionNumbers,
                    ns_dtype: str | None) -> jax.Array:
-    """optax's per-head Newton–Schulz on ``x`` stored in ``ns_dtype`` (float64 runs keep float64)."""
+    """Per-head Newton–Schulz of ``x`` with products stored in ``ns_dtype``: optax's own when that is
+    ``x``'s dtype or None (bit for bit; float64 runs keep float64), else ``newton_schulz``."""
     if ns_dtype is None or x.dtype == jnp.float64 or x.dtype == jnp.dtype(ns_dtype):
         return _muon.orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps, dims)
-    # optax iterates in its input's dtype (coefficients included): this cast sets every product's dtype.
-    y = _muon.orthogonalize_via_newton_schulz(x.astype(ns_dtype), coeffs, ns_steps, "frobenius", eps, dims)
-    return y.astype(x.dtype)
+    if dims is None or x.ndim == 2:
+        dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+    reshape, inverse = _muon._compute_muon_reshape(x, dims)
+    one = lambda m: newton_schulz(m, coeffs, ns_steps, eps, jnp.dtype(ns_dtype))
+    return inverse(jax.vmap(one)(reshape(x))).astype(x.dtype)
 
 
 def _scale_by_muon(ns_steps: int, beta: float, eps: float, dims: Any,

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from k3jax.train.config import TrainConfig
-from k3jax.train.loss import head_cross_entropy, logsumexp_rows
+from k3jax.train.loss import head_cross_entropy
 from tests.tolerances import rel_rmse
 
 B, T, D, V = 2, 10, 8, 37
@@ -52,18 +52,6 @@ def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
         assert rel_rmse(a, b) < 2e-2  # bf16 operands (SPEC §10)
     dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
     assert len(dots) == 3 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots  # 3 matmuls
-
-
-@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: exp overflows without the running max
-def test_one_pass_logsumexp_equals_logsumexp(scale):
-    x = jax.random.normal(jax.random.key(1), (5, 1031)) * scale
-    x = x.at[1].set(-1e30).at[2, 7].set(1e30).at[3].set(4.0)  # very negative row, one huge entry, flat row
-    got, want = logsumexp_rows(x), jax.nn.logsumexp(x, axis=-1)
-    assert bool(jnp.all(jnp.isfinite(got)))
-    assert float(jnp.max(jnp.abs(got - want) / jnp.maximum(1.0, jnp.abs(want)))) < 1e-6
-    with jax.enable_x64(True):
-        x64 = jax.random.normal(jax.random.key(2), (3, 257), jnp.float64) * 40
-        assert float(jnp.max(jnp.abs(logsumexp_rows(x64) - jax.nn.logsumexp(x64, axis=-1)))) < 1e-12
 
 
 def test_bf16_logits_close_to_fp32_logits():

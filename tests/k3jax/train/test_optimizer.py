@@ -117,7 +117,7 @@ def _eqns(jaxpr):
 @pytest.mark.parametrize("ns_dtype, want", [("bfloat16", jnp.bfloat16), (None, jnp.float32)])
 def test_newton_schulz_products_and_carries_are_ns_dtype(ns_dtype, want):
     """Every NS matmul takes and returns ``ns_dtype`` (accumulating in fp32 under ns_precision) and
-    every NS scan carries it, also once `batch_scans` stacks the scans; momentum and updates stay fp32."""
+    every NS scan carries it (its fp32 coefficients stay scalars), also once `batch_scans` stacks the scans; momentum and updates stay fp32."""
     params, _, tx = _setup(ns_dtype=ns_dtype)
     state = tx.init(params)
     grads = _grads(params, 0)
@@ -129,9 +129,12 @@ def test_newton_schulz_products_and_carries_are_ns_dtype(ns_dtype, want):
         assert dots and {v.aval.dtype for e in dots for v in (*e.invars, *e.outvars)} == {jnp.dtype(want)}
         assert {str(e.params["precision"]) for e in dots} == {"BF16_BF16_F32"}  # fp32 accumulation
         scans[name] = [e for e in eqns if e.primitive.name == "scan"]
-        floats = {v.aval.dtype for e in scans[name] for v in (*e.invars, *e.outvars)
-                  if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        floats = {v.aval.dtype for e in scans[name] for v in e.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
         assert floats == {jnp.dtype(want)}, name
+        # what else a scan reads in another float dtype is its scalar coefficients (kept fp32 by ours;
+        # one per stacked leaf once batched)
+        assert all(v.aval.ndim <= 1 for e in scans[name] for v in e.invars
+                   if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype != want), name
     assert len(scans["batched"]) < len(scans["plain"])
     updates, new_state = jax.eval_shape(tx.update, grads, state, params)
     floats = {x.dtype for x in jax.tree.leaves((updates, new_state)) if jnp.issubdtype(x.dtype, jnp.floating)}
