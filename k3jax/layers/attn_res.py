@@ -15,6 +15,7 @@ Plain pre-norm residual models use the same stream with no blocks.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -70,17 +71,52 @@ def attn_res_mix(blocks, count: int, partial: Float[Array, "B T D"],
     so entries past it are never read (they would get weight 0). Each source is widened where it
     is read, one at a time: a stacked ``[count+1, B, T, D]`` fp32 copy made XLA write and re-read
     it and reduce over its leading axis; here the logits are row reductions and the mix is one
-    elementwise sum over the sources.
+    elementwise sum over the sources. The gradient is `_mix`'s explicit backward.
     """
-    d = direction.astype(wide_dtype)
-    sources = [blocks[n] for n in range(count)] + [partial]
+    sources = tuple(blocks[n] for n in range(count)) + (partial,)
+    return _mix(sources, direction.astype(wide_dtype), eps, jnp.dtype(wide_dtype))
 
-    def logit(v):  # (v · d) / rms(v) = RMSNorm-keyed logit, both sums over D in one pass
-        v = v.astype(wide_dtype)
-        return jnp.sum(v * d, axis=-1) * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps)
 
-    p = jax.nn.softmax(jnp.stack([logit(v) for v in sources]), axis=0)  # [count+1, B, T]
-    return sum(p[n][..., None] * v.astype(wide_dtype) for n, v in enumerate(sources))
+def _mix_terms(sources, d, eps, wide):
+    """Per source ``[N, B, T]``: ``s = v·d``, ``r = 1/rms(v)``, and the softmax weights of ``s·r``."""
+    s = jnp.stack([jnp.sum(v.astype(wide) * d, axis=-1) for v in sources])
+    r = jnp.stack([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(wide)), axis=-1) + eps) for v in sources])
+    return s, r, jax.nn.softmax(s * r, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mix(sources: tuple, d: Float[Array, "D"], eps: float, wide) -> Float[Array, "B T D"]:
+    """``Σ_n softmax_n(logit)·v_n`` with ``logit_n = (v_n·d)/rms(v_n)``, in ``wide``."""
+    p = _mix_terms(sources, d, eps, wide)[2]
+    return sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources))
+
+
+def _mix_fwd(sources, d, eps, wide):
+    s, r, p = _mix_terms(sources, d, eps, wide)
+    return sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources)), (sources, d, s, r, p)
+
+
+def _mix_bwd(eps, wide, res, dh):
+    """With ``g_n = dh·v_n`` and ``ℓ_n = p_n (g_n − Σ_m p_m g_m)`` (the softmax's backward):
+    ``dv_n = p_n dh + ℓ_n (r_n d − s_n r_n³ v_n / D)`` and ``dd = Σ_n (ℓ_n r_n)ᵀ v_n``.
+
+    Autodiff of the forward gives the same sums, but XLA fuses every later mix's share of a stored
+    block's cotangent together with the ``dd`` column sums into one ~90-operand reduction fusion
+    that ran at a fifth of the H200's bandwidth (9.3 ms per small() step in three such fusions).
+    Here ``dd`` is a matrix product of its own, so the cotangents stay elementwise (loop fusions)."""
+    sources, d, s, r, p = res
+    dh = dh.astype(wide)
+    D = dh.shape[-1]
+    g = jnp.stack([jnp.sum(dh * v.astype(wide), axis=-1) for v in sources])
+    dlogit = p * (g - jnp.sum(p * g, axis=0))
+    on_d, on_v = dlogit * r, dlogit * s * r ** 3 / D
+    dsources = tuple((p[n][..., None] * dh + on_d[n][..., None] * d - on_v[n][..., None] * v.astype(wide)).astype(v.dtype)
+                     for n, v in enumerate(sources))
+    dd = sum(jnp.dot(on_d[n].reshape(-1), v.reshape(-1, D).astype(wide)) for n, v in enumerate(sources))
+    return dsources, dd
+
+
+_mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 class AttnResMix(nn.Module):

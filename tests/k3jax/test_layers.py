@@ -64,6 +64,42 @@ def test_attn_res_mix_matches_formula():
     assert rel_rmse(got, np.einsum("nbt,nbtd->btd", p, src)) <= F32_RTOL
 
 
+def _mix_by_autodiff(sources, direction, eps):
+    """The AttnRes mix written plainly (jnp autodiff gives its gradient)."""
+    src = jnp.stack(sources)
+    logits = jnp.sum(src * direction, -1) * jax.lax.rsqrt(jnp.mean(src ** 2, -1) + eps)
+    return jnp.einsum("nbt,nbtd->btd", jax.nn.softmax(logits, axis=0), src)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_attn_res_mix_gradients_equal_autodiff_in_float64(count):
+    """The explicit backward (every source's cotangent and the direction's) == autodiff of the formula."""
+    with jax.enable_x64(True):
+        blocks = tuple(jnp.asarray(RNG.normal(size=(2, 5, 16)) * (n + 1)) for n in range(count))
+        partial = jnp.asarray(RNG.normal(size=(2, 5, 16)))
+        direction = jnp.asarray(RNG.normal(size=16))
+        ct = jnp.asarray(RNG.normal(size=(2, 5, 16)))
+        got = jax.vjp(lambda b, p, d: attn_res_mix(b, count, p, d, 1e-5, jnp.float64), blocks, partial, direction)
+        want = jax.vjp(lambda b, p, d: _mix_by_autodiff(b + (p,), d, 1e-5), blocks, partial, direction)
+        assert float(jnp.max(jnp.abs(got[0] - want[0]))) < 1e-12
+        for a, b in zip(jax.tree.leaves(got[1](ct)), jax.tree.leaves(want[1](ct)), strict=True):
+            assert a.dtype == jnp.float64
+            assert float(jnp.max(jnp.abs(a - b))) < 1e-10 * max(1.0, float(jnp.max(jnp.abs(b))))
+
+
+def test_attn_res_mix_cotangents_keep_each_source_dtype():
+    """bf16 sources get bf16 cotangents (computed in fp32), the fp32 direction an fp32 one."""
+    blocks = (jnp.asarray(RNG.normal(size=(2, 3, 8)), jnp.bfloat16),)
+    partial = jnp.asarray(RNG.normal(size=(2, 3, 8)), jnp.float32)
+    direction = jnp.asarray(RNG.normal(size=8), jnp.float32)
+    _, vjp = jax.vjp(lambda b, p, d: attn_res_mix(b, 1, p, d, 1e-5, jnp.float32), blocks, partial, direction)
+    (db,), dp, dd = vjp(jnp.ones((2, 3, 8), jnp.float32))
+    assert (db.dtype, dp.dtype, dd.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
+    want = jax.vjp(lambda b, p, d: _mix_by_autodiff((b.astype(jnp.float32), p), d, 1e-5), blocks[0], partial, direction)[1](
+        jnp.ones((2, 3, 8), jnp.float32))
+    assert rel_rmse(db.astype(jnp.float32), want[0]) < 1e-2 and rel_rmse(dd, want[2]) < 1e-5
+
+
 def test_residual_stream_push():
     s = ResidualStream.start(jnp.ones((1, 2, 4)), max_blocks=3)
     s = s.push().add(2 * jnp.ones((1, 2, 4))).push()
