@@ -60,3 +60,17 @@ def test_packed_equals_unpacked_values_and_grads(activation, dtype):
     got, want = jax.grad(loss(packed))(gu), jax.grad(loss(unpacked))(gu)
     assert got.dtype == dtype and got.shape == gu.shape
     assert rel_rmse(got, want) <= (F32_RTOL if dtype == jnp.float32 else BF16_GRAD_RTOL)
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+def test_packed_forward_stores_bf16_partial_derivatives(activation):
+    """The backward's residuals are ∂a/∂g and ∂a/∂u in the input dtype (not two float32 terms)."""
+    from pallas_kernels.moe.activations import _packed_fwd
+
+    gu = (jax.random.normal(jax.random.PRNGKey(6), (8, 2 * 16)) * 3).astype(jnp.bfloat16)
+    _, (d_g, d_u) = _packed_fwd(gu, activation, 4.0, 25.0, None)
+    assert d_g.dtype == d_u.dtype == jnp.bfloat16
+    g, u = gu[:, :16].astype(jnp.float32), gu[:, 16:].astype(jnp.float32)
+    fn = lambda g, u: jnp.sum(gated_activation(g, u, activation))
+    want_g, want_u = jax.grad(fn, argnums=(0, 1))(g, u)
+    assert rel_rmse(d_g, want_g) < 4e-3 and rel_rmse(d_u, want_u) < 4e-3
