@@ -23,13 +23,15 @@ import numpy as np  # noqa: E402
 
 from bench_moe import GMM_SHAPES, fwd_and_train, random_group_sizes  # noqa: E402
 from ncu_kda import profiler_region  # noqa: E402
-from pallas_kernels.moe import grouped_matmul  # noqa: E402
+from pallas_kernels.moe import grouped_matmul, kernel_gpu_tgmm  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, default=2, help=f"index into GMM_SHAPES {GMM_SHAPES}")
     parser.add_argument("--skip-bwd", action="store_true", help="profile the forward only")
+    parser.add_argument("--tgmm-candidates", default="", metavar="I,J",
+                        help="also profile the weight gradient alone under these kernel_gpu_tgmm.TGMM_CANDIDATES")
     args = parser.parse_args()
     if not 0 <= args.shape < len(GMM_SHAPES):
         parser.error(f"--shape must be an index in [0, {len(GMM_SHAPES)}), got {args.shape}")
@@ -41,6 +43,10 @@ def main():
     gs = random_group_sizes(k4, m, e)
     fwd, train = fwd_and_train(functools.partial(grouped_matmul, implementation="pallas"))
     calls = [lambda: fwd(lhs, rhs, gs)] + ([] if args.skip_bwd else [lambda: train(lhs, rhs, gs, cot)])
+    for i in (int(c) for c in args.tgmm_candidates.split(",") if c):
+        tiling = kernel_gpu_tgmm.TGMM_CANDIDATES[i]
+        drhs = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=e, tiling=tiling))
+        calls.append(lambda drhs=drhs: drhs(lhs, cot, gs))
     for call in calls:  # compile outside the region
         jax.block_until_ready(call())
     with profiler_region():
