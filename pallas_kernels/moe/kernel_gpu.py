@@ -75,7 +75,8 @@ def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
 
 
 def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0):
-    """K-loop of one gmm tile; aligned tiles pass a per-tile lhs view and block 0."""
+    """K-loop of one gmm tile; aligned tiles pass a per-tile lhs view and block 0. With
+    ``cluster_n`` the lhs block is multicast to the cluster's two CTAs (same rows, next N tiles)."""
     tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     return plgpu.emit_pipeline_warp_specialized(
@@ -84,7 +85,8 @@ def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0):
         memory_registers=40,
         in_specs=[
             # block-indexed over the whole lhs (unaligned mode): TMA zero-fills rows past M
-            plgpu.BlockSpec((tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype)),
+            plgpu.BlockSpec((tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype),
+                            collective_axes=("cluster",) if cfg.cluster_n else ()),
             plgpu.BlockSpec(
                 b_block,
                 (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
@@ -131,7 +133,8 @@ def _half_or_full_wgmma(acc, a_smem, b, half):
 def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = cfg.cta_n()
-    n_work, grid_n = meta.shape[1], n // cta_n
+    pair = 2 if cfg.cluster_n else 1  # CTAs of a cluster: the same rows, adjacent N tiles
+    n_work, grid_n = meta.shape[1], n // cta_n // pair
     pipeline = functools.partial(_gmm_pipeline, cfg, k, lhs_gmem.dtype, transpose_rhs)
     ignore = lambda *_, **__: None
 
@@ -147,6 +150,8 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
         @plgpu.nd_loop((n_work * grid_n,), collective_axes="sm")
         def _tiles(info):
             wi, ni = plgpu.planar_snake(info.index[0], (n_work, grid_n), 1, cfg.grid_tile_width)
+            if cfg.cluster_n:
+                ni = pair * ni + lax.axis_index("cluster")
             grp, block, lo, count, g = (meta[r, wi] for r in range(5))
             # aligned: BLOCK holds the tile's first row (a multiple of 8)
             row0 = pl.multiple_of(block, 8) if cfg.aligned else block * tm
@@ -197,6 +202,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
     if cfg.half_tiles and cfg.tile_m % 128:  # wgmma issues rows in groups of 64
         raise ValueError(f"tiling.tile_m must be a multiple of 128 with half_tiles, got {cfg.tile_m}")
+    if cfg.cluster_n and (n // cfg.cta_n()) % 2:
+        raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
     m_run = m
     if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
         m_run = max(cfg.tile_m, m + (-m % 8))
@@ -207,6 +214,6 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     body = functools.partial(_gmm_body, cfg=cfg, m=m_run, k=k, n=n, transpose_rhs=transpose_rhs)
     out = kernel_gpu_base.persistent_kernel(
         body, jax.ShapeDtypeStruct((m_run, n), lhs.dtype), interpret=interpret,
-        name="moe_gmm_transposed" if transpose_rhs else "moe_gmm",
+        name="moe_gmm_transposed" if transpose_rhs else "moe_gmm", cluster=2 if cfg.cluster_n else 1,
     )(meta, lhs, rhs)
     return out[:m] if m_run != m else out

@@ -27,6 +27,11 @@ class GpuTiling:
     over the K groups (64 rows at the 128-byte swizzle) that hold rows of its group.
     ``swizzle_bytes`` (tgmm only; 0: the widest that fits): the operand tiles' swizzle; a
     wgmma's K group is ``swizzle_bytes / itemsize`` rows, so 32 lets ``trim_rows`` trim to 16 rows.
+    ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
+    work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
+    ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
+    tiles of the same (group, N tile), and each ``dout`` block reaches both by one multicast TMA:
+    a third less L2-to-SM traffic per step (``dout`` is two thirds of a step's bytes).
     """
 
     tile_m: int = 128
@@ -41,6 +46,8 @@ class GpuTiling:
     half_tiles: bool = False  # gmm only: wgmma on the first tile_m/2 rows when the tile's rows fit there
     trim_rows: bool = False  # tgmm only: contract a partial row block over its valid K groups only
     swizzle_bytes: int = 0  # tgmm only: operand swizzle (0: widest; 32: 16-row K groups for trim_rows)
+    cluster_n: bool = False  # gmm only: 2-CTA clusters share each lhs block by multicast
+    cluster_k: bool = False  # per-group tgmm only: 2-CTA clusters share each dout block by multicast
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -71,13 +78,17 @@ def _zeros_wgmma(shape, dtype):
     return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
 
 
-def persistent_kernel(body, out_type, *, interpret: bool, name: str):
-    """``body`` as a persistent kernel: one CTA per SM, one memory + ``_COMPUTE_WGS`` compute warpgroups."""
+def persistent_kernel(body, out_type, *, interpret: bool, name: str, cluster: int = 1):
+    """``body`` as a persistent kernel: one CTA per SM, one memory + ``_COMPUTE_WGS`` compute
+    warpgroups; with ``cluster > 1`` the CTAs run in clusters of that size (axis ``"cluster"``) and
+    the grid axis ``"sm"`` counts clusters."""
+    extra = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
     return plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(_num_sms(interpret),),  # looked up per call: tests pretend 132 SMs
+        grid=(_num_sms(interpret) // cluster,),  # looked up per call: tests pretend 132 SMs
         grid_names=("sm",),
+        **extra,
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=_compiler_params(interpret),

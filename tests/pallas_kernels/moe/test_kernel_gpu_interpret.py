@@ -5,6 +5,8 @@ shape and reused across group-size cases (group sizes are traced values).
 """
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,32 @@ class TestGpuInterpret(GpuKernelCase):
     pass
 
 
+CLUSTERED = dict(gmm=dataclasses.replace(SMALL, cluster_n=True), tgmm=dataclasses.replace(SMALL, cluster_k=True))
+
+
+@pytest.fixture
+def clustered_gpu_tiles(monkeypatch):
+    """2-CTA clusters: gmm and dlhs share the lhs block, tgmm the dout block, by multicast."""
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", CLUSTERED["gmm"])
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", CLUSTERED["gmm"])
+    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", CLUSTERED["tgmm"])
+
+
+@pytest.mark.usefixtures("clustered_gpu_tiles")
+class TestGpuInterpretClusters(GpuKernelCase):
+    m, k, n = 150, 256, 256  # two N tiles for the forward, two output-row tiles for dlhs
+
+
+def test_clusters_need_an_even_tile_count():
+    lhs, rhs = random_gmm_inputs(0, 64, 128, 128, E, jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    with pytest.raises(ValueError, match="cluster_n needs an even number of N tiles"):
+        kernel_gpu.gmm(lhs, rhs, gs, tiling=CLUSTERED["gmm"], interpret=True)
+    with pytest.raises(ValueError, match="cluster_k needs group_chunk=0"):
+        kernel_gpu_tgmm.tgmm(lhs, lhs, gs, num_groups=E, interpret=True,
+                             tiling=dataclasses.replace(CLUSTERED["tgmm"], tile_k=128))
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 def test_tile_schedule_covers_every_row_once(aligned):
     gs = jnp.asarray([50, 0, 90, 61, 0], jnp.int32)
@@ -110,3 +138,10 @@ def test_pallas_on_cpu_needs_interpret():
 class TestGpuCompiled(GpuKernelCase):
     impl = dict(implementation="pallas")
     m, k, n = 1000, 512, 768
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("clustered_gpu_tiles")
+class TestGpuCompiledClusters(GpuKernelCase):
+    impl = dict(implementation="pallas")
+    m, k, n = 1000, 512, 1024

@@ -36,6 +36,8 @@ TILINGS = {
     "overlap_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, overlap_wgmma=True),
     "overlap_chunk3": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=3, group_chunk=3, overlap_wgmma=True),
     "overlap_chunk1": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=1, overlap_wgmma=True),
+    "cluster_k": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, cluster_k=True),
+    "cluster_k_overlap": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=3, overlap_wgmma=True, cluster_k=True),
 }
 
 
@@ -141,6 +143,19 @@ def test_tgmm_candidates_lower_for_cuda(cfg, monkeypatch):
     text = kernel_gpu_tgmm.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert ("moe_tgmm_chunked_mosaic_gpu" if cfg.group_chunk else "moe_tgmm_mosaic_gpu") in text
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_clustered_gmm_lowers_for_cuda(transpose_rhs, monkeypatch):
+    """The multicast forward / input-gradient tiling lowers for CUDA at the E=128 shape."""
+    monkeypatch.setattr(kernel_gpu_base, "_num_sms", lambda interpret: 132)
+    cfg = kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, cluster_n=True)
+    S = jax.ShapeDtypeStruct
+    args = (S((32768, 1024 if transpose_rhs else 2048), jnp.bfloat16), S((128, 2048, 1024), jnp.bfloat16),
+            S((128,), jnp.int32))
+    gmm = kernel_gpu.gmm.trace(*args, transpose_rhs=transpose_rhs, tiling=cfg)
+    text = gmm.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.gpu
