@@ -31,7 +31,6 @@ def tune(results, m, e, k, n, transpose_rhs=False):
         # 2-CTA clusters sharing each lhs block by multicast
         kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, cluster_n=True),
         kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, cluster_n=True),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=4, half_tiles=True, cluster_n=True),
     ]
     best, want = None, None
     for cfg in configs:
