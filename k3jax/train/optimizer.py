@@ -23,9 +23,11 @@ Mixed precision [ours, SPEC §10]: master parameters and both optimisers' moment
 gradients arrive in fp32. Newton–Schulz alone stores its iterate in ``OptimizerConfig.ns_dtype``
 (bf16 by default, as Jordan's Muon runs it): the fp32 Nesterov momentum is cast to bf16, every NS
 product is a bf16 matrix (fp32 accumulation inside the matmul under ``ns_precision``), and the
-orthogonalised result is cast back to fp32 before the shape scaling, decay and learning rate. optax
-casts the quintic's coefficients to the iterate's dtype, so in bf16 they are (3.4375, −4.78125,
-2.03125); the result is as close to the exact polar factor as fp32's (``tests/tolerances.py``).
+orthogonalised result is cast back to fp32 before the shape scaling, decay and learning rate. That
+bf16 iteration is ``newton_schulz`` (the quintic factored as ``(aI + A(bI + cA))X``, coefficients in
+fp32, where optax's would round them to (3.4375, −4.78125, 2.03125)): its updates sit 0.023–0.027
+from the fp32 ones (optax's bf16 iteration: 0.061–0.065), and both sit 0.19 from the exact polar
+factor (``tests/tolerances.py``).
 """
 
 from typing import Any, NamedTuple
