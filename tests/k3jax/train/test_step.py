@@ -136,3 +136,31 @@ def test_newton_schulz_matmul_precision_follows_config(precision, expect_bf16):
     text = jax.jit(trainer.train_step).lower(abstract, batch).as_text()
     algo = [line for line in text.splitlines() if "dot_general" in line and "lhs_precision_type = bf16" in line]
     assert bool(algo) == expect_bf16, len(algo)
+
+
+def test_bf16_logits_option_reaches_the_loss():
+    """``loss_logits_dtype="bfloat16"``: the step's loss and gradients stay close to the fp32-logits ones,
+    and the head's matmul in the step's jaxpr stores bf16."""
+    cfg = toy.micro_train_config()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=80))  # ≠ hidden, to spot the head
+    batch = next(make_data(cfg))
+    out = {}
+    for logits_dtype in (None, "bfloat16"):
+        trainer = Trainer(dataclasses.replace(cfg, loss_logits_dtype=logits_dtype))
+        state = trainer.init_state(jax.random.key(0))
+        (grads, aux), denom, _ = jax.jit(trainer._grads)(state, batch)
+        out[logits_dtype] = (aux["ce"] / denom, grads)
+        dots = [e.params["preferred_element_type"] for e in _eqns(jax.make_jaxpr(trainer._grads)(state, batch).jaxpr)
+                if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] == cfg.model.vocab_size]
+        assert (jnp.dtype(jnp.bfloat16) in dots) == (logits_dtype == "bfloat16"), dots
+    (l32, g32), (l16, g16) = out[None], out["bfloat16"]
+    assert abs(float(l16) - float(l32)) < 1e-2 * abs(float(l32))
+    assert rel_rmse(jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g16)]),
+                    jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g32)])) < 2e-2
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
