@@ -8,8 +8,8 @@ pseudo-query w fold into one vector; no 1/√D), ``h = Σ_n softmax(logit)_n v_n
 Bookkeeping is static: ``ResidualStream`` holds the finished block sums as a tuple (their number
 is known at trace time) and the ``partial`` sum of the current block. Separate arrays, not one
 ``[Nmax,B,T,D]`` buffer, so no zero buffer is written and a read of block n differentiates into
-block n alone. (On the H200 this did not change the backward's cost: XLA still sums every later
-mix's contribution to a block's cotangent in one many-operand fusion, `benchmarks/RESULTS.md`.)
+block n alone. The mix has an explicit backward (`_mix_bwd`) so that XLA's fusions of the blocks'
+cotangents stay elementwise (`benchmarks/RESULTS.md`, stop 15).
 Plain pre-norm residual models use the same stream with no blocks.
 """
 
