@@ -76,3 +76,10 @@ def test_cli_reports_bad_config_file(tmp_path, capsys):
 def test_demo_config_loads():
     cfg = load_config("experiments/demo_recall.py", ["steps=5"])
     assert cfg.steps == 5 and cfg.model.name == "tiny" and cfg.data.source == "recall"
+
+
+def test_small_h200_config_is_the_benchmarked_step():
+    """The H200 experiment is bench_train's measured setting: 8 micro-batches of 8 × 4096 tokens, no remat."""
+    cfg = load_config("experiments/small_h200.py", ["steps=3"])
+    assert (cfg.model.name, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len, cfg.remat) == ("small", 8, 8, 4096, "none")
+    assert cfg.tokens_per_step == 262144 and cfg.steps == 3 and cfg.loss_logits_dtype is None
