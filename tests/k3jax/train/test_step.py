@@ -157,10 +157,3 @@ def test_bf16_logits_option_reaches_the_loss():
     assert abs(float(l16) - float(l32)) < 1e-2 * abs(float(l32))
     assert rel_rmse(jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g16)]),
                     jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g32)])) < 2e-2
-
-
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _eqns(sub)
