@@ -21,6 +21,9 @@ class GpuTiling:
     ``overlap_wgmma`` (tgmm only): a step waits for the previous step's wgmma, not its own;
     its slot is released one step later, and the memory warpgroup waits for the compute
     warpgroups' last wgmma before it refills the slots for the next pipeline.
+    ``aligned``: ``gmm`` work tiles start at their group's first row rounded down to 8
+    (``schedule.aligned_tile_schedule``), per-group ``tgmm`` row blocks at the group's first row;
+    False: both at multiples of ``tile_m``.
     ``half_tiles`` (gmm only, ``tile_m`` a multiple of 128): a work tile whose rows all lie in its
     first ``tile_m / 2`` issues its wgmmas on those rows only (half the tensor-core work).
     ``trim_rows`` (tgmm only, ``tile_m`` at least two wgmma K groups): a row block contracts only
@@ -39,7 +42,7 @@ class GpuTiling:
     tile_k: int = 64
     stages: int = 3
     grid_tile_width: int = 8
-    aligned: bool = True  # gmm tiles start at group starts (schedule.aligned_tile_schedule)
+    aligned: bool = True  # gmm tiles / per-group tgmm row blocks start at group starts
     group_chunk: int = 0
     overlap_wgmma: bool = False  # tgmm only: keep one wgmma in flight (slots released a step late)
     reset_acc: bool = False  # chunked tgmm, compiled only: zero the accumulator at group ends

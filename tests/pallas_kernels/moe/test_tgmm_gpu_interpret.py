@@ -30,6 +30,8 @@ E = len(CASES[0])
 # small tiles keep the interpreter's work low; chunks that divide E, do not, and cover all of it
 TILINGS = {
     "per_group_m128": kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2),
+    "per_group_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2),
+    "per_group_blocks": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, aligned=False),
     "chunk1": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=1),
     "chunk3": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=3, group_chunk=3),
     "chunk8_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=128, stages=2, group_chunk=8),
