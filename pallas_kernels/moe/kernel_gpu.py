@@ -36,6 +36,8 @@ from pallas_kernels.moe.kernel_gpu_base import (  # noqa: F401  (GpuTiling: the 
 from pallas_kernels.moe.kernel_gpu_tgmm import TGMM_CANDIDATES, tgmm  # noqa: F401  (one module per backend for ops.py)
 from pallas_kernels.moe.schedule import aligned_tile_schedule, fits_half, tile_schedule
 
+_STATE = plgpu.PipelinePipeline
+
 GMM_TILING = GpuTiling()
 # the input gradient (``transpose_rhs``) contracts over N and writes K: its own tiling
 GMM_TILING_T = GpuTiling()
@@ -74,9 +76,10 @@ def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
     return rhs_gmem.at[0, cols] if transpose_rhs else rhs_gmem.at[0, :, cols]
 
 
-def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0):
+def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0, state=None):
     """K-loop of one gmm tile; aligned tiles pass a per-tile lhs view and block 0. With
-    ``cluster_n`` the lhs block is multicast to the cluster's two CTAs (same rows, next N tiles)."""
+    ``cluster_n`` the lhs block is multicast to the cluster's two CTAs (same rows, next N tiles).
+    ``state``: this tile's ``PipelinePipeline`` place in a chain of tiles (``chain_tiles``)."""
     tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     return plgpu.emit_pipeline_warp_specialized(
@@ -97,7 +100,15 @@ def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0):
         num_compute_wgs=_COMPUTE_WGS,
         max_concurrent_steps=cfg.stages,
         compute_context=compute_context,
+        pipeline_state=state,
     )
+
+
+def _chain_state(info):
+    """A chained tile's pipeline state: START on a CTA's first tile, STOP on its last, else
+    STEADY (a CTA with a single tile runs an unchained pipeline: see ``_gmm_body``)."""
+    last = info.num_local_steps - 1
+    return jnp.where(info.local_index == 0, _STATE.START, jnp.where(info.local_index == last, _STATE.STOP, _STATE.STEADY))
 
 
 def _gmm_epilogue(acc, o_smem, out_gmem, is_tail, row0, lo, count, n_slice, max_rows):
@@ -130,11 +141,12 @@ def _half_or_full_wgmma(acc, a_smem, b, half):
         plgpu.wgmma(acc, a_smem, b)
 
 
-def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
+def _gmm_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = cfg.cta_n()
     pair = 2 if cfg.cluster_n else 1  # CTAs of a cluster: the same rows, adjacent N tiles
-    n_work, grid_n = meta.shape[1], n // cta_n // pair
+    # chained: the loop visits active work tiles only, so each CTA's last visit is a real tile
+    n_work, grid_n = num_active[0] if cfg.chain_tiles else meta.shape[1], n // cta_n // pair
     pipeline = functools.partial(_gmm_pipeline, cfg, k, lhs_gmem.dtype, transpose_rhs)
     ignore = lambda *_, **__: None
 
@@ -180,12 +192,18 @@ def _gmm_body(meta, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs
             n_cols = pl.ds(ni * cta_n, cta_n)
             b_view = rhs_gmem.at[g, n_cols] if transpose_rhs else rhs_gmem.at[g, :, n_cols]
 
-            @pl.when(grp >= 0)
-            def _():
+            def run(state):
                 if cfg.aligned:
-                    pipeline(mma, compute_context)(lhs_gmem.at[pl.ds(row0, tm)], b_view, allocations=allocs)
+                    pipeline(mma, compute_context, state=state)(
+                        lhs_gmem.at[pl.ds(row0, tm)], b_view, allocations=allocs)
                 else:
-                    pipeline(mma, compute_context, block)(lhs_gmem, b_view, allocations=allocs)
+                    pipeline(mma, compute_context, block, state=state)(lhs_gmem, b_view, allocations=allocs)
+
+            if cfg.chain_tiles:
+                pl.when(info.num_local_steps == 1)(lambda: run(None))
+                pl.when(info.num_local_steps > 1)(lambda: run(_chain_state(info)))
+            else:
+                pl.when(grp >= 0)(lambda: run(None))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -202,6 +220,9 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
     if cfg.half_tiles and cfg.tile_m % 128:  # wgmma issues rows in groups of 64
         raise ValueError(f"tiling.tile_m must be a multiple of 128 with half_tiles, got {cfg.tile_m}")
+    if cfg.chain_tiles and (k // cfg.tile_k) % cfg.stages:
+        raise ValueError(f"tiling.chain_tiles needs K/tile_k a multiple of stages, got {k}/{cfg.tile_k} "
+                         f"and stages={cfg.stages}")
     if cfg.cluster_n and (n // cfg.cta_n()) % 2:
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
     m_run = m
@@ -215,5 +236,5 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     out = kernel_gpu_base.persistent_kernel(
         body, jax.ShapeDtypeStruct((m_run, n), lhs.dtype), interpret=interpret,
         name="moe_gmm_transposed" if transpose_rhs else "moe_gmm", cluster=2 if cfg.cluster_n else 1,
-    )(meta, lhs, rhs)
+    )(meta, jnp.sum(meta[0] >= 0, dtype=jnp.int32)[None], lhs, rhs)
     return out[:m] if m_run != m else out

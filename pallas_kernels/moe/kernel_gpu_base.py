@@ -30,6 +30,9 @@ class GpuTiling:
     over the K groups (64 rows at the 128-byte swizzle) that hold rows of its group.
     ``swizzle_bytes`` (tgmm only; 0: the widest that fits): the operand tiles' swizzle; a
     wgmma's K group is ``swizzle_bytes / itemsize`` rows, so 32 lets ``trim_rows`` trim to 16 rows.
+    ``chain_tiles`` (gmm only; the K steps ``K / tile_k`` a multiple of ``stages``): a CTA's work tiles run
+    as one pipeline of pipelines (``pipeline_state``): the memory warpgroup loads the next tile's first
+    blocks while the compute warpgroups finish a tile and store it, instead of draining the ring per tile.
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -51,6 +54,7 @@ class GpuTiling:
     swizzle_bytes: int = 0  # tgmm only: operand swizzle (0: widest; 32: 16-row K groups for trim_rows)
     cluster_n: bool = False  # gmm only: 2-CTA clusters share each lhs block by multicast
     cluster_k: bool = False  # per-group tgmm only: 2-CTA clusters share each dout block by multicast
+    chain_tiles: bool = False  # gmm only: one pipeline across a CTA's tiles (next tile's loads overlap the store)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

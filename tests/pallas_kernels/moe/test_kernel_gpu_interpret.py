@@ -93,6 +93,28 @@ class TestGpuInterpretClusters(GpuKernelCase):
     m, k, n = 150, 256, 256  # two N tiles for the forward, two output-row tiles for dlhs
 
 
+@pytest.fixture
+def chained_gpu_tiles(monkeypatch):
+    """gmm and dlhs as one pipeline across each CTA's tiles; with 2 interpreted SMs one CTA gets a
+    single tile in the all-in-one case (the unchained path) and the others chain 2-3 tiles."""
+    chained = dataclasses.replace(SMALL, chain_tiles=True)
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", chained)
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", chained)
+    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", SMALL)
+
+
+@pytest.mark.usefixtures("chained_gpu_tiles")
+class TestGpuInterpretChained(GpuKernelCase):
+    pass
+
+
+def test_chained_tiles_need_whole_rounds_of_stages():
+    lhs, rhs = random_gmm_inputs(0, 64, 192, 128, E, jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    with pytest.raises(ValueError, match="chain_tiles needs K/tile_k a multiple of stages"):
+        kernel_gpu.gmm(lhs, rhs, gs, tiling=dataclasses.replace(SMALL, chain_tiles=True), interpret=True)
+
+
 def test_clusters_need_an_even_tile_count():
     lhs, rhs = random_gmm_inputs(0, 64, 128, 128, E, jnp.bfloat16)
     gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
@@ -145,3 +167,11 @@ class TestGpuCompiled(GpuKernelCase):
 class TestGpuCompiledClusters(GpuKernelCase):
     impl = dict(implementation="pallas")
     m, k, n = 1000, 512, 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("chained_gpu_tiles")
+class TestGpuCompiledChained(GpuKernelCase):
+    """132 SMs: most CTAs get one or two tiles here, so the unchained path runs too."""
+    impl = dict(implementation="pallas")
+    m, k, n = 4000, 512, 768
