@@ -107,8 +107,8 @@ def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0, 
 def _chain_state(info):
     """A chained tile's pipeline state: START on a CTA's first tile, STOP on its last, else
     STEADY (a CTA with a single tile runs an unchained pipeline: see ``_gmm_body``)."""
-    last = info.num_local_steps - 1
-    return jnp.where(info.local_index == 0, _STATE.START, jnp.where(info.local_index == last, _STATE.STOP, _STATE.STEADY))
+    later = jnp.where(info.local_index == info.num_local_steps - 1, _STATE.STOP, _STATE.STEADY)
+    return jnp.where(info.local_index == 0, _STATE.START, later)
 
 
 def _gmm_epilogue(acc, o_smem, out_gmem, is_tail, row0, lo, count, n_slice, max_rows):
