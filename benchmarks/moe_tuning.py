@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_moe import fwd_and_train, random_group_sizes, rel, timeit, timeit_interleaved
+from bench_moe import fwd_and_train, random_group_sizes, rel, timeit_interleaved
 from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm
 
 
@@ -67,26 +67,32 @@ def tune(results, m, e, k, n, transpose_rhs=False):
 
 def tune_bwd(results, m, e, k, n, candidates=None):
     """Pick the fastest weight-gradient (tgmm) tiling at one shape by timing our forward+backward
-    with each of ``kernel_gpu_tgmm.TGMM_CANDIDATES`` (forward tiling as already tuned); tgmm alone too."""
+    with each of ``kernel_gpu_tgmm.TGMM_CANDIDATES`` (forward tiling as already tuned; all timed
+    interleaved); tgmm alone too."""
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
     lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
     rhs = (jax.random.normal(k2, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     cot = jax.random.normal(k3, (m, n), jnp.bfloat16)
     gs = random_group_sizes(k3, m, e)
-    want = None
-    best = None
-    for cfg in candidates or kernel_gpu_tgmm.TGMM_CANDIDATES:
+    want, rows, calls = None, [], {}
+    configs = candidates or kernel_gpu_tgmm.TGMM_CANDIDATES
+    for i, cfg in enumerate(configs):
         row = dict(shape=[m, e, k, n], tiling=dataclasses.asdict(cfg))
         try:
             tg = jax.jit(functools.partial(kernel_gpu_tgmm.tgmm, num_groups=e, tiling=cfg))
             got = tg(lhs, cot, gs).astype(jnp.float32)
             want = got if want is None else want  # the default tiling's drhs, checked in check_ours
             row["rel_vs_default"] = rel(got, want)
-            row["tgmm_ms"] = timeit(tg, lhs, cot, gs, reps=5, warmup=1)
             _, train = fwd_and_train(functools.partial(grouped_matmul, implementation="pallas", tgmm_tiling=cfg))
-            row["train_ms"] = timeit(train, lhs, rhs, gs, cot, reps=5, warmup=2)
+            calls[(i, "tgmm_ms")] = (tg, (lhs, cot, gs))
+            calls[(i, "train_ms")] = (train, (lhs, rhs, gs, cot))
         except Exception as ex:  # noqa: BLE001 (a tiling that fails to compile is recorded)
             row["error"] = repr(ex)[:300]
+        rows.append(row)
+    for (i, what), ms in timeit_interleaved(calls, reps=7).items():  # candidates under the same clocks
+        rows[i][what] = ms
+    best = None
+    for cfg, row in zip(configs, rows):
         results["tuning_bwd"].append(row)
         print("tgmm tiling", cfg, {key: v for key, v in row.items() if key not in ("shape", "tiling")})
         ok = "train_ms" in row and row["rel_vs_default"] < 1e-2

@@ -33,6 +33,9 @@ class GpuTiling:
     ``chain_tiles`` (gmm only; the K steps ``K / tile_k`` a multiple of ``stages``): a CTA's work tiles run
     as one pipeline of pipelines (``pipeline_state``): the memory warpgroup loads the next tile's first
     blocks while the compute warpgroups finish a tile and store it, instead of draining the ring per tile.
+    ``group_run`` (per-group tgmm only): the tile loop takes the same (K tile, N tile) of ``group_run``
+    consecutive groups in a row, so CTAs that run at the same time read different rows (1: all
+    output tiles of a group in a row).
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -55,6 +58,7 @@ class GpuTiling:
     cluster_n: bool = False  # gmm only: 2-CTA clusters share each lhs block by multicast
     cluster_k: bool = False  # per-group tgmm only: 2-CTA clusters share each dout block by multicast
     chain_tiles: bool = False  # gmm only: one pipeline across a CTA's tiles (next tile's loads overlap the store)
+    group_run: int = 1  # per-group tgmm only: tiles of this many groups per (K tile, N tile) in a row
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

@@ -76,6 +76,11 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True, cluster_k=True),
     # row blocks at multiples of tile_m (the default before aligned blocks)
     dataclasses.replace(TGMM_TILING, aligned=False),
+    # CTAs running at the same time on different groups' rows
+    dataclasses.replace(TGMM_TILING, group_run=4),
+    dataclasses.replace(TGMM_TILING, group_run=8),
+    dataclasses.replace(TGMM_TILING, group_run=16),
+    dataclasses.replace(TGMM_TILING, group_run=8, cluster_k=True),
 )
 
 
@@ -222,10 +227,8 @@ def _tgmm_body(rows_gmem, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
         _stage_rows(rows_gmem, rows_smem, rows_bar, wg)
         rows = rows_smem
 
-        @plgpu.nd_loop((out_gmem.shape[0], grid_k * grid_n), collective_axes="sm")
-        def _tiles(info):
-            g = info.index[0]
-            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)
+        def _tile(g, kn):
+            ki, ni = plgpu.planar_snake(kn, (grid_k, grid_n), 1, cfg.grid_tile_width)
             if cfg.cluster_k:
                 ki = pair * ki + lax.axis_index("cluster")
             start, end, num_blocks = rows[0, g], rows[1, g], rows[2, g]
@@ -277,6 +280,16 @@ def _tgmm_body(rows_gmem, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
             @pl.when((num_blocks == 0) & (wg < _COMPUTE_WGS))
             def _():
                 store(_zeros_wgmma((tk, tn), jnp.float32))
+
+        e, group_run = out_gmem.shape[0], cfg.group_run
+
+        @plgpu.nd_loop((pl.cdiv(e, group_run), grid_k * grid_n, group_run), collective_axes="sm")
+        def _tiles(info):
+            g = info.index[0] * group_run + info.index[2]
+            if e % group_run:
+                pl.when(g < e)(lambda: _tile(g, info.index[1]))
+            else:
+                _tile(g, info.index[1])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -368,6 +381,9 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         raise ValueError(f"group_sizes must have shape ({num_groups},), got {group_sizes.shape}")
     if cfg.group_chunk < 0:
         raise ValueError(f"tiling.group_chunk must be >= 0, got {cfg.group_chunk}")
+    if cfg.group_run < 1 or (cfg.group_run > 1 and cfg.group_chunk):
+        raise ValueError(f"tiling.group_run must be >= 1, and 1 with group_chunk > 0, got group_run={cfg.group_run}, "
+                         f"group_chunk={cfg.group_chunk}")
     if cfg.overlap_wgmma and cfg.stages < 2:
         raise ValueError(f"tiling.stages must be >= 2 with overlap_wgmma, got {cfg.stages}")
     if cfg.reset_acc and (interpret or not cfg.group_chunk):

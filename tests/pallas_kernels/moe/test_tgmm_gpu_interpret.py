@@ -32,6 +32,7 @@ TILINGS = {
     "per_group_m128": kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2),
     "per_group_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2),
     "per_group_blocks": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, aligned=False),
+    "group_run3": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, group_run=3),  # 8 % 3: a part run
     "chunk1": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=1),
     "chunk3": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=3, group_chunk=3),
     "chunk8_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=128, stages=2, group_chunk=8),
@@ -147,6 +148,9 @@ def test_bad_tgmm_tiling_is_refused():
         kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=1, overlap_wgmma=True)
     with pytest.raises(ValueError, match="stages"):
+        kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+    bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, group_run=2)
+    with pytest.raises(ValueError, match="group_run"):
         kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, reset_acc=True)
     with pytest.raises(ValueError, match="reset_acc"):
