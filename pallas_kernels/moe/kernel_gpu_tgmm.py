@@ -172,9 +172,9 @@ def _drained_wait(cfg, drained, wg):
             plgpu.barrier_wait(drained)
 
 
-def _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem, **extra):
+def _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem):
     """``(pipeline, scoped)``: the row-block pipeline of one output tile, and a decorator running its
-    body with the pipeline's slots, the output staging tiles, (overlap) the drain barrier and ``extra``."""
+    body with the pipeline's slots, the output staging tiles and (overlap) the drain barrier."""
     pipeline = functools.partial(_tgmm_pipeline, cfg, lhs_gmem.dtype)
     ignore = lambda *_, **__: None
     alloc_views = (lhs_gmem.at[:, pl.ds(0, cfg.tile_k)], dout_gmem.at[:, pl.ds(0, cfg.cta_n())])
@@ -184,48 +184,21 @@ def _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem, **extra):
         o_smem=plgpu.SMEM((_COMPUTE_WGS, cfg.tile_k, cfg.tile_n), out_gmem.dtype,
                           transforms=_swizzled(cfg.tile_n, out_gmem.dtype)),
         **_drained_alloc(cfg),
-        **extra,
         collective_axes="wg",
     )
     return pipeline, scoped
 
 
-_TMA_BOX = 256  # a TMA box spans at most 256 elements in a dimension
-
-
-def _staged_rows_alloc(rows_gmem):
-    """SMEM for the per-group rows, and one barrier per TMA box of them (see ``_stage_rows``)."""
-    boxes = pl.cdiv(rows_gmem.shape[1], _TMA_BOX)
-    return dict(rows_smem=plgpu.SMEM(rows_gmem.shape, jnp.int32), rows_bar=plgpu.Barrier(num_barriers=boxes))
-
-
-def _stage_rows(rows_gmem, rows_smem, rows_bar, wg):
-    """Copy the per-group rows into SMEM once per CTA. Read from GMEM, every output tile's first
-    loads waited for an L2 round trip (in the memory warpgroup, before its first TMA)."""
-    cols = rows_gmem.shape[1]
-
-    @pl.when(wg == _COMPUTE_WGS)
-    def _():
-        for i, c0 in enumerate(range(0, cols, _TMA_BOX)):
-            box = pl.ds(c0, min(_TMA_BOX, cols - c0))
-            plgpu.copy_gmem_to_smem(rows_gmem.at[:, box], rows_smem.at[:, box], rows_bar.at[i])
-
-    for i in range(pl.cdiv(cols, _TMA_BOX)):
-        plgpu.barrier_wait(rows_bar.at[i])
-
-
-def _tgmm_body(rows_gmem, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
+def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k  # tm: contraction (rows), tk: out rows
     cta_n = cfg.cta_n()
     pair = 2 if cfg.cluster_k else 1  # CTAs of a cluster: adjacent output-row tiles, one dout stream
     grid_k, grid_n = k // tk // pair, n // cta_n
-    pipeline, scoped = _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem, **_staged_rows_alloc(rows_gmem))
+    pipeline, scoped = _tgmm_scope(cfg, lhs_gmem, dout_gmem, out_gmem)
 
     @scoped
-    def _scope(allocs, o_smem, rows_smem, rows_bar, drained=None):
+    def _scope(allocs, o_smem, drained=None):
         wg = lax.axis_index("wg")
-        _stage_rows(rows_gmem, rows_smem, rows_bar, wg)
-        rows = rows_smem
 
         def _tile(g, kn):
             ki, ni = plgpu.planar_snake(kn, (grid_k, grid_n), 1, cfg.grid_tile_width)
@@ -405,8 +378,7 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         if cfg.aligned and m_run != m:
             lhs, dout = (jnp.pad(x, ((0, m_run - m), (0, 0))) for x in (lhs, dout))
             m = m_run
-        rows = _group_rows(group_sizes, cfg.tile_m, cfg.aligned)
-        args = (jnp.pad(rows, ((0, 0), (0, -num_groups % 4))),)  # TMA rows are multiples of 16 bytes
+        args = (_group_rows(group_sizes, cfg.tile_m, cfg.aligned),)
         body = functools.partial(_tgmm_body, cfg=cfg, m=m, k=k, n=n)
     return kernel_gpu_base.persistent_kernel(
         body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype), interpret=interpret,

@@ -82,24 +82,6 @@ def test_tgmm_tilings_match_ragged_dot(name):
         _check(name, sizes)
 
 
-@pytest.mark.parametrize("num_groups", [5, 261])
-def test_group_rows_staged_in_boxes(num_groups):
-    """The per-group rows reach SMEM padded to 16-byte rows and in TMA boxes of <= 256 groups:
-    a group count that needs padding, and one past a box, with rows in the last box."""
-    m, k, n = 64, 64, 128
-    k1, k2 = jax.random.split(jax.random.PRNGKey(4))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
-    dout = jax.random.normal(k2, (m, n), jnp.float32).astype(jnp.bfloat16)
-    sizes = np.zeros(num_groups, np.int32)
-    sizes[[0, 2, num_groups - 3, num_groups - 1]] = [10, 20, 25, 9]
-    gs = jnp.asarray(sizes)
-    cfg = kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2)
-    got = np.asarray(kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=num_groups, tiling=cfg, interpret=True), np.float32)
-    want = np.asarray(_reference(lhs, dout, gs))
-    assert rel_rmse(got, want) < BF16_GRAD_RTOL
-    assert not np.any(got[sizes == 0])
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=group_sizes_strategy(E, M))
 def test_chunked_tgmm_hypothesis_group_sizes(sizes):
