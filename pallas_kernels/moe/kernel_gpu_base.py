@@ -22,8 +22,8 @@ class GpuTiling:
     its slot is released one step later, and the memory warpgroup waits for the compute
     warpgroups' last wgmma before it refills the slots for the next pipeline.
     ``aligned``: ``gmm`` work tiles start at their group's first row rounded down to 8
-    (``schedule.aligned_tile_schedule``), per-group ``tgmm`` row blocks at the group's first row;
-    False: both at multiples of ``tile_m``.
+    (``schedule.aligned_tile_schedule``), per-group ``tgmm`` row blocks at the group's first row
+    rounded down to 8; False: both at multiples of ``tile_m``.
     ``half_tiles`` (gmm only, ``tile_m`` a multiple of 128): a work tile whose rows all lie in its
     first ``tile_m / 2`` issues its wgmmas on those rows only (half the tensor-core work).
     ``trim_rows`` (tgmm only, ``tile_m`` at least two wgmma K groups): a row block contracts only
