@@ -9,8 +9,9 @@ group's blocks start at its first row rounded down to 8 (a TMA row offset must b
 the 8-row SMEM tiling; the last block is clamped to end at M), so a group of ``s`` rows takes
 ``ceil((s + start % 8) / tile_m)`` steps; otherwise blocks start at multiples of ``tile_m`` and a
 group spans up to one more. At the benchmark's E = 128 shape that is 8 % fewer steps.
-With ``group_chunk = C > 0`` one pipeline instead streams the row blocks of C consecutive groups for a (K tile, N tile), so
-the pipeline ramp is paid once per C groups (small groups: a few row blocks each). The
+With ``group_chunk = C > 0`` one pipeline instead streams the row blocks of C consecutive groups
+for a (K tile, N tile), so the pipeline ramp is paid once per C groups (small groups: a few row
+blocks each). The
 accumulator runs over the whole chunk and a group's tile is the running sum minus the sum at
 its start, kept in registers (the GPU interpreter cannot overwrite an accumulator; this costs
 ~f32 eps x the chunk's earlier sums, far below the bf16 output rounding, and a second
