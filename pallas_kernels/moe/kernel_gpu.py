@@ -227,8 +227,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
     m_run = m
     if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
-        m_run = max(cfg.tile_m, m + (-m % 8))
-        lhs = jnp.pad(lhs, ((0, m_run - m), (0, 0))) if m_run != m else lhs
+        m_run, lhs = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, lhs)
         meta = aligned_tile_schedule(group_sizes, m_run, cfg.tile_m)
     else:
         meta = m_tile_schedule(group_sizes, m, cfg.tile_m)

@@ -85,6 +85,14 @@ def _interpret_arg(interpret: bool):
     return plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None
 
 
+def pad_rows_for_aligned(tile_m: int, *xs):
+    """Zero rows appended to each ``[M, ·]`` array so that tiles starting at any multiple of 8 rows
+    (``aligned`` tilings) fit: ``(rows, *padded)`` with ``rows = max(tile_m, M rounded up to 8)``."""
+    m = xs[0].shape[0]
+    rows = max(tile_m, m + (-m % 8))
+    return (rows, *(jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x for x in xs))
+
+
 def _zeros_wgmma(shape, dtype):
     return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
 

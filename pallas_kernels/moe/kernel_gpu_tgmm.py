@@ -375,10 +375,8 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)
     else:
-        m_run = max(cfg.tile_m, m + (-m % 8))  # aligned blocks lie inside M, at multiples of 8
-        if cfg.aligned and m_run != m:
-            lhs, dout = (jnp.pad(x, ((0, m_run - m), (0, 0))) for x in (lhs, dout))
-            m = m_run
+        if cfg.aligned:  # blocks start at multiples of 8 and lie inside the (padded) rows
+            m, lhs, dout = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, lhs, dout)
         args = (_group_rows(group_sizes, cfg.tile_m, cfg.aligned),)
         body = functools.partial(_tgmm_body, cfg=cfg, m=m, k=k, n=n)
     return kernel_gpu_base.persistent_kernel(
