@@ -2,8 +2,9 @@
 
 Checks our kernels against the XLA reference first, then times forward and forward+backward
 of: ours (``grouped_matmul(implementation="pallas")``), ``jax.lax.ragged_dot``, tokamax
-0.0.17 ``ragged_dot(implementation="mosaic")``, jax-linear-attention 0.1.0 ``ragged_dot`` and
-the dense equal-group batched einsum (the no-routing ceiling); then the whole LatentMoE routed
+0.0.17 ``ragged_dot(implementation="mosaic")``, jax-linear-attention 0.1.0 ``ragged_dot``, the
+dense equal-group batched einsum (the no-routing ceiling), and PyTorch's grouped GEMM and dense
+``bmm`` on the same inputs (``torch_gmm.py``); then the whole LatentMoE routed
 layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragged_dot with
 XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
 BENCHMARKS.md); a missing or failing peer is recorded, not fatal. Per shape, the forward
@@ -189,7 +190,7 @@ def check_moe_ffn(results):
     print("check moe_ffn", results["checks"]["moe_ffn"])
 
 
-def bench_gmm(results, shape, impls, tgmm_tiling=None):
+def bench_gmm(results, shape, impls, tgmm_tiling=None, with_torch=True):
     m, e, k, n = shape
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
     lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
@@ -235,6 +236,10 @@ def bench_gmm(results, shape, impls, tgmm_tiling=None):
     for name, (fwd, train) in timed.items():
         calls[(name, "fwd_ms")] = (fwd, (lhs, rhs, gs))
         calls[(name, "train_ms")] = (train, (lhs, rhs, gs, cot))
+    if with_torch and ref_out is not None:
+        import torch_gmm  # benchmarks/ is the script's directory
+
+        torch_gmm.add_torch_calls(row, calls, (lhs, rhs, gs, cot), ref_out.astype(jnp.float32))
     for (name, what), ms in timeit_interleaved(calls).items():
         row[name][what] = ms
     for name in [n for n in row if isinstance(row[n], dict) and "fwd_ms" in row[n]]:
@@ -321,7 +326,7 @@ def main():
     ap.add_argument("--skip-tune-bwd", action="store_true", help="keep the default tgmm (weight gradient) tiling")
     ap.add_argument("--tgmm-candidates", default="", help="indices into kernel_gpu_tgmm.TGMM_CANDIDATES (default: all)")
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
-    ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla")
+    ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla, torch")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
     args = ap.parse_args()
     import moe_tuning  # benchmarks/ is the script's directory
@@ -353,7 +358,7 @@ def main():
         tilings[str(shape) + " dlhs"] = dataclasses.asdict(kernel_gpu.GMM_TILING_T)
         tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else moe_tuning.tune_bwd(results, *shape, picks)
         tgmm_tilings[str(shape)] = dataclasses.asdict(tgmm_cfg)
-        bench_gmm(results, shape, impls, tgmm_cfg)
+        bench_gmm(results, shape, impls, tgmm_cfg, with_torch="torch" not in skip)
         results["gmm_tiling"], results["tgmm_tiling"] = tilings, tgmm_tilings
         save()
     if "layer" not in skip and in_budget():
