@@ -36,7 +36,9 @@ from pallas_kernels.moe import kernel_gpu_base
 from pallas_kernels.moe.kernel_gpu_base import (
     _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
 )
+from pallas_kernels.moe.kernel_gpu_tgmm_ring import tgmm_ring_body
 from pallas_kernels.moe.schedule import BLOCK, COUNT, GROUP, LO, tile_schedule
+from pallas_kernels.moe.tgmm_rows import block_rows, group_rows, k_group_rows, mask_rows, wgmma_rows
 
 _LAST = 5  # row of the chunked tgmm schedule after schedule.tile_schedule's five
 TGMM_TILING = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
@@ -82,25 +84,12 @@ TGMM_CANDIDATES = (
     dataclasses.replace(TGMM_TILING, group_run=8),
     dataclasses.replace(TGMM_TILING, group_run=16),
     dataclasses.replace(TGMM_TILING, group_run=8, cluster_k=True),
+    # one slot ring across a CTA's tiles (kernel_gpu_tgmm_ring): no pipeline ramp and drain per tile
+    dataclasses.replace(TGMM_TILING, ring=True),
+    dataclasses.replace(TGMM_TILING, ring=True, group_run=4),
+    GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, ring=True),
+    GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, ring=True),
 )
-
-
-def _group_rows(group_sizes: jax.Array, tile_m: int, aligned: bool) -> jax.Array:
-    """Per group: int32 ``[3, E]`` rows = (start row, end row, number of row blocks); ``aligned``
-    blocks start at the group's first row rounded down to 8, the others at multiples of ``tile_m``."""
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    spanned = pl.cdiv(ends - starts // 8 * 8, tile_m) if aligned else (ends - 1) // tile_m - starts // tile_m + 1
-    blocks = jnp.where(group_sizes > 0, spanned, 0)
-    return jnp.stack([starts, ends, blocks]).astype(jnp.int32)
-
-
-def _mask_rows(ref, lo, hi):
-    """Zero the rows of a ``[rows, cols]`` shared-memory tile outside ``[lo, hi)``."""
-    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-    keep = (rows >= lo) & (rows < hi)
-    ref[...] = jnp.where(keep, ref[...], jnp.zeros((), ref.dtype))
-    plgpu.commit_smem()
 
 
 def _tgmm_pipeline(cfg, dtype, body, compute_context, row_of=lambda i: i, num_steps=None):
@@ -123,29 +112,6 @@ def _tgmm_pipeline(cfg, dtype, body, compute_context, row_of=lambda i: i, num_st
         max_concurrent_steps=cfg.stages,
         compute_context=compute_context,
     )
-
-
-def k_group_rows(cfg, dtype) -> int:
-    """Rows per wgmma K group of tgmm's operands: the contraction runs over rows, and Mosaic GPU
-    issues a wgmma's K in whole groups of the operands' swizzle width (64 bf16 rows at 128 bytes)."""
-    item = jnp.dtype(dtype).itemsize
-    return max(cfg.swizzle_bytes or plgpu.find_swizzle(d * item * 8) for d in (cfg.tile_k, cfg.cta_n())) // item
-
-
-def _wgmma_rows(cfg, acc, a_smem, b, lo, hi):
-    """``acc += a_smemᵀ @ b`` over rows ``[lo, hi)`` of the block (the others are zero in ``b``):
-    with ``trim_rows``, over the K groups that hold those rows only; a static branch per
-    (first group, end group) pair, as a wgmma's K is static. No rows: no wgmma."""
-    if not cfg.trim_rows:
-        plgpu.wgmma(acc, a_smem.T, b)
-        return
-    tm, group = cfg.tile_m, k_group_rows(cfg, a_smem.dtype)
-    first = jnp.clip(lo, 0, tm) // group
-    end = (jnp.clip(hi, 0, tm) + group - 1) // group
-    for g0 in range(tm // group):
-        for g1 in range(g0 + 1, tm // group + 1):
-            rows = pl.ds(g0 * group, (g1 - g0) * group)
-            pl.when((first == g0) & (end == g1))(lambda rows=rows: plgpu.wgmma(acc, a_smem.at[rows].T, b.at[rows]))
 
 
 def _wgmma_step_wait(cfg):
@@ -207,13 +173,7 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
                 ki = pair * ki + lax.axis_index("cluster")
             start, end, num_blocks = rows[0, g], rows[1, g], rows[2, g]
 
-            def rows_of(i):
-                """(first row of step ``i``'s block, first row of the group's rows in it)."""
-                if cfg.aligned:  # from the group's start (down to 8); the last block ends at M at most
-                    own = start // 8 * 8 + i * tm
-                    return pl.multiple_of(jnp.minimum(own, m - tm), 8), jnp.maximum(start, own)
-                row0 = (start // tm + i) * tm
-                return row0, jnp.maximum(start, row0)
+            rows_of = functools.partial(block_rows, cfg, m, start=start)
 
             wg_n = pl.ds(wg * tn, tn)
             out_tile = out_gmem.at[g, pl.ds(ki * tk, tk), pl.ds(ni * cta_n + wg * tn, tn)]
@@ -239,9 +199,9 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
 
                 @pl.when((lo > 0) | (hi < tm))
                 def _():
-                    _mask_rows(b, lo, hi)
+                    mask_rows(b, lo, hi)
 
-                _wgmma_rows(cfg, acc, a_smem, b, lo, hi)
+                wgmma_rows(cfg, acc, a_smem, b, lo, hi)
                 _wgmma_step_wait(cfg)
                 return acc
 
@@ -312,9 +272,9 @@ def _tgmm_chunked_body(meta, firsts, lhs_gmem, dout_gmem, out_gmem, *, cfg, k, n
 
                 @pl.when((lo > 0) | (lo + count < tm))
                 def _():
-                    _mask_rows(b, lo, lo + count)  # an empty group's tile keeps no row
+                    mask_rows(b, lo, lo + count)  # an empty group's tile keeps no row
 
-                _wgmma_rows(cfg, acc, a_smem, b, lo, lo + count)
+                wgmma_rows(cfg, acc, a_smem, b, lo, lo + count)
                 _wgmma_step_wait(cfg)
 
                 def flush():  # the group's sum is complete; the accumulator keeps running
@@ -371,15 +331,18 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     if cfg.trim_rows and cfg.tile_m < 2 * k_group_rows(cfg, lhs.dtype):
         raise ValueError(f"tiling.tile_m must be >= {2 * k_group_rows(cfg, lhs.dtype)} (two wgmma K groups) "
                          f"with trim_rows, got {cfg.tile_m}")
+    if cfg.ring and (cfg.group_chunk or cfg.cluster_k or cfg.stages < 2):
+        raise ValueError(f"tiling.ring needs group_chunk=0, cluster_k=False and stages >= 2, got "
+                         f"group_chunk={cfg.group_chunk}, cluster_k={cfg.cluster_k}, stages={cfg.stages}")
     if cfg.group_chunk:
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)
     else:
         if cfg.aligned:  # blocks start at multiples of 8 and lie inside the (padded) rows
             m, lhs, dout = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, lhs, dout)
-        args = (_group_rows(group_sizes, cfg.tile_m, cfg.aligned),)
-        body = functools.partial(_tgmm_body, cfg=cfg, m=m, k=k, n=n)
+        args = (group_rows(group_sizes, cfg.tile_m, cfg.aligned),)
+        body = functools.partial(tgmm_ring_body if cfg.ring else _tgmm_body, cfg=cfg, m=m, k=k, n=n)
     return kernel_gpu_base.persistent_kernel(
         body, jax.ShapeDtypeStruct((num_groups, k, n), lhs.dtype), interpret=interpret,
-        name="moe_tgmm_chunked" if cfg.group_chunk else "moe_tgmm", cluster=2 if cfg.cluster_k else 1,
+        name="moe_tgmm_chunked" if cfg.group_chunk else "moe_tgmm_ring" if cfg.ring else "moe_tgmm", cluster=2 if cfg.cluster_k else 1,
     )(*args, lhs, dout)

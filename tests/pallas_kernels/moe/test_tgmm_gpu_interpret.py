@@ -41,6 +41,10 @@ TILINGS = {
     "overlap_chunk1": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=1, overlap_wgmma=True),
     "cluster_k": kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, cluster_k=True),
     "cluster_k_overlap": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=3, overlap_wgmma=True, cluster_k=True),
+    # one slot ring across a CTA's tiles: 2 slots, 3 slots with a partial run of groups, 128-row blocks
+    "ring_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, ring=True),
+    "ring_run3": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=3, ring=True, group_run=3),
+    "ring_m128": kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, ring=True),
 }
 
 
@@ -88,7 +92,7 @@ def test_chunked_tgmm_hypothesis_group_sizes(sizes):
     _check("chunk3", sizes.tolist())
 
 
-@pytest.mark.parametrize("name", ["overlap_m32", "overlap_chunk1"])
+@pytest.mark.parametrize("name", ["overlap_m32", "overlap_chunk1", "ring_m32", "ring_run3"])
 def test_overlapped_wgmma_has_no_smem_race(name, monkeypatch):
     """The interpreter's race detector flags the next pipeline's TMA overwriting the last slot
     when the memory warpgroup does not wait for the compute warpgroups' last wgmma. Its wgmma
@@ -134,6 +138,10 @@ def test_bad_tgmm_tiling_is_refused():
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, group_run=2)
     with pytest.raises(ValueError, match="group_run"):
         kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
+    for bad in (kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=1, ring=True),
+                kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, ring=True, group_chunk=2)):
+        with pytest.raises(ValueError, match="ring"):
+            kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, reset_acc=True)
     with pytest.raises(ValueError, match="reset_acc"):
         kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
@@ -148,7 +156,8 @@ def test_tgmm_candidates_lower_for_cuda(cfg, monkeypatch):
     args = (S((32768, 2048), jnp.bfloat16), S((32768, 1024), jnp.bfloat16), S((128,), jnp.int32))
     text = kernel_gpu_tgmm.tgmm.trace(*args, num_groups=128, tiling=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-    assert ("moe_tgmm_chunked_mosaic_gpu" if cfg.group_chunk else "moe_tgmm_mosaic_gpu") in text
+    kind = "chunked" if cfg.group_chunk else "ring" if cfg.ring else None
+    assert f"moe_tgmm{'_' + kind if kind else ''}_mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
