@@ -1,17 +1,15 @@
 """MoE grouped-matmul and routed-layer benchmark on one GPU (the lent H200).
 
-Checks our kernels against the XLA reference first, then times forward and forward+backward
-of: ours (``grouped_matmul(implementation="pallas")``), ``jax.lax.ragged_dot``, tokamax
-0.0.17 ``ragged_dot(implementation="mosaic")``, jax-linear-attention 0.1.0 ``ragged_dot``, the
-dense equal-group batched einsum (the no-routing ceiling), and PyTorch's grouped GEMM and dense
-``bmm`` on the same inputs (``torch_gmm.py``); then the whole LatentMoE routed
-layer at a K3 per-device slice, ours vs the same layer built from tokamax's ragged_dot with
-XLA gathers and scatter-add. Peers are optional imports (carried as wheels, see
-BENCHMARKS.md); a missing or failing peer is recorded, not fatal. Per shape, the forward
-tiling and then the weight-gradient tiling (over ``kernel_gpu_tgmm.TGMM_CANDIDATES``) are picked
-by timing before the table (``moe_tuning.py``; a candidate whose result differs is never picked).
-The table's implementations are timed interleaved (``timeit_interleaved``), so the GPU's clock
-drift under its power cap falls on all of them alike.
+Checks our kernels against the XLA reference, then times forward and forward+backward of ours
+(``grouped_matmul(implementation="pallas")``), ``jax.lax.ragged_dot``, tokamax 0.0.17 and
+jax-linear-attention 0.1.0 ``ragged_dot``, the dense equal-group batched einsum (the no-routing
+ceiling), and PyTorch's grouped GEMM and dense ``bmm`` on the same inputs (``torch_gmm.py``);
+then the LatentMoE routed layer at a K3 per-device slice, ours vs the layer built from the peers'
+ragged_dot with XLA gathers and scatter-add. A missing or failing peer (wheels: BENCHMARKS.md)
+is recorded, not fatal. Per shape, the forward, input-gradient and weight-gradient tilings are
+picked by timing first (``moe_tuning.py``; a candidate whose result differs is never picked).
+Each table is timed interleaved (``timeit_interleaved``): clock drift under the power cap falls
+on every implementation alike.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
@@ -325,6 +323,7 @@ def main():
     ap.add_argument("--skip-tune", action="store_true")
     ap.add_argument("--skip-tune-bwd", action="store_true", help="keep the default tgmm (weight gradient) tiling")
     ap.add_argument("--tgmm-candidates", default="", help="indices into kernel_gpu_tgmm.TGMM_CANDIDATES (default: all)")
+    ap.add_argument("--gmm-candidates", default="", help="indices into moe_tuning.GMM_CANDIDATES (default: all)")
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla, torch")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
@@ -346,14 +345,15 @@ def main():
     picks = [kernel_gpu_tgmm.TGMM_CANDIDATES[int(i)] for i in filter(None, args.tgmm_candidates.split(","))]
     if picks and picks[0] != kernel_gpu_tgmm.TGMM_TILING:  # the first is the reference for rel_vs_default
         picks.insert(0, kernel_gpu_tgmm.TGMM_TILING)
+    gmm_picks = [moe_tuning.GMM_CANDIDATES[int(i)] for i in filter(None, args.gmm_candidates.split(","))] or None
     for idx in map(int, args.shapes.split(",")):
         if not in_budget():
             print("budget spent: skipping shape", GMM_SHAPES[idx])
             continue
         shape = GMM_SHAPES[idx]
         if not args.skip_tune:
-            moe_tuning.tune(results, *shape)  # sets the forward tiling our kernel uses at this shape
-            moe_tuning.tune(results, *shape, transpose_rhs=True)  # and the input gradient's
+            moe_tuning.tune(results, *shape, candidates=gmm_picks)  # sets the forward tiling used at this shape
+            moe_tuning.tune(results, *shape, transpose_rhs=True, candidates=gmm_picks)  # and the input gradient's
         tilings[str(shape)] = dataclasses.asdict(kernel_gpu.GMM_TILING)
         tilings[str(shape) + " dlhs"] = dataclasses.asdict(kernel_gpu.GMM_TILING_T)
         tgmm_cfg = kernel_gpu_tgmm.TGMM_TILING if args.skip_tune_bwd else moe_tuning.tune_bwd(results, *shape, picks)
@@ -364,7 +364,8 @@ def main():
     if "layer" not in skip and in_budget():
         if not args.skip_tune:
             for transpose_rhs in (False, True):
-                moe_tuning.tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], transpose_rhs)
+                moe_tuning.tune(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], transpose_rhs,
+                                gmm_picks)
         if not args.skip_tune_bwd:  # moe_ffn takes the module default (first traced at the layer's shapes here)
             kernel_gpu_tgmm.TGMM_TILING = moe_tuning.tune_bwd(results, LAYER["T"] * LAYER["k"], LAYER["E"], LAYER["L"], LAYER["F"], picks)
         results["layer_tiling"] = dataclasses.asdict(kernel_gpu.GMM_TILING)

@@ -12,29 +12,38 @@ from bench_moe import fwd_and_train, random_group_sizes, rel, timeit_interleaved
 from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm
 
 
-def tune(results, m, e, k, n, transpose_rhs=False):
+# forward / input-gradient tilings the tuning times per shape
+GMM_CANDIDATES = [
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, aligned=False),
+    kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
+    kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=2),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
+    # tiles whose rows fit in their first 64 issue half the wgmma rows
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True),
+    # 2-CTA clusters sharing each lhs block by multicast
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, cluster_n=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, cluster_n=True),
+    # one pipeline across each CTA's tiles (K steps a multiple of stages)
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, half_tiles=True, chain_tiles=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, chain_tiles=True),
+    # one slot ring across each CTA's tiles (kernel_gpu_gmm_ring), one wgmma in flight
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, ring=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, ring=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, ring=True),
+    kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, half_tiles=True, ring=True),
+]
+
+
+def tune(results, m, e, k, n, transpose_rhs=False, candidates=None):
     """Pick the fastest forward tiling for our kernel at one shape; keep it for the rest.
     ``transpose_rhs``: the input gradient's product instead (``[M, N] @ rhs[e]ᵀ``, ``GMM_TILING_T``)."""
     key = jax.random.PRNGKey(1)
     lhs = jax.random.normal(key, (m, n if transpose_rhs else k), jnp.bfloat16)
     rhs = (jax.random.normal(key, (e, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     gs = random_group_sizes(key, m, e)
-    configs = [
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, aligned=False),
-        kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4),
-        kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=2),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4),
-        # tiles whose rows fit in their first 64 issue half the wgmma rows
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True),
-        # 2-CTA clusters sharing each lhs block by multicast
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, cluster_n=True),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, cluster_n=True),
-        # one pipeline across each CTA's tiles (K steps a multiple of stages)
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, half_tiles=True, chain_tiles=True),
-        kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, chain_tiles=True),
-    ]
+    configs = candidates or GMM_CANDIDATES
     want, rows, calls = None, [], {}
     for i, cfg in enumerate(configs):
         row = dict(shape=[m, e, k, n], transpose_rhs=transpose_rhs, tiling=dataclasses.asdict(cfg), fwd_ms=None)

@@ -30,8 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import kernel_gpu_base, kernel_gpu_tgmm
+from pallas_kernels.moe.gmm_tiles import gmm_epilogue, half_or_full_wgmma
+from pallas_kernels.moe.kernel_gpu_gmm_ring import gmm_ring_body
 from pallas_kernels.moe.kernel_gpu_base import (  # noqa: F401  (GpuTiling: the public tiling type)
-    _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
+    _COMPUTE_WGS, GpuTiling, _swizzled,
 )
 from pallas_kernels.moe.kernel_gpu_tgmm import TGMM_CANDIDATES, tgmm  # noqa: F401  (one module per backend for ops.py)
 from pallas_kernels.moe.schedule import aligned_tile_schedule, fits_half, tile_schedule
@@ -52,23 +54,6 @@ def required_multiple() -> int:
 def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     """Work tiles of ``gmm`` (see ``schedule.tile_schedule``); group ``E`` is the zero tail."""
     return tile_schedule(group_sizes, m, tile_m, tail=True, empty_tiles=False)
-
-
-def _store_rows(o_smem, o_gmem, row0, lo, count, n_slice, max_rows: int):
-    """TMA-store rows ``[lo, lo + count)`` of ``o_smem`` to ``o_gmem[row0 + lo + …]``."""
-    offset = lo
-    size = 1 << (max_rows.bit_length() - 1)
-    while size >= 1:
-        part = count & size
-
-        @pl.when(part != 0)
-        def _():
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(offset, size)], o_gmem.at[pl.ds(row0 + offset, size), n_slice]
-            )
-
-        offset = offset + part
-        size //= 2
 
 
 def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
@@ -111,36 +96,6 @@ def _chain_state(info):
     return jnp.where(info.local_index == 0, _STATE.START, later)
 
 
-def _gmm_epilogue(acc, o_smem, out_gmem, is_tail, row0, lo, count, n_slice, max_rows):
-    """Stage one warpgroup's tile in SMEM (zeros for the tail group) and store its rows."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    @pl.when(is_tail)
-    def _():
-        o_smem[...] = _zeros_wgmma(o_smem.shape, out_gmem.dtype)
-
-    @pl.when(~is_tail)
-    def _():
-        o_smem[...] = acc[...].astype(out_gmem.dtype)
-
-    plgpu.commit_smem()
-    _store_rows(o_smem, out_gmem, row0, lo, count, n_slice, max_rows)
-
-
-def _half_or_full_wgmma(acc, a_smem, b, half):
-    """``acc += a @ b``, on the first half of the rows only where ``half``: the other rows of
-    the tile belong to other groups and are never stored (their accumulator rows stay 0)."""
-    rows = pl.ds(0, acc.shape[0] // 2)
-
-    @pl.when(half)
-    def _():
-        plgpu.wgmma(acc.at[rows], a_smem.at[rows], b)
-
-    @pl.when(~half)
-    def _():
-        plgpu.wgmma(acc, a_smem, b)
-
-
 def _gmm_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = cfg.cta_n()
@@ -175,12 +130,12 @@ def _gmm_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, t
                     run(acc)
                     out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                     is_tail = grp == rhs_gmem.shape[0]
-                    _gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
+                    gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
 
             def mma(_, a_smem, b_smem, acc):
                 b = b_smem.at[wg_n].T if transpose_rhs else b_smem.at[:, wg_n]
                 if cfg.half_tiles:
-                    _half_or_full_wgmma(acc, a_smem, b, fits_half(lo, count, tm))
+                    half_or_full_wgmma(acc, a_smem, b, fits_half(lo, count, tm))
                 else:
                     plgpu.wgmma(acc, a_smem, b)
                 # a slot is released when the body returns, and the warp-specialised pipeline
@@ -223,6 +178,9 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     if cfg.chain_tiles and (k // cfg.tile_k) % cfg.stages:
         raise ValueError(f"tiling.chain_tiles needs K/tile_k a multiple of stages, got {k}/{cfg.tile_k} "
                          f"and stages={cfg.stages}")
+    if cfg.ring and (cfg.chain_tiles or cfg.cluster_n or cfg.stages < 2):
+        raise ValueError(f"tiling.ring needs chain_tiles=False, cluster_n=False and stages >= 2, got "
+                         f"chain_tiles={cfg.chain_tiles}, cluster_n={cfg.cluster_n}, stages={cfg.stages}")
     if cfg.cluster_n and (n // cfg.cta_n()) % 2:
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
     m_run = m
@@ -231,9 +189,10 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         meta = aligned_tile_schedule(group_sizes, m_run, cfg.tile_m)
     else:
         meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
-    body = functools.partial(_gmm_body, cfg=cfg, m=m_run, k=k, n=n, transpose_rhs=transpose_rhs)
+    body = functools.partial(gmm_ring_body if cfg.ring else _gmm_body, cfg=cfg, m=m_run, k=k, n=n,
+                             transpose_rhs=transpose_rhs)
     out = kernel_gpu_base.persistent_kernel(
         body, jax.ShapeDtypeStruct((m_run, n), lhs.dtype), interpret=interpret,
-        name="moe_gmm_transposed" if transpose_rhs else "moe_gmm", cluster=2 if cfg.cluster_n else 1,
+        name=("moe_gmm_transposed" if transpose_rhs else "moe_gmm") + ("_ring" if cfg.ring else ""), cluster=2 if cfg.cluster_n else 1,
     )(meta, jnp.sum(meta[0] >= 0, dtype=jnp.int32)[None], lhs, rhs)
     return out[:m] if m_run != m else out

@@ -36,9 +36,10 @@ class GpuTiling:
     ``group_run`` (per-group tgmm only): the tile loop takes the same (K tile, N tile) of ``group_run``
     consecutive groups in a row, so CTAs that run at the same time read different rows (1: all
     output tiles of a group in a row).
-    ``ring`` (per-group tgmm only, ``stages`` >= 2): one hand-written producer/consumer ring of slots
-    across a CTA's tiles (``kernel_gpu_tgmm_ring``) instead of a pipeline per tile, so a tile's
-    loads start while the previous tile's last wgmma and store finish; one wgmma stays in flight.
+    ``ring`` (gmm and per-group tgmm, ``stages`` >= 2): one hand-written producer/consumer ring of
+    slots across a CTA's tiles (``kernel_gpu_gmm_ring``, ``kernel_gpu_tgmm_ring``) instead of a
+    pipeline per tile, so a tile's loads start while the previous tile's last wgmma and store
+    finish; one wgmma stays in flight.
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -62,7 +63,7 @@ class GpuTiling:
     cluster_k: bool = False  # per-group tgmm only: 2-CTA clusters share each dout block by multicast
     chain_tiles: bool = False  # gmm only: one pipeline across a CTA's tiles (next tile's loads overlap the store)
     group_run: int = 1  # per-group tgmm only: tiles of this many groups per (K tile, N tile) in a row
-    ring: bool = False  # per-group tgmm only: one slot ring across a CTA's tiles (no drain per tile)
+    ring: bool = False  # gmm, per-group tgmm: one slot ring across a CTA's tiles (no drain per tile)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, _zeros_wgmma
 from pallas_kernels.moe.tgmm_rows import block_rows, mask_rows, wgmma_rows
 
-_MEMORY_REGISTERS = 40
-_COMPUTE_REGISTERS = (512 - _MEMORY_REGISTERS) // _COMPUTE_WGS // 8 * 8  # the rest of the SM's registers
+MEMORY_REGISTERS = 40
+COMPUTE_REGISTERS = (512 - MEMORY_REGISTERS) // _COMPUTE_WGS // 8 * 8  # the rest of the SM's registers
 
 
 def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
@@ -72,7 +72,7 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
             def per_tile(g, ki, ni, step0, blocks):
                 @pl.loop(0, blocks)
@@ -94,7 +94,7 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
             def store(out_tile, val):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)

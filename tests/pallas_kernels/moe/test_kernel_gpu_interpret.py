@@ -108,6 +108,37 @@ class TestGpuInterpretChained(GpuKernelCase):
     pass
 
 
+RINGS = {
+    # 2 K steps a tile on 3 slots: the ring wraps inside tiles; tgmm's ring with 2 slots
+    "aligned": (dataclasses.replace(SMALL, stages=3, ring=True), dataclasses.replace(SMALL, ring=True)),
+    # blocks at multiples of 128 rows (the last runs past M: TMA zero-fills it), half-height wgmmas
+    "blocks_half": (kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, aligned=False, half_tiles=True,
+                                         ring=True), dataclasses.replace(SMALL, aligned=False, stages=3, ring=True)),
+}
+
+
+@pytest.fixture(params=list(RINGS))
+def ring_gpu_tiles(monkeypatch, request):
+    """gmm, dlhs and tgmm as hand-written slot rings across each CTA's tiles."""
+    gmm_cfg, tgmm_cfg = RINGS[request.param]
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", gmm_cfg)
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", gmm_cfg)
+    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", tgmm_cfg)
+
+
+@pytest.mark.usefixtures("ring_gpu_tiles")
+class TestGpuInterpretRing(GpuKernelCase):
+    pass
+
+
+def test_ring_refuses_chained_or_clustered_tiles():
+    lhs, rhs = random_gmm_inputs(0, 64, 128, 256, E, jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    for bad in (dataclasses.replace(SMALL, ring=True, chain_tiles=True), dataclasses.replace(SMALL, ring=True, stages=1)):
+        with pytest.raises(ValueError, match="ring needs"):
+            kernel_gpu.gmm(lhs, rhs, gs, tiling=bad, interpret=True)
+
+
 def test_chained_tiles_need_whole_rounds_of_stages():
     lhs, rhs = random_gmm_inputs(0, 64, 192, 128, E, jnp.bfloat16)
     gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
@@ -173,5 +204,12 @@ class TestGpuCompiledClusters(GpuKernelCase):
 @pytest.mark.usefixtures("chained_gpu_tiles")
 class TestGpuCompiledChained(GpuKernelCase):
     """132 SMs: most CTAs get one or two tiles here, so the unchained path runs too."""
+    impl = dict(implementation="pallas")
+    m, k, n = 4000, 512, 768
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("ring_gpu_tiles")
+class TestGpuCompiledRing(GpuKernelCase):
     impl = dict(implementation="pallas")
     m, k, n = 4000, 512, 768
