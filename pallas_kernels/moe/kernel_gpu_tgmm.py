@@ -9,6 +9,8 @@ group's blocks start at its first row rounded down to 8 (a TMA row offset must b
 the 8-row SMEM tiling; the last block is clamped to end at M), so a group of ``s`` rows takes
 ``ceil((s + start % 8) / tile_m)`` steps; otherwise blocks start at multiples of ``tile_m`` and a
 group spans up to one more. At the benchmark's E = 128 shape that is 8 % fewer steps.
+The default (``ring``) streams a CTA's tiles through one hand-written slot ring
+(``kernel_gpu_tgmm_ring``); otherwise each output tile runs its own pipeline (below).
 With ``group_chunk = C > 0`` one pipeline instead streams the row blocks of C consecutive groups
 for a (K tile, N tile), so the pipeline ramp is paid once per C groups (small groups: a few row
 blocks each). The
@@ -41,12 +43,14 @@ from pallas_kernels.moe.schedule import BLOCK, COUNT, GROUP, LO, tile_schedule
 from pallas_kernels.moe.tgmm_rows import block_rows, group_rows, k_group_rows, mask_rows, wgmma_rows
 
 _LAST = 5  # row of the chunked tgmm schedule after schedule.tile_schedule's five
-TGMM_TILING = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
+# one pipeline per output tile (the default until the slot ring; most candidates vary it)
+TGMM_PIPELINED = GpuTiling(tile_m=64, tile_n=128, tile_k=128, stages=3)
+TGMM_TILING = dataclasses.replace(TGMM_PIPELINED, ring=True)  # 0.35 against 0.43 ms at E = 128 (RESULTS.md)
 # tgmm tilings the benchmark times per shape (each fits the H200's 227 KiB of shared memory;
 # chunked ones keep tile_k x tile_n <= 64 x 128 for their second register tile)
 TGMM_CANDIDATES = (
     TGMM_TILING,
-    dataclasses.replace(TGMM_TILING, overlap_wgmma=True),
+    dataclasses.replace(TGMM_PIPELINED, overlap_wgmma=True),
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True),
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=4),
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=4, overlap_wgmma=True),
@@ -55,9 +59,9 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, group_chunk=8, overlap_wgmma=True),
     GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=4, group_chunk=8, overlap_wgmma=True),
     # compiled only: checked against the default tiling on the GPU before it may be picked
-    dataclasses.replace(TGMM_TILING, group_chunk=8, reset_acc=True),
-    dataclasses.replace(TGMM_TILING, group_chunk=4, overlap_wgmma=True, reset_acc=True),
-    dataclasses.replace(TGMM_TILING, group_chunk=8, overlap_wgmma=True, reset_acc=True),
+    dataclasses.replace(TGMM_PIPELINED, group_chunk=8, reset_acc=True),
+    dataclasses.replace(TGMM_PIPELINED, group_chunk=4, overlap_wgmma=True, reset_acc=True),
+    dataclasses.replace(TGMM_PIPELINED, group_chunk=8, overlap_wgmma=True, reset_acc=True),
     # 128 rows per step at 224 KiB of shared memory
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, overlap_wgmma=True),
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True),
@@ -68,27 +72,29 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=128, tile_n=64, tile_k=128, stages=3, group_chunk=8, overlap_wgmma=True, reset_acc=True,
               trim_rows=True),
     # 32-byte swizzle: partial blocks contract over 16-row K groups (narrower TMA boxes)
-    dataclasses.replace(TGMM_TILING, swizzle_bytes=32, trim_rows=True),
-    dataclasses.replace(TGMM_TILING, overlap_wgmma=True, swizzle_bytes=32, trim_rows=True),
+    dataclasses.replace(TGMM_PIPELINED, swizzle_bytes=32, trim_rows=True),
+    dataclasses.replace(TGMM_PIPELINED, overlap_wgmma=True, swizzle_bytes=32, trim_rows=True),
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True, swizzle_bytes=32, trim_rows=True),
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, group_chunk=8, overlap_wgmma=True, swizzle_bytes=32,
               trim_rows=True),
     # 2-CTA clusters sharing each dout block by multicast (a third less L2-to-SM traffic a step)
-    dataclasses.replace(TGMM_TILING, cluster_k=True),
-    dataclasses.replace(TGMM_TILING, overlap_wgmma=True, cluster_k=True),
+    dataclasses.replace(TGMM_PIPELINED, cluster_k=True),
+    dataclasses.replace(TGMM_PIPELINED, overlap_wgmma=True, cluster_k=True),
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, overlap_wgmma=True, cluster_k=True),
     # row blocks at multiples of tile_m (the default before aligned blocks)
-    dataclasses.replace(TGMM_TILING, aligned=False),
+    dataclasses.replace(TGMM_PIPELINED, aligned=False),
     # CTAs running at the same time on different groups' rows
+    dataclasses.replace(TGMM_PIPELINED, group_run=4),
+    dataclasses.replace(TGMM_PIPELINED, group_run=8),
+    dataclasses.replace(TGMM_PIPELINED, group_run=16),
+    dataclasses.replace(TGMM_PIPELINED, group_run=8, cluster_k=True),
+    # the per-tile pipeline (the default before the slot ring), then more slot rings (kernel_gpu_tgmm_ring)
+    TGMM_PIPELINED,
     dataclasses.replace(TGMM_TILING, group_run=4),
-    dataclasses.replace(TGMM_TILING, group_run=8),
-    dataclasses.replace(TGMM_TILING, group_run=16),
-    dataclasses.replace(TGMM_TILING, group_run=8, cluster_k=True),
-    # one slot ring across a CTA's tiles (kernel_gpu_tgmm_ring): no pipeline ramp and drain per tile
-    dataclasses.replace(TGMM_TILING, ring=True),
-    dataclasses.replace(TGMM_TILING, ring=True, group_run=4),
     GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=4, ring=True),
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, ring=True),
+    dataclasses.replace(TGMM_TILING, swizzle_bytes=32, trim_rows=True),
+    dataclasses.replace(TGMM_TILING, stages=2),
 )
 
 
