@@ -39,7 +39,8 @@ class GpuTiling:
     ``ring`` (gmm and per-group tgmm, ``stages`` >= 2): one hand-written producer/consumer ring of
     slots across a CTA's tiles (``kernel_gpu_gmm_ring``, ``kernel_gpu_tgmm_ring``) instead of a
     pipeline per tile, so a tile's loads start while the previous tile's last wgmma and store
-    finish; one wgmma stays in flight.
+    finish; one wgmma stays in flight. ``store_rows`` (ring tgmm only, a multiple of 64 dividing
+    ``tile_k``; 0: all): the output tile goes through a staging tile of that many rows.
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -64,6 +65,7 @@ class GpuTiling:
     chain_tiles: bool = False  # gmm only: one pipeline across a CTA's tiles (next tile's loads overlap the store)
     group_run: int = 1  # per-group tgmm only: tiles of this many groups per (K tile, N tile) in a row
     ring: bool = False  # gmm, per-group tgmm: one slot ring across a CTA's tiles (no drain per tile)
+    store_rows: int = 0  # ring tgmm only: stage the output tile this many rows at a time (0: all)
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

@@ -95,6 +95,7 @@ TGMM_CANDIDATES = (
     GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, ring=True),
     dataclasses.replace(TGMM_TILING, swizzle_bytes=32, trim_rows=True),
     dataclasses.replace(TGMM_TILING, stages=2),
+    dataclasses.replace(TGMM_TILING, stages=4, store_rows=64),  # 4 slots: the output staged 64 rows at a time
 )
 
 
@@ -340,6 +341,9 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     if cfg.ring and (cfg.group_chunk or cfg.cluster_k or cfg.stages < 2):
         raise ValueError(f"tiling.ring needs group_chunk=0, cluster_k=False and stages >= 2, got "
                          f"group_chunk={cfg.group_chunk}, cluster_k={cfg.cluster_k}, stages={cfg.stages}")
+    if cfg.store_rows and (not cfg.ring or cfg.store_rows % 64 or cfg.tile_k % cfg.store_rows):
+        raise ValueError(f"tiling.store_rows needs ring=True and a multiple of 64 dividing tile_k={cfg.tile_k}, "
+                         f"got ring={cfg.ring}, store_rows={cfg.store_rows}")
     if cfg.group_chunk:
         args = _chunk_schedule(group_sizes, m, cfg.tile_m, cfg.group_chunk)
         body = functools.partial(_tgmm_chunked_body, cfg=cfg, k=k, n=n)

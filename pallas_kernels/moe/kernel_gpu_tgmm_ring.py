@@ -12,7 +12,9 @@ loop over one ring that persists across tiles:
 - the compute warpgroups wait for ``loaded``, zero the block's rows of other groups in their half
   of ``dout``, issue the wgmma and wait for the previous step's, then release that step's slot, so
   one wgmma stays in flight; at a tile's end they wait for its last wgmma, release its slot and
-  store the tile while the memory warpgroup is already loading the next tile's blocks.
+  store the tile while the memory warpgroup is already loading the next tile's blocks;
+  ``store_rows`` stages the tile in parts of that many rows, which frees shared memory for a
+  fourth slot at 64 × 128 × 128.
 
 Each barrier tracks its own phase (Mosaic GPU flips a per-barrier parity bit at every wait), and
 both sides see the same step sequence, so a step's slot needs no bookkeeping beyond the count:
@@ -41,6 +43,7 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
     cta_n, dtype = cfg.cta_n(), lhs_gmem.dtype
     grid_k, grid_n = k // tk, n // cta_n
     e, run = out_gmem.shape[0], cfg.group_run
+    o_rows = cfg.store_rows or tk  # rows of the output staging tile
 
     def for_each_tile(per_tile):
         """``per_tile(g, ki, ni, step)`` over this CTA's tiles in order; ``step``: the ring steps of
@@ -62,7 +65,7 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
         pl.run_scoped,
         a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_swizzled(tk, dtype, cfg.swizzle_bytes)),
         b_smem=plgpu.SMEM((stages, tm, cta_n), dtype, transforms=_swizzled(cta_n, dtype, cfg.swizzle_bytes)),
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tk, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, o_rows, tn), out_gmem.dtype, transforms=_swizzled(tn, out_gmem.dtype)),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per TMA copy
         consumed=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         collective_axes="wg",
@@ -97,10 +100,11 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
             def store(out_tile, val):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[wg] = val.astype(out_gmem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile)
+                for r in range(0, tk, o_rows):  # through the staging tile, o_rows rows at a time
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = val[r:r + o_rows].astype(out_gmem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_tile.at[pl.ds(r, o_rows)])
 
             def per_tile(g, ki, ni, step0, blocks):
                 start, end = rows[0, g], rows[1, g]

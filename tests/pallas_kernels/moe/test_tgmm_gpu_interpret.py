@@ -45,6 +45,7 @@ TILINGS = {
     "ring_m32": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=2, ring=True),
     "ring_run3": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=64, stages=3, ring=True, group_run=3),
     "ring_m128": kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, ring=True),
+    "ring_store64": kernel_gpu.GpuTiling(tile_m=32, tile_n=64, tile_k=128, stages=4, ring=True, store_rows=64),
 }
 
 
@@ -139,8 +140,9 @@ def test_bad_tgmm_tiling_is_refused():
     with pytest.raises(ValueError, match="group_run"):
         kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     for bad in (kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=1, ring=True),
-                kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, ring=True, group_chunk=2)):
-        with pytest.raises(ValueError, match="ring"):
+                kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, ring=True, group_chunk=2),
+                kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=128, stages=2, store_rows=64)):
+        with pytest.raises(ValueError, match="ring needs|store_rows needs"):
             kernel_gpu_tgmm.tgmm(lhs, dout, gs, num_groups=E, tiling=bad, interpret=True)
     bad = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2, group_chunk=2, reset_acc=True)
     with pytest.raises(ValueError, match="reset_acc"):
