@@ -18,6 +18,8 @@ Algorithm of ``gmm``:
 3. ``half_tiles``: a tile whose rows all lie in its first ``tile_m / 2`` (most groups' last tile
    is partial) issues its wgmmas on a half-height slice of the SMEM tile and accumulator; at the
    benchmark's E=128 shape that cuts the issued rows of a gmm by ~10 % (see ``schedule.issued_rows``).
+4. ``ring``: the same tiles through one hand-written slot ring per CTA (``kernel_gpu_gmm_ring``)
+   instead of a pipeline per tile; a tuning candidate (not faster at the benchmark's shapes).
 """
 
 import functools

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm, schedule
+from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_base, kernel_gpu_tgmm, schedule
 from pallas_kernels.moe.reference import grouped_matmul_dense
 from tests.pallas_kernels.moe.conftest import random_gmm_inputs
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
@@ -129,6 +129,23 @@ def ring_gpu_tiles(monkeypatch, request):
 @pytest.mark.usefixtures("ring_gpu_tiles")
 class TestGpuInterpretRing(GpuKernelCase):
     pass
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_ring_has_no_smem_race(transpose_rhs, monkeypatch):
+    """The interpreter's race detector over the ring's slots: 2 K steps a tile on 3 slots, so loads
+    for the next tile land while a tile's last slots are still read. A slot released before its
+    wgmma finished stays invisible here (the interpreter's wgmma is synchronous): the compiled
+    ``TestGpuCompiledRing`` checks that."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
+    lhs, rhs = random_gmm_inputs(0, 150, 128, 128, E, jnp.bfloat16)
+    for case in GROUP_CASES:
+        out = kernel_gpu.gmm(lhs, rhs, jnp.asarray(case, jnp.int32), transpose_rhs=transpose_rhs,
+                             tiling=RINGS["aligned"][0], interpret=True)
+        jax.block_until_ready(out)
+        assert not get_races().races_found, case
 
 
 def test_ring_refuses_chained_or_clustered_tiles():
