@@ -2,25 +2,22 @@
 ``kernel_gpu_tgmm_ring`` does for the weight gradient.
 
 ``kernel_gpu.gmm`` runs one ``emit_pipeline_warp_specialized`` per (work tile, N tile), which fills
-and drains its ring of slots around every tile and waits for each step's wgmma before the step's
-slot is released. Here the memory warpgroup and the compute warpgroups walk the CTA's tiles in
-their own loops over one ring of ``stages`` slots that persists across tiles: every tile takes
-``K / tile_k`` steps, so the CTA's ``t``-th tile starts at step ``t · K / tile_k`` and a step's slot
-is its count modulo ``stages``. The compute warpgroups keep one wgmma in flight (a slot is released
-after the next step's wgmma is issued), and the memory warpgroup loads the next tile's first blocks
-while they finish a tile and store it. Work tiles, their rows and stores are ``kernel_gpu.gmm``'s.
+and drains its slots around every tile and waits for each step's wgmma before releasing the step's
+slot. Here both sides walk the CTA's tiles over one ``slot_ring`` that persists across tiles: every
+tile takes ``K / tile_k`` steps, so the CTA's ``t``-th tile starts at step ``t · K / tile_k``. One
+wgmma stays in flight, and the memory warpgroup loads the next tile's first blocks while the compute
+warpgroups finish a tile and store it. Work tiles, their rows and stores are ``kernel_gpu.gmm``'s.
 """
 
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe import slot_ring
 from pallas_kernels.moe.gmm_tiles import gmm_epilogue, half_or_full_wgmma
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled
-from pallas_kernels.moe.kernel_gpu_tgmm_ring import COMPUTE_REGISTERS, MEMORY_REGISTERS
 from pallas_kernels.moe.schedule import fits_half
 
 
@@ -46,46 +43,28 @@ def gmm_ring_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, 
 
         return _tiles
 
-    @functools.partial(
-        pl.run_scoped,
+    @slot_ring.scoped(
+        stages,
         a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_swizzled(tk, dtype)),
         b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
         o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, tn), out_gmem.dtype),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per TMA copy
-        consumed=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        collective_axes="wg",
     )
-    def _scope(a_smem, b_smem, o_smem, loaded, consumed):
-        wg = lax.axis_index("wg")
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
+    def _scope(ring, a_smem, b_smem, o_smem):
+        def memory():
             def per_tile(step0, row0, grp, lo, count, g, ni):
                 del grp, lo, count
                 cols = pl.ds(ni * cta_n, cta_n)
 
                 @pl.loop(0, ksteps)
                 def _(kk):
-                    step = step0 + kk
-                    slot = lax.rem(step, stages)
-                    pl.when(step >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
                     ks = pl.ds(kk * tk, tk)
-                    # unaligned tiles may run past M: TMA zero-fills those rows
-                    plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, tm), ks], a_smem.at[slot], loaded.at[slot])
                     b_src = rhs_gmem.at[g, cols, ks] if transpose_rhs else rhs_gmem.at[g, ks, cols]
-                    plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], loaded.at[slot])
+                    # unaligned tiles may run past M: TMA zero-fills those rows
+                    ring.load(step0 + kk, [(lhs_gmem.at[pl.ds(row0, tm), ks], a_smem), (b_src, b_smem)])
 
-            steps = for_each_tile(per_tile)
+            ring.drain(for_each_tile(per_tile))
 
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)
-            def _quiesce(step):  # the last slots' releases: leave no barrier phase pending
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        def compute(wg):
             wg_n = pl.ds(wg * tn, tn)
 
             def per_tile(step0, row0, grp, lo, count, g, ni):
@@ -93,26 +72,25 @@ def gmm_ring_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, 
                 half = fits_half(lo, count, tm) if cfg.half_tiles else None
 
                 def step_body(acc, kk):
-                    step = step0 + kk
-                    slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(loaded.at[slot])
+                    slot = ring.take(step0 + kk)
                     b = b_smem.at[slot, wg_n].T if transpose_rhs else b_smem.at[slot, :, wg_n]
                     if cfg.half_tiles:
                         half_or_full_wgmma(acc, a_smem.at[slot], b, half)
                     else:
                         plgpu.wgmma(acc, a_smem.at[slot], b)
-                    plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
-                    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)]))
+                    ring.release_previous(step0 + kk, kk == 0)
 
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc):
                     pl.loop(0, ksteps)(functools.partial(step_body, acc))
                     plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[lax.rem(step0 + ksteps - 1, stages)])
+                    ring.release(step0 + ksteps - 1)
                     out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                     is_tail = grp == rhs_gmem.shape[0]
                     gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
 
             for_each_tile(per_tile)
+
+        slot_ring.split_warpgroups(memory, compute)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -114,6 +114,7 @@ def test_identical_kernels_lower_once():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # KDA: the fused prep forward, the scan, and the default split prep backward (two kernels);
-    # MoE: two shapes of each grouped-matmul kernel, the [W1 | W3] product (width 2F) and W2's
+    # MoE: two shapes of each grouped-matmul kernel, the [W1 | W3] product (width 2F) and W2's (the
+    # weight gradient's default tiling is the slot ring)
     assert result["modules"] == {"kda_prep_fwd": 1, "kda_scan_fwd": 1, "kda_scan_bwd": 1, "kda_prep_bwd_wy": 1,
-                                 "kda_prep_bwd_intra": 1, "moe_gmm": 2, "moe_gmm_transposed": 2, "moe_tgmm": 2}
+                                 "kda_prep_bwd_intra": 1, "moe_gmm": 2, "moe_gmm_transposed": 2, "moe_tgmm_ring": 2}
