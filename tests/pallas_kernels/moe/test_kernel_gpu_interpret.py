@@ -25,10 +25,17 @@ SLOW_GROUP_CASES = [[13, 77, 0, 31], [0, 0, 0, 0], [50, 0, 50, 50]]
 SMALL = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
 
 
+def _use_tilings(monkeypatch, gmm, tgmm, dlhs=None):
+    """The module defaults that ``grouped_matmul`` picks up: forward, input gradient, weight gradient."""
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", gmm)
+    if dlhs is not None:
+        monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", dlhs)
+    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", tgmm)
+
+
 @pytest.fixture
 def small_gpu_tiles(monkeypatch):
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING", SMALL)
-    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", SMALL)
+    _use_tilings(monkeypatch, SMALL, SMALL)
 
 
 def _loss_and_grads(impl_kwargs):
@@ -83,9 +90,7 @@ CLUSTERED = dict(gmm=dataclasses.replace(SMALL, cluster_n=True), tgmm=dataclasse
 @pytest.fixture
 def clustered_gpu_tiles(monkeypatch):
     """2-CTA clusters: gmm and dlhs share the lhs block, tgmm the dout block, by multicast."""
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING", CLUSTERED["gmm"])
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", CLUSTERED["gmm"])
-    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", CLUSTERED["tgmm"])
+    _use_tilings(monkeypatch, CLUSTERED["gmm"], CLUSTERED["tgmm"], dlhs=CLUSTERED["gmm"])
 
 
 @pytest.mark.usefixtures("clustered_gpu_tiles")
@@ -98,9 +103,7 @@ def chained_gpu_tiles(monkeypatch):
     """gmm and dlhs as one pipeline across each CTA's tiles; with 2 interpreted SMs one CTA gets a
     single tile in the all-in-one case (the unchained path) and the others chain 2-3 tiles."""
     chained = dataclasses.replace(SMALL, chain_tiles=True)
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING", chained)
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", chained)
-    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", SMALL)
+    _use_tilings(monkeypatch, chained, SMALL, dlhs=chained)
 
 
 @pytest.mark.usefixtures("chained_gpu_tiles")
@@ -121,9 +124,7 @@ RINGS = {
 def ring_gpu_tiles(monkeypatch, request):
     """gmm, dlhs and tgmm as hand-written slot rings across each CTA's tiles."""
     gmm_cfg, tgmm_cfg = RINGS[request.param]
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING", gmm_cfg)
-    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", gmm_cfg)
-    monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", tgmm_cfg)
+    _use_tilings(monkeypatch, gmm_cfg, tgmm_cfg, dlhs=gmm_cfg)
 
 
 @pytest.mark.usefixtures("ring_gpu_tiles")
