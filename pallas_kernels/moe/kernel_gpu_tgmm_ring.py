@@ -21,6 +21,7 @@ from pallas_kernels.moe import slot_ring
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, _zeros_wgmma
 from pallas_kernels.moe.tgmm_rows import block_rows, mask_rows, wgmma_rows
 
+
 def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
     """Kernel body: ``rows`` int32 ``[3, E]`` (start row, end row, row blocks) per group
     (``tgmm_rows.group_rows``); ``lhs`` and ``dout`` have ``m`` rows (padded for aligned blocks)."""
@@ -35,14 +36,13 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
         the CTA's earlier tiles. Returns the steps of all of them."""
 
         @plgpu.nd_loop((pl.cdiv(e, run), grid_k * grid_n, run), collective_axes="sm", init_carry=jnp.int32(0))
-        def _tiles(info, carry):
-            step = carry
+        def _tiles(info, carry):  # carry: the ring steps so far
             g = info.index[0] * run + info.index[2]
             ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)
             g_in = jnp.minimum(g, e - 1)
             blocks = jnp.where(g < e, rows[2, g_in], 0)  # a partial last run of groups: no rows
-            pl.when(g < e)(lambda: per_tile(g_in, ki, ni, step, blocks))
-            return step + blocks
+            pl.when(g < e)(lambda: per_tile(g_in, ki, ni, carry, blocks))
+            return carry + blocks
 
         return _tiles
 
