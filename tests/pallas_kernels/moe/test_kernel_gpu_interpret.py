@@ -206,28 +206,26 @@ def test_pallas_on_cpu_needs_interpret():
 
 
 @pytest.mark.gpu
-class TestGpuCompiled(GpuKernelCase):
+class CompiledCase(GpuKernelCase):
+    """The kernels compiled for the GPU (``-m gpu``); 132 SMs, so most CTAs get one or two tiles."""
     impl = dict(implementation="pallas")
-    m, k, n = 1000, 512, 768
+    m, k, n = 4000, 512, 768
 
 
-@pytest.mark.gpu
+class TestGpuCompiled(CompiledCase):
+    m = 1000
+
+
 @pytest.mark.usefixtures("clustered_gpu_tiles")
-class TestGpuCompiledClusters(GpuKernelCase):
-    impl = dict(implementation="pallas")
-    m, k, n = 1000, 512, 1024
+class TestGpuCompiledClusters(CompiledCase):
+    m, n = 1000, 1024
 
 
-@pytest.mark.gpu
 @pytest.mark.usefixtures("chained_gpu_tiles")
-class TestGpuCompiledChained(GpuKernelCase):
-    """132 SMs: most CTAs get one or two tiles here, so the unchained path runs too."""
-    impl = dict(implementation="pallas")
-    m, k, n = 4000, 512, 768
+class TestGpuCompiledChained(CompiledCase):
+    """The unchained path runs too (a CTA with a single tile)."""
 
 
-@pytest.mark.gpu
 @pytest.mark.usefixtures("ring_gpu_tiles")
-class TestGpuCompiledRing(GpuKernelCase):
-    impl = dict(implementation="pallas")
-    m, k, n = 4000, 512, 768
+class TestGpuCompiledRing(CompiledCase):
+    pass
