@@ -1,17 +1,18 @@
 """Training configuration: one frozen ``TrainConfig`` (nested sections) next to the ``ModelConfig``.
 
 Experiments are Python files whose ``get_config()`` returns a ``TrainConfig`` built with
-``dataclasses.replace``; the CLI applies ``--set section.field=value`` overrides with `override`.
+``dataclasses.replace``; the CLI applies ``--set section.field=value`` overrides with `override`
+(typed by the fields' annotations, `k3jax.overrides`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from typing import Any
 
 from k3jax.config import ModelConfig, tiny
 from k3jax.data.config import CopyConfig, TextConfig
+from k3jax.overrides import apply_overrides
 
 REMAT_POLICIES = ("none", "layer", "moe")
 LOSS_LOGITS_DTYPES = (None, "float32", "bfloat16")  # k3jax.train.loss.head_cross_entropy
@@ -207,44 +208,9 @@ class TrainConfig:
 
 
 def override(cfg: Any, assignments: list[str]) -> Any:
-    """Apply ``["section.field=value", …]`` to a frozen dataclass tree (values parsed as Python
-    literals, else kept as strings). Unknown keys raise ``ValueError`` naming the key."""
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {assignment!r} must look like key=value (e.g. optimizer.learning_rate=1e-3)")
-        cfg = _replace_path(cfg, key.strip().split("."), _parse(raw.strip()), key)
-    return cfg
-
-
-def _parse(raw: str) -> Any:
-    try:
-        return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return {"none": None, "true": True, "false": False}.get(raw.lower(), raw)
-
-
-def _replace_path(node: Any, path: list[str], value: Any, full_key: str) -> Any:
-    if not dataclasses.is_dataclass(node):
-        raise ValueError(f"--set {full_key}: {type(node).__name__} has no field {path[0]!r}")
-    fields = {f.name: f for f in dataclasses.fields(node)}
-    if path[0] not in fields:
-        raise ValueError(f"--set {full_key}: {type(node).__name__} has no field {path[0]!r}; "
-                         f"fields are {sorted(fields)}")
-    if len(path) > 1:
-        value = _replace_path(getattr(node, path[0]), path[1:], value, full_key)
-    else:
-        value = _coerce(value, getattr(node, path[0]))
-    return dataclasses.replace(node, **{path[0]: value})
-
-
-def _coerce(value: Any, current: Any) -> Any:
-    """Ints where floats are expected become floats; lists become tuples (frozen configs)."""
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, list):
-        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    return value
+    """Apply ``["section.field=value", …]`` to a frozen dataclass tree, each value parsed against its
+    field's type (`k3jax.overrides`); a bad key or value raises ``ValueError`` naming both."""
+    return apply_overrides(cfg, assignments)
 
 
 def to_dict(cfg: Any) -> Any:
