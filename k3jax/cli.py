@@ -4,7 +4,8 @@
   ``ValueError``, ``FileNotFoundError`` or `UserError`) is printed as **one** ``error: …`` line on
   stderr and the exit status is 2; argparse's own errors follow the same form.
 - ``--debug`` (or ``K3JAX_DEBUG=1``) shows the full traceback instead.
-- k3jax's warnings (a corrupt checkpoint moved aside, …) are one ``warning: …`` line each.
+- k3jax's progress messages (``resumed from step 30 (…)``) and warnings (a corrupt checkpoint
+  moved aside) are one line each on stderr, the warnings after ``warning:``.
 
 Use::
 
@@ -62,7 +63,7 @@ def one_line(err: BaseException) -> str:
 
 def run(body: Callable[[], int | None], *, debug: bool = False) -> int:
     """Run ``body`` and return its exit status; user errors become one ``error:`` line and 2."""
-    show_warnings_as_lines()
+    show_messages_as_lines()
     try:
         status = body()
     except (ValueError, FileNotFoundError, UserError) as err:
@@ -79,16 +80,19 @@ def run(body: Callable[[], int | None], *, debug: bool = False) -> int:
 
 
 class _LineHandler(logging.Handler):
-    """``level: message`` on whatever ``sys.stderr`` is at the time (pytest swaps it per test)."""
+    """One line per record on whatever ``sys.stderr`` is at the time (pytest swaps it per test):
+    progress as it is, warnings and errors after ``warning:`` / ``error:``."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"{record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+        prefix = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        print(prefix + record.getMessage(), file=sys.stderr, flush=True)
 
 
-def show_warnings_as_lines() -> None:
-    """k3jax's log records at WARNING and above go to stderr as ``warning: …`` lines (once)."""
+def show_messages_as_lines() -> None:
+    """k3jax's progress messages ("resumed from step 30 (…)") and warnings go to stderr, one line each."""
     logger = logging.getLogger("k3jax")
     if any(isinstance(h, _LineHandler) for h in logger.handlers):
         return
-    logger.addHandler(_LineHandler(logging.WARNING))
+    logger.addHandler(_LineHandler(logging.INFO))
+    logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -1,110 +1,125 @@
 """Command line generation: ``python -m k3jax.generate --checkpoint PATH --prompt TEXT [...]``.
 
-``PATH`` is a Hugging Face folder (``config.json`` + safetensors; ``k3jax.convert.load_hf``) or an
-orbax run directory written by ``k3jax.train`` (the newest good step; the model config is read
-from the checkpoint's metadata). Text goes through the K3 tokenizer when ``--tokenizer DIR`` is
-given (or the HF folder holds ``tiktoken.model``), else through the byte tokenizer.
+``PATH`` is a Hugging Face folder (``config.json`` + safetensors), a training run folder (as
+``k3jax.train`` writes it, with ``checkpoints/``) or a checkpoints folder; orbax runs give their
+newest good step (`k3jax.checkpoint_source`). Text goes through the K3 tokenizer when
+``--tokenizer DIR`` is given (or the HF folder holds ``tiktoken.model``), else through the byte
+tokenizer. One prompt is echoed and continued token by token as it is generated; several run as
+one batch and print when done. Control characters are shown escaped (``\\x02``), never sent raw
+to the terminal.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import sys
-import typing
-from pathlib import Path
 
-import jax.numpy as jnp
-
-from k3jax import config as config_lib
-from k3jax.data.tokenizer import load_tokenizer
-from k3jax.infer.generate import generate
+from k3jax import cli
 
 
-def _from_dict(cls, data):
-    """A (nested, frozen) config dataclass from the JSON form ``k3jax.train.config.to_dict`` writes."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in data:
-            continue
-        value, hint = data[field.name], hints[field.name]
-        if isinstance(value, dict):
-            sub = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
-            value = _from_dict(sub[0], value)
-        elif field.name in ("dtype", "param_dtype"):
-            value = jnp.dtype(value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[field.name] = value
-    return cls(**kwargs)
+def escape(text: str) -> str:
+    """``text`` with control characters (other than newline and tab) written as ``\\xNN`` / ``\\uNNNN``."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in "\n\t" or not (code < 32 or 127 <= code < 160):
+            out.append(ch)
+        else:
+            out.append(f"\\x{code:02x}")
+    return "".join(out)
 
 
-def load_orbax(path: str):
-    """``(cfg, variables)`` from the newest step of an orbax run directory."""
-    import orbax.checkpoint as ocp
+class TextStream:
+    """Prints the text of a growing token sequence as it grows: each call decodes the whole
+    continuation and prints what is new, holding back a trailing U+FFFD (a UTF-8 character whose
+    remaining bytes are still to come)."""
 
-    from k3jax.train.checkpoint import CheckpointConfig, Checkpointer
+    def __init__(self, tokenizer, prompt: str, out=sys.stdout):
+        self.tok, self.prompt, self.out = tokenizer, prompt, out
+        self.ids: list[int] = []
+        self.shown = 0
+        self.started = False
 
-    ckpt = Checkpointer(CheckpointConfig(dir=path))
-    steps = ckpt.all_steps()
-    if not steps:
-        raise ValueError(f"checkpoint={path!r} holds no orbax steps")
-    meta = ckpt._read_meta(steps[-1])
-    model = (meta.get("config") or {}).get("model")
-    if model is None:
-        raise ValueError(f"checkpoint={path!r} has no model config in its metadata")
-    cfg = _from_dict(config_lib.ModelConfig, model)
-    state = ocp.StandardCheckpointer().restore(Path(path).absolute() / str(steps[-1]) / "state")
-    return cfg, {"params": state["params"]["model"], "balance": state["balance"]["model"]}
+    def add(self, token: int) -> None:
+        if not self.started:  # the prompt is echoed only once generation has really begun
+            self.out.write(escape(self.prompt))
+            self.started = True
+        if token != self.tok.eos_id:
+            self.ids.append(int(token))
+        self._show(final=False)
+
+    def _show(self, final: bool) -> None:
+        text = self.tok.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        if end > self.shown:
+            self.out.write(escape(text[self.shown:end]))
+            self.shown = end
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.started:
+            self._show(final=True)
+            self.out.write("\n")
+            self.out.flush()
 
 
-def load(path: str):
-    if (Path(path) / "config.json").exists():
-        from k3jax.convert import load_hf
+PARSER = cli.make_parser("python -m k3jax.generate", __doc__)
+PARSER.add_argument("--checkpoint", required=True,
+                    help="a Hugging Face folder, a training run folder or a checkpoints folder")
+PARSER.add_argument("--prompt", action="append", required=True, help="text to continue; repeat for a batch")
+PARSER.add_argument("--tokenizer", default=None, help="K3 tokenizer folder (default: the byte tokenizer)")
+PARSER.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1)")
+PARSER.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
+PARSER.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+PARSER.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+PARSER.add_argument("--seed", type=int, default=0, help="sampling seed")
 
-        return load_hf(path)
-    if Path(path).is_dir():
-        return load_orbax(path)
-    raise ValueError(f"checkpoint={path!r} must be a Hugging Face folder (config.json) or an orbax run directory")
 
+def _generate(args) -> int:
+    from k3jax.infer.decode import check_sampling
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m k3jax.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    ap.add_argument("--tokenizer", default=None, help="K3 tokenizer folder (default: the byte tokenizer)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    from k3jax.checkpoint_source import HF, describe_source, load_variables
+    from k3jax.data.tokenizer import load_tokenizer
+
+    kind, folder = describe_source(args.checkpoint)
+    tok_dir = args.tokenizer
+    if tok_dir is None and kind == HF and (folder / "tiktoken.model").exists():
+        tok_dir = str(folder)
+    tokenizer = load_tokenizer(tok_dir)
     from k3jax.compile_cache import enable_compilation_cache
+    from k3jax.infer.generate import generate
 
     enable_compilation_cache()
-    cfg, variables = load(args.checkpoint)
-    tok_dir = args.tokenizer
-    if tok_dir is None and (Path(args.checkpoint) / "tiktoken.model").exists():
-        tok_dir = args.checkpoint
-    tokenizer = load_tokenizer(tok_dir)
+    cfg, variables = load_variables(args.checkpoint)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{cfg.vocab_size}; use the tokenizer the model was trained with")
     prompts = [list(tokenizer.encode(p)) for p in args.prompt]
     single = len(prompts) == 1
+    text = TextStream(tokenizer, args.prompt[0])
 
     def stream(step, tokens, alive):
-        if single and alive[0]:
-            sys.stdout.write(tokenizer.decode([int(tokens[0])]))
-            sys.stdout.flush()
+        if alive[0]:
+            text.add(int(tokens[0]))
 
     out = generate(variables, cfg, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, stop_tokens=[tokenizer.eos_id], seed=args.seed,
-                   stream=stream)
+                   stream=stream if single else None)
     if single:
-        print()
-    else:
-        for p, o in zip(args.prompt, out):
-            print(f"{p!r} -> {tokenizer.decode(o)!r}")
+        text.close()
+        return 0
+    for p, o in zip(args.prompt, out):
+        ids = [t for t in o if t != tokenizer.eos_id]
+        print(escape(p) + escape(tokenizer.decode(ids)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = PARSER.parse_args(argv)
+    return cli.run(lambda: _generate(args), debug=args.debug)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

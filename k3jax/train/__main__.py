@@ -1,18 +1,23 @@
 """``python -m k3jax.train --config experiments/<name>.py [--set key=value …]``.
 
 The experiment file's ``get_config()`` returns a ``TrainConfig``; ``--set`` overrides any field by
-its dotted path (``--set optimizer.learning_rate=1e-3 --set model.num_layers=4``). Progress goes
-to a tqdm bar, metrics to ``<log_dir>/metrics.jsonl`` (and TensorBoard when installed).
+its dotted path (``--set optimizer.learning_rate=1e-3 --set model.num_layers=4``), the value parsed
+as the field's type. ``--init-from PATH`` starts a fresh run from a model's parameters (a Hugging
+Face folder, a run folder or a checkpoints folder). Progress goes to a tqdm bar, metrics to
+``<log_dir>/metrics.jsonl`` (and TensorBoard when installed). A user error is one ``error:`` line
+and exit status 2 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from k3jax import cli
 from k3jax.train.config import TrainConfig, override
 
 
@@ -32,37 +37,41 @@ def load_config(path: str, assignments: list[str] | None = None) -> TrainConfig:
     return override(cfg, assignments or [])
 
 
+PARSER = cli.make_parser("python -m k3jax.train", __doc__)
+PARSER.add_argument("--config", required=True, help="experiment file (experiments/<name>.py)")
+PARSER.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field by dotted path, typed by the field; repeatable")
+PARSER.add_argument("--init-from", default=None, metavar="PATH",
+                    help="start from these model parameters (Hugging Face folder, run folder or checkpoints "
+                         "folder) with a fresh optimizer; ignored when the run resumes from its own checkpoint")
+PARSER.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m k3jax.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="experiment file (experiments/<name>.py)")
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field by dotted path; repeatable")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return PARSER.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.assignments)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.assignments)
+    if args.init_from is not None:
+        if not Path(args.init_from).exists():
+            raise ValueError(f"--init-from {args.init_from!r} does not exist")
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from=args.init_from))
     from k3jax.compile_cache import enable_compilation_cache
     from k3jax.train.loop import train
 
     enable_compilation_cache()
-
-    try:
-        result = train(cfg, progress=not args.no_progress)
-    except ValueError as err:  # config, data or checkpoint problems found before compute
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    result = train(cfg, progress=not args.no_progress)
     summary = {k: float(v) for k, v in result.last_metrics.items() if getattr(v, "ndim", 0) == 0}
     summary["step"] = int(result.state.step)
     summary["interrupted"] = result.interrupted
     print(json.dumps(summary))
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return cli.run(lambda: _train(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ class CheckpointConfig:
     keep_best: int = 1  # by training loss at the save step (0: off)
     async_save: bool = True
     resume: bool = True  # restore the newest good checkpoint in ``dir`` if there is one
+    # A fresh run's model parameters (not its optimizer state) from a Hugging Face folder, a run
+    # folder or a checkpoints folder (k3jax.checkpoint_source); ignored when resuming from ``dir``.
+    init_from: str | None = None
 
     def __post_init__(self):
         _require(self.every_steps >= 1, f"every_steps={self.every_steps} must be >= 1")

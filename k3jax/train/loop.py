@@ -8,6 +8,7 @@ current step, saves a checkpoint and returns; a second Ctrl-C aborts at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from k3jax.train.metrics import MetricsLog, flops_per_token, peak_flops
 from k3jax.train.parallel import make_train_mesh
 from k3jax.train.recall import RecallBatches
 from k3jax.train.step import TrainState, Trainer
+
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -104,13 +108,40 @@ class _Interrupt:
 
 
 def _restore_or_init(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: TrainConfig) -> TrainState:
+    """The newest good checkpoint of the run; else a fresh state, its model parameters taken from
+    ``checkpoint.init_from`` when set (the optimizer state stays fresh)."""
     if ckpt is not None and cfg.checkpoint.resume:
         restored = ckpt.restore(trainer.abstract_state())
         if restored is not None:
-            state, data_state, _ = restored
+            state, data_state, step = restored
             data.set_state(data_state)
+            log.info("resumed from step %d (%s)", step, ckpt.dir / str(step))
             return state
-    return trainer.init_state(jax.random.key(cfg.seed))
+    state = trainer.init_state(jax.random.key(cfg.seed))
+    if cfg.checkpoint.init_from is not None:
+        state = _init_from(trainer, state, cfg.checkpoint.init_from)
+    return state
+
+
+def _init_from(trainer: Trainer, state: TrainState, path: str) -> TrainState:
+    """``state`` with the main model's parameters and balancing biases read from ``path`` (a Hugging
+    Face folder, a run folder or a checkpoints folder), placed with the state's own shardings."""
+    from k3jax.checkpoint_source import load_variables
+
+    abstract = trainer.abstract_state()
+    want = {"params": abstract.params["model"], "balance": abstract.balance["model"]}
+    source_cfg, variables = load_variables(path, abstract=lambda _: want)
+    got_shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), variables)
+    want_shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), want)
+    if got_shapes != want_shapes:
+        raise ValueError(f"checkpoint.init_from={path!r} holds a model of another shape ({source_cfg.name}: "
+                         f"hidden={source_cfg.hidden}, num_layers={source_cfg.num_layers}, vocab_size="
+                         f"{source_cfg.vocab_size}) than this run's model ({trainer.cfg.model.name}: hidden="
+                         f"{trainer.cfg.model.hidden}, num_layers={trainer.cfg.model.num_layers}, vocab_size="
+                         f"{trainer.cfg.model.vocab_size})")
+    log.info("initialised the model parameters from %s (optimizer state fresh)", path)
+    return state.replace(params={**state.params, "model": variables["params"]},
+                         balance={**state.balance, "model": variables["balance"]})
 
 
 def train(cfg: TrainConfig, *, progress: bool = True,
@@ -130,7 +161,12 @@ def train(cfg: TrainConfig, *, progress: bool = True,
     t_log, steps_since = time.perf_counter(), 0
     with _Interrupt() as stop:
         for step in range(start, cfg.steps):
+            first = step == start
+            if first:
+                t_compile = _compiling(bar)
             state, metrics = trainer.step(state, next(data))
+            if first:
+                _compiled(bar, metrics, t_compile)
             steps_since += 1
             if pending is not None:  # one step behind, so the host never waits on the step it just queued
                 _check_streak(pending, cfg)
@@ -176,6 +212,19 @@ def _throughput(steps: int, seconds: float, cfg: TrainConfig, flops: float, peak
         devices = 1 if mesh is None else mesh.size
         out["mfu"] = steps * flops / seconds / (devices * peak)
     return out
+
+
+def _compiling(bar) -> float:
+    log.info("compiling the train step…")
+    bar.set_description("compiling the train step", refresh=True)
+    return time.perf_counter()
+
+
+def _compiled(bar, metrics, start: float) -> None:
+    """Wait once for the first step, so the time it took (almost all compilation) can be said."""
+    jax.block_until_ready(metrics["loss"])
+    log.info("compiled and ran the first step in %.1f s", time.perf_counter() - start)
+    bar.set_description("", refresh=False)
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -1,0 +1,120 @@
+"""Model weights from wherever a user has them: ``load_variables(path) -> (cfg, variables)``.
+
+``path`` may be
+
+1. a Hugging Face folder (``config.json`` + safetensors; `k3jax.convert.load_hf`),
+2. a training run folder (``<run>/checkpoints/<step>/…``, as ``k3jax.train`` writes it), or
+3. a checkpoints folder (``<step>/…`` orbax steps).
+
+Orbax steps are read through `k3jax.train.checkpoint.Checkpointer.restore`: the newest step that
+checks out whole (a corrupt one is moved aside with one warning line), only the model's
+parameters and balancing biases (``partial``), placed as ``abstract`` says (shardings for a
+mesh). The model config comes from the checkpoint itself (the step's metadata or ``config.json``).
+`describe_source` names the kind; a new kind of source is one more branch there and in
+`load_variables`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+HF, ORBAX = "hf", "orbax"
+# cfg -> abstract {"params", "balance"} tree (ShapeDtypeStruct leaves, with shardings for a mesh)
+AbstractFn = Callable[[ModelConfig], dict]
+
+
+def describe_source(path: str | Path) -> tuple[str, Path]:
+    """``(kind, folder)``: ``("hf", path)`` or ``("orbax", the checkpoints folder)``; ``ValueError``
+    naming the path and the accepted layouts otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is a file; expected a Hugging Face folder (config.json), "
+                         "a training run folder (with checkpoints/) or a checkpoints folder (with step folders)")
+    if (path / "config.json").is_file():
+        return HF, path
+    for folder in (path / "checkpoints", path):
+        if folder.is_dir() and any(p.is_dir() and p.name.isdigit() for p in folder.iterdir()):
+            return ORBAX, folder
+    raise ValueError(f"checkpoint {str(path)!r} holds no config.json, no checkpoints/ folder and no step "
+                     "folders; expected a Hugging Face folder, a training run folder or a checkpoints folder")
+
+
+def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> tuple[ModelConfig, dict]:
+    """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`)."""
+    kind, folder = describe_source(path)
+    if kind == HF:
+        from k3jax.convert import load_hf
+
+        cfg, variables = load_hf(str(folder))
+        if abstract is not None:
+            variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding),
+                                     variables, abstract(cfg))
+        return cfg, variables
+    return _load_orbax(folder, abstract or abstract_variables)
+
+
+def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
+    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.config import CheckpointConfig
+
+    found = {}
+
+    def target(meta: dict) -> dict:
+        model = (meta.get("config") or {}).get("model")
+        if model is None:
+            raise ValueError(f"checkpoint {str(folder)!r} has no model config in its metadata")
+        found["cfg"] = cfg = config_from_dict(ModelConfig, model)
+        v = abstract(cfg)
+        return {"params": {"model": v["params"]}, "balance": {"model": v["balance"]}}
+
+    ckpt = Checkpointer(CheckpointConfig(dir=str(folder)), read_only=True)
+    try:
+        restored = ckpt.restore(target, partial=True)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise ValueError(f"checkpoint {str(folder)!r} holds no restorable step")
+    state, _, _ = restored
+    return found["cfg"], {"params": state["params"]["model"], "balance": state["balance"]["model"]}
+
+
+def abstract_variables(cfg: ModelConfig) -> dict:
+    """The model's ``{"params", "balance"}`` as unsharded ``ShapeDtypeStruct`` leaves."""
+    import flax.linen as nn
+
+    from k3jax.model import Transformer
+
+    tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)
+    v = nn.unbox(boxed)
+    return {"params": v["params"], "balance": v.get("balance", {})}
+
+
+def config_from_dict(cls: type, data: dict) -> Any:
+    """A (nested, frozen) config dataclass from the JSON form ``k3jax.train.config.to_dict`` writes."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value, hint = data[field.name], hints[field.name]
+        if isinstance(value, dict):
+            sub = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
+            value = config_from_dict(sub[0], value)
+        elif field.name in ("dtype", "param_dtype"):
+            value = jnp.dtype(value)
+        elif isinstance(value, list):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        kwargs[field.name] = value
+    return cls(**kwargs)
+
