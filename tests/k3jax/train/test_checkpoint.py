@@ -1,7 +1,9 @@
-"""Checkpoints: round trip, keep-last + best, corrupt or partial newest → previous one with a warning,
-a state of another shape → ValueError before reading arrays."""
+"""Checkpoints: round trip, keep-last + best; a corrupt newest step (each kind of file an orbax step
+holds) is moved aside with one warning line and the previous one restored; a state of another
+shape → ValueError before reading arrays."""
 
-import os
+import json
+import logging
 from pathlib import Path
 
 import flax.linen as nn
@@ -30,11 +32,19 @@ def _equal(a, b):
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _saved(tmp_path, losses, keep_last=2, keep_best=1):
+def _plain_state(seed=0):
+    """A few leaves of the train state's kinds (orbax stores any tree alike), built without compiling."""
+    rng = np.random.default_rng(seed)
+    return {"params": {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+                       "b": jnp.asarray(rng.normal(size=(4,)), jnp.bfloat16)},
+            "step": jnp.int32(seed)}
+
+
+def _saved(tmp_path, losses, keep_last=2, keep_best=1, make=_state):
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_last=keep_last, keep_best=keep_best))
     states = {}
     for step, loss in losses.items():
-        states[step] = _state(step)
+        states[step] = make(step)
         ck.save(step, states[step], {"position": step}, loss=loss)
     ck.wait()
     return ck, states
@@ -48,27 +58,85 @@ def test_round_trip_and_keep_last_plus_best(tmp_path):
     ck.close()
 
 
-@pytest.mark.parametrize("how", ["flip_bytes", "truncate", "delete_meta"])
-def test_corrupt_newest_falls_back_with_warning(tmp_path, how):
-    ck, states = _saved(tmp_path, {1: 2.0, 2: 1.0}, keep_best=0)
-    newest = tmp_path / "ck" / "2"
-    if how == "delete_meta":
-        for f in (newest / "meta").iterdir():
-            f.unlink()
-    else:
-        data_files = [p for p in (newest / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
-        assert data_files
-        for f in data_files:
-            raw = bytearray(f.read_bytes())
-            if how == "truncate":
-                raw = raw[: len(raw) // 3]
-            else:
-                for i in range(len(raw) // 2, len(raw), 7):
-                    raw[i] ^= 0xFF
-            f.write_bytes(bytes(raw))
-    with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* partial or corrupt"):
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def _flip(f: Path) -> None:
+    raw = bytearray(f.read_bytes())
+    for i in range(len(raw) // 2, len(raw), 7):
+        raw[i] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def _array_files(step_dir: Path) -> list[Path]:
+    return [p for p in (step_dir / "state" / "d").iterdir() if p.is_file()]
+
+
+def _forge_fingerprint(step_dir: Path) -> None:
+    """Arrays that read fine but are not what was saved: the fingerprint no longer matches."""
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    key = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][key] = (meta["fingerprint"][key] + 1) % 2**32
+    meta_file.write_text(json.dumps(meta))
+
+
+# Every kind of file an orbax step holds: array data, array metadata, the array index (a missing
+# file), orbax's step record, our metadata, the data-iterator state; and arrays that differ from
+# their fingerprint. Each pairs with the reason the step is moved aside under.
+CORRUPTIONS = {
+    "array-data-truncated": (lambda d: [_truncate(f) for f in _array_files(d)], "arrays"),
+    "array-data-flipped": (lambda d: [_flip(f) for f in _array_files(d)], "arrays"),
+    "array-metadata": (lambda d: _truncate(d / "state" / "_METADATA"), "arrays"),
+    "array-index-missing": (lambda d: (d / "state" / "manifest.ocdbt").unlink(), "arrays"),
+    "step-record": (lambda d: _truncate(d / "_CHECKPOINT_METADATA"), "step-metadata"),
+    "step-record-missing": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), "step-metadata"),
+    "metadata": (lambda d: _flip(d / "meta" / "metadata"), "metadata"),
+    "metadata-missing": (lambda d: (d / "meta" / "metadata").unlink(), "metadata"),
+    "data-state": (lambda d: _truncate(d / "data" / "metadata"), "data-state"),
+    "fingerprint": (_forge_fingerprint, "fingerprint"),
+}
+
+
+def corrupt(step_dir: Path, kind: str) -> str:
+    """Damage ``step_dir`` as ``kind`` says; returns the reason its restore should give."""
+    damage, reason = CORRUPTIONS[kind]
+    damage(step_dir)
+    return reason
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_newest_is_moved_aside_and_the_previous_restored(tmp_path, kind, caplog):
+    ck, states = _saved(tmp_path, {1: 2.0, 2: 1.0}, keep_best=0, make=_plain_state)
+    ck.close()
+    reason = corrupt(tmp_path / "ck" / "2", kind)
+    ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_best=0))
+    with caplog.at_level(logging.WARNING, logger="k3jax"):
         state, data, step = ck.restore(jax.eval_shape(lambda: states[1]))
     assert step == 1 and data == {"position": 1} and _equal(state, states[1])
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("k3jax")]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"checkpoint step 2 in {tmp_path / 'ck'} is corrupt ({reason}:" in lines[0]
+    aside = tmp_path / "ck" / f"2.corrupt-{reason}"
+    assert aside.is_dir() and (aside / "reason.txt").read_text().startswith(reason)
+    assert ck.all_steps() == [1]
+    # the next save of step 2 is not blocked by the corrupt one, and is what a restore then finds
+    ck.save(2, states[2], {"position": 2})
+    ck.close()
+    ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_best=0))
+    state, data, step = ck.restore(jax.eval_shape(lambda: states[2]))
+    assert step == 2 and _equal(state, states[2])
+    ck.close()
+
+
+def test_every_step_corrupt_restores_nothing(tmp_path):
+    ck, states = _saved(tmp_path, {1: 2.0}, keep_best=0, make=_plain_state)
+    ck.close()
+    corrupt(tmp_path / "ck" / "1", "array-metadata")
+    ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_best=0))
+    assert ck.restore(jax.eval_shape(lambda: states[1])) is None
+    assert ck.all_steps() == [] and (tmp_path / "ck" / "1.corrupt-arrays").is_dir()
     ck.close()
 
 
