@@ -48,13 +48,22 @@ def in_split(file_hash: np.ndarray, row: np.ndarray, split: str, validation_frac
 
 
 class TxtReader:
-    """A file is one document (decoded as UTF-8; undecodable bytes become U+FFFD)."""
+    """A file is one document, UTF-8. Indexing reads each file once: an empty or all-whitespace file
+    holds no document (it would train on BOS/EOS alone), and undecodable bytes are an error naming
+    the file and the byte, never U+FFFD fed to the model (``strict_utf8=False``: decoded with
+    U+FFFD, for corpora known to hold a few legacy encodings, such as the standard library's tests)."""
 
-    def __init__(self, files: list[Path], text_field: str):
-        self.files = files
+    def __init__(self, files: list[Path], text_field: str, strict_utf8: bool = True):
+        self.files, self.strict_utf8 = files, strict_utf8
 
     def rows(self, file: Path) -> np.ndarray:
-        return np.zeros(1, np.int64)
+        raw = file.read_bytes()
+        try:
+            text = raw.decode("utf-8", errors="strict" if self.strict_utf8 else "replace")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{file} is not UTF-8 text (undecodable byte 0x{raw[err.start]:02x} at offset "
+                             f"{err.start}); convert it or leave it out of data.path") from None
+        return np.zeros(1 if text.strip() else 0, np.int64)
 
     def read(self, file_index: int, row: int) -> str:
         return self.files[file_index].read_bytes().decode("utf-8", errors="replace")
@@ -63,7 +72,7 @@ class TxtReader:
 class JsonlReader:
     """A non-blank line is one document, its string field ``text_field``; rows are byte offsets."""
 
-    def __init__(self, files: list[Path], text_field: str):
+    def __init__(self, files: list[Path], text_field: str, strict_utf8: bool = True):
         self.files, self.field = files, text_field
 
     def rows(self, file: Path) -> np.ndarray:
@@ -100,7 +109,7 @@ class ParquetReader:
     use and kept (memory ~ the text of the files read), since shuffled row access would otherwise
     decode a whole row group per document."""
 
-    def __init__(self, files: list[Path], text_field: str):
+    def __init__(self, files: list[Path], text_field: str, strict_utf8: bool = True):
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
@@ -129,10 +138,10 @@ class Corpus:
     """The documents of ``split`` in ``files`` (names relative to ``root``), in file then row order."""
 
     def __init__(self, files: list[Path], root: Path, fmt: str, *, text_field: str = "text",
-                 split: str = "train", validation_fraction: float = 0.05):
+                 split: str = "train", validation_fraction: float = 0.05, strict_utf8: bool = True):
         if not files:
             raise ValueError(f"files={files} must name at least one file")
-        self.reader = READERS[fmt](files, text_field)
+        self.reader = READERS[fmt](files, text_field, strict_utf8)
         file_of, rows, ordinal, hashes = [], [], [], []
         for i, file in enumerate(files):
             r = self.reader.rows(file)
@@ -143,6 +152,9 @@ class Corpus:
             ordinal.append(np.arange(len(r), dtype=np.int64))
             hashes.append(np.full(len(r), _name_hash(file.relative_to(root).as_posix()), np.uint64))
         file_of, rows, ordinal, hashes = (np.concatenate(a) for a in (file_of, rows, ordinal, hashes))
+        if len(file_of) == 0:
+            what = f"{files[0]} is" if len(files) == 1 else f"all {len(files)} files under {root} are"
+            raise ValueError(f"{what} empty or whitespace only: no documents to train on")
         keep = in_split(hashes, ordinal, split, validation_fraction)
         self.files, self.file_of, self.rows = files, file_of[keep], rows[keep]
         self.num_total = len(file_of)
@@ -187,4 +199,5 @@ def stdlib_corpus(split: str = "train", validation_fraction: float = 0.05) -> Co
     ~38 MB for CPython 3.13), one document per file, split by the hash of the relative path."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files, root, _ = list_files(root, "txt", suffixes=(".py",), skip_dirs=STDLIB_SKIP)
-    return Corpus(files, root, "txt", split=split, validation_fraction=validation_fraction)
+    # A few of its test fixtures are deliberately Latin-1 or broken UTF-8: kept, decoded with U+FFFD.
+    return Corpus(files, root, "txt", split=split, validation_fraction=validation_fraction, strict_utf8=False)

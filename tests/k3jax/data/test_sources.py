@@ -39,7 +39,24 @@ def test_txt_directory(tmp_path):
     files, root, fmt = list_files(tmp_path, None)
     assert fmt == "txt" and [f.relative_to(root).as_posix() for f in files] == ["a.txt", "b.txt", "sub/c.txt"]
     corpus = Corpus(files, root, fmt, validation_fraction=0.0)
-    assert [corpus[i] for i in range(len(corpus))] == ["first\n\nparagraph", "second ✓", ""]
+    assert [corpus[i] for i in range(len(corpus))] == ["first\n\nparagraph", "second ✓"]  # empty c.txt: none
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", "empty or whitespace only"),
+    (b" \n\t\n", "empty or whitespace only"),
+    (b"ok\xff\xfe text", r"not UTF-8 text \(undecodable byte 0xff at offset 2\)"),
+])
+def test_empty_whitespace_or_undecodable_txt_is_an_error_naming_the_file(tmp_path, content, match):
+    (tmp_path / "data.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=match) as err:
+        make_batches(_cfg(path=tmp_path / "data.txt"))
+    assert str(tmp_path / "data.txt") in str(err.value)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.txt").write_bytes(content)
+    (tmp_path / "dir" / "b.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        make_batches(_cfg(path=tmp_path / "dir"))
 
 
 def test_jsonl(tmp_path):
@@ -98,7 +115,7 @@ def test_make_batches_errors(tmp_path):
     with pytest.raises(ValueError, match="holds no files"):
         make_batches(_cfg(path=tmp_path / "empty"))
     (tmp_path / "blank.jsonl").write_text("\n \n")
-    with pytest.raises(ValueError, match="split='train' of data.path=.* is empty"):
+    with pytest.raises(ValueError, match="blank.jsonl is empty or whitespace only"):
         make_batches(_cfg(path=tmp_path / "blank.jsonl"))
     (tmp_path / "mixed").mkdir()
     (tmp_path / "mixed" / "a.txt").write_text("a")
