@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
@@ -43,6 +44,12 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> None:
         ids = np.asarray(tokens)
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise ValueError(f"tokens must lie in [0, vocab_size={cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    else:
+        # Under jit the embedding lookup would turn an out-of-range id into NaN logits. A debug_check
+        # costs nothing unless the caller wraps the function in ``checkify.checkify``, which then
+        # reports it; the train step and generate check their ids on the host before compiling.
+        checkify.debug_check(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size)),
+                             f"tokens must lie in [0, vocab_size={cfg.vocab_size})")
     _validate_positions(cfg, tokens.shape, segment_ids)
 
 

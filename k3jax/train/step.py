@@ -24,6 +24,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from k3jax.model import Transformer
@@ -258,7 +259,8 @@ class Trainer:
 
 
 def check_batch(batch, cfg: TrainConfig) -> None:
-    """``ValueError`` naming the key when a batch does not match the config (before any compute)."""
+    """``ValueError`` naming the key when a batch does not match the config or holds ids outside the
+    vocabulary (before any compute)."""
     want = (cfg.batch_size, cfg.seq_len)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
@@ -267,3 +269,23 @@ def check_batch(batch, cfg: TrainConfig) -> None:
         shape = tuple(batch[key].shape)
         if shape != want:
             raise ValueError(f"batch[{key!r}] has shape {shape}; expected [batch_size, seq_len] = {want}")
+    vocab = cfg.model.vocab_size
+    for key in ("tokens", "labels"):
+        low, high = _id_range(batch[key])
+        if low < 0 or high >= vocab:
+            raise ValueError(f"batch[{key!r}] holds ids in [{low}, {high}]; they must lie in [0, vocab_size={vocab}) "
+                             "(under jit an out-of-range id gives NaN, not an error)")
+
+
+def _id_range(ids) -> tuple[int, int]:
+    """Smallest and largest id: on the host for numpy batches (the loader's), one small reduction for
+    device arrays."""
+    if isinstance(ids, np.ndarray) or not hasattr(ids, "addressable_shards"):
+        ids = np.asarray(ids)
+        return (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    return tuple(int(v) for v in jax.device_get(_min_max(ids)))
+
+
+@jax.jit
+def _min_max(ids):
+    return jnp.min(ids), jnp.max(ids)
