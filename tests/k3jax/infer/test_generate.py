@@ -103,15 +103,16 @@ def test_cache_bytes_match_spec():
 
 def test_cli_loads_an_orbax_run(tiny_model, tmp_path):
     """The CLI's orbax path: the model config comes back from the checkpoint metadata, the
-    variables from the train state's "model" entries."""
-    from k3jax.generate import load
+    variables from the train state's "model" entries (a run folder or its checkpoints folder)."""
+    from k3jax.checkpoint_source import load_variables
     from k3jax.train.checkpoint import Checkpointer
     from k3jax.train.config import CheckpointConfig, TrainConfig
 
     cfg, v = tiny_model.cfg, tiny_model.variables
-    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path), async_save=False), TrainConfig(model=cfg))
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path / "checkpoints"), async_save=False), TrainConfig(model=cfg))
     ckpt.save(3, {"params": {"model": v["params"]}, "balance": {"model": v["balance"]}}, None)
     ckpt.close()
-    got_cfg, got = load(str(tmp_path))
-    assert got_cfg == cfg
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), got, v))
+    for path in (tmp_path, tmp_path / "checkpoints"):
+        got_cfg, got = load_variables(path)
+        assert got_cfg == cfg
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), got, v))
