@@ -315,7 +315,10 @@ class ParamCount:
     active: int
 
     def __str__(self) -> str:
-        return f"total {self.total / 1e9:,.2f} B, active {self.active / 1e9:,.2f} B"
+        """Billions (``total 2,779.48 B, active 104.19 B``), or millions below a billion, where
+        billions would print ``0.00 B`` for the small presets."""
+        scale, unit = (1e9, "B") if self.total >= 1e9 else (1e6, "M")
+        return f"total {self.total / scale:,.2f} {unit}, active {self.active / scale:,.2f} {unit}"
 
 
 def kimi_k3() -> ModelConfig:

@@ -16,6 +16,13 @@ def test_kimi_k3_totals():
     assert count.active == pytest.approx(104.19e9, rel=1e-4)
 
 
+def test_printed_in_billions_or_millions():
+    assert str(config.ParamCount(2_779_480_000_000, 104_190_000_000)) == "total 2,779.48 B, active 104.19 B"
+    assert str(config.ParamCount(1_000_000_000, 2_500_000)) == "total 1.00 B, active 0.00 B"
+    assert str(config.ParamCount(1_234_567, 345_678)) == "total 1.23 M, active 0.35 M"
+    assert " M, active " in str(count_params(config.tiny())) and "0.00" not in str(count_params(config.tiny()))
+
+
 def test_kimi_linear_total():
     assert count_params(config.kimi_linear_48b()).total == pytest.approx(49.12e9, rel=1e-3)
 

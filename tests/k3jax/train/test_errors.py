@@ -10,7 +10,7 @@ import pytest
 from k3jax.train.__main__ import load_config, main
 from k3jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 from k3jax.train.config import CheckpointConfig, DataConfig, MeshConfig, TrainConfig, override
-from k3jax.train.loop import train
+from k3jax.train.loop import make_data, train
 from k3jax.train.step import Trainer
 from tests.k3jax.train import toy
 
@@ -83,3 +83,33 @@ def test_small_h200_config_is_the_benchmarked_step():
     cfg = load_config("experiments/small_h200.py", ["steps=3"])
     assert (cfg.model.name, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len, cfg.remat) == ("small", 8, 8, 4096, "none")
     assert cfg.tokens_per_step == 262144 and cfg.steps == 3 and cfg.loss_logits_dtype is None
+
+
+def test_out_of_range_ids_are_rejected_before_compiling(monkeypatch):
+    """Under jit an id >= vocab_size would be NaN logits; the step rejects it on the host first."""
+    cfg = toy.micro_train_config()
+    trainer = Trainer(cfg)
+    monkeypatch.setattr(trainer, "_jit_step", lambda *a: pytest.fail("compiled despite bad ids"))
+    batch = next(make_data(cfg))
+    for key, value in (("tokens", cfg.model.vocab_size), ("labels", -1)):
+        bad = dict(batch, **{key: batch[key].copy()})
+        bad[key][0, 3] = value
+        with pytest.raises(ValueError, match=rf"batch\['{key}'\].*vocab_size={cfg.model.vocab_size}"):
+            trainer.step(None, bad)
+        with pytest.raises(ValueError, match=rf"batch\['{key}'\]"):
+            trainer.step(None, {k: jnp.asarray(v) for k, v in bad.items()})  # device arrays too
+
+
+@pytest.mark.parametrize("bad_id", [256, 300, -1])
+def test_the_models_id_check_survives_jit_under_checkify(bad_id):
+    from jax.experimental import checkify
+
+    from k3jax.config import tiny
+    from k3jax.model import validate_inputs
+
+    cfg = tiny()
+    checked = checkify.checkify(jax.jit(lambda t: (validate_inputs(cfg, t, None), t.sum())[1]))
+    err, _ = checked(jnp.asarray([[1, bad_id]], jnp.int32))
+    assert "vocab_size=256" in str(err.get())
+    err, _ = checked(jnp.asarray([[1, 255]], jnp.int32))
+    assert err.get() is None
