@@ -23,7 +23,8 @@ test-gpu: venv
 
 venv: $(VENV)/.k3jax-stamp
 
-$(VENV)/.k3jax-stamp: setup.cfg pyproject.toml scripts/find_python.sh
+# The README's commands need the `experiments` extra (matplotlib for the balancing plot) too.
+$(VENV)/.k3jax-stamp: setup.cfg pyproject.toml scripts/find_python.sh Makefile
 	@set -e; \
 	if [ ! -x $(PY) ]; then \
 	  python=$$(bash scripts/find_python.sh); \
@@ -31,7 +32,7 @@ $(VENV)/.k3jax-stamp: setup.cfg pyproject.toml scripts/find_python.sh
 	  "$$python" -m venv $(VENV); \
 	fi; \
 	$(PY) -m pip install -q --upgrade pip; \
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,experiments]'
 	@touch $@
 
 # The PyTorch side of the golden tests: Python 3.11 (the local CPU torch wheel is cp311).

@@ -23,11 +23,13 @@ Command (E = 896, k = 16 with 4096 tokens/step and E = 64, k = 8 with 16384; 250
 213 s of CPU time, 9.4 min wall on a 2-core machine shared with other jobs):
     cd /work/main && PYTHONPATH=. /root/.cache/k3jax/venv/bin/python \
         experiments/balance_qb_vs_sign.py [--steps 250] [--tokens_896 4096] [--tokens_64 16384]
-Writes experiments/results/balance_qb_vs_sign.{json,png}.
+Writes runs/balance_qb_vs_sign/balance_qb_vs_sign.{json,png} (the committed measurement is
+experiments/results/balance_qb_vs_sign.{json,png}: `--out experiments/results/balance_qb_vs_sign`).
+The plot needs matplotlib (`pip install -e '.[experiments]'`; `make demo` installs it).
 
 The short tiny-model training comparison is `tiny_training_run`, kept separate (it needs the
 trainer in k3jax/train); `--train [--train_steps 60] [--train_data stdlib]` runs only it and
-writes experiments/results/balance_qb_vs_sign_train_<data>.json.
+writes <out>_train_<data>.json.
 """
 
 import argparse
@@ -35,6 +37,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -42,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import balance
+from k3jax import balance, cli
 
-RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("runs") / "balance_qb_vs_sign" / "balance_qb_vs_sign"  # relative to the working directory
 METHODS = ("qb_exact", "qb_hist", "sign", "none")
 TARGET = 1.1  # max/min expert load counted as balanced
 
@@ -142,12 +145,18 @@ def summarise(ratio: np.ndarray) -> dict:
     if ok.all():
         settled = 0
     tail = ratio[int(0.8 * len(ratio)) :]
+    zero_steps = int(np.sum(~np.isfinite(tail)))
     return {
         "first_step_le_target": first,
         "settled_from_step": settled,
-        "tail_mean_max_min": float(np.mean(np.minimum(tail, 1e9))),
-        "tail_zero_expert_steps": int(np.sum(~np.isfinite(tail))),
+        # None: some tail step left an expert without tokens, so max/min is infinite there
+        "tail_mean_max_min": None if zero_steps else float(np.mean(tail)),
+        "tail_zero_expert_steps": zero_steps,
     }
+
+
+def _ratio_text(value: float | None) -> str:
+    return "∞ (experts without tokens)" if value is None else f"{value:.3f}"
 
 
 def run_simulations(configs: dict[str, SimConfig]) -> dict:
@@ -171,7 +180,7 @@ def run_simulations(configs: dict[str, SimConfig]) -> dict:
             row = case["methods"][method]
             print(f"{name:>18} {method:>8}: first≤{TARGET} at {row['first_step_le_target']}, "
                   f"settled from {row['settled_from_step']}, tail max/min "
-                  f"{row['tail_mean_max_min']:.3f}, {row['seconds']} s", flush=True)
+                  f"{_ratio_text(row['tail_mean_max_min'])}, {row['seconds']} s", flush=True)
         results[name] = case
     return results
 
@@ -240,35 +249,56 @@ def tiny_training_run(
             "tokens_per_step": batch_size * seq_len, "steps": steps, "data": source, "runs": runs}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--tokens_896", type=int, default=4096)
-    parser.add_argument("--tokens_64", type=int, default=16384)
-    parser.add_argument("--drift", type=float, default=1e-3)
-    parser.add_argument("--weight_drift", type=float, default=0.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "balance_qb_vs_sign")
-    parser.add_argument("--train", action="store_true", help="run tiny_training_run instead")
-    parser.add_argument("--train_steps", type=int, default=60)
-    parser.add_argument("--train_data", default="stdlib", help="recall, random or stdlib")
-    args = parser.parse_args()
+def parse_args(argv=None):
+    parser = cli.make_parser("python experiments/balance_qb_vs_sign.py", __doc__)
+    parser.add_argument("--steps", type=int, default=250, help="balancing steps per simulation")
+    parser.add_argument("--tokens_896", type=int, default=4096, help="tokens routed per step at E=896, k=16")
+    parser.add_argument("--tokens_64", type=int, default=16384, help="tokens routed per step at E=64, k=8")
+    parser.add_argument("--drift", type=float, default=1e-3,
+                        help="per-step random-walk std of the expert popularity offsets (logit units)")
+    parser.add_argument("--weight_drift", type=float, default=0.0,
+                        help="per-step random-walk std of the expert embeddings W (token-level churn)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="output path without suffix: writes OUT.json and OUT.png (default: %(default)s)")
+    parser.add_argument("--train", action="store_true",
+                        help="run the short tiny-model training comparison instead of the simulation")
+    parser.add_argument("--train_steps", type=int, default=60, help="training steps per method (--train)")
+    parser.add_argument("--train_data", default="stdlib", choices=("recall", "random", "stdlib"),
+                        help="training data source (--train)")
+    return parser.parse_args(argv)
+
+
+def _run(args) -> int:
+    for name in ("steps", "tokens_896", "tokens_64", "train_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} must be >= 1")
     if args.train:
         train = tiny_training_run(args.train_steps, source=args.train_data)
         path = args.out.with_name(f"{args.out.name}_train_{args.train_data}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(train))
         print(f"wrote {path}")
-        return
+        return 0
+    try:  # before minutes of compute, not after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise cli.UserError("the plot needs matplotlib: pip install -e '.[experiments]' (make demo installs it)") from None
     configs = get_config(args.steps, args.tokens_896, args.tokens_64, args.drift, args.weight_drift)
     start = time.perf_counter()
     results = run_simulations(configs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"target_max_min": TARGET, "seconds": round(time.perf_counter() - start, 1),
             "jax": jax.__version__, "backend": jax.default_backend()}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": results}))
     plot(results, args.out.with_suffix(".png"))
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": results}))
     print(f"wrote {args.out}.json/.png in {meta['seconds']} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return cli.run(lambda: _run(args), debug=args.debug)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
