@@ -165,12 +165,15 @@ class Checkpointer:
         while dst.exists():
             n += 1
             dst = src.with_name(f"{step}.corrupt-{reason}-{n}")
-        try:
-            src.rename(dst)
-            (dst / "reason.txt").write_text(f"{reason}: {detail}\n")
-            where = f"moved to {dst.name}"
-        except OSError as err:
-            dst, where = None, f"could not be moved aside ({err.strerror})"
+        if jax.process_index() != 0:  # one process renames; every process skips the step
+            dst, where = None, "moved aside by process 0"
+        else:
+            try:
+                src.rename(dst)
+                (dst / "reason.txt").write_text(f"{reason}: {detail}\n")
+                where = f"moved to {dst.name}"
+            except OSError as err:
+                dst, where = None, f"could not be moved aside ({err.strerror})"
         self.manager.reload()
         log.warning("checkpoint step %d in %s is corrupt (%s: %s); %s; falling back to an older step",
                     step, self.dir, reason, detail, where)

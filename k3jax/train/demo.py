@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from k3jax import cli
 from k3jax.train.__main__ import load_config
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.loop import train
@@ -62,13 +62,18 @@ def evaluate(trainer: Trainer, state, cfg, batches: int) -> tuple[float, dict, n
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3jax.train.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE")
+    p = cli.make_parser("python -m k3jax.train.demo", __doc__)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="experiment file (default: the recall demo)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field by dotted path, typed by the field; repeatable")
     p.add_argument("--dir", default=None, help="run directory (default: a fresh temporary one)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--examples", type=int, default=3)
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches to measure accuracy on")
+    p.add_argument("--examples", type=int, default=3, help="solved examples to show")
     args = p.parse_args(argv)
+    return cli.run(lambda: _demo(args), debug=args.debug)
+
+
+def _demo(args) -> int:
     from k3jax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
