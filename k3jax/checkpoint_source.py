@@ -57,8 +57,9 @@ def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> t
 
         cfg, variables = load_hf(str(folder))
         if abstract is not None:
-            variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding),
-                                     variables, abstract(cfg))
+            want = abstract(cfg)
+            _check_layout(variables, want, folder)
+            variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
         return cfg, variables
     return _load_orbax(folder, abstract or abstract_variables)
 
@@ -86,6 +87,19 @@ def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
         raise ValueError(f"checkpoint {str(folder)!r} holds no restorable step")
     state, _, _ = restored
     return found["cfg"], {"params": state["params"]["model"], "balance": state["balance"]["model"]}
+
+
+def _check_layout(variables: dict, want: dict, folder: Path) -> None:
+    """``ValueError`` naming the first leaves whose shapes differ (or that only one side has)."""
+    shapes = lambda tree: {jax.tree_util.keystr(p): tuple(x.shape)
+                           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    have, need = shapes(variables), shapes(want)
+    if have == need:
+        return
+    differ = [f"{k}: {have.get(k)} vs {need.get(k)}" for k in sorted(set(have) | set(need))
+              if have.get(k) != need.get(k)]
+    raise ValueError(f"checkpoint {str(folder)!r} holds a model of another shape than the one asked for "
+                     f"({len(differ)} leaves differ, checkpoint vs wanted: {'; '.join(differ[:3])})")
 
 
 def abstract_variables(cfg: ModelConfig) -> dict:
