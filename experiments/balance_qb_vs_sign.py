@@ -249,7 +249,7 @@ def tiny_training_run(
             "tokens_per_step": batch_size * seq_len, "steps": steps, "data": source, "runs": runs}
 
 
-def parse_args(argv=None):
+def make_parser():
     parser = cli.make_parser("python experiments/balance_qb_vs_sign.py", __doc__)
     parser.add_argument("--steps", type=int, default=250, help="balancing steps per simulation")
     parser.add_argument("--tokens_896", type=int, default=4096, help="tokens routed per step at E=896, k=16")
@@ -265,7 +265,11 @@ def parse_args(argv=None):
     parser.add_argument("--train_steps", type=int, default=60, help="training steps per method (--train)")
     parser.add_argument("--train_data", default="stdlib", choices=("recall", "random", "stdlib"),
                         help="training data source (--train)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
 
 
 def _run(args) -> int:

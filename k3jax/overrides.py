@@ -120,6 +120,8 @@ def _scalar(value: Any, hint: Any) -> Any:
         return value
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and value.lower() in ("inf", "-inf", "nan"):
+        return float(value)
     if hint is str and isinstance(value, str):
         return value
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
