@@ -23,41 +23,45 @@ def _same(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A trained-looking state (another seed than the run's) saved as a run folder and an HF folder."""
+    """A trained-looking state (other parameters, a used optimizer state) saved as a run folder and
+    an HF folder, and the fresh state of the run that starts from it (one init compile for both)."""
     root = tmp_path_factory.mktemp("init_from")
     cfg = toy.micro_train_config()
     trainer = Trainer(cfg)
-    state = trainer.init_state(jax.random.key(7))
+    fresh = trainer.init_state(jax.random.key(0))
+    bump = lambda tree: jax.tree.map(lambda x: x + 1, tree)
+    state = fresh.replace(params=jax.tree.map(lambda x: x * 0.5 + 0.25, fresh.params),
+                          opt_state=bump(fresh.opt_state), balance=bump(fresh.balance), step=fresh.step + 5)
     ck = Checkpointer(CheckpointConfig(dir=str(root / "run" / "checkpoints"), async_save=False), cfg)
     ck.save(5, state, make_data(cfg).get_state())
     ck.close()
     save_hf(cfg.model, trainer.model_variables(state), str(root / "hf"))
-    return cfg, trainer, state, root
+    return cfg, trainer, state, root, fresh
 
 
 @pytest.mark.parametrize("where", ["run", "run/checkpoints", "hf"])
 def test_parameters_from_each_layout_optimizer_fresh(source, where):
-    cfg, trainer, saved, root = source
-    fresh = trainer.init_state(jax.random.key(0))
+    cfg, trainer, saved, root, fresh = source
     state = _init_from(trainer, fresh, str(root / where))
     assert _same(state.params["model"], saved.params["model"])
     assert _same(state.balance["model"], saved.balance["model"])
     assert not _same(fresh.params["model"], saved.params["model"])
-    assert _same(state.opt_state, fresh.opt_state) and int(state.step) == 0
+    assert _same(state.opt_state, fresh.opt_state) and not _same(state.opt_state, saved.opt_state)
+    assert int(state.step) == 0
 
 
 def test_onto_a_mesh_with_the_runs_shardings(source):
-    cfg, _, saved, root = source
+    cfg, _, saved, root, _ = source
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(axes=(("data", 1),)))
     trainer = Trainer(cfg, make_train_mesh(cfg))
-    state = _init_from(trainer, trainer.init_state(jax.random.key(0)), str(root / "run"))
+    state = _init_from(trainer, trainer.abstract_state(), str(root / "run"))  # only the model part is read
     want = trainer.shardings["state"].params["model"]
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, state.params["model"], want))
     assert _same(state.params["model"], saved.params["model"])
 
 
 def test_own_checkpoint_wins_and_other_shapes_are_refused(source, tmp_path):
-    cfg, trainer, saved, root = source
+    cfg, trainer, saved, root, _ = source
     own = dataclasses.replace(cfg, checkpoint=CheckpointConfig(dir=str(root / "run" / "checkpoints"),
                                                                init_from=str(root / "hf")))
     data = make_data(own)
