@@ -32,7 +32,6 @@ trainer in k3jax/train); `--train [--train_steps 60] [--train_data stdlib]` runs
 writes <out>_train_<data>.json.
 """
 
-import argparse
 import dataclasses
 import functools
 import json
