@@ -195,9 +195,9 @@ def main():
         cfg = dataclasses.replace(config.small(), param_dtype=jnp.bfloat16)
         batches, draft_shape = (1, 64), dict(batch=4, length=256, gamma=4, max_new=64)
     if args.target:
-        from k3jax.generate import load
+        from k3jax.checkpoint_source import load_variables
 
-        cfg, variables = load(args.target)
+        cfg, variables = load_variables(args.target)
     else:
         variables = build(cfg)
     results = {"device": jax.devices()[0].device_kind, "config": cfg.name, "hbm_tbps": args.hbm_tbps,

@@ -5,8 +5,8 @@
 newest good step (`k3jax.checkpoint_source`). Text goes through the K3 tokenizer when
 ``--tokenizer DIR`` is given (or the HF folder holds ``tiktoken.model``), else through the byte
 tokenizer. One prompt is echoed and continued token by token as it is generated; several run as
-one batch and print when done. Control characters are shown escaped (``\\x02``), never sent raw
-to the terminal.
+one batch and print one ``'prompt' -> 'continuation'`` line each when done. Control characters
+are shown escaped (``\\x02``), never sent raw to the terminal.
 """
 
 from __future__ import annotations
@@ -110,9 +110,8 @@ def _generate(args) -> int:
     if single:
         text.close()
         return 0
-    for p, o in zip(args.prompt, out):
-        ids = [t for t in o if t != tokenizer.eos_id]
-        print(escape(p) + escape(tokenizer.decode(ids)))
+    for p, o in zip(args.prompt, out):  # one line per row: repr escapes newlines and control characters
+        print(f"{p!r} -> {tokenizer.decode([t for t in o if t != tokenizer.eos_id])!r}")
     return 0
 
 
