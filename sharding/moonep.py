@@ -3,7 +3,7 @@ are spread over several ranks and every rank receives about its plan ``N·k/EP``
 
 Weights. Only the logical experts are parameters (``[E, L, F]``, sharded over the expert axis as
 in ``sharding.ep``). Inside the layer every rank fetches the ``q = R/EP`` copies its replica slots
-hold (``sharding.moonep_placement``: slot ``j`` copies from rank ``d − j − 1``, so that is ``q``
+hold (``sharding.moonep_placement``: slot ``j`` copies from rank ``d − s_j``, so that is ``q``
 ``ppermute``s of one expert each) and appends them to its home experts: ``E/EP + q`` physical
 experts per rank. Autodiff transposes the fetch, so the gradients of all copies of an expert are
 summed into the logical expert on its home rank before the optimiser ever sees them, and the
@@ -40,26 +40,26 @@ from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.ops import grouped_matmul
 from sharding.context import ParallelConfig, current
 from sharding.ep import _check, exchange, moe_ffn_ep, received_max_mean
-from sharding.moonep_placement import SHARE_UNITS, check_layout, share_intervals
+from sharding.moonep_placement import SHARE_UNITS, check_layout, share_intervals, slot_shifts
 
 
 def fetch_replicas(w: Float[Array, "El A B"], replica_expert: Int[Array, "R"], *, axis: str, ep: int,
                    ) -> Float[Array, "P A B"]:
     """This rank's home experts followed by the copies its ``q`` slots hold (``[E/EP + q, A, B]``).
 
-    Rank ``h`` sends its expert ``replica_expert[(h + j + 1)·q + j]`` to rank ``h + j + 1``; an
+    Rank ``h`` sends its expert ``replica_expert[(h + s_j)·q + j]`` to rank ``h + s_j``; an
     invalid slot (its expert lives elsewhere) receives zeros and is given no tokens.
     """
     e_local = w.shape[0]
     q = replica_expert.shape[0] // ep
     me = lax.axis_index(axis)
     copies = []
-    for j in range(q):
-        e = replica_expert[((me + j + 1) % ep) * q + j]
+    for j, shift in enumerate(slot_shifts(ep, q)):
+        e = replica_expert[((me + shift) % ep) * q + j]
         local = jnp.clip(e - me * e_local, 0, e_local - 1)
         row = lax.dynamic_index_in_dim(w, local, keepdims=False)
         row = jnp.where(e // e_local == me, row, jnp.zeros_like(row))
-        copies.append(lax.ppermute(row, axis, [(h, (h + j + 1) % ep) for h in range(ep)]))
+        copies.append(lax.ppermute(row, axis, [(h, (h + shift) % ep) for h in range(ep)]))
     return jnp.concatenate([w, jnp.stack(copies)]) if copies else w
 
 
@@ -104,10 +104,8 @@ def _moonep_body(x, ids, weights, w1, w3, w2, replica_expert, replica_share, *, 
     out, processed, overflow, received = exchange(x, phys, weights, fetch(w1), fetch(w3), fetch(w2), ctx=ctx,
                                                   strategy="a2a", reserve=reserve, act=act, gmm=gmm)
     shards = math.prod(ctx.axis_size(a) for a in ctx.token_axes)
-    _, lo, hi = share_intervals(replica_expert, replica_share, num_experts, ep)
-    active = jnp.sum(hi > lo)
     stats = {"ep_overflow": overflow, "ep_dropped": n * k * shards - lax.psum(processed, ctx.token_axes),
-             "ep_received_max_mean": received_max_mean(received, ctx), "ep_replicas": active.astype(jnp.int32)}
+             "ep_received_max_mean": received_max_mean(received, ctx)}
     return out.reshape(lead + out.shape[-1:]), stats
 
 
@@ -132,7 +130,7 @@ def moe_ffn_moonep(
 
     ``replica_expert``/``replica_share`` come from ``sharding.moonep_placement.plan_replicas`` (any
     values are exact: a slot whose expert is not on its source rank, or with share 0, is unused).
-    Stats: those of ``moe_ffn_ep`` plus ``ep_replicas`` (slots in use).
+    Stats: those of ``moe_ffn_ep``.
     """
     ctx = current() if ctx is None else ctx
     if ctx is None:
@@ -144,8 +142,7 @@ def moe_ffn_moonep(
         raise ValueError(f"replica_expert and replica_share must both be [R], got {replica_expert.shape} "
                          f"and {replica_share.shape}")
     if ctx.expert_size == 1 or replica_expert.shape[0] == 0:
-        y, stats = moe_ffn_ep(x, topk_ids, topk_weights, w1, w3, w2, ctx=ctx, reserve=reserve, **kw)
-        return y, {**stats, "ep_replicas": jnp.zeros((), jnp.int32)}
+        return moe_ffn_ep(x, topk_ids, topk_weights, w1, w3, w2, ctx=ctx, reserve=reserve, **kw)
     check_layout(w1.shape[0], replica_expert.shape[0], ctx.expert_size)
     _check(x, topk_ids, topk_weights, w1, ctx)
     tok = (ctx.batch_axes or None, ctx.length_axes or None) if x.ndim == 3 else (ctx.batch_axes + ctx.length_axes or None,)
@@ -154,7 +151,7 @@ def moe_ffn_moonep(
                             situ_linear_beta=situ_linear_beta)
     gmm = functools.partial(grouped_matmul, implementation=implementation)
     body = functools.partial(_moonep_body, ctx=ctx, num_experts=w1.shape[0], reserve=reserve, act=act, gmm=gmm)
-    stats_spec = {name: P() for name in ("ep_overflow", "ep_dropped", "ep_received_max_mean", "ep_replicas")}
+    stats_spec = {name: P() for name in ("ep_overflow", "ep_dropped", "ep_received_max_mean")}
     args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2, replica_expert.astype(jnp.int32),
             replica_share.astype(jnp.float32))
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
