@@ -70,3 +70,12 @@ def check_layer(mesh_axes, replicas, args, loads):
             "ep_overflow": int(s_ep["ep_overflow"]), "ep_received_max_mean": float(s_ep["ep_received_max_mean"]),
             "planned_max_mean": float(planned.max() / planned.mean()), "home_max_mean": float(home.max() / home.mean()),
             "replicas": int(jnp.sum(plan[1] > 0)), "ep": ep, "reserve": RESERVE}
+
+
+def main():
+    args, loads = _inputs()
+    emit({"expert8": check_layer(dict(data=1, expert=8), 16, args, loads)})
+
+
+if __name__ == "__main__":
+    main()
