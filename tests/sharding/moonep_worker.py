@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from benchmarks.bench_moonep import zipf_router  # noqa: E402
 from pallas_kernels.moe.reference import moe_ffn_dense  # noqa: E402
 from sharding import make_mesh, use_mesh  # noqa: E402
 from sharding.ep import moe_ffn_ep  # noqa: E402
@@ -17,27 +18,12 @@ E, K_TOP, L, F, N = 32, 4, 16, 8, 2048
 RESERVE = 0.25
 
 
-def zipf_router(key, tokens, exponent=0.8, temperature=1.0):
-    """Top-k ids and weights of a router whose expert popularity is Zipf-like on top of a balanced one.
-
-    A balanced (QB-converged) router's scores are exchangeable over experts; the popularity adds
-    ``exponent · log(1/rank)`` to the logits, the rank of an expert a fixed shuffle of 1..E.
-    """
-    noise = jax.random.normal(key, (tokens, E)) * temperature
-    rank = jax.random.permutation(jax.random.PRNGKey(42), E) + 1
-    logits = noise - exponent * jnp.log(rank.astype(jnp.float32))
-    scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(logits, K_TOP)
-    w = jnp.take_along_axis(scores, ids, 1)
-    return ids, w / w.sum(-1, keepdims=True)
-
-
 def _inputs():
     keys = jax.random.split(jax.random.PRNGKey(0), 6)
     x = jax.random.normal(keys[0], (N, L))
     ws = [jax.random.normal(k, s) * 0.3 for k, s in zip(keys[2:5], [(E, L, F), (E, L, F), (E, F, L)])]
-    ids, w = zipf_router(keys[1], N)
-    calib, _ = zipf_router(keys[5], 8 * N)  # earlier batches: the loads QB accumulated
+    ids, w = zipf_router(keys[1], N, E, K_TOP)
+    calib, _ = zipf_router(keys[5], 8 * N, E, K_TOP)  # earlier batches: the loads QB accumulated
     return (x, ids, w, *ws), jnp.bincount(calib.reshape(-1), length=E).astype(jnp.float32)
 
 
