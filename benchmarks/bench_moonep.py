@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import time
 
 import jax
@@ -94,7 +93,8 @@ def time_rank(rows, experts: int, buffer: int, args) -> float:
     dt = jnp.float32 if args.f32 else jnp.bfloat16
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
     x = jax.random.normal(keys[0], (buffer, L), dt)
-    ws = [(0.02 * jax.random.normal(kk, s)).astype(dt) for kk, s in zip(keys[1:], [(experts, L, F)] * 2 + [(experts, F, L)])]
+    shapes = [(experts, L, F), (experts, L, F), (experts, F, L)]
+    ws = [(0.02 * jax.random.normal(kk, s)).astype(dt) for kk, s in zip(keys[1:], shapes)]
     local = np.full(buffer, experts, np.int32)
     local[: int(rows.sum())] = np.repeat(np.arange(experts), rows)
     local = jnp.asarray(local)[:, None]
@@ -121,7 +121,7 @@ def main():
                         metavar=("E", "K", "L", "F", "N"), help="experts, top-k, latent width, expert F, tokens/rank")
     parser.add_argument("--ep", type=int, default=64, help="expert-parallel ranks simulated")
     parser.add_argument("--replicas", type=int, default=128, help="redundant experts R (a multiple of --ep)")
-    parser.add_argument("--zipf", type=float, default=0.8, help="popularity exponent on top of the balanced router")
+    parser.add_argument("--zipf", type=float, default=0.4, help="popularity exponent on top of the balanced router")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link-gbs", type=float, default=450.0, help="per-direction GB/s for the a2a estimate")

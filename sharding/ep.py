@@ -270,19 +270,32 @@ def moe_ffn_ep(
     if strategy not in ("a2a", "gather"):
         raise ValueError(f"strategy={strategy!r} must be 'a2a' or 'gather'")
     _check(x, topk_ids, topk_weights, w1, ctx)
-    if x.ndim == 3:
-        tok = (ctx.batch_axes or None, ctx.length_axes or None)
-    else:
-        tok = (ctx.batch_axes + ctx.length_axes or None,)
-    tok_spec = P(*tok, None)
-    w_spec = P(ctx.expert_axis, None, None)
+    act, gmm = expert_fns(activation, situ_beta, situ_linear_beta, implementation)
+    body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
+    return shard_experts(body, ctx, x, topk_ids, topk_weights, w1, w3, w2)
+
+
+STATS = ("ep_overflow", "ep_dropped", "ep_received_max_mean")
+
+
+def expert_fns(activation: str, situ_beta: float, situ_linear_beta: float, implementation: str | None):
+    """``(act, gmm)``: the gated activation and the grouped matmul the local experts run."""
     act = functools.partial(gated_activation, activation=activation, situ_beta=situ_beta,
                             situ_linear_beta=situ_linear_beta)
-    gmm = functools.partial(grouped_matmul, implementation=implementation)
-    body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
-    stats_spec = {"ep_overflow": P(), "ep_dropped": P(), "ep_received_max_mean": P()}
+    return act, functools.partial(grouped_matmul, implementation=implementation)
+
+
+def shard_experts(body, ctx: ParallelConfig, x, topk_ids, topk_weights, w1, w3, w2, *replicated):
+    """``body`` under ``shard_map``: tokens as the activations, experts over the expert axis,
+    ``replicated`` arrays whole on every device; returns ``(y, stats)`` with scalar ``STATS``."""
+    if x.ndim == 3:
+        tok_spec = P(ctx.batch_axes or None, ctx.length_axes or None, None)
+    else:
+        tok_spec = P(ctx.batch_axes + ctx.length_axes or None, None)
+    w_spec = P(ctx.expert_axis, None, None)
     # check_vma=False: the kernels' internal zero-initialised carries are not typed as varying.
-    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
-                       in_specs=ctx.in_specs((tok_spec,) * 3 + (w_spec,) * 3, *args))
+    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2, *replicated)
+    specs = (tok_spec,) * 3 + (w_spec,) * 3 + (P(),) * len(replicated)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, {n: P() for n in STATS}),
+                       in_specs=ctx.in_specs(specs, *args))
     return fn(*args)

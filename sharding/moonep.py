@@ -30,16 +30,12 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.moe.activations import gated_activation
-from pallas_kernels.moe.ops import grouped_matmul
 from sharding.context import ParallelConfig, current
-from sharding.ep import _check, exchange, moe_ffn_ep, received_max_mean
+from sharding.ep import _check, exchange, expert_fns, moe_ffn_ep, received_max_mean, shard_experts
 from sharding.moonep_placement import SHARE_UNITS, check_layout, share_intervals, slot_shifts
 
 
@@ -145,15 +141,7 @@ def moe_ffn_moonep(
         return moe_ffn_ep(x, topk_ids, topk_weights, w1, w3, w2, ctx=ctx, reserve=reserve, **kw)
     check_layout(w1.shape[0], replica_expert.shape[0], ctx.expert_size)
     _check(x, topk_ids, topk_weights, w1, ctx)
-    tok = (ctx.batch_axes or None, ctx.length_axes or None) if x.ndim == 3 else (ctx.batch_axes + ctx.length_axes or None,)
-    tok_spec, w_spec = P(*tok, None), P(ctx.expert_axis, None, None)
-    act = functools.partial(gated_activation, activation=activation, situ_beta=situ_beta,
-                            situ_linear_beta=situ_linear_beta)
-    gmm = functools.partial(grouped_matmul, implementation=implementation)
+    act, gmm = expert_fns(activation, situ_beta, situ_linear_beta, implementation)
     body = functools.partial(_moonep_body, ctx=ctx, num_experts=w1.shape[0], reserve=reserve, act=act, gmm=gmm)
-    stats_spec = {name: P() for name in ("ep_overflow", "ep_dropped", "ep_received_max_mean")}
-    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2, replica_expert.astype(jnp.int32),
-            replica_share.astype(jnp.float32))
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
-                       in_specs=ctx.in_specs((tok_spec,) * 3 + (w_spec,) * 3 + (P(), P()), *args))
-    return fn(*args)
+    return shard_experts(body, ctx, x, topk_ids, topk_weights, w1, w3, w2, replica_expert.astype(jnp.int32),
+                         replica_share.astype(jnp.float32))

@@ -33,7 +33,6 @@ source) bound what it receives by ``D·cap``, and ``sharding.moonep`` reports th
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
