@@ -75,7 +75,7 @@ def layouts(args):
             phys, per_rank = per_source, E // ep
         else:
             split = functools.partial(physical_ids, replica_expert=plan[0], replica_share=plan[1], num_experts=E, ep=ep)
-            phys, per_rank = jax.vmap(split)(per_source), E // ep + R // ep
+            phys, per_rank = jax.vmap(split)(per_source, source=jnp.arange(ep)), E // ep + R // ep
         rows, pair_max = rank_rows(phys, ep, per_rank)
         total = rows.sum(1)
         out[name] = {"rows": np.asarray(rows[int(jnp.argmax(total))]), "experts": per_rank, "pair_max": pair_max,

@@ -39,6 +39,9 @@ from sharding.ep import _check, exchange, expert_fns, moe_ffn_ep, received_max_m
 from sharding.moonep_placement import SHARE_UNITS, check_layout, share_intervals, slot_shifts
 
 
+_GOLDEN = 0.6180339887
+
+
 def fetch_replicas(w: Float[Array, "El A B"], replica_expert: Int[Array, "R"], *, axis: str, ep: int,
                    ) -> Float[Array, "P A B"]:
     """This rank's home experts followed by the copies its ``q`` slots hold (``[E/EP + q, A, B]``).
@@ -60,8 +63,12 @@ def fetch_replicas(w: Float[Array, "El A B"], replica_expert: Int[Array, "R"], *
 
 
 def physical_ids(ids: Int[Array, "N k"], replica_expert: Int[Array, "R"], replica_share: Float[Array, "R"], *,
-                 num_experts: int, ep: int) -> Int[Array, "N k"]:
-    """The physical expert (``rank · (E/EP + q) + slot``) each assignment of this rank goes to."""
+                 num_experts: int, ep: int, source: Int[Array, ""] | int = 0) -> Int[Array, "N k"]:
+    """The physical expert (``rank · (E/EP + q) + slot``) each assignment of source ``source`` goes to.
+
+    A source with few assignments to an expert would always pick the copies covering the same
+    points of ``[0, 1)``; a golden-ratio phase per source spreads them (a rotation: shares kept).
+    """
     n, k = ids.shape
     replicas = replica_expert.shape[0]
     q = replicas // ep
@@ -79,7 +86,8 @@ def physical_ids(ids: Int[Array, "N k"], replica_expert: Int[Array, "R"], replic
     pos = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0], dtype=flat.dtype) - first[flat[order]])
     # 2. Its point in [0, 1) of the expert's assignments, in integer units, looked up among the
     #    slots' intervals (sorted by expert, then start).
-    u = jnp.floor((pos.astype(jnp.float32) + 0.5) / counts[flat].astype(jnp.float32) * SHARE_UNITS).astype(jnp.int32)
+    point = (pos.astype(jnp.float32) + 0.5) / counts[flat].astype(jnp.float32) + _GOLDEN * jnp.float32(source)
+    u = jnp.floor((point - jnp.floor(point)) * SHARE_UNITS).astype(jnp.int32)
     expert = jnp.clip(replica_expert, 0, num_experts - 1)
     key = expert * SHARE_UNITS + lo  # [R]
     by_key = jnp.argsort(key, stable=True)
@@ -95,7 +103,8 @@ def _moonep_body(x, ids, weights, w1, w3, w2, replica_expert, replica_share, *, 
     lead = x.shape[:-1]
     x, ids, weights = (a.reshape(-1, a.shape[-1]) for a in (x, ids, weights))
     n, k = ids.shape
-    phys = physical_ids(ids, replica_expert, replica_share, num_experts=num_experts, ep=ep)
+    source = lax.axis_index(ctx.token_axes) if ctx.token_axes else 0
+    phys = physical_ids(ids, replica_expert, replica_share, num_experts=num_experts, ep=ep, source=source)
     fetch = functools.partial(fetch_replicas, replica_expert=replica_expert, axis=axis, ep=ep)
     out, processed, overflow, received = exchange(x, phys, weights, fetch(w1), fetch(w3), fetch(w2), ctx=ctx,
                                                   strategy="a2a", reserve=reserve, act=act, gmm=gmm)
