@@ -33,3 +33,9 @@ def test_placement_change_mid_training_is_bit_identical():
     r = run_worker("tests.sharding.moonep_train_worker")
     assert r["plan_changed"] and r["replicas"] > 0, r
     assert r["bit_identical"], r
+
+
+def test_beyond_the_plan_is_computed_not_dropped(layer):
+    r = layer["beyond_plan"]  # buffers with no reserve: the micro-batch's deviation from the plan overflows
+    assert r["overflow"] > 0 and r["dropped"] == 0, r
+    assert r["fwd"] <= F32_RTOL, r
