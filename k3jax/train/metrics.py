@@ -74,7 +74,7 @@ def ep_metrics(stats: Any, balance: Any, cfg: ModelConfig, ep: int) -> dict[str,
     named = lambda name: [v for p, v in leaves if str(getattr(p[-1], "key", p[-1])) == name]
     out = {}
     if named("ep_received_max_mean"):
-        out["ep_received_max_mean"] = max(jnp.max(v) for v in named("ep_received_max_mean"))
+        out["ep_received_max_mean"] = jnp.max(jnp.stack([jnp.max(v) for v in named("ep_received_max_mean")]))
         out["ep_overflow"] = sum(jnp.sum(v) for v in named("ep_overflow"))
     if named("replica_expert") and ep > 1:
         from sharding.moonep_placement import active_replicas
