@@ -169,10 +169,15 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     renormalize: bool = True
     implementation: str | None = None
+    # MoonEP (sharding/moonep.py): redundant copies of hot experts per layer on an expert-parallel
+    # mesh (a multiple of the expert axis size), re-planned from QB's loads every placement_every steps.
+    redundant_experts: int = 0
+    placement_every: int = 100
 
     def __post_init__(self):
         _positive(num_experts=self.num_experts, top_k=self.top_k,
-                  expert_intermediate=self.expert_intermediate)
+                  expert_intermediate=self.expert_intermediate, placement_every=self.placement_every)
+        _require(self.redundant_experts >= 0, f"redundant_experts={self.redundant_experts} must be >= 0")
         _require(self.top_k < self.num_experts,
                  f"top_k={self.top_k} must be < num_experts={self.num_experts}")
         _require(self.num_shared_experts >= 0, f"num_shared_experts={self.num_shared_experts} must be >= 0")

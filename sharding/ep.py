@@ -161,34 +161,54 @@ def capacity(tokens: int, top_k: int, ep: int, reserve: float) -> int:
     return max(1, min(tokens * top_k, math.ceil(plan * (1.0 + reserve))))
 
 
-def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, reserve, act, gmm):
+def exchange(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, reserve, act, gmm):
+    """One rank's ``(out [n, L], processed, overflow, received [EP])`` for flat ``ids`` into ``w1 [E_local…]``.
+
+    Inside the ``shard_map`` body: ids are global over ``EP · E_local`` experts, expert ``i`` on
+    rank ``i // E_local``. ``received`` counts the assignments each rank of this expert group gets.
+    """
     axis, ep = ctx.expert_axis, ctx.expert_size
-    lead = x.shape[:-1]
-    x, ids, weights = (a.reshape(-1, a.shape[-1]) for a in (x, ids, weights))
     n, k = ids.shape
     tok_axes = ctx.token_axes
-    shards = math.prod(ctx.axis_size(a) for a in tok_axes)
     paths = dict(axis=axis, act=act, gmm=gmm)
     gather = functools.partial(_gather_path, **paths)
     if ep == 1:  # every expert is local: no exchange, no buffer, nothing can overflow
         y, processed = _local_experts(x, ids, w1, w3, w2, act=act, gmm=gmm)
-        out = _weighted_sum(y, weights).astype(x.dtype)
-        overflow = jnp.zeros((), jnp.int32)
-    elif strategy == "gather":
+        return _weighted_sum(y, weights).astype(x.dtype), processed, jnp.zeros((), jnp.int32), processed[None]
+    counts = jnp.bincount(ids.reshape(-1) // w1.shape[0], length=ep)
+    received = lax.psum(counts, axis)
+    if strategy == "gather":
         out, processed = gather(x, ids, weights, w1, w3, w2)
-        overflow = jnp.zeros((), jnp.int32)
-    else:
-        cap = capacity(n, k, ep, reserve)
-        counts = jnp.bincount(ids.reshape(-1) // w1.shape[0], length=ep)
-        overflow = lax.psum(jnp.sum(jnp.maximum(counts - cap, 0)), tok_axes)
-        a2a = functools.partial(_a2a_path, ep=ep, cap=cap, **paths)
-        # Under autodiff a cond outputs the residuals of both branches, the untaken one's as
-        # zeros: without the checkpoint that is ~7 [EP·N·k, L] fp32 buffers filled with zeros per
-        # layer and step. The rarely taken fallback keeps only its inputs and recomputes instead.
-        fallback = jax.checkpoint(gather, policy=jax.checkpoint_policies.nothing_saveable)
-        out, processed = lax.cond(overflow > 0, fallback, a2a, x, ids, weights, w1, w3, w2)
-    dropped = n * k * shards - lax.psum(processed, tok_axes)
-    return out.reshape(lead + out.shape[-1:]), {"ep_overflow": overflow, "ep_dropped": dropped}
+        return out, processed, jnp.zeros((), jnp.int32), received
+    cap = capacity(n, k, ep, reserve)
+    overflow = lax.psum(jnp.sum(jnp.maximum(counts - cap, 0)), tok_axes)
+    a2a = functools.partial(_a2a_path, ep=ep, cap=cap, **paths)
+    # Under autodiff a cond outputs the residuals of both branches, the untaken one's as
+    # zeros: without the checkpoint that is ~7 [EP·N·k, L] fp32 buffers filled with zeros per
+    # layer and step. The rarely taken fallback keeps only its inputs and recomputes instead.
+    fallback = jax.checkpoint(gather, policy=jax.checkpoint_policies.nothing_saveable)
+    out, processed = lax.cond(overflow > 0, fallback, a2a, x, ids, weights, w1, w3, w2)
+    return out, processed, overflow, received
+
+
+def received_max_mean(received, ctx: ParallelConfig):
+    """Largest per-rank received count over the mean, worst expert group of the mesh (fp32)."""
+    r = received.astype(jnp.float32)
+    ratio = jnp.max(r) / jnp.maximum(jnp.mean(r), 1.0)
+    others = tuple(a for a in ctx.token_axes if a != ctx.expert_axis)
+    return lax.pmax(ratio, others) if others else ratio
+
+
+def _ep_body(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, reserve, act, gmm):
+    lead = x.shape[:-1]
+    x, ids, weights = (a.reshape(-1, a.shape[-1]) for a in (x, ids, weights))
+    n, k = ids.shape
+    shards = math.prod(ctx.axis_size(a) for a in ctx.token_axes)
+    out, processed, overflow, received = exchange(x, ids, weights, w1, w3, w2, ctx=ctx, strategy=strategy,
+                                                  reserve=reserve, act=act, gmm=gmm)
+    dropped = n * k * shards - lax.psum(processed, ctx.token_axes)
+    stats = {"ep_overflow": overflow, "ep_dropped": dropped, "ep_received_max_mean": received_max_mean(received, ctx)}
+    return out.reshape(lead + out.shape[-1:]), stats
 
 
 def _check(x, topk_ids, topk_weights, w1, ctx: ParallelConfig) -> None:
@@ -239,7 +259,8 @@ def moe_ffn_ep(
     ``x`` is ``[N, L]`` (tokens flattened from ``[B, T]``) or ``[B, T, L]``, sharded like the
     activations. Returns ``(y, stats)``; ``stats["ep_overflow"]`` counts the assignments that
     did not fit the a2a buffers this call (they were computed by the gather path),
-    ``stats["ep_dropped"]`` is the number of assignments no rank computed (always 0: a check).
+    ``stats["ep_dropped"]`` is the number of assignments no rank computed (always 0: a check),
+    ``stats["ep_received_max_mean"]`` the most assignments an expert rank received over the mean.
     """
     ctx = current() if ctx is None else ctx
     if ctx is None:
@@ -249,19 +270,32 @@ def moe_ffn_ep(
     if strategy not in ("a2a", "gather"):
         raise ValueError(f"strategy={strategy!r} must be 'a2a' or 'gather'")
     _check(x, topk_ids, topk_weights, w1, ctx)
-    if x.ndim == 3:
-        tok = (ctx.batch_axes or None, ctx.length_axes or None)
-    else:
-        tok = (ctx.batch_axes + ctx.length_axes or None,)
-    tok_spec = P(*tok, None)
-    w_spec = P(ctx.expert_axis, None, None)
+    act, gmm = expert_fns(activation, situ_beta, situ_linear_beta, implementation)
+    body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
+    return shard_experts(body, ctx, x, topk_ids, topk_weights, w1, w3, w2)
+
+
+STATS = ("ep_overflow", "ep_dropped", "ep_received_max_mean")
+
+
+def expert_fns(activation: str, situ_beta: float, situ_linear_beta: float, implementation: str | None):
+    """``(act, gmm)``: the gated activation and the grouped matmul the local experts run."""
     act = functools.partial(gated_activation, activation=activation, situ_beta=situ_beta,
                             situ_linear_beta=situ_linear_beta)
-    gmm = functools.partial(grouped_matmul, implementation=implementation)
-    body = functools.partial(_ep_body, ctx=ctx, strategy=strategy, reserve=reserve, act=act, gmm=gmm)
-    stats_spec = {"ep_overflow": P(), "ep_dropped": P()}
+    return act, functools.partial(grouped_matmul, implementation=implementation)
+
+
+def shard_experts(body, ctx: ParallelConfig, x, topk_ids, topk_weights, w1, w3, w2, *replicated):
+    """``body`` under ``shard_map``: tokens as the activations, experts over the expert axis,
+    ``replicated`` arrays whole on every device; returns ``(y, stats)`` with scalar ``STATS``."""
+    if x.ndim == 3:
+        tok_spec = P(ctx.batch_axes or None, ctx.length_axes or None, None)
+    else:
+        tok_spec = P(ctx.batch_axes + ctx.length_axes or None, None)
+    w_spec = P(ctx.expert_axis, None, None)
     # check_vma=False: the kernels' internal zero-initialised carries are not typed as varying.
-    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2)
-    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, stats_spec),
-                       in_specs=ctx.in_specs((tok_spec,) * 3 + (w_spec,) * 3, *args))
+    args = (x, topk_ids.astype(jnp.int32), topk_weights, w1, w3, w2, *replicated)
+    specs = (tok_spec,) * 3 + (w_spec,) * 3 + (P(),) * len(replicated)
+    fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(tok_spec, {n: P() for n in STATS}),
+                       in_specs=ctx.in_specs(specs, *args))
     return fn(*args)

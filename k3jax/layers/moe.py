@@ -29,6 +29,7 @@ from k3jax.layers.norm import norm
 from pallas_kernels.moe import moe_ffn
 from sharding import current as parallel_context
 from sharding.ep import moe_ffn_ep
+from sharding.moonep import moe_ffn_moonep
 
 # Guards the renormalisation of the top-k weights against an all-zero row (the references' value).
 RENORM_EPS = 1e-20
@@ -106,13 +107,28 @@ class MoE(nn.Module):
         args = (u.astype(dt), ids, weights, w1.astype(dt), w3.astype(dt), w2.astype(dt))
         kwargs = dict(activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
                       situ_linear_beta=cfg.mlp.situ_linear_beta, implementation=m.implementation)
+        placement = self._placement() if m.redundant_experts else None
         if parallel_context() is None:
             return moe_ffn(*args, **kwargs)
-        # On a mesh: experts sharded over the expert axis, tokens travel by all-to-all (sharding/ep.py).
-        y, ep_stats = moe_ffn_ep(*args, **kwargs)
+        # On a mesh: experts sharded over the expert axis, tokens travel by all-to-all (sharding/ep.py),
+        # hot experts' tokens spread over their redundant copies (sharding/moonep.py).
+        if placement is None:
+            y, ep_stats = moe_ffn_ep(*args, **kwargs)
+        else:
+            y, ep_stats = moe_ffn_moonep(*args, *placement, **kwargs)
         for name, value in ep_stats.items():
             self.sow("stats", name, value)
         return y
+
+    def _placement(self) -> tuple[Int[Array, "R"], Float[Array, "R"]]:
+        """The MoonEP plan (``balance`` collection; the train step re-plans from ``placement_loads``)."""
+        m = self.cfg.moe
+        zeros = nn.initializers.zeros
+        var = lambda name, shape, dtype, axes: self.variable(
+            "balance", name, nn.with_logical_partitioning(zeros, axes), None, shape, dtype).value
+        var("placement_loads", (m.num_experts,), jnp.float32, ("experts",))
+        return (var("replica_expert", (m.redundant_experts,), jnp.int32, ("replicas",)),
+                var("replica_share", (m.redundant_experts,), jnp.float32, ("replicas",)))
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:

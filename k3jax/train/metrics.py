@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import LayerKind, ModelConfig
@@ -63,6 +64,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_params: Any = None) -> f
         mixer = _mla_flops(cfg, seq_len) if depth_mixer is LayerKind.MLA else _kda_flops(cfg)
         flops += cfg.mtp.num_layers * mixer
     return flops
+
+
+def ep_metrics(stats: Any, balance: Any, cfg: ModelConfig, ep: int) -> dict[str, Any]:
+    """Expert-parallel metrics of a step: the most assignments an expert rank received over the
+    mean (worst layer and micro-batch), assignments past the a2a buffers (summed; those calls took
+    the gather fallback), and the MoonEP replicas in use (all layers; ``sharding.moonep``)."""
+    leaves = jax.tree_util.tree_flatten_with_path((stats, balance))[0]
+    named = lambda name: [v for p, v in leaves if str(getattr(p[-1], "key", p[-1])) == name]
+    out = {}
+    if named("ep_received_max_mean"):
+        out["ep_received_max_mean"] = jnp.max(jnp.stack([jnp.max(v) for v in named("ep_received_max_mean")]))
+        out["ep_overflow"] = sum(jnp.sum(v) for v in named("ep_overflow"))
+    if named("replica_expert") and ep > 1:
+        from sharding.moonep_placement import active_replicas
+
+        out["ep_replicas"] = sum(active_replicas(e, s, cfg.moe.num_experts, ep)
+                                 for e, s in zip(named("replica_expert"), named("replica_share")))
+    return out
 
 
 def peak_flops(override: float | None = None) -> float | None:

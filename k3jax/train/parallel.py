@@ -63,6 +63,10 @@ def make_train_mesh(cfg: TrainConfig, devices=None):
     if experts > 1 and cfg.model.moe.num_experts % experts:
         raise ValueError(f"model.moe.num_experts={cfg.model.moe.num_experts} must be divisible by the "
                          f"expert axis size {experts} of mesh {cfg.mesh.axes}")
+    if experts > 1 and cfg.model.moe.redundant_experts:
+        from sharding.moonep_placement import check_layout
+
+        check_layout(cfg.model.moe.num_experts, cfg.model.moe.redundant_experts, experts)
     return mesh
 
 

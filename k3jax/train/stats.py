@@ -13,6 +13,10 @@ import jax.numpy as jnp
 from k3jax import balance as qb
 
 
+# Statistics combined by max over calls and micro-batches (the rest add up or concatenate).
+MAX_STATS = ("max_logit", "ep_received_max_mean")
+
+
 def stat_name(path) -> str:
     return str(getattr(path[-1], "key", path[-1]))
 
@@ -23,7 +27,7 @@ def combine_stats(stats: Any) -> Any:
     def reduce(path, values):
         name = stat_name(path)
         values = values if isinstance(values, tuple) else (values,)
-        if name == "max_logit":
+        if name in MAX_STATS:
             return jnp.max(jnp.stack(values), axis=0)
         if name == "margins":
             return jnp.concatenate(values, axis=0)
@@ -37,7 +41,7 @@ def accumulate_stats(total: Any, new: Any) -> Any:
 
     def fold(path, a, b):
         name = stat_name(path)
-        return jnp.maximum(a, b) if name == "max_logit" else a + b
+        return jnp.maximum(a, b) if name in MAX_STATS else a + b
 
     return jax.tree_util.tree_map_with_path(fold, total, new)
 

@@ -18,6 +18,7 @@ the target at position i (the next token) and ``loss_mask`` 0 where there is non
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -32,6 +33,7 @@ from k3jax.train import stats as st
 from k3jax.train.batched_calls import batch_random_draws, batch_scans
 from k3jax.train.config import TrainConfig
 from k3jax.train.loss import head_cross_entropy
+from k3jax.train.metrics import ep_metrics
 from k3jax.train.mtp import MTP, mtp_targets
 from k3jax.train.optimizer import logical_axes, make_optimizer
 from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
@@ -225,6 +227,11 @@ class Trainer:
             params, gammas = qk_clip(params, max_logits, cfg.model.mla, cfg.optimizer.qk_clip_tau)
             metrics["qk_clipped_heads"] = sum(jnp.sum(g < 1) for g in gammas.values())
         balance = st.update_balance(cfg.model, state.balance, aux["stats"])
+        if cfg.model.moe.redundant_experts and self.mesh is not None:  # MoonEP: re-plan the replicas
+            from sharding.moonep_placement import update_placements
+
+            balance = update_placements(balance, aux["stats"], state.step + 1, every=cfg.model.moe.placement_every,
+                                        ep=self._expert_size())
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         streak = jnp.where(ok, 0, state.nonfinite_streak + 1)
         new_state = TrainState(
@@ -238,7 +245,15 @@ class Trainer:
         if max_logits:
             metrics["max_logit"] = jnp.max(jnp.stack([m.max() for m in max_logits.values()]))
         metrics.update(st.balance_metrics(aux["stats"]))
+        metrics.update(ep_metrics(aux["stats"], new_state.balance, cfg.model, self._expert_size()))
         return new_state, metrics
+
+    def _expert_size(self) -> int:
+        if self.mesh is None:
+            return 1
+        from sharding.rules import mesh_axes_of
+
+        return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
     def _build_step(self):
         if self.shardings is None:
