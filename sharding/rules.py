@@ -15,7 +15,7 @@ unsharded.
 
 from __future__ import annotations
 
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -65,7 +65,7 @@ def _used_axes(rules: Rules) -> set[str]:
     return used
 
 
-def rules_for_mesh(mesh: Mesh) -> Rules:
+def rules_for_mesh(mesh: Mesh | AbstractMesh) -> Rules:
     """The smallest strategy table that uses every mesh axis of size > 1."""
     needed = {name for name, size in mesh.shape.items() if size > 1}
     for rules in (DATA, EXPERT, SEQUENCE, TENSOR):

@@ -10,3 +10,32 @@ import os
 # threads parked in tsl::BlockUntilReady (2-warpgroup KDA scans on a 1-thread pool: 7 of 8 runs).
 # 8 threads keep free ones even for the 3-warpgroup MoE kernels (4 blocked callbacks).
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+
+# The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time (shapes,
+# dtypes, argument names in the error) under pytest only: the import hook instruments these
+# packages as they are first imported, which is after this file. K3JAX_TYPECHECK=0 turns it off.
+TYPECHECK = os.environ.get("K3JAX_TYPECHECK", "1") != "0"
+if TYPECHECK:
+    import warnings
+
+    from beartype.roar import BeartypeDecorHintPep585DeprecationWarning
+    from jaxtyping import install_import_hook
+
+    warnings.filterwarnings("ignore", category=BeartypeDecorHintPep585DeprecationWarning)
+    install_import_hook(["k3jax", "pallas_kernels", "sharding"], "beartype.beartype")
+
+import jaxtyping  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """``@pytest.mark.unchecked`` tests assert an op's own ``ValueError`` for malformed input (what
+    users get), which the annotation check would pre-empt with a ``TypeCheckError``."""
+    if not TYPECHECK or item.get_closest_marker("unchecked") is None:
+        return (yield)
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        return (yield)
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

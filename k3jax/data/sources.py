@@ -83,7 +83,7 @@ class JsonlReader:
         blank = visible[ends] == visible[starts]
         rows = starts[~blank].astype(np.int64)
         if len(rows):
-            self._parse(file, rows[0])  # a wrong field name fails here, before any compute
+            self._parse(file, int(rows[0]))  # a wrong field name fails here, before any compute
         return rows
 
     def _parse(self, file: Path, offset: int) -> str:

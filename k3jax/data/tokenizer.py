@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -48,6 +48,7 @@ MAX_CHUNK_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int

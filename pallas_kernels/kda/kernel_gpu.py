@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
 from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
@@ -99,7 +100,7 @@ def scan_fwd(w, qg, kg, u, aqk, d, s0, *, cfg: ScanConfig, store_states: bool, o
         shared = [Stream(w_g.at[bh], C, w_b), Stream(qg_g.at[bh], C, qg_b), Stream(kg_g.at[bh], C, kg_b),
                   Stream(aqk_g.at[bh], C, aqk_b), Stream(d_g.at[bh], 1, d_b)]
         own = [Stream(u_g.at[bh, :, vs], C, u_b)]
-        o_rows = lambda c: o_g.at[lax.div(bh, heads), pl.ds(c * C, C), lax.rem(bh, heads), vs]
+        o_rows = lambda c: o_g.at[int_ops.div(bh, heads), pl.ds(c * C, C), int_ops.rem(bh, heads), vs]
         h_rows = (lambda c: h_g.at[bh, pl.ds(c * K, K), vs]) if store_states else None
         bufs = (o_buf, s_buf, vn_buf)
         step = functools.partial(_chunk_step, bufs, o_rows, h_rows, K=K, out_dtype=out_dtype,

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
 from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, document_masks, prepare_from_index
 from pallas_kernels.kda.kernel_gpu_util import T, smem
@@ -102,7 +103,7 @@ def _anchored_scores(G, q_s, k_s, anchor, bufs):
         def tile(s, carry):
             b = anchor(s)
             x = jnp.exp(jnp.where(r >= s * SUB, G - b, -jnp.inf))
-            y = jnp.exp(jnp.where(lax.div(r, SUB) == s, b - G, -jnp.inf))
+            y = jnp.exp(jnp.where(int_ops.div(r, SUB) == s, b - G, -jnp.inf))
             k = plgpu.load(k_s, layout=WGMMA).astype(F32)
             qa_s[...] = _wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16))
             ka_s[...] = _wg((k * x).astype(BF16))
@@ -198,7 +199,7 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
         q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g):]
         (g_s,), (G_s,), score_bufs, (inv_bufs, v_s) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
+        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (g_g.at[b, rows, h], g_s),
                          (vec_g.at[bh, :, rows], vec_s)):

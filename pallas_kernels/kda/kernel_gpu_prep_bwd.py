@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, COL, FRESH, ROW, SEG, SEG_T, SUB, TO_END, WGMMA, _bwd_inputs, _chain, _pair, _split,
     _unit_lower_inverse, _wg,
@@ -62,7 +63,7 @@ def _scores_kk(G, k_s, anchor, bufs):
         def tile(s, carry):
             b, k = anchor(s), plgpu.load(k_s, layout=WGMMA).astype(F32)
             ka_s[...] = _wg((k * jnp.exp(jnp.where(r >= s * SUB, G - b, -jnp.inf))).astype(BF16))
-            kc_s[...] = _wg((k * jnp.exp(jnp.where(lax.div(r, SUB) == s, b - G, -jnp.inf))).astype(BF16))
+            kc_s[...] = _wg((k * jnp.exp(jnp.where(int_ops.div(r, SUB) == s, b - G, -jnp.inf))).astype(BF16))
             plgpu.commit_smem()
             plgpu.wgmma(acc, ka_s, T(kc_s))
             plgpu.wgmma_wait(0)  # the next tile overwrites the operands
@@ -91,7 +92,7 @@ def _scores_bwd(G_s, q_s, k_s, m_qk, m_kk, anchor, bufs):
     """
     C, K = G_s.shape
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-    tile_of = lambda axis: lax.div(plgpu.broadcasted_iota(jnp.int32, (C, C), axis, layout=WGMMA), SUB)
+    tile_of = lambda axis: int_ops.div(plgpu.broadcasted_iota(jnp.int32, (C, C), axis, layout=WGMMA), SUB)
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     m1_s, m2_s, a1h, a1l, a2h, a2l = bufs
     bf16 = lambda x: _wg(x.astype(BF16))
@@ -154,7 +155,7 @@ def prep_bwd(q, k, v, G, anchors, vecs, dw, du, dqg, dkg, daqk, *, scale: float,
         score_bufs, inv_bufs, (th, tl, xw_s, yu_s), (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), (dgh_s, dgl_s) = G_s
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
+        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
                          (G_g.at[b, rows, h], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s),

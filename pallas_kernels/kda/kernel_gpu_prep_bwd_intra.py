@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_bwd, _vec_loaders
 from pallas_kernels.kda.kernel_gpu_util import smem
@@ -113,7 +114,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), halves = G_u
         p, c, bh = lax.axis_index("p"), lax.axis_index("c"), lax.axis_index("bh")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
+        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
         rows, cols = pl.ds(c * C, C), pl.ds(p * S, S)
         for src, dst in ((q_g.at[b, rows, h, cols], q_s), (k_g.at[b, rows, h, cols], k_s),
                          (G_g.at[b, rows, h, cols], G_s), (anc_g.at[b, pl.ds(c * 8, 8), h, cols], anc_s),

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
     _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
@@ -116,7 +117,7 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
                k_s, v_s, anc_s, vec_s, union, bar, bar_d):
         (G_s, *score_bufs), inv_bufs, (th, tl, dw_s, du_s), (_, _, *dl_bufs) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
+        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
                          (anc_g.at[b, pl.ds(c * 8, 8), h], anc_s), (vec_g.at[bh, :, rows], vec_s)):
@@ -180,7 +181,7 @@ def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype
                k_s, v_s, vec_s, th, tl, union, bar, bar_d):
         (G_s,), (dw_s, du_s), dl_bufs = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
+        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
         rows = pl.ds(c * C, C)
         for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
                          (vec_g.at[bh, :, rows], vec_s), (th_g.at[bh, rows], th), (tl_g.at[bh, rows], tl)):

@@ -14,6 +14,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
+
 SLOTS = 2
 
 
@@ -76,7 +78,7 @@ def pipelined_chunks(
     fetch(0, 0)
 
     def step(s, carry):
-        slot = lax.rem(s, SLOTS)
+        slot = int_ops.rem(s, SLOTS)
 
         @pl.when(s + 1 < n)
         def _prefetch():
@@ -128,7 +130,7 @@ def pipelined_chunks_shared(
     fetch(0, 0)
 
     def step(s, carry):
-        slot = lax.rem(s, SLOTS)
+        slot = int_ops.rem(s, SLOTS)
 
         @pl.when(s + 1 < n)
         def _prefetch():
@@ -187,7 +189,7 @@ def pipelined_chunks_lockstep(
     fetch(0, 0, lambda st: True)
 
     def step(s, carry):
-        slot = lax.rem(s, SLOTS)
+        slot = int_ops.rem(s, SLOTS)
 
         @pl.when(s >= 1)
         def _refill():

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.reference import segment_index
 
 
@@ -97,7 +98,7 @@ def intra_scores(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, sub: int):
     row_in_tile = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
 
     def column(j, carry):
-        a = pl.multiple_of(lax.div(j, sub) * sub, sub)  # j >= 0: no floor fix-up
+        a = pl.multiple_of(int_ops.div(j, sub) * sub, sub)  # j >= 0: no floor fix-up
         rows = pl.ds(a, sub)
         # Row j is picked from its aligned tile by a masked sum, not a 1-row dynamic load,
         # which packed (bf16) layouts do not allow at arbitrary offsets.
@@ -135,7 +136,7 @@ def chunk_solve(aqk_ref, akk_ref, sid_col_ref, sid_row_ref, beta, *, scale: floa
     a_qk = jnp.where(causal, aqk_ref[...], 0.0) * scale
     a_kk = jnp.where(strict, akk_ref[...], 0.0) * beta
 
-    same_tile = lax.div(row, sub) == lax.div(col, sub)
+    same_tile = int_ops.div(row, sub) == int_ops.div(col, sub)
     t_diag = _unit_lower_inverse(jnp.where(same_tile, a_kk, 0.0), steps=(sub - 1).bit_length())
     merge = dot_f32(t_diag, jnp.where(same_tile, 0.0, a_kk))  # strictly block-lower
     t_full = dot_f32(_unit_lower_inverse(merge, steps=max(1, (C // sub - 1).bit_length())), t_diag)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_tpu import (
     TpuKdaTiles,
     chunk_masks,
@@ -90,7 +91,7 @@ def _score_grads(q_ref, k_ref, g_ref, daqk_ref, dakk_ref, dqr_ref, dkr_ref, dkc_
     row_in_tile = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
 
     def column(j, carry):  # inside j's tile: exponents masked before exp, exact for any gate
-        a = pl.multiple_of(lax.div(j, sub) * sub, sub)
+        a = pl.multiple_of(int_ops.div(j, sub) * sub, sub)
         rows = pl.ds(a, sub)
         pick = row_in_tile == j - a  # [sub,1]
         G_t = g_ref[0, 0, rows, :]

@@ -39,6 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import int_ops
+
 LOG2E = math.log2(math.e)
 # Finite "minus infinity" for masked logits: (MASK - m) never forms inf - inf (Triton-safe).
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -97,7 +99,7 @@ def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_fi
 
 def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     """Key blocks that hold a key at or before position ``q_last``: the causal loop bound."""
-    return jnp.minimum(lax.div(q_last + block_k, block_k), num_k_blocks)
+    return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
 
 
 def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, mx_ref, *,
@@ -149,7 +151,7 @@ def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_
     zeros = lambda ref: jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
     # The first query block holding a position >= this key block's first key (clamped at 0: a
     # truncating division of a negative numerator is >= the floor, and 0 bounds both).
-    first = jnp.maximum(lax.div(j * block_k - off, block_q), 0)
+    first = jnp.maximum(int_ops.div(j * block_k - off, block_q), 0)
     dkn, dkr, dv = lax.fori_loop(first, num_q_blocks, body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
     dkn_ref[...] = (dkn * scale).astype(dkn_ref.dtype)
     dkr_ref[...] = dkr * scale

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.moe import kernel_gpu_base
 from pallas_kernels.moe.kernel_gpu_base import (
     _COMPUTE_WGS, GpuTiling, _swizzled, _zeros_wgmma,
@@ -224,7 +225,7 @@ def _tgmm_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
 
         e, group_run = out_gmem.shape[0], cfg.group_run
 
-        @plgpu.nd_loop((pl.cdiv(e, group_run), grid_k * grid_n, group_run), collective_axes="sm")
+        @plgpu.nd_loop((int_ops.cdiv(e, group_run), grid_k * grid_n, group_run), collective_axes="sm")
         def _tiles(info):
             g = info.index[0] * group_run + info.index[2]
             if e % group_run:
@@ -243,7 +244,7 @@ def _chunk_schedule(group_sizes: jax.Array, m: int, tile_m: int, chunk: int):
     meta = tile_schedule(group_sizes, m, tile_m, tail=False, empty_tiles=True)
     grp = jnp.where(meta[GROUP] >= 0, meta[GROUP], e)  # inactive tiles sort after every group
     last = (grp < e) & (grp != jnp.concatenate([grp[1:], jnp.full((1,), e, grp.dtype)]))
-    bounds = jnp.minimum(jnp.arange(pl.cdiv(e, chunk) + 1, dtype=jnp.int32) * chunk, e)
+    bounds = jnp.minimum(jnp.arange(int_ops.cdiv(e, chunk) + 1, dtype=jnp.int32) * chunk, e)
     firsts = jnp.sum(grp[None, :] < bounds[:, None], axis=1)
     return jnp.concatenate([meta, last[None].astype(jnp.int32)]), firsts.astype(jnp.int32)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.moe import slot_ring
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, _zeros_wgmma
 from pallas_kernels.moe.tgmm_rows import block_rows, mask_rows, wgmma_rows
@@ -35,7 +36,7 @@ def tgmm_ring_body(rows, lhs_gmem, dout_gmem, out_gmem, *, cfg, m, k, n):
         """``per_tile(g, ki, ni, step)`` over this CTA's tiles in order; ``step``: the ring steps of
         the CTA's earlier tiles. Returns the steps of all of them."""
 
-        @plgpu.nd_loop((pl.cdiv(e, run), grid_k * grid_n, run), collective_axes="sm", init_carry=jnp.int32(0))
+        @plgpu.nd_loop((int_ops.cdiv(e, run), grid_k * grid_n, run), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):  # carry: the ring steps so far
             g = info.index[0] * run + info.index[2]
             ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_tile_width)

@@ -15,7 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from pallas_kernels.moe import validate
 from pallas_kernels.moe.activations import packed_gated_activation
@@ -127,7 +127,7 @@ _gmm_pallas.defvjp(_gmm_pallas_fwd, _gmm_pallas_bwd)
 def grouped_matmul(
     lhs: Float[Array, "M K"],
     rhs: Float[Array, "E K N"],
-    group_sizes: Int[Array, "E"],
+    group_sizes: Int[ArrayLike, "E"],
     *,
     implementation: str | None = None,
     interpret: bool = False,
@@ -143,7 +143,7 @@ def grouped_matmul(
     ``kernel_gpu.GpuTiling`` / ``kernel_tpu`` tiling), None for the kernel's default.
     """
     validate.check_grouped_matmul_args(lhs, rhs, group_sizes, checked=checked)
-    group_sizes = group_sizes.astype(jnp.int32)
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
     path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
     if path == "xla":
         return grouped_matmul_ragged(lhs, rhs, group_sizes)

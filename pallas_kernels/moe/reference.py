@@ -8,7 +8,7 @@ Two independent formulations (SPEC §4):
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
 
@@ -25,19 +25,20 @@ def group_ids(group_sizes: Int[Array, "E"], m: int) -> Int[Array, "M"]:
 
 
 def grouped_matmul_ragged(
-    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"]
+    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[ArrayLike, "E"]
 ) -> Float[Array, "M N"]:
     """``jax.lax.ragged_dot`` accumulated in >= float32, cast back to ``lhs.dtype``."""
     out = jax.lax.ragged_dot(
-        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=accum_dtype(lhs.dtype)
+        lhs, rhs, jnp.asarray(group_sizes, jnp.int32), preferred_element_type=accum_dtype(lhs.dtype)
     )
     return out.astype(lhs.dtype)
 
 
 def grouped_matmul_dense(
-    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"]
+    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[ArrayLike, "E"]
 ) -> Float[Array, "M N"]:
     """One-hot oracle: every row times every expert, masked to its own group."""
+    group_sizes = jnp.asarray(group_sizes)
     e = rhs.shape[0]
     dt = accum_dtype(lhs.dtype)
     onehot = jax.nn.one_hot(group_ids(group_sizes, lhs.shape[0]), e, dtype=dt)  # [M, E]

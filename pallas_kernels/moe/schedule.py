@@ -7,7 +7,8 @@ The schedule has a static length (an upper bound); tiles past the real count are
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
+
+from pallas_kernels import int_ops
 
 # rows of the schedule array
 GROUP, BLOCK, LO, COUNT, INDEX_GROUP = range(5)
@@ -29,7 +30,7 @@ def tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, *, tail: bool, em
     if tail:
         starts = jnp.concatenate([starts, ends[-1:]])
         ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
-    num_blocks = pl.cdiv(m, tile_m)
+    num_blocks = int_ops.cdiv(m, tile_m)
     first = jnp.minimum(starts // tile_m, num_blocks - 1)
     nonempty = ends > starts
     counts = jnp.where(nonempty, (ends - 1) // tile_m - first + 1, 1 if empty_tiles else 0)
@@ -64,8 +65,8 @@ def aligned_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int, align: in
     starts = jnp.concatenate([ends - group_sizes, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, ends.dtype)])
     base = starts - starts % align
-    counts = jnp.where(ends > starts, pl.cdiv(ends - base, tile_m), 0)
-    bound = pl.cdiv(m + (e + 1) * (tile_m + align), tile_m)
+    counts = jnp.where(ends > starts, int_ops.cdiv(ends - base, tile_m), 0)
+    bound = int_ops.cdiv(m + (e + 1) * (tile_m + align), tile_m)
     cum = jnp.cumsum(counts)
     i = jnp.arange(bound, dtype=jnp.int32)
     active = i < cum[-1]

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS
 
 MEMORY_REGISTERS = 40
@@ -33,7 +34,7 @@ class SlotRing:
     consumed: Any
 
     def slot(self, step):
-        return lax.rem(step, self.stages)
+        return int_ops.rem(step, self.stages)
 
     def load(self, step, copies):
         """Memory side: once the slot is free, ``(gmem source, ring buffer)`` copies into it."""

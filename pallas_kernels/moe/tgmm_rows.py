@@ -7,13 +7,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
+
 
 def group_rows(group_sizes: jax.Array, tile_m: int, aligned: bool) -> jax.Array:
     """Per group: int32 ``[3, E]`` rows = (start row, end row, number of row blocks); ``aligned``
     blocks start at the group's first row rounded down to 8, the others at multiples of ``tile_m``."""
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    spanned = pl.cdiv(ends - starts // 8 * 8, tile_m) if aligned else (ends - 1) // tile_m - starts // tile_m + 1
+    spanned = int_ops.cdiv(ends - starts // 8 * 8, tile_m) if aligned else (ends - 1) // tile_m - starts // tile_m + 1
     blocks = jnp.where(group_sizes > 0, spanned, 0)
     return jnp.stack([starts, ends, blocks]).astype(jnp.int32)
 

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from pallas_kernels.moe.reference import accum_dtype, group_ids
 
@@ -120,7 +120,7 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def grouped_matmul_tiled(
-    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"], *, tile: int = TILE
+    lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[ArrayLike, "E"], *, tile: int = TILE
 ) -> Float[Array, "M N"]:
     """``jax.lax.ragged_dot`` semantics (rows past ``sum(group_sizes)`` are zero) by a tile loop.
 
@@ -130,4 +130,4 @@ def grouped_matmul_tiled(
     if tile < 1:
         raise ValueError(f"tile must be a positive number of rows, got {tile}")
     tile = min(tile, max(8, -(-lhs.shape[0] // 8) * 8))
-    return _grouped(lhs, rhs, group_sizes.astype(jnp.int32), tile)
+    return _grouped(lhs, rhs, jnp.asarray(group_sizes, jnp.int32), tile)

@@ -15,23 +15,25 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEVICES = 8
-_OUTCOMES: dict[str, dict | RuntimeError] = {}
+_OUTCOMES: dict[str, dict | RuntimeError] = {}  # by "module args"
 
 
-def run_worker(module: str, timeout: float = 600.0) -> dict:
-    """The worker's measurements; run once per test session, a failure is remembered too."""
-    if module not in _OUTCOMES:
+def run_worker(module: str, timeout: float = 600.0, args: tuple[str, ...] = ()) -> dict:
+    """The worker's measurements (``python -m module *args``); run once per test session, a failure
+    is remembered too."""
+    key = " ".join((module, *args))
+    if key not in _OUTCOMES:
         try:
-            _OUTCOMES[module] = _run(module, timeout)
+            _OUTCOMES[key] = _run(module, timeout, args)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
-            _OUTCOMES[module] = RuntimeError(str(err))
-    outcome = _OUTCOMES[module]
+            _OUTCOMES[key] = RuntimeError(str(err))
+    outcome = _OUTCOMES[key]
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
 
 
-def _run(module: str, timeout: float) -> dict:
+def _run(module: str, timeout: float, args: tuple[str, ...]) -> dict:
     env = dict(os.environ)
     # Cheaper LLVM passes: compiling these tiny programs is most of the tests' time. (Not
     # --xla_backend_optimization_level=0: XLA 0.11.2's CPU TopkDecomposer aborts under it.)
@@ -40,7 +42,7 @@ def _run(module: str, timeout: float) -> dict:
                         f"{fast_compile}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not lines:

@@ -61,8 +61,14 @@ def micro_train_config(**changes):
     return dataclasses.replace(base, **changes)
 
 
-def use_compilation_cache(path="/tmp/k3jax_test_jax_cache"):
-    """Share compiled steps between the processes of one test (same executable, same bits)."""
+def use_compilation_cache(path=None):
+    """Share compiled steps between the processes of one test (same executable, same bits).
+
+    ``path`` defaults to ``$K3JAX_TEST_JAX_CACHE``, else /tmp/k3jax_test_jax_cache (point it at an empty
+    folder to time a cold run)."""
+    import os
+
     from k3jax.compile_cache import enable_compilation_cache
 
+    path = path or os.environ.get("K3JAX_TEST_JAX_CACHE", "/tmp/k3jax_test_jax_cache")
     enable_compilation_cache(path, min_compile_seconds=0.0)

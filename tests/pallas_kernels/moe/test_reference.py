@@ -117,6 +117,7 @@ def _gmm_args():
     return lhs, rhs, jnp.array([4, 4, 4, 4], jnp.int32)
 
 
+@pytest.mark.unchecked
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -145,6 +146,7 @@ def test_grouped_matmul_checkify_mode():
     assert err.get() is not None
 
 
+@pytest.mark.unchecked
 def test_moe_ffn_bad_input():
     x, ids, w, w1, w3, w2 = random_moe_inputs(0, 4, 8, 6, E, 2, jnp.float32)
     with pytest.raises(ValueError, match="w2"):

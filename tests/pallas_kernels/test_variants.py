@@ -1,0 +1,145 @@
+"""Every public op under ``chex.variants`` (jitted and eager) and under both ``jax_enable_x64``
+settings: each variant equals the op's reference, float32 inputs give float32 outputs of the
+documented shape, and nothing is non-finite.
+
+x64 matters: kernels index with int32 while a Python int is int64 under x64 (``int_ops``); the
+TPU KDA kernel raised ``lax.div requires arguments to have the same dtypes`` there. The Pallas
+paths (interpreted) run jitted only: eager dispatch of a ``pallas_call`` compiles the same kernel.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from pallas_kernels.kda import (causal_conv1d, causal_conv1d_step, chunk_kda, chunk_kda_reference,
+                                naive_recurrent_kda, recurrent_kda_step)
+from pallas_kernels.mla_attention import mla_attention, mla_attention_reference
+from pallas_kernels.moe import combine, grouped_matmul, moe_ffn, permute, situ_glu, swiglu
+from pallas_kernels.moe.reference import grouped_matmul_dense, moe_ffn_dense
+from tests.pallas_kernels.kda.conftest import kda_inputs
+from tests.pallas_kernels.moe.conftest import random_gmm_inputs, random_moe_inputs
+
+F32 = dict(rtol=1e-4, atol=1e-5)
+BF16 = dict(rtol=2e-2, atol=2e-2)
+X64 = [dict(testcase_name="x32", x64=False), dict(testcase_name="x64", x64=True)]
+GROUPS = np.asarray([5, 0, 20, 7], np.int32)  # an empty group, rows past the groups
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+class XlaOpsTest(chex.TestCase):
+    """The XLA paths: jitted and eager variants, with and without x64."""
+
+    def _check(self, got, want, shape, tol=F32):
+        chex.assert_shape(got, shape)
+        chex.assert_type(got, want.dtype)
+        chex.assert_tree_all_finite(got)
+        chex.assert_trees_all_close(got, want, **tol)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_kda(self, x64):
+        with jax.enable_x64(x64):
+            q, k, v, g, beta, s0 = kda_inputs(0, 1, 20, 2, 4, 6, dtype=jnp.float32)
+            seg = jnp.asarray([[0] * 9 + [1] * 11])
+            o, s = self.variant(lambda *a: chunk_kda(*a, initial_state=s0, segment_ids=seg, output_final_state=True,
+                                                     implementation="xla", chunk_size=8))(q, k, v, g, beta)
+            want_o, want_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, segment_ids=seg)
+            self._check(o, want_o, (1, 20, 2, 6))
+            self._check(s, want_s, (1, 2, 4, 6))
+            step_o, step_s = self.variant(recurrent_kda_step)(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], s0)
+            ref_o, ref_s = naive_recurrent_kda(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], initial_state=s0)
+            self._check(step_o, ref_o, (1, 3, 2, 6))
+            self._check(step_s, ref_s, (1, 2, 4, 6))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_conv(self, x64):
+        with jax.enable_x64(x64):
+            x, w = _normal(0, (2, 10, 6)), _normal(1, (6, 4))
+            y, state = self.variant(causal_conv1d)(x, w)
+            y1, s1 = causal_conv1d(x[:, :7], w)
+            y2, s2 = self.variant(causal_conv1d_step)(x[:, 7:], w, s1)
+            self._check(jnp.concatenate([y1, y2], axis=1), y, (2, 10, 6))
+            self._check(s2, state, (2, 3, 6))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_mla_attention(self, x64):
+        with jax.enable_x64(x64):
+            args = [_normal(i, s) for i, s in enumerate([(1, 12, 2, 8), (1, 12, 2, 4), (1, 12, 2, 8), (1, 12, 4),
+                                                          (1, 12, 2, 8)])]
+            o, m = self.variant(lambda *a: mla_attention(*a, scale=0.3, implementation="xla"))(*args)
+            want_o, want_m = mla_attention_reference(*args, None, scale=0.3)
+            self._check(o, want_o, (1, 12, 2, 8))
+            self._check(m, want_m, (2,))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_moe(self, x64):
+        with jax.enable_x64(x64):
+            lhs, rhs = random_gmm_inputs(0, 40, 8, 8, 4, jnp.float32)
+            want = grouped_matmul_dense(lhs, rhs, jnp.asarray(GROUPS))
+            for impl in ("xla", None):  # None on CPU: the tile loop
+                got = self.variant(lambda a, b, g: grouped_matmul(a, b, g, implementation=impl))(lhs, rhs, GROUPS)
+                self._check(got, want, (40, 8))
+            x, ids, w, w1, w3, w2 = random_moe_inputs(0, 6, 8, 16, 4, 2, jnp.float32)
+            self._check(self.variant(moe_ffn)(x, ids, w, w1, w3, w2), moe_ffn_dense(x, ids, w, w1, w3, w2), (6, 8))
+            xs, sizes, inverse = self.variant(permute, static_argnums=2)(x, ids, 4)
+            self._check(self.variant(combine)(xs, inverse, w), jnp.einsum("tk,td->td", w, x), (6, 8))
+            chex.assert_trees_all_equal(int(sizes.sum()), 12)
+            gate, up = _normal(3, (5, 16)), _normal(4, (5, 16))
+            self._check(self.variant(swiglu)(gate, up), jax.nn.silu(gate) * up, (5, 16))
+            chex.assert_shape(self.variant(situ_glu)(gate, up), (5, 16))
+
+
+class PallasOpsTest(chex.TestCase):
+    """The kernels in their interpreters (jitted), with and without x64, against the XLA path."""
+
+    @chex.variants(with_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_kda_tpu_kernel(self, x64):
+        with jax.enable_x64(x64):
+            q, k, v, g, beta, s0 = kda_inputs(0, 1, 40, 2, 8, 8, dtype=jnp.float32)
+            got = self.variant(lambda *a: chunk_kda(*a, initial_state=s0, output_final_state=True,
+                                                    implementation="pallas", interpret=True, chunk_size=16))(
+                q, k, v, g, beta)
+            want = chunk_kda_reference(q, k, v, g, beta, initial_state=s0)
+            chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+            chex.assert_trees_all_close(got, want, **F32)
+
+    @chex.variants(with_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_mla_gpu_kernel(self, x64):
+        with jax.enable_x64(x64):
+            args = [_normal(i, s, jnp.bfloat16) for i, s in enumerate([(1, 24, 2, 16), (1, 24, 2, 8),
+                                                                       (1, 24, 2, 16), (1, 24, 8), (1, 24, 2, 16)])]
+            o, _ = self.variant(lambda *a: mla_attention(*a, scale=0.2, implementation="pallas", interpret=True))(*args)
+            want, _ = mla_attention_reference(*[a.astype(jnp.float32) for a in args], None, scale=0.2)
+            chex.assert_shape(o, (1, 24, 2, 16))
+            chex.assert_trees_all_close(o.astype(jnp.float32), want, **BF16)
+
+    @chex.variants(with_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_grouped_matmul_kernels(self, x64):
+        with jax.enable_x64(x64):
+            lhs, rhs = random_gmm_inputs(0, 40, 32, 48, 4, jnp.bfloat16)
+            want = grouped_matmul_dense(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(GROUPS))
+            for backend in ("tpu", "gpu"):
+                run = self.variant(lambda a, b, g: grouped_matmul(a, b, g, implementation="pallas", interpret=True,
+                                                                  kernel_backend=backend))
+                if x64 and backend == "gpu":
+                    # Found by this test, not fixed: inside an outer jit under x64 the Mosaic GPU gmm
+                    # kernel's tile loop carries an int64 scalar its body returns as int32 (the same
+                    # call eagerly passes). Fails loudly today; when it passes, drop this branch.
+                    with pytest.raises(jax.errors.JaxRuntimeError, match="verifier errors"):
+                        jax.block_until_ready(run(lhs, rhs, GROUPS))
+                    continue
+                got = run(lhs, rhs, GROUPS)
+                chex.assert_type(got, jnp.bfloat16)
+                chex.assert_trees_all_close(got.astype(jnp.float32), want, **BF16)
