@@ -5,8 +5,9 @@ cost of each expert, which buys twice the experts and twice the experts per toke
 active FLOPs and the same expert parameters — more combinations per token — and lowers the loss.
 Differs from the baseline: ``moe.latent_dim = None`` (no down/up projection, no latent norm), E and
 k halved (224 / 4 → 112 / 2, so E/k stays 56), expert width F unchanged: routed expert FLOPs and
-parameters are equal; the baseline additionally spends 2·D·L per token on its projections (the
-table lists each run's FLOPs per token, so the difference is visible).
+parameters are equal; the baseline additionally spends 2·D·L per token on its projections and
+has a router twice as wide (0.603 M against 0.543 M active parameters at width 96; the table lists
+each run's FLOPs per token, so the difference is visible).
 Measured: held-out loss, FLOPs per token, parameters.
 Command (part of ``experiments/ablations.py``; alone ≈ 1 min on an H200):
     PYTHONPATH=. python experiments/ablate_latent_moe.py [--tiny] [--out experiments/results]

@@ -6,8 +6,8 @@ exactly one switch, with the same data, seed, recipe and steps. Runs are stored 
 ``<out>/ablation_runs/``, so the baseline trains once for all five ablations and a stopped call
 resumes. All probes (``experiments.probes``) are recorded on every run.
 
-Sizes: WIDTH 96 (≈ 5.5 M parameters, 0.7 M active), 400 steps of 32 × 512 bytes (6.6 M tokens,
-≈ 9 tokens per active parameter), learning rate 5e-3 (per-head Muon, cosine, 5 % warmup). This is
+Sizes: WIDTH 96 (5.19 M parameters, 0.60 M active), 400 steps of 32 × 512 bytes (6.6 M tokens,
+≈ 11 tokens per active parameter), learning rate 5e-3 (per-head Muon, cosine, 5 % warmup). This is
 a few-minute H200 experiment, thousands of times below the report's scale: it can show a
 mechanism (norm growth, activation range, decay range, balance) and the sign of a loss change at
 this size, not the report's gains.
@@ -81,16 +81,11 @@ def ablation_main(name: str, doc: str, variants: Callable[[int], dict[str, Model
                   plot: Callable[[dict, Path], bool], argv=None) -> dict:
     """Parse the common flags, run (or load) the variants, write ``<out>/<name>.{json,md,png}``."""
     args = common.parser(doc).parse_args(argv)
-    if args.plot_only:
-        result = common.read_json(args.out / f"{name}.json")
-    else:
+
+    def compute() -> dict:
         s = settings(args.tiny)
         records = run_variants(variants(s["width"]), args.out, args.cache, args.tiny)
-        result = {"name": name, "tiny": args.tiny, "settings": s, "learning_rate": LR,
-                  "summary": summarise(records), "runs": records}
-        common.write_json(args.out, name, result)
-    text = markdown(result)
-    common.write_text(args.out, name, "md", text)
-    plot(result, args.out / f"{name}.png")
-    print(text)
-    return result
+        return {"name": name, "tiny": args.tiny, "settings": s, "learning_rate": LR,
+                "summary": summarise(records), "runs": records}
+
+    return common.publish(args, name, compute, markdown, plot)

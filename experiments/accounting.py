@@ -178,14 +178,7 @@ def plot(result: dict, path: Path) -> bool:
 
 def main(argv=None) -> dict:
     args = common.parser(__doc__).parse_args(argv)
-    result = common.read_json(args.out / f"{NAME}.json") if args.plot_only else compute()
-    if not args.plot_only:
-        common.write_json(args.out, NAME, result)
-    common.write_text(args.out, NAME, "md", markdown(result))
-    plot(result, args.out / f"{NAME}.png")
-    print(markdown(result))
-    return result
-
+    return common.publish(args, NAME, compute, markdown, plot)
 
 if __name__ == "__main__":
     main()

@@ -34,6 +34,22 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def publish(args: argparse.Namespace, name: str, compute: Callable[[], dict], markdown: Callable[[dict], str],
+            plot: Callable[[dict, Path], bool]) -> dict:
+    """``compute()`` the result (with ``--plot_only``: read ``<out>/<name>.json``), then write
+    ``<name>.json``, ``<name>.md`` and ``<name>.png`` and print the table."""
+    if args.plot_only:
+        result = read_json(args.out / f"{name}.json")
+    else:
+        result = compute()
+        write_json(args.out, name, result)
+    text = markdown(result)
+    write_text(args.out, name, "md", text)
+    plot(result, args.out / f"{name}.png")
+    print(text)
+    return result
+
+
 def write_json(out: Path, name: str, data: Any) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

@@ -203,21 +203,16 @@ def main(argv=None) -> dict:
     p.add_argument("--target_loss", type=float, default=None, help="loss at which to compare (default: overlap middle)")
     args = p.parse_args(argv)
     study = TINY if args.tiny else Study()
-    if args.plot_only:
-        result = common.read_json(args.out / f"{NAME}.json")
-    else:
-        done = run_study(study, args.out, args.cache, args.budget_s, args.tiny)
-        result = {"study": dataclasses.asdict(study), "tiny": args.tiny, "corpus": runs.corpus_fingerprint(),
-                  "analysis": analyse(study, done), "runs": done}
-        if args.target_loss is not None and result["analysis"]["fit"]:
-            result["analysis"]["fit"] = scaling_fit.summary(result["analysis"]["points"], args.target_loss)
-        common.write_json(args.out, NAME, result)
-    text = markdown(result)
-    common.write_text(args.out, NAME, "md", text)
-    plot(result, args.out / f"{NAME}.png")
-    print(text)
-    return result
 
+    def compute() -> dict:
+        done = run_study(study, args.out, args.cache, args.budget_s, args.tiny)
+        analysis = analyse(study, done)
+        if args.target_loss is not None and analysis["fit"]:
+            analysis["fit"] = scaling_fit.summary(analysis["points"], args.target_loss)
+        return {"study": dataclasses.asdict(study), "tiny": args.tiny, "corpus": runs.corpus_fingerprint(),
+                "analysis": analysis, "runs": done}
+
+    return common.publish(args, NAME, compute, markdown, plot)
 
 if __name__ == "__main__":
     main()
