@@ -6,7 +6,7 @@ arguments or results it needs and returns small summaries (no model code changes
 - ``hidden``: RMS of the input of every layer's ``attn_norm`` — the residual stream (plain
   pre-norm) or the AttnRes mix (K3) that enters the layer — per layer, averaged over tokens.
 - ``experts``: inside the routed experts of every MoE layer, recomputed from the expert input
-  ``u`` and the chosen ids: the largest |gate pre-activation|, |up pre-activation| and |act(g, u)|
+  ``u`` and the chosen ids, in fp32: the largest |gate pre-activation|, |up pre-activation| and |act(g, u)|
   (SiTU-GLU bounds the last by β1·β2 = 100; SwiGLU does not).
 - ``decay``: every KDA layer's log decay ``g`` (fp32), summed over 16-token tiles: the most
   negative cumulative log decay of a tile, its 99th percentile, the fraction of (tile, channel)
@@ -21,6 +21,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
 
@@ -45,7 +46,7 @@ def _experts(module, u, ids) -> dict[str, jax.Array]:
     return {"max_gate": jnp.max(jnp.abs(g)), "max_up": jnp.max(jnp.abs(up)), "max_act": jnp.max(jnp.abs(act))}
 
 
-def tile_log_decay(g: jax.Array, tile: int = TILE) -> jax.Array:
+def tile_log_decay(g: Float[Array, "B T H K"], tile: int = TILE) -> Float[Array, "B N H K"]:
     """Cumulative log decay over each ``tile``-token tile: ``Σ_tile g`` per channel ``[B, T/tile, H, K]``."""
     B, T = g.shape[:2]
     T = T - T % tile
