@@ -34,6 +34,15 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def cli(main: Callable[[], Any]) -> None:
+    """Run a training script's ``main`` from the command line with JAX's persistent compilation
+    cache on (``k3jax.compile_cache``): a resumed study on the same machine reloads executables."""
+    from k3jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
+    main()
+
+
 def publish(args: argparse.Namespace, name: str, compute: Callable[[], dict], markdown: Callable[[dict], str],
             plot: Callable[[dict, Path], bool]) -> dict:
     """``compute()`` the result (with ``--plot_only``: read ``<out>/<name>.json``), then write

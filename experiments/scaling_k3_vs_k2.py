@@ -23,7 +23,7 @@ How far this is from the report: the report's runs are ~10^3-10^5× larger in pa
 byte-level Python source, a few million tokens per run and one seed per point. A multiplier here
 says which design is more compute-efficient for tiny models on this data, not at K3's scale.
 
-Command (one H200; expected ≈ 8 min with compilation; resumable — rerun the same command to
+Command (one H200; estimated ≈ 7-9 min with 12 compilations, not yet measured there; resumable — rerun the same command to
 continue a study stopped by ``--budget_s`` or by the session):
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/scaling_k3_vs_k2.py --out $OUT/results --budget_s 540
 CPU smoke test: ``--tiny``. Redraw the plot and table from the JSON: ``--plot_only``.
@@ -133,7 +133,9 @@ def analyse(study: Study, done: dict[str, dict]) -> dict:
     if len(points) == 2 and all(len(p["compute"]) >= 2 for p in points.values()):
         fit = scaling_fit.summary(points)
     complete = all(len(points.get(f, {}).get("compute", [])) == len(study.widths) for f in families.FAMILIES)
-    return {"best_lr": best, "points": points, "lr_sweep": sweep, "fit": fit, "complete": complete}
+    edge = {f: len(study.lrs) > 1 and lr in (min(study.lrs), max(study.lrs)) for f, lr in best.items()}
+    return {"best_lr": best, "best_lr_at_sweep_edge": edge, "points": points, "lr_sweep": sweep, "fit": fit,
+            "complete": complete}
 
 
 def markdown(result: dict) -> str:
@@ -153,6 +155,9 @@ def markdown(result: dict) -> str:
     text += f"Learning-rate sweep at width {study['widths'][0]} (held-out loss; best used for every width): "
     text += "; ".join(f"{fam}: " + ", ".join(f"{lr} → {v:.4f}" for lr, v in sw.items()) for fam, sw in a["lr_sweep"].items())
     text += "\n\n"
+    edge = [f for f, at_edge in a["best_lr_at_sweep_edge"].items() if at_edge]
+    if edge:
+        text += f"The best rate of {', '.join(edge)} is at the edge of the sweep: the optimum may lie outside it.\n\n"
     rows = [[r["family"], r["width"], f"{r['params_total'] / 1e6:.2f} M", f"{r['params_active'] / 1e6:.3f} M",
              f"{r['tokens'] / 1e6:.1f} M", f"{r['compute']:.3g}", f"{r['recipe']['learning_rate']:g}",
              f"{r['held_out_loss']:.4f}", f"{r['compile_seconds']:.0f} + {r['train_seconds'] - r['compile_seconds']:.0f} s"]
@@ -215,4 +220,4 @@ def main(argv=None) -> dict:
     return common.publish(args, NAME, compute, markdown, plot)
 
 if __name__ == "__main__":
-    main()
+    common.cli(main)
