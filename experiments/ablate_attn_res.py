@@ -44,7 +44,7 @@ def summarise(records: dict) -> dict:
 
 def markdown(result: dict) -> str:
     s = result["summary"]
-    text = f"# {NAME}: Block AttnRes vs plain residual\n\n"
+    text = ablation.intro(result, "Block AttnRes vs plain residual")
     text += common.markdown_table(ablation.LOSS_HEADER, ablation.loss_rows(result["runs"]))
     layers = list(next(iter(s.values()))["final_hidden_rms"])
     rows = [[label] + [f"{v['final_hidden_rms'][l]:.3g}" for l in layers] + [f"{v['last_over_first_layer']:.2f}"]

@@ -44,7 +44,7 @@ def summarise(records: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    text = f"# {NAME}: Quantile Balancing vs sign update vs none\n\n"
+    text = ablation.intro(result, "Quantile Balancing vs sign update vs none")
     text += common.markdown_table(ablation.LOSS_HEADER, ablation.loss_rows(result["runs"]))
     rows = [[label, f"{v['first_max_mean']:.2f}", f"{v['tail_load_max_mean']:.2f}", f"{v['tail_load_cv']:.3f}",
              f"{v['tail_load_zero_experts']:.1f}"] for label, v in result["summary"].items()]

@@ -50,7 +50,7 @@ def summarise(records: dict) -> dict:
 
 def markdown(result: dict) -> str:
     s = result["summary"]
-    text = f"# {NAME}: lower-bounded vs softplus KDA gate\n\n"
+    text = ablation.intro(result, "lower-bounded vs softplus KDA gate")
     text += common.markdown_table(ablation.LOSS_HEADER, ablation.loss_rows(result["runs"]))
     rows = [[label, f"{v['min_tile_log_decay']['over_layers'][-1]:.1f} (min over training "
                     f"{min(v['min_tile_log_decay']['over_layers']):.1f})",

@@ -39,7 +39,7 @@ def summarise(records: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    text = f"# {NAME}: LatentMoE vs full-width experts at equal routed-expert FLOPs\n\n"
+    text = ablation.intro(result, "LatentMoE vs full-width experts at equal routed-expert FLOPs")
     return text + common.markdown_table(ablation.LOSS_HEADER, ablation.loss_rows(result["runs"]))
 
 

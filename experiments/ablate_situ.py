@@ -51,7 +51,7 @@ def summarise(records: dict) -> dict:
 
 def markdown(result: dict) -> str:
     s = result["summary"]
-    text = f"# {NAME}: SiTU-GLU vs SwiGLU\n\n"
+    text = ablation.intro(result, "SiTU-GLU vs SwiGLU")
     text += common.markdown_table(ablation.LOSS_HEADER, ablation.loss_rows(result["runs"]))
     rows = [[label] + [f"{v[k]['max_over_layers'][-1]:.3g} (max {v[k]['max_over_training']:.3g})" for k in KEYS]
             for label, v in s.items()]

@@ -53,6 +53,15 @@ def run_variants(variants: dict[str, ModelConfig], out: Path, cache: Path, tiny:
     return records
 
 
+def intro(result: dict, title: str) -> str:
+    """The markdown title and the line that says what was run (and whether it was the tiny smoke run)."""
+    s = result["settings"]
+    tiny = " **Tiny CPU smoke run: not a result.**" if result["tiny"] else ""
+    return (f"# {result['name']}: {title}\n\nK3-style baseline at width {s['width']}; every run {s['steps']} steps of "
+            f"{s['batch']} × {s['seq']} bytes (stdlib corpus), peak lr {result['learning_rate']:g}, one seed; "
+            f"held-out loss over {s['eval_batches']} validation batches.{tiny}\n\n")
+
+
 def tail_mean(values: list, fraction: float = 0.2) -> float | None:
     vals = [v for v in values[int(len(values) * (1 - fraction)):] if v is not None]
     return sum(vals) / len(vals) if vals else None

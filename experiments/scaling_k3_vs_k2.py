@@ -141,6 +141,8 @@ def analyse(study: Study, done: dict[str, dict]) -> dict:
 def markdown(result: dict) -> str:
     a, study = result["analysis"], result["study"]
     text = f"# {NAME}: K3-style vs K2-style, loss against training compute\n\n"
+    if result["tiny"]:
+        text += "**Tiny CPU smoke run (a few steps per model): not a result.**\n\n"
     if a["fit"]:
         f = a["fit"]
         lo, hi = f["interval_95"]
