@@ -85,23 +85,27 @@ def best_rates(study: Study, done: dict[str, dict]) -> dict[str, float]:
     return best
 
 
+def recipe_for(study: Study, family: str, width: int, lr: float) -> runs.Recipe:
+    """The run's recipe: the tokens-per-parameter rule sets its steps."""
+    active = runs.model_numbers(families.family_model(family, width), study.seq)["params_active"]
+    return runs.Recipe(learning_rate=lr, steps=study.steps(active), batch_size=study.batch, seq_len=study.seq)
+
+
 def run_study(study: Study, out: Path, cache: Path, budget_s: float | None, tiny: bool) -> dict[str, dict]:
-    suffix = "_tiny" if tiny else ""
-    store = common.RunStore(out / f"scaling_runs{suffix}")
+    """Train every planned run not yet in ``<out>/scaling_runs/`` (stored runs of another recipe are redone)."""
+    store = common.RunStore(out / f"scaling_runs{'_tiny' if tiny else ''}")
     budget = common.Budget(budget_s)
-    largest = max(families.FAMILIES, key=lambda f: runs.model_numbers(families.family_model(f, study.widths[-1]), study.seq)["params_active"])
-    max_steps = study.steps(runs.model_numbers(families.family_model(largest, study.widths[-1]), study.seq)["params_active"])
+    max_steps = max(recipe_for(study, f, study.widths[-1], 1.0).steps for f in families.FAMILIES)
     data = held = None
-    done = store.all()
+    done = {n: r for n, r in store.all().items()
+            if r["recipe"] == dataclasses.asdict(recipe_for(study, r["family"], r["width"], r["recipe"]["learning_rate"]))}
     while True:
         todo = [p for p in plan(study, best_rates(study, done)) if run_name(*p) not in done]
         if not todo:
             return done
         family, width, lr = todo[0]
         model = families.family_model(family, width)
-        numbers = runs.model_numbers(model, study.seq)
-        recipe = runs.Recipe(learning_rate=lr, steps=study.steps(numbers["params_active"]), batch_size=study.batch,
-                             seq_len=study.seq)
+        recipe = recipe_for(study, family, width, lr)
         if not budget.allows(recipe.steps):
             print(f"budget: {budget.elapsed():.0f} s used of {budget_s} s; stopping before {run_name(*todo[0])} "
                   f"({len(todo)} runs left; rerun the same command to continue)", flush=True)
@@ -109,7 +113,7 @@ def run_study(study: Study, out: Path, cache: Path, budget_s: float | None, tiny
         if data is None:
             data = runs.cached_batches(cache, "train", study.batch, study.seq, max_steps)
             held = runs.cached_batches(cache, "validation", study.batch, study.seq, study.eval_batches)
-        print(f"run {run_name(*todo[0])}: {recipe.steps} steps, {numbers['params_active'] / 1e6:.3f} M active", flush=True)
+        print(f"run {run_name(*todo[0])}: {recipe.steps} steps", flush=True)
         record = runs.train(model, recipe, data, held)
         record.update(family=family, width=width, compute=record["flops_per_token"] * record["tokens"])
         store.put(run_name(*todo[0]), record)

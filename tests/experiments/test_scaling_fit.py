@@ -74,3 +74,33 @@ def test_run_store_and_budget(tmp_path):
     assert budget.allows(100) and not budget.allows(1000)
     with pytest.raises(ValueError, match="budget"):
         common.Budget(0)
+
+
+def test_run_study_trains_the_plan_once_and_redoes_runs_of_another_recipe(tmp_path, monkeypatch):
+    import dataclasses
+
+    from experiments import runs, scaling_k3_vs_k2
+
+    study = Study(widths=(64, 96), lrs=(1e-3, 2e-3), tokens_per_param=0.001, batch=2, seq=64, eval_batches=1)
+    calls = []
+
+    def fake_train(model, recipe, data, held):
+        calls.append((model.name, recipe.learning_rate))
+        loss = 3.0 - model.hidden / 100 - 10 * recipe.learning_rate
+        return {"recipe": dataclasses.asdict(recipe), "held_out_loss": loss, "held_out_losses": [loss],
+                "flops_per_token": 1e6 * model.hidden, "tokens": recipe.tokens, "seconds": 1.0, "compile_seconds": 0.5}
+
+    monkeypatch.setattr(runs, "train", fake_train)
+    monkeypatch.setattr(runs, "cached_batches", lambda *args: None)
+    done = scaling_k3_vs_k2.run_study(study, tmp_path, tmp_path, None, tiny=False)
+    assert len(calls) == 6 and len(done) == 6  # the 2 × 2 sweep, then width 96 at each family's best rate
+    assert ("k3_style_d96", 2e-3) in calls
+    calls.clear()
+    assert scaling_k3_vs_k2.run_study(study, tmp_path, tmp_path, None, tiny=False).keys() == done.keys()
+    assert calls == []  # resumed: nothing left
+    store = common.RunStore(tmp_path / "scaling_runs")
+    stale = store.get(run_name("k2", 96, 2e-3))
+    stale["recipe"]["steps"] += 1
+    store.put(run_name("k2", 96, 2e-3), stale)
+    scaling_k3_vs_k2.run_study(study, tmp_path, tmp_path, None, tiny=False)
+    assert calls == [("k2_style_d96", 2e-3)]
