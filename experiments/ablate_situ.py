@@ -56,7 +56,7 @@ def markdown(result: dict) -> str:
     rows = [[label] + [f"{v[k]['max_over_layers'][-1]:.3g} (max {v[k]['max_over_training']:.3g})" for k in KEYS]
             for label, v in s.items()]
     text += "\nInside the routed experts (held-out batch; final step, and the maximum over training):\n\n"
-    text += common.markdown_table(["run", "max |act(g,u)|", "max |g|", "max |u|"], rows)
+    text += common.markdown_table(["run", "max abs act(g, u)", "max abs g", "max abs u"], rows)
     return text
 
 

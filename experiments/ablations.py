@@ -5,7 +5,7 @@ Runs, in order: ``ablate_attn_res``, ``ablate_situ``, ``ablate_kda_gate``, ``abl
 (baseline + plain residual, SwiGLU, softplus gate, full-width experts, sign, none), stored in
 ``<out>/ablation_runs/``: a stopped call resumes, finished runs are loaded, not retrained.
 Command (one H200; estimated ≈ 4-5 min, not yet measured there: 7 compilations + 7 × 400 steps):
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/ablations.py --out $OUT/results
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/ablations.py
 Tiny CPU smoke version: ``--tiny``. Redraw plots from the JSON: ``--plot_only``.
 """
 

@@ -25,7 +25,7 @@ says which design is more compute-efficient for tiny models on this data, not at
 
 Command (one H200; estimated ≈ 7-9 min with 12 compilations, not yet measured there; resumable — rerun the same command to
 continue a study stopped by ``--budget_s`` or by the session):
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/scaling_k3_vs_k2.py --out $OUT/results --budget_s 540
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/scaling_k3_vs_k2.py --budget_s 480
 CPU smoke test: ``--tiny``. Redraw the plot and table from the JSON: ``--plot_only``.
 Writes <out>/scaling_k3_vs_k2.{json,md,png} and one JSON per finished run in <out>/scaling_runs/.
 """
