@@ -170,9 +170,12 @@ def markdown(result: dict) -> str:
             for r in sorted(result["runs"].values(), key=lambda r: (r["family"], r["width"], r["recipe"]["learning_rate"]))]
     text += common.markdown_table(["family", "width", "params", "active", "tokens", "train FLOPs", "peak lr",
                                    "held-out loss", "compile + train"], rows)
-    text += ("\nScale: 4-layer models of 1-12 M parameters (0.2-1.4 M active), byte-level Python source, "
-             "20 tokens per active parameter, one seed per point; the report's models are ~10^4× larger and "
-             "trained on ~10^6× more tokens of web text. This number is about these tiny models and this data.\n")
+    total = [r["params_total"] / 1e6 for r in result["runs"].values()]
+    active = [r["params_active"] / 1e6 for r in result["runs"].values()]
+    text += (f"\nScale: {families.LAYERS}-layer models of {min(total):.1f}-{max(total):.1f} M parameters "
+             f"({min(active):.2f}-{max(active):.2f} M active), byte-level Python source, {study['tokens_per_param']:g} "
+             "tokens per active parameter, one seed per point; the report's models are ~10^4× larger and trained on "
+             "~10^6× more tokens of web text. This number is about these tiny models and this data.\n")
     return text
 
 
