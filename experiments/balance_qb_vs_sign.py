@@ -30,6 +30,8 @@ The plot needs matplotlib (`pip install -e '.[experiments]'`; `make demo` instal
 The short tiny-model training comparison is `tiny_training_run`, kept separate (it needs the
 trainer in k3jax/train); `--train [--train_steps 60] [--train_data stdlib]` runs only it and
 writes <out>_train_<data>.json.
+The same methods on the K3-style ablation baseline, in the full training step on real text:
+experiments/ablate_balance.py (it imports METHODS from here).
 """
 
 import dataclasses
