@@ -64,22 +64,46 @@ def _check_keys(cfg: ModelConfig, table: list[Entry], reader: SafetensorsReader)
                          f"e.g. {unexpected[:3]}); a checkpoint of another family or config?")
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+
+
+def _check_tensor(reader: SafetensorsReader, key: str, shape: tuple[int, ...]) -> None:
+    """One HF matrix's header (or its MXFP4 pair's) against the config, before any data is read."""
+    if key not in reader:
+        for part, want in zip(_mxfp4_keys(key), ((shape[0], shape[1] // 2), (shape[0], shape[1] // mxfp4.GROUP))):
+            info = reader.infos[part]
+            if info.shape != want or info.dtype != np.uint8:
+                raise ValueError(f"{info.file}: tensor {part!r} is {info.dtype} {info.shape}, expected uint8 {want} "
+                                 f"(MXFP4 of {shape})")
+        return
+    info = reader.infos[key]
+    if info.shape != shape:
+        raise ValueError(f"{info.file}: tensor {key!r} has shape {info.shape}, expected {shape} by the config")
+    if not _is_float(info.dtype):
+        raise ValueError(f"{info.file}: tensor {key!r} has dtype {info.dtype}, expected a floating dtype")
+
+
+def checked_table(cfg: ModelConfig, reader: SafetensorsReader) -> list[Entry]:
+    """The entries of ``cfg`` under the checkpoint's spellings, with every key, shape and dtype checked
+    against the safetensors headers: a bad checkpoint fails here, before any tensor is read."""
+    table = [_resolve(entry, reader) for entry in entries(cfg)]
+    _check_keys(cfg, table, reader)
+    for entry in table:
+        if entry.is_experts:
+            for e in range(entry.shape[0]):
+                _check_tensor(reader, entry.expert_key(e), entry.hf_shape)
+        else:
+            _check_tensor(reader, entry.hf, entry.hf_shape)
+    return table
+
+
 def _read(reader: SafetensorsReader, key: str, shape: tuple[int, ...]) -> np.ndarray:
-    """One HF matrix as float32 or wider (MXFP4 pairs decoded), shape-checked."""
+    """One HF matrix as float32 or wider (MXFP4 pairs decoded); ``checked_table`` checked its header."""
     if key in reader:
-        value = reader.get(key)
-    else:
-        packed_key, scale_key = _mxfp4_keys(key)
-        packed, scale = reader.get(packed_key), reader.get(scale_key)
-        if packed.shape != (shape[0], shape[1] // 2):
-            raise ValueError(f"tensor {packed_key!r} has shape {packed.shape}, expected "
-                             f"{(shape[0], shape[1] // 2)} (MXFP4 of {shape})")
-        value = mxfp4.decode(packed, scale, name=packed_key)
-    if value.shape != shape:
-        raise ValueError(f"tensor {key!r} has shape {value.shape}, expected {shape}")
-    if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
-        raise ValueError(f"tensor {key!r} has dtype {value.dtype}, expected a floating dtype")
-    return value
+        return reader.get(key)
+    packed_key, scale_key = _mxfp4_keys(key)
+    return mxfp4.decode(reader.get(packed_key), reader.get(scale_key), name=packed_key)
 
 
 def _leaf(entry: Entry, reader: SafetensorsReader, dtype) -> np.ndarray:
@@ -118,8 +142,7 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
     _check_dtype("dtype", cfg.dtype)
     _check_dtype("param_dtype", cfg.param_dtype)
     reader = SafetensorsReader(path)
-    table = [_resolve(entry, reader) for entry in entries(cfg)]
-    _check_keys(cfg, table, reader)
+    table = checked_table(cfg, reader)
     wide = jnp.promote_types(cfg.param_dtype, jnp.float32)
     variables: dict = {"params": {}, "balance": {}}
     for entry in table:
