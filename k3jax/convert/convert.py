@@ -30,13 +30,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from k3jax.config import ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family
 from k3jax.convert.hf_keys import entries
 from k3jax.convert.save import save_hf
 from k3jax.convert.sharded_read import HFSource, leaf_nbytes
 
-Progress = Callable[[int], None]  # called with the bytes of each finished tensor
+Progress = Callable[[int, int], None]  # called with (tensors, bytes) as they are finished
 INCOMPLETE = ".incomplete"
 
 
@@ -106,18 +107,15 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
     tmp = _fresh_temp(dst_path)
     group: dict[tuple[str, ...], jax.Array] = {}
     size = total = 0
-    for entry in src_data.table:
+    for i, entry in enumerate(src_data.table):
         leaf_dtype = oc.leaf_dtype(entry, dtype)
         group[oc.leaf_path(entry)] = src_data.leaf(entry, shardings(oc.leaf_path(entry)), leaf_dtype)
         size += leaf_nbytes(entry, leaf_dtype)
-        if progress is not None:
-            progress(leaf_nbytes(entry, leaf_dtype))
-        if size >= group_bytes:
+        if size >= group_bytes or i == len(src_data.table) - 1:
             _partial_save(tmp, group)
+            if progress is not None:
+                progress(len(group), size)
             total, group, size = total + size, {}, 0
-    if group:
-        _partial_save(tmp, group)
-        total += size
     from orbax.checkpoint.experimental.v1 import partial
 
     partial.finalize(tmp)
@@ -154,7 +152,7 @@ class _StoredLeaf:
     def __array__(self, dtype=None, copy=None):
         value = oc.restore_leaf(self.path, self.leaf)
         if self.progress is not None:
-            self.progress(value.nbytes)
+            self.progress(1, value.nbytes)
         return value if dtype is None else value.astype(dtype)
 
 
@@ -177,7 +175,9 @@ def orbax_to_hf(src: str, dst: str, *, dtype: Any = None, mxfp4: bool | None = N
     lazy = oc._nest({p: _StoredLeaf(Path(src), p, m.shape, m.dtype, progress) for p, m in stored.items()})
     lazy.setdefault("balance", {})
     tmp = _fresh_temp(dst_path)
-    save_hf(cfg, lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4, max_shard_bytes=max_shard_bytes)
+    # The parameter dtype is k3jax's, not the HF model's: keep it out of config.json's overrides.
+    hf_cfg = dataclasses.replace(cfg, param_dtype=ModelConfig.__dataclass_fields__["param_dtype"].default)
+    save_hf(hf_cfg, lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4, max_shard_bytes=max_shard_bytes)
     _move_into_place(tmp, dst_path)
 
 

@@ -15,6 +15,7 @@ the tests compare with the process's shard share.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -53,7 +54,12 @@ class HFSource:
 
     def __init__(self, path: str, cfg: ModelConfig | None = None):
         self.path = path
-        self.cfg = from_hf_config(path) if cfg is None else cfg
+        if cfg is None:
+            try:
+                cfg = from_hf_config(path)
+            except ValueError as err:
+                raise ValueError(f"{os.path.join(path, 'config.json')}: {err}") from None
+        self.cfg = cfg
         self.reader = SafetensorsReader(path)
         self.table = checked_table(self.cfg, self.reader)  # every header checked before any data is read
         self.bytes_read = 0
