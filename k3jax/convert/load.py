@@ -57,10 +57,11 @@ def _check_keys(cfg: ModelConfig, table: list[Entry], reader: SafetensorsReader)
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     where = f"for a {family(cfg)!r} checkpoint of this config"
     if missing:
-        raise ValueError(f"tensor {missing[0]!r} is missing {where} ({len(missing)} missing, "
+        raise ValueError(f"{reader.path}: tensor {missing[0]!r} is missing {where} ({len(missing)} missing, "
                          f"e.g. {missing[:3]})")
     if unexpected:
-        raise ValueError(f"tensor {unexpected[0]!r} is unexpected {where} ({len(unexpected)} unexpected, "
+        raise ValueError(f"{reader.infos[unexpected[0]].file}: tensor {unexpected[0]!r} is unexpected {where} "
+                         f"({len(unexpected)} unexpected, "
                          f"e.g. {unexpected[:3]}); a checkpoint of another family or config?")
 
 

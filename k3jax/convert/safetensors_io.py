@@ -96,6 +96,7 @@ class SafetensorsReader:
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise ValueError(f"path={path!r} must be a folder holding a Hugging Face checkpoint")
+        self.path = path
         index = os.path.join(path, INDEX_NAME)
         if os.path.exists(index):
             with open(index) as f:
