@@ -82,10 +82,21 @@ def _move_into_place(tmp: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _orbax_context():
+    """Each shard written by its first replica: orbax's replica-parallel writes slice replicated
+    shards with one compiled program per shape, seconds per leaf on CPU for no gain here."""
+    from orbax.checkpoint.experimental import v1 as ocp1
+
+    context = ocp1.Context()
+    context.array.saving.use_replica_parallel = False
+    return context
+
+
 def _partial_save(path: Path, flat: dict[tuple[str, ...], jax.Array]) -> None:
     from orbax.checkpoint.experimental.v1 import partial
 
-    partial.save(path, oc._nest(flat))
+    with _orbax_context():
+        partial.save(path, oc._nest(flat))
 
 
 def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jnp.bfloat16,
@@ -118,7 +129,8 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
             total, group, size = total + size, {}, 0
     from orbax.checkpoint.experimental.v1 import partial
 
-    partial.finalize(tmp)
+    with _orbax_context():
+        partial.finalize(tmp)
     meta = _metadata(cfg, src_data, dtype, total)
     _publish(tmp, dst_path, meta)
     return meta

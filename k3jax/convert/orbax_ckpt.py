@@ -19,6 +19,7 @@ also be read with plain orbax: ``ocp.StandardCheckpointer().restore(DST / "state
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -79,11 +80,11 @@ def leaf_path(entry: Entry) -> tuple[str, ...]:
 
 def mesh_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[tuple[str, ...], jax.sharding.NamedSharding]:
     """``{leaf path: NamedSharding}`` on ``mesh`` from the model's logical axis names and rules."""
-    from k3jax.model import Transformer
+    from k3jax.params import _abstract_variables
     from sharding.init import logical_axes, shardings_for
 
-    tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
-    boxed = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), tokens)
+    # Logical axes do not depend on dtypes: one traced init (cached) serves every dtype of a model.
+    boxed = _abstract_variables(dataclasses.replace(cfg, dtype=jnp.float32, param_dtype=jnp.float32))
     tree = shardings_for(nn.unbox(boxed), logical_axes(boxed), mesh)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
     return {tuple(str(k.key) for k in path): s for path, s in flat}
