@@ -32,7 +32,8 @@ def _logits_equal(cfg, mesh, restored, loaded) -> dict:
     from k3jax.model import Transformer
     from sharding import logical_axes, shard_params, use_mesh
 
-    tokens = jnp.asarray(np.load(f"{ORACLE}/reference.npz")["input_ids"], jnp.int32)
+    # The oracle's 2 rows, repeated so the batch splits over the mesh's 8 batch shards.
+    tokens = jnp.asarray(np.tile(np.load(f"{ORACLE}/reference.npz")["input_ids"], (4, 1)), jnp.int32)
     model = Transformer(cfg)
     boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
     placed = shard_params(loaded, logical_axes(boxed), mesh)
