@@ -9,35 +9,13 @@ given (or the HF folder holds ``tiktoken.model``), else through the byte tokeniz
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
 from pathlib import Path
-
-import jax.numpy as jnp
 
 from k3jax import config as config_lib
 from k3jax.data.tokenizer import load_tokenizer
 from k3jax.infer.generate import generate
-
-
-def _from_dict(cls, data):
-    """A (nested, frozen) config dataclass from the JSON form ``k3jax.train.config.to_dict`` writes."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in data:
-            continue
-        value, hint = data[field.name], hints[field.name]
-        if isinstance(value, dict):
-            sub = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
-            value = _from_dict(sub[0], value)
-        elif field.name in ("dtype", "param_dtype"):
-            value = jnp.dtype(value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[field.name] = value
-    return cls(**kwargs)
+from k3jax.train.config import from_dict
 
 
 def load_orbax(path: str):
@@ -54,7 +32,7 @@ def load_orbax(path: str):
     model = (meta.get("config") or {}).get("model")
     if model is None:
         raise ValueError(f"checkpoint={path!r} has no model config in its metadata")
-    cfg = _from_dict(config_lib.ModelConfig, model)
+    cfg = from_dict(config_lib.ModelConfig, model)
     state = ocp.StandardCheckpointer().restore(Path(path).absolute() / str(steps[-1]) / "state")
     return cfg, {"params": state["params"]["model"], "balance": state["balance"]["model"]}
 

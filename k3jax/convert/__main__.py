@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("dst")
     h.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: one device; one process only)")
     h.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored parameter dtype (fp32 leaves stay fp32)")
-    h.add_argument("--group-mb", type=float, default=1024.0, help="MiB of leaves per orbax write (memory bound)")
+    h.add_argument("--group-mb", type=float, default=512.0, help="MiB of leaves per orbax write (memory bound)")
     o = sub.add_parser("orbax-to-hf", help="k3jax orbax checkpoint -> Hugging Face folder (MXFP4 experts for K3)")
     o.add_argument("src")
     o.add_argument("dst")

@@ -100,7 +100,7 @@ def _partial_save(path: Path, flat: dict[tuple[str, ...], jax.Array]) -> None:
 
 
 def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jnp.bfloat16,
-                overwrite: bool = False, group_bytes: int = 1 << 30, progress: Progress | None = None,
+                overwrite: bool = False, group_bytes: int = 512 << 20, progress: Progress | None = None,
                 source: HFSource | None = None) -> dict:
     """Convert the Hugging Face folder ``src`` to a k3jax orbax checkpoint at ``dst``; returns its
     ``k3jax.json``. ``mesh``: where the leaves live while written (None: the first local device;
