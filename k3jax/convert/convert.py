@@ -96,7 +96,7 @@ def _partial_save(path: Path, flat: dict[tuple[str, ...], jax.Array]) -> None:
     from orbax.checkpoint.experimental.v1 import partial
 
     with _orbax_context():
-        partial.save(path, oc._nest(flat))
+        partial.save(path, oc.nest(flat))
 
 
 def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jnp.bfloat16,
@@ -184,7 +184,7 @@ def orbax_to_hf(src: str, dst: str, *, dtype: Any = None, mxfp4: bool | None = N
     source = meta.get("source", {})
     dtype = jnp.dtype(dtype if dtype is not None else source.get("hf_dtype", "bfloat16"))
     use_mxfp4 = bool(source.get("mxfp4", family(cfg) == "kimi_k3")) if mxfp4 is None else mxfp4
-    lazy = oc._nest({p: _StoredLeaf(Path(src), p, m.shape, m.dtype, progress) for p, m in stored.items()})
+    lazy = oc.nest({p: _StoredLeaf(Path(src), p, m.shape, m.dtype, progress) for p, m in stored.items()})
     lazy.setdefault("balance", {})
     tmp = _fresh_temp(dst_path)
     # The parameter dtype is k3jax's, not the HF model's: keep it out of config.json's overrides.

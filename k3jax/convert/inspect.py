@@ -19,7 +19,7 @@ from k3jax.config import LayerKind, ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
-from k3jax.convert.load import _check_tensor, _expected_keys, _mxfp4_keys, _resolve
+from k3jax.convert.load import check_tensor, expected_keys, mxfp4_keys, resolve
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
 
@@ -61,11 +61,11 @@ def _hf_entry(report: Report, reader: SafetensorsReader, entry: Entry) -> None:
     keys = [entry.expert_key(e) for e in range(entry.shape[0])] if entry.is_experts else [entry.hf]
     count = int(np.prod(entry.shape[1:] if entry.is_experts else entry.shape))
     for key in keys:
-        stored = [key] if key in reader else [k for k in _mxfp4_keys(key) if k in reader]
+        stored = [key] if key in reader else [k for k in mxfp4_keys(key) if k in reader]
         if not stored:
             continue  # reported as missing
         try:
-            _check_tensor(reader, key, entry.hf_shape)
+            check_tensor(reader, key, entry.hf_shape)
         except ValueError as err:
             report.problems.append(f"mis-shaped: {err}")
             continue
@@ -80,8 +80,8 @@ def inspect_hf(path: str) -> Report:
     cfg = from_hf_config(path)
     reader = SafetensorsReader(path)
     report = Report(path, "Hugging Face", cfg)
-    table = [_resolve(entry, reader) for entry in entries(cfg)]
-    expected = _expected_keys(table, reader)
+    table = [resolve(entry, reader) for entry in entries(cfg)]
+    expected = expected_keys(table, reader)
     present = {k for k in reader.keys() if not k.startswith(ignored_prefixes(cfg))}
     report.problems += [f"missing: {k}" for k in sorted(expected - present)]
     report.problems += [f"unexpected: {k}" for k in sorted(present - expected)]
@@ -94,7 +94,7 @@ def inspect_orbax(path: str) -> Report:
     meta = oc.read_metadata(path)
     cfg = oc.model_config(meta)
     report = Report(path, "k3jax orbax", cfg)
-    stored = oc._stored(Path(path))
+    stored = oc.stored_leaves(Path(path))
     want = {oc.leaf_path(e): e for e in entries(cfg)}
     report.problems += [f"missing: {'/'.join(p)}" for p in sorted(set(want) - set(stored))]
     report.problems += [f"unexpected: {'/'.join(p)}" for p in sorted(set(stored) - set(want))]

@@ -90,7 +90,7 @@ def mesh_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[tuple[str, ...], jax.sh
     return {tuple(str(k.key) for k in path): s for path, s in flat}
 
 
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+def nest(flat: dict[tuple[str, ...], Any]) -> dict:
     out: dict = {}
     for path, value in flat.items():
         node = out
@@ -100,7 +100,7 @@ def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
     return out
 
 
-def _stored(path: Path) -> dict[tuple[str, ...], Any]:
+def stored_leaves(path: Path) -> dict[tuple[str, ...], Any]:
     """``{leaf path: orbax ArrayMetadata}`` of the stored tree (no array data read)."""
     tree = ocp.PyTreeCheckpointHandler().metadata(path / STATE).tree
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
@@ -109,7 +109,7 @@ def _stored(path: Path) -> dict[tuple[str, ...], Any]:
 
 def check_stored(path: str | os.PathLike, cfg: ModelConfig, dtype) -> dict[tuple[str, ...], Any]:
     """The stored leaves, checked against the entries of ``cfg`` (missing, unexpected, shape, dtype)."""
-    stored = _stored(Path(path))
+    stored = stored_leaves(Path(path))
     want = {leaf_path(e): e for e in entries(cfg)}
     missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
     where = Path(path) / STATE
@@ -148,7 +148,7 @@ def restore_orbax(path: str | os.PathLike, *, shardings: Any = None) -> tuple[Mo
     cfg = model_config(meta)
     stored = check_stored(path, cfg, meta["dtype"])
     placed = _shardings_tree(cfg, shardings)
-    target = _nest({p: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=placed[p])
+    target = nest({p: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=placed[p])
                     for p, m in stored.items()})
     variables = ocp.PyTreeCheckpointer().restore(
         Path(path).absolute() / STATE,
@@ -158,8 +158,8 @@ def restore_orbax(path: str | os.PathLike, *, shardings: Any = None) -> tuple[Mo
 
 def restore_leaf(path: str | os.PathLike, leaf: tuple[str, ...]) -> np.ndarray:
     """One stored leaf as a host array (reads that leaf only)."""
-    item = _nest({leaf: 0})
-    args = ocp.args.PyTreeRestore(item=item, restore_args=_nest({leaf: ocp.RestoreArgs(restore_type=np.ndarray)}),
+    item = nest({leaf: 0})
+    args = ocp.args.PyTreeRestore(item=item, restore_args=nest({leaf: ocp.RestoreArgs(restore_type=np.ndarray)}),
                                   partial_restore=True)
     out = ocp.PyTreeCheckpointer().restore(Path(path).absolute() / STATE, args=args)
     for name in leaf:

@@ -25,7 +25,7 @@ from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import from_hf_config
 from k3jax.convert.hf_keys import LAYOUTS, Entry
-from k3jax.convert.load import _mxfp4_keys, checked_table
+from k3jax.convert.load import mxfp4_keys, checked_table
 from k3jax.convert.safetensors_io import SafetensorsReader
 
 Index = tuple[slice, ...]
@@ -84,7 +84,7 @@ class HFSource:
         key = entry.expert_key(e)
         if key in self.reader:
             return self._plain(key, lambda a: LAYOUTS[entry.layout].to_tree(a, entry.shape[1:]), index)
-        packed_key, scale_key = _mxfp4_keys(key)
+        packed_key, scale_key = mxfp4_keys(key)
         block, nbytes = _mxfp4_block(self.reader.get(packed_key), self.reader.get(scale_key),
                                      index[1], index[0], packed_key)
         self.bytes_read += nbytes

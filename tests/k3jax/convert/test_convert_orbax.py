@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax import config as C
 from k3jax.convert import convert as conv
 from k3jax.convert import load_hf
 from k3jax.convert.__main__ import main
 from k3jax.convert.orbax_ckpt import METADATA, is_orbax_checkpoint, read_metadata, restore_orbax
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.model import Transformer
+from k3jax.train.config import from_dict, to_dict
 
 ORACLE = "/work/shared/oracle/tiny_a"
 VARIANTS = ("hf_bf16", "hf_mxfp4")
@@ -126,3 +128,11 @@ def test_incomplete_folder_is_not_a_checkpoint(converted, tmp_path):
     assert not is_orbax_checkpoint(copy)
     with pytest.raises(ValueError, match="k3jax orbax checkpoint folder"):
         restore_orbax(copy)
+
+
+@pytest.mark.parametrize("name", sorted(C.PRESETS))
+def test_model_config_json_round_trips(name):
+    """k3jax.json stores the model config in the training checkpoints' JSON form (to_dict / from_dict)."""
+    cfg = C.PRESETS[name]()
+    data = json.loads(json.dumps(to_dict(cfg)))
+    assert from_dict(C.ModelConfig, data) == cfg and to_dict(from_dict(C.ModelConfig, data)) == data
