@@ -19,7 +19,7 @@ from k3jax.config import LayerKind, ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
-from k3jax.convert.load import check_tensor, expected_keys, mxfp4_keys, resolve
+from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
 

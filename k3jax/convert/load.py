@@ -1,10 +1,11 @@
 """Load a Hugging Face checkpoint folder of any Kimi family into ``(cfg, variables)``.
 
 Steps: (1) ``config.json`` -> ``ModelConfig``; (2) the key mapping of ``hf_keys`` gives every
-expected tensor; (3) the folder's key set is checked against it before any data is read (missing,
-unexpected); (4) tensors are read one at a time from memory-mapped shards, shape-checked, converted
-to the tree layout (docs/params.md) and cast; routed experts are stacked ``[E, in, out]``, decoding
-MXFP4 (``weight_packed`` + ``weight_scale``) where the release ships it.
+expected tensor; (3) the folder's keys, shapes, dtypes and byte ranges are checked against it before
+any data is read (``hf_checks``); (4) tensors are read one at a time from memory-mapped shards
+(``sharded_read.HFSource``, here each leaf whole), converted to the tree layout (docs/params.md) and
+cast; routed experts are stacked ``[E, in, out]``, decoding MXFP4 (``weight_packed`` +
+``weight_scale``) where the release ships it.
 """
 
 from __future__ import annotations
@@ -14,107 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.convert import mxfp4
-from k3jax.convert.hf_config import family, from_hf_config
-from k3jax.convert.hf_keys import LAYOUTS, Entry, entries, ignored_prefixes
-from k3jax.convert.safetensors_io import SafetensorsReader
-
-PACKED, SCALE = "weight_packed", "weight_scale"
-
-
-def mxfp4_keys(key: str) -> tuple[str, str]:
-    base = key.removesuffix("weight")
-    return base + PACKED, base + SCALE
-
-
-def resolve(entry: Entry, reader: SafetensorsReader) -> Entry:
-    """The entry under the spelling the checkpoint uses (its ``hf`` key or one of its aliases)."""
-    for alias in entry.aliases:
-        if alias in reader and entry.hf not in reader:
-            return dataclasses.replace(entry, hf=alias, aliases=())
-    return entry
-
-
-def expected_keys(table: list[Entry], reader: SafetensorsReader) -> set[str]:
-    keys = set()
-    for entry in table:
-        if not entry.is_experts:
-            keys.add(entry.hf)
-            continue
-        for e in range(entry.shape[0]):
-            key = entry.expert_key(e)
-            packed, _ = mxfp4_keys(key)
-            keys.update(mxfp4_keys(key) if packed in reader and key not in reader else (key,))
-    return keys
-
-
-def _check_keys(cfg: ModelConfig, table: list[Entry], reader: SafetensorsReader) -> None:
-    expected = expected_keys(table, reader)
-    present = {k for k in reader.keys() if not k.startswith(ignored_prefixes(cfg))}
-    missing, unexpected = sorted(expected - present), sorted(present - expected)
-    where = f"for a {family(cfg)!r} checkpoint of this config"
-    if missing:
-        raise ValueError(f"{reader.path}: tensor {missing[0]!r} is missing {where} ({len(missing)} missing, "
-                         f"e.g. {missing[:3]})")
-    if unexpected:
-        raise ValueError(f"{reader.infos[unexpected[0]].file}: tensor {unexpected[0]!r} is unexpected {where} "
-                         f"({len(unexpected)} unexpected, "
-                         f"e.g. {unexpected[:3]}); a checkpoint of another family or config?")
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
-
-
-def check_tensor(reader: SafetensorsReader, key: str, shape: tuple[int, ...]) -> None:
-    """One HF matrix's header (or its MXFP4 pair's) against the config, before any data is read."""
-    if key not in reader:
-        for part, want in zip(mxfp4_keys(key), ((shape[0], shape[1] // 2), (shape[0], shape[1] // mxfp4.GROUP))):
-            info = reader.infos[part]
-            if info.shape != want or info.dtype != np.uint8:
-                raise ValueError(f"{info.file}: tensor {part!r} is {info.dtype} {info.shape}, expected uint8 {want} "
-                                 f"(MXFP4 of {shape})")
-        return
-    info = reader.infos[key]
-    if info.shape != shape:
-        raise ValueError(f"{info.file}: tensor {key!r} has shape {info.shape}, expected {shape} by the config")
-    if not _is_float(info.dtype):
-        raise ValueError(f"{info.file}: tensor {key!r} has dtype {info.dtype}, expected a floating dtype")
-
-
-def checked_table(cfg: ModelConfig, reader: SafetensorsReader) -> list[Entry]:
-    """The entries of ``cfg`` under the checkpoint's spellings, with every key, shape and dtype checked
-    against the safetensors headers: a bad checkpoint fails here, before any tensor is read."""
-    table = [resolve(entry, reader) for entry in entries(cfg)]
-    _check_keys(cfg, table, reader)
-    for entry in table:
-        if entry.is_experts:
-            for e in range(entry.shape[0]):
-                check_tensor(reader, entry.expert_key(e), entry.hf_shape)
-        else:
-            check_tensor(reader, entry.hf, entry.hf_shape)
-    return table
-
-
-def _read(reader: SafetensorsReader, key: str) -> np.ndarray:
-    """One HF matrix as float32 or wider (MXFP4 pairs decoded); ``checked_table`` checked its header."""
-    if key in reader:
-        return reader.get(key)
-    packed_key, scale_key = mxfp4_keys(key)
-    return mxfp4.decode(reader.get(packed_key), reader.get(scale_key), name=packed_key)
-
-
-def _leaf(entry: Entry, reader: SafetensorsReader, dtype) -> np.ndarray:
-    layout = LAYOUTS[entry.layout]
-    if not entry.is_experts:
-        return layout.to_tree(_read(reader, entry.hf), entry.shape).astype(dtype)
-    out = np.empty(entry.shape, dtype=dtype)  # [E, in, out]
-    for e in range(entry.shape[0]):
-        out[e] = layout.to_tree(_read(reader, entry.expert_key(e)), entry.shape[1:])
-    return out
+from k3jax.convert.hf_config import from_hf_config
+from k3jax.convert.sharded_read import HFSource
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -142,11 +46,10 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
         cfg = dataclasses.replace(cfg, param_dtype=param_dtype)
     _check_dtype("dtype", cfg.dtype)
     _check_dtype("param_dtype", cfg.param_dtype)
-    reader = SafetensorsReader(path)
-    table = checked_table(cfg, reader)
+    source = HFSource(path, cfg)  # every key, shape, dtype and byte range checked first
     wide = jnp.promote_types(cfg.param_dtype, jnp.float32)
     variables: dict = {"params": {}, "balance": {}}
-    for entry in table:
-        value = _leaf(entry, reader, wide if entry.wide else jnp.dtype(cfg.param_dtype))
+    for entry in source.table:
+        value = source.read(entry, (), wide if entry.wide else jnp.dtype(cfg.param_dtype))
         _set(variables[entry.collection], entry.path, jnp.asarray(value))
     return cfg, variables

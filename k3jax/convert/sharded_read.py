@@ -25,7 +25,7 @@ from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import from_hf_config
 from k3jax.convert.hf_keys import LAYOUTS, Entry
-from k3jax.convert.load import mxfp4_keys, checked_table
+from k3jax.convert.hf_checks import mxfp4_keys, checked_table
 from k3jax.convert.safetensors_io import SafetensorsReader
 
 Index = tuple[slice, ...]
