@@ -159,7 +159,8 @@ class _StoredLeaf:
     """A leaf of an orbax checkpoint read when ``save_hf`` first asks for it (via ``__array__``)."""
 
     def __init__(self, path: Path, leaf: tuple[str, ...], shape, dtype, progress: Progress | None):
-        self.path, self.leaf, self.shape, self.dtype, self.progress = path, leaf, tuple(shape), np.dtype(dtype), progress
+        self.path, self.leaf, self.progress = path, leaf, progress
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
     def __array__(self, dtype=None, copy=None):
         value = oc.restore_leaf(self.path, self.leaf)

@@ -74,7 +74,8 @@ def _read_header(file: str) -> tuple[dict, dict[str, TensorInfo]]:
         if entry["dtype"] not in DTYPES:
             raise ValueError(f"{file}: tensor {key!r} has dtype {entry['dtype']!r}, "
                              f"expected one of {sorted(DTYPES)}")
-        info = TensorInfo(file, DTYPES[entry["dtype"]], tuple(entry["shape"]), *(8 + n + o for o in entry["data_offsets"]))
+        begin, end = (8 + n + o for o in entry["data_offsets"])
+        info = TensorInfo(file, DTYPES[entry["dtype"]], tuple(entry["shape"]), begin, end)
         _check_extent(key, info, size)
         infos[key] = info
     return metadata, infos

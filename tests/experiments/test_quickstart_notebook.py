@@ -17,14 +17,17 @@ def _text(nb) -> str:
     out = []
     for cell in nb.cells:
         for o in cell.get("outputs", []):
-            out.append(o.get("text", "") if o.get("output_type") == "stream" else str(o.get("data", {}).get("text/plain", "")))
+            stream = o.get("output_type") == "stream"
+            out.append(o.get("text", "") if stream else str(o.get("data", {}).get("text/plain", "")))
     return "\n".join(out)
 
 
 def test_quickstart_notebook_runs_headless(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    # Compiling tiny()'s train step dominates the run: cheaper LLVM passes, as tests/sharding/multidevice.py.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_llvm_disable_expensive_passes=true".strip()
+    monkeypatch.setenv("XLA_FLAGS", flags)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
