@@ -33,10 +33,20 @@ from k3jax.convert import save_hf
 from k3jax.convert.hf_keys import entries
 from k3jax.convert.safetensors_io import SafetensorsReader
 
-_PEAK = ("import resource, runpy, sys; "
-         "exec('try:\\n runpy.run_module(\"k3jax.convert\", run_name=\"__main__\")\\nexcept SystemExit as e:\\n "
-         "assert not e.code, e.code'); "
-         "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+# The child's own high-water mark: /proc/self/status VmHWM belongs to the process's memory map, while
+# getrusage's ru_maxrss survives fork + exec and would report the parent's RSS at the fork.
+_PEAK = ("import runpy, sys\n"
+         "try:\n    runpy.run_module('k3jax.convert', run_name='__main__')\n"
+         "except SystemExit as e:\n    assert not e.code, e.code\n"
+         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+         "print('PEAK_KB', hwm.split()[1])")
+
+
+# What every conversion process holds before its first tensor: JAX's CPU client, orbax, the model code.
+_BASELINE = ("import jax, orbax.checkpoint.experimental.v1, k3jax.convert.convert, k3jax.convert.inspect, k3jax.model\n"
+             "jax.devices()\n"
+             "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+             "print('PEAK_KB', hwm.split()[1])")
 
 
 def wide_shallow(small: bool) -> C.ModelConfig:
@@ -76,10 +86,10 @@ def write_checkpoint(cfg: C.ModelConfig, path: Path) -> None:
     save_hf(cfg, tree, str(path), dtype=ml_dtypes.bfloat16, mxfp4=True, max_shard_bytes=1 << 30)
 
 
-def _run(args: list[str]) -> tuple[int, float]:
+def _run(args: list[str], code: str = _PEAK) -> tuple[int, float]:
     """Peak RSS (bytes) and wall seconds of ``python -m k3jax.convert *args`` in a fresh process."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _PEAK, *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     seconds = time.perf_counter() - start
     peak = [l for l in proc.stdout.splitlines() if l.startswith("PEAK_KB")]
@@ -105,7 +115,7 @@ def main() -> None:
     try:
         write_checkpoint(cfg, root / "hf")
         infos = SafetensorsReader(str(root / "hf")).infos
-        baseline, _ = _run(["inspect", str(root / "hf")])
+        baseline, _ = _run([], _BASELINE)
         to_orbax, t1 = _run(["hf-to-orbax", str(root / "hf"), str(root / "orbax"), "--no-progress"])
         to_hf, t2 = _run(["orbax-to-hf", str(root / "orbax"), str(root / "back"), "--no-progress"])
         hf_bytes, orbax_bytes = _size(root / "hf"), _size(root / "orbax")
