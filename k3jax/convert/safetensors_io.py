@@ -132,6 +132,11 @@ class SafetensorsReader:
     def __contains__(self, key: str) -> bool:
         return key in self.infos
 
+    def release(self) -> None:
+        """Unmap the shard files: the pages read so far leave this process's resident set (the
+        views handed out keep their own mapping alive until they are dropped)."""
+        self._maps.clear()
+
     def get(self, key: str) -> np.ndarray:
         """A read-only, zero-copy view of one tensor."""
         info = self.infos[key]

@@ -113,7 +113,9 @@ class HFSource:
                 blocks[key] = self.read(entry, index, dtype)
             return blocks[key]
 
-        return jax.make_array_from_callback(entry.shape, sharding, block)
+        leaf = jax.make_array_from_callback(entry.shape, sharding, block)
+        self.reader.release()  # a streaming conversion keeps no more of the files mapped than one leaf
+        return leaf
 
 
 def leaf_nbytes(entry: Entry, dtype) -> int:
