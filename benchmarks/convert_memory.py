@@ -7,7 +7,7 @@ wide and shallow, written with ``save_hf`` from leaves generated one at a time (
 together), and deleted afterwards. Each conversion runs in a fresh process that reports its own
 ``ru_maxrss``; a process that only imports the converter gives the baseline.
 
-    PYTHONPATH=. python benchmarks/convert_memory.py --dir /tmp/k3jax_convert_memory [--out result.json]
+    PYTHONPATH=. python benchmarks/convert_memory.py --dir /tmp/k3jax_convert_memory [--group-mb 64] [--out result.json]
 
 (``--small`` builds a ~40 MB checkpoint, to try the script quickly.) Prints checkpoint size, the
 largest HF tensor, the largest tree leaf, and per direction the peak RSS, wall time and MB/s.
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="scratch folder (created, deleted at the end)")
     ap.add_argument("--small", action="store_true", help="a ~40 MB checkpoint, to try the script")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
+    ap.add_argument("--group-mb", type=float, default=None, help="hf-to-orbax --group-mb (default: its own)")
     args = ap.parse_args()
     root = Path(args.dir)
     if root.exists():
@@ -116,7 +117,8 @@ def main() -> None:
         write_checkpoint(cfg, root / "hf")
         infos = SafetensorsReader(str(root / "hf")).infos
         baseline, _ = _run([], _BASELINE)
-        to_orbax, t1 = _run(["hf-to-orbax", str(root / "hf"), str(root / "orbax"), "--no-progress"])
+        group = [] if args.group_mb is None else ["--group-mb", str(args.group_mb)]
+        to_orbax, t1 = _run(["hf-to-orbax", str(root / "hf"), str(root / "orbax"), "--no-progress", *group])
         to_hf, t2 = _run(["orbax-to-hf", str(root / "orbax"), str(root / "back"), "--no-progress"])
         hf_bytes, orbax_bytes = _size(root / "hf"), _size(root / "orbax")
         result = {
