@@ -4,7 +4,8 @@
 
 1. a Hugging Face folder (``config.json`` + safetensors; `k3jax.convert.load_hf`),
 2. a training run folder (``<run>/checkpoints/<step>/…``, as ``k3jax.train`` writes it), or
-3. a checkpoints folder (``<step>/…`` orbax steps).
+3. a checkpoints folder (``<step>/…`` orbax steps), or
+4. a converted checkpoint (``python -m k3jax.convert hf-to-orbax``; `k3jax.convert.orbax_ckpt`).
 
 Orbax steps are read through `k3jax.train.checkpoint.Checkpointer.restore`: the newest step that
 checks out whole (a corrupt one is moved aside with one warning line), only the model's
@@ -25,15 +26,16 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.train.config import from_dict
 
-HF, ORBAX = "hf", "orbax"
+HF, ORBAX, CONVERTED = "hf", "orbax", "converted"
 # cfg -> abstract {"params", "balance"} tree (ShapeDtypeStruct leaves, with shardings for a mesh)
 AbstractFn = Callable[[ModelConfig], dict]
 
 
 def describe_source(path: str | Path) -> tuple[str, Path]:
-    """``(kind, folder)``: ``("hf", path)`` or ``("orbax", the checkpoints folder)``; ``ValueError``
-    naming the path and the accepted layouts otherwise."""
+    """``(kind, folder)``: ``("hf", path)``, ``("converted", path)`` or ``("orbax", the checkpoints
+    folder)``; ``ValueError`` naming the path and the accepted layouts otherwise."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
@@ -42,20 +44,25 @@ def describe_source(path: str | Path) -> tuple[str, Path]:
                          "a training run folder (with checkpoints/) or a checkpoints folder (with step folders)")
     if (path / "config.json").is_file():
         return HF, path
+    from k3jax.convert.orbax_ckpt import is_orbax_checkpoint
+
+    if is_orbax_checkpoint(path):
+        return CONVERTED, path
     for folder in (path / "checkpoints", path):
         if folder.is_dir() and any(p.is_dir() and p.name.isdigit() for p in folder.iterdir()):
             return ORBAX, folder
-    raise ValueError(f"checkpoint {str(path)!r} holds no config.json, no checkpoints/ folder and no step "
-                     "folders; expected a Hugging Face folder, a training run folder or a checkpoints folder")
+    raise ValueError(f"checkpoint {str(path)!r} holds no config.json, no k3jax.json, no checkpoints/ folder and no step "
+                     "folders; expected a Hugging Face folder, a converted orbax folder, a training run folder or a checkpoints folder")
 
 
 def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> tuple[ModelConfig, dict]:
     """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`)."""
     kind, folder = describe_source(path)
-    if kind == HF:
+    if kind in (HF, CONVERTED):
         from k3jax.convert import load_hf
+        from k3jax.convert.orbax_ckpt import restore_orbax
 
-        cfg, variables = load_hf(str(folder))
+        cfg, variables = load_hf(str(folder)) if kind == HF else restore_orbax(folder)
         if abstract is not None:
             want = abstract(cfg)
             _check_layout(variables, want, folder)
@@ -74,7 +81,7 @@ def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
         model = (meta.get("config") or {}).get("model")
         if model is None:
             raise ValueError(f"checkpoint {str(folder)!r} has no model config in its metadata")
-        found["cfg"] = cfg = config_from_dict(ModelConfig, model)
+        found["cfg"] = cfg = from_dict(ModelConfig, model)
         v = abstract(cfg)
         return {"params": {"model": v["params"]}, "balance": {"model": v["balance"]}}
 
@@ -112,23 +119,4 @@ def abstract_variables(cfg: ModelConfig) -> dict:
     boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)
     v = nn.unbox(boxed)
     return {"params": v["params"], "balance": v.get("balance", {})}
-
-
-def config_from_dict(cls: type, data: dict) -> Any:
-    """A (nested, frozen) config dataclass from the JSON form ``k3jax.train.config.to_dict`` writes."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in data:
-            continue
-        value, hint = data[field.name], hints[field.name]
-        if isinstance(value, dict):
-            sub = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
-            value = config_from_dict(sub[0], value)
-        elif field.name in ("dtype", "param_dtype"):
-            value = jnp.dtype(value)
-        elif isinstance(value, list):
-            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        kwargs[field.name] = value
-    return cls(**kwargs)
 

@@ -55,18 +55,40 @@ class TensorInfo:
 
 
 def _read_header(file: str) -> tuple[dict, dict[str, TensorInfo]]:
+    """Header of one shard, every entry checked against the file's size before any data is read."""
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{file}: truncated ({size} bytes), not a safetensors file")
+        (n,) = struct.unpack("<Q", prefix)
+        if 8 + n > size:
+            raise ValueError(f"{file}: header length {n} runs past the end of the file ({size} bytes); truncated?")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{file}: header is not valid JSON ({err})") from None
     metadata = header.pop("__metadata__", {}) or {}
     infos = {}
     for key, entry in header.items():
         if entry["dtype"] not in DTYPES:
             raise ValueError(f"{file}: tensor {key!r} has dtype {entry['dtype']!r}, "
                              f"expected one of {sorted(DTYPES)}")
-        begin, end = entry["data_offsets"]
-        infos[key] = TensorInfo(file, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + begin, 8 + n + end)
+        begin, end = (8 + n + o for o in entry["data_offsets"])
+        info = TensorInfo(file, DTYPES[entry["dtype"]], tuple(entry["shape"]), begin, end)
+        _check_extent(key, info, size)
+        infos[key] = info
     return metadata, infos
+
+
+def _check_extent(key: str, info: TensorInfo, size: int) -> None:
+    nbytes = int(np.prod(info.shape, dtype=np.int64)) * info.dtype.itemsize
+    if info.end - info.begin != nbytes:
+        raise ValueError(f"{info.file}: tensor {key!r} spans {info.end - info.begin} bytes but its shape "
+                         f"{info.shape} and dtype {info.dtype} need {nbytes}")
+    if info.end > size:
+        raise ValueError(f"{info.file}: tensor {key!r} ends at byte {info.end}, past the end of the file "
+                         f"({size} bytes); truncated?")
 
 
 class SafetensorsReader:
@@ -75,6 +97,7 @@ class SafetensorsReader:
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise ValueError(f"path={path!r} must be a folder holding a Hugging Face checkpoint")
+        self.path = path
         index = os.path.join(path, INDEX_NAME)
         if os.path.exists(index):
             with open(index) as f:
@@ -87,7 +110,11 @@ class SafetensorsReader:
             raise ValueError(f"path={path!r} holds no *.safetensors files")
         self.infos: dict[str, TensorInfo] = {}
         for name in files:
-            _, infos = _read_header(os.path.join(path, name))
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                key = next(k for k, v in weight_map.items() if v == name)
+                raise ValueError(f"{file} is missing: {INDEX_NAME} names it for tensor {key!r}")
+            _, infos = _read_header(file)
             for key, info in infos.items():
                 if key in self.infos:
                     raise ValueError(f"tensor {key!r} appears in two shards: {self.infos[key].file}, {info.file}")
@@ -104,6 +131,11 @@ class SafetensorsReader:
 
     def __contains__(self, key: str) -> bool:
         return key in self.infos
+
+    def release(self) -> None:
+        """Unmap the shard files: the pages read so far leave this process's resident set (the
+        views handed out keep their own mapping alive until they are dropped)."""
+        self._maps.clear()
 
     def get(self, key: str) -> np.ndarray:
         """A read-only, zero-copy view of one tensor."""

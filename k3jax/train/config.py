@@ -233,3 +233,27 @@ def to_dict(cfg: Any) -> Any:
     except TypeError:
         return repr(cfg)
 
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """The (nested, frozen) config dataclass ``cls`` from the JSON form ``to_dict`` writes; fields
+    absent from ``data`` keep their defaults (checkpoints written before a field existed)."""
+    import typing
+
+    import jax.numpy as jnp
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value, hint = data[field.name], hints[field.name]
+        if isinstance(value, dict):
+            sub = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
+            value = from_dict(sub[0], value)
+        elif field.name.endswith("dtype") and value is not None:
+            value = jnp.dtype(value)
+        elif isinstance(value, list):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        kwargs[field.name] = value
+    return cls(**kwargs)
