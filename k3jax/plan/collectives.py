@@ -3,10 +3,12 @@
 Every collective of the partitioned program (all-reduce, all-gather, reduce-scatter, all-to-all,
 collective-permute, in their sync or async ``-start`` forms) names its device groups; a group's
 devices differ in the mesh coordinates of the axes it communicates over. The bytes one device
-sends are the ring-algorithm volumes of its operand (``S``) in a group of ``n``:
+sends are the ring-algorithm volumes of its operand ``S`` in a group of ``n``:
 all-reduce ``2(n-1)/n·S``, all-gather ``(n-1)·S``, reduce-scatter and all-to-all ``(n-1)/n·S``,
-collective-permute ``S``. A collective inside a loop counts once per iteration: the layer scan,
-the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count.
+collective-permute ``S`` (from the result's size: compiled HLO prints operands without shapes). A collective inside a loop counts once per iteration: the layer scan,
+the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count. Both
+branches of a conditional count (expert parallel's all-to-all and its overflow fallback), so the
+volume is an upper bound where the program branches.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(_KINDS) + r")(?:-start)?\((.*)$")
+_OP = re.compile(r"\s(" + "|".join(_KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
@@ -33,16 +35,32 @@ def _shape_bytes(text: str) -> int:
                for dt, dims in _SHAPE.findall(text))
 
 
-def _operand_bytes(args: str) -> int:
-    """Bytes of the operands listed before the op's attributes (``f32[8]{0} %x, …), attrs``)."""
-    depth, end = 0, len(args)
-    for i, ch in enumerate(args):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if depth < 0:
-            end = i
-            break
-    return _shape_bytes(re.sub(r"\{[\d,:A-Z()]*\}", "", args[:end]))
+def _result_bytes(kind: str, result: str) -> int:
+    """Bytes of the collective's result (compiled HLO prints operands without shapes). The async
+    ``-start`` forms return tuples: all-gather's output is its largest element, a permute's first."""
+    if not result.startswith("("):
+        return _shape_bytes(result)
+    sizes = [_shape_bytes(f"{dt}[{dims}]") for dt, dims in _SHAPE.findall(result)]
+    sizes = [b for b in sizes if b > 4]  # drop the u32[] / s32[] sync flags
+    if not sizes:
+        return 0
+    return max(sizes) if kind == "all-gather" else sizes[0] if kind == "collective-permute" else sum(sizes)
+
+
+def _mesh_groups(line: str, mesh_shape: dict[str, int]) -> tuple[tuple[str, ...], int] | None:
+    """``replica_groups=mesh['a'=2,'b'=4] {'b'}`` (XLA:TPU's form): the named axes of our mesh, or
+    of a factorisation of the same devices in the same order, and the group size."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if not m:
+        return None
+    sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    named = re.findall(r"'(\w+)'", m.group(2))
+    n = math.prod(sizes[a] for a in named)
+    if all(a in mesh_shape for a in sizes):
+        return tuple(a for a in named if mesh_shape[a] > 1), n
+    ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    index = tuple(slice(None) if a in named else 0 for a in sizes)
+    return _axes_of(ids[index].reshape(-1).tolist(), mesh_shape), n
 
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
@@ -66,14 +84,15 @@ def _axes_of(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def _sent(kind: str, nbytes: int, n: int) -> float:
+def _sent(kind: str, out_bytes: int, n: int) -> float:
+    """Ring-algorithm bytes one device sends, from the collective's result size."""
     if kind == "all-reduce":
-        return 2 * (n - 1) / n * nbytes
-    if kind == "all-gather":
-        return (n - 1) * nbytes
+        return 2 * (n - 1) / n * out_bytes
+    if kind == "reduce-scatter":
+        return (n - 1) * out_bytes
     if kind == "collective-permute":
-        return nbytes
-    return (n - 1) / n * nbytes
+        return out_bytes
+    return (n - 1) / n * out_bytes  # all-gather (result = n inputs), all-to-all
 
 
 def _multipliers(hlo: str) -> tuple[dict[str, int], list[str]]:
@@ -107,19 +126,23 @@ def _multipliers(hlo: str) -> tuple[dict[str, int], list[str]]:
 
 
 def volume_per_axis(hlo: str, mesh_shape: dict[str, int]) -> dict[str, float]:
-    """Bytes each device sends per call, by the mesh axes a collective spans ("data", "expert+fsdp", …)."""
+    """Bytes each device sends per call, by the mesh axes a collective spans ("data", "data+expert", …)."""
     times, lines = _multipliers(hlo)
     total: dict[str, float] = collections.defaultdict(float)
     num_devices = math.prod(mesh_shape.values())
     for comp, body in lines.items():
         for line in body:
-            if not (m := _OP.search(line)) or times.get(comp, 0) == 0:
+            if "=" not in line or not (m := _OP.search(line)) or times.get(comp, 0) == 0:
                 continue
-            kind, args = m.group(2), m.group(3)
-            groups = _groups(line, num_devices)
-            if not groups or len(groups[0]) < 2:
+            kind = m.group(1)
+            result = re.sub(r"\{[^{}]*\}", "", line[line.index("=") + 1:m.start()]).strip()  # no layouts
+            if (named := _mesh_groups(line, mesh_shape)) is not None:
+                axes, n = named
+            else:
+                groups = _groups(line, num_devices)
+                axes, n = _axes_of(groups[0], mesh_shape), len(groups[0])
+            n = 2 if kind == "collective-permute" else n
+            if n < 2:
                 continue
-            axes = _axes_of(groups[0], mesh_shape)
-            n = len(groups[0]) if kind != "collective-permute" else 2
-            total["+".join(axes) or "none"] += times[comp] * _sent(kind, _operand_bytes(args), n)
+            total["+".join(axes) or "none"] += times[comp] * _sent(kind, _result_bytes(kind, result), n)
     return dict(total)
