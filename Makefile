@@ -31,7 +31,7 @@ $(VENV)/.k3jax-stamp: setup.cfg pyproject.toml scripts/find_python.sh
 	  "$$python" -m venv $(VENV); \
 	fi; \
 	$(PY) -m pip install -q --upgrade pip; \
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,tpu]'
 	@touch $@
 
 # The PyTorch side of the golden tests: Python 3.11 (the local CPU torch wheel is cp311).

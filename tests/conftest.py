@@ -10,3 +10,8 @@ import os
 # threads parked in tsl::BlockUntilReady (2-warpgroup KDA scans on a 1-thread pool: 7 of 8 runs).
 # 8 threads keep free ones even for the 3-warpgroup MoE kernels (4 blocked callbacks).
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+
+# libtpu (the `tpu` extra) compiles for TPU slices on this host (tests/k3jax/plan): no GCE metadata
+# server to ask, and several test processes may load it at once (its lockfile guards real chips).
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
