@@ -66,8 +66,9 @@ def build_config(args):
     if args.param_dtype:
         changes["param_dtype"] = jnp.dtype(args.param_dtype)
     cfg = dataclasses.replace(cfg, **changes)
-    kernels = {"kda": dataclasses.replace(cfg.kda, implementation=args.kernels)} if cfg.kda else {}
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, implementation=args.kernels), **kernels)
+    impl = None if args.kernels == "auto" else args.kernels
+    kernels = {"kda": dataclasses.replace(cfg.kda, implementation=impl)} if cfg.kda else {}
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, implementation=impl), **kernels)
 
 
 def main(argv=None) -> int:
@@ -83,14 +84,20 @@ def main(argv=None) -> int:
     ap.add_argument("--remat", choices=("none", "layer", "moe"), default="layer")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (real widths)")
     ap.add_argument("--param-dtype", default=None, help="e.g. bfloat16 for serving (default: the preset's fp32)")
-    ap.add_argument("--kernels", choices=("pallas", "xla"), default="pallas",
-                    help="KDA scan and grouped matmul: the target's Pallas kernels or the XLA paths")
+    ap.add_argument("--kernels", choices=("auto", "pallas", "xla"), default="auto",
+                    help="KDA scan and grouped matmul: the target's Pallas kernels where they support the "
+                         "shapes (auto), always (pallas), or the XLA paths")
     ap.add_argument("--json", default=None, help="append the plan as one JSON line to this file")
+    ap.add_argument("--hlo", default=None, help="write the compiled program's HLO text to this file")
+    ap.add_argument("--verbose", action="store_true", help="after an out-of-memory message, the compiler's own "
+                                                           "(its largest allocations)")
     args = ap.parse_args(argv)
     try:
         plan = run(args)
     except ValueError as err:
         print(f"k3jax.plan: {err}", file=sys.stderr)
+        if args.verbose and err.__cause__ is not None:
+            print(str(err.__cause__), file=sys.stderr)
         return 2
     from k3jax.plan.report import format_plan
 
@@ -120,7 +127,7 @@ def run(args):
     print(f"traced and lowered in {time.perf_counter() - t0:.0f} s; compiling for {args.topology} …", flush=True)
     with compile_for(topo.devices[0]):  # counting parameters traces the model's init
         flops = model_flops(cfg, args.step, shape.batch, shape.seq)
-    return compile_plan(lowered, args.step, args.topology, mesh, topo.chip, flops)
+    return compile_plan(lowered, args.step, args.topology, mesh, topo.chip, flops, hlo_path=args.hlo)
 
 
 if __name__ == "__main__":

@@ -96,13 +96,21 @@ def analyse(compiled, step: str, topology: str, mesh, chip: Chip, flops_total: f
                 compile_seconds=seconds, kernels=_kernels(hlo))
 
 
-def compile_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float) -> Plan:
-    """Compile ``lowered``; the compiler's out-of-memory becomes a ``ValueError`` naming the numbers."""
+def compile_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float,
+                 hlo_path: str | None = None) -> Plan:
+    """Compile ``lowered``; the compiler's out-of-memory becomes a ``ValueError`` naming the numbers.
+    ``hlo_path``: where to write the compiled HLO text (None: nowhere)."""
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises its own runtime error type
-        raise _out_of_memory(err, step, topology, mesh, chip) or err
+        oom = _out_of_memory(err, step, topology, mesh, chip)
+        if oom is None:
+            raise
+        raise oom from err
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(compiled.as_text())
     return analyse(compiled, step, topology, mesh, chip, flops_total, time.perf_counter() - t0)
 
 
