@@ -100,11 +100,14 @@ def _multipliers(hlo: str) -> tuple[dict[str, int], list[str]]:
     lines: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
-        if current is None and (m := _COMP.match(line.strip())) and "=" not in line.split("{")[0]:
+        # A computation starts at column 0 ("%name (params) -> shape {" or "ENTRY %name …{") and
+        # ends with a "}" at column 0; its instructions are indented.
+        if current is None and not line.startswith(" ") and line.rstrip().endswith("{") and (
+                m := _COMP.match(line)):
             current = m.group(1)
             lines[current] = []
-            entry = current if line.lstrip().startswith("ENTRY") else entry
-        elif current is not None and line.strip() == "}":
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None and line.rstrip() == "}":
             current = None
         elif current is not None:
             lines[current].append(line)
