@@ -135,10 +135,14 @@ def _gb(x: float) -> str:
     return f"{x / _GB:8.2f} GB"
 
 
+def _flop(x: float) -> str:
+    return f"{x / 1e12:,.1f} TFLOP" if x >= 1e12 else f"{x / 1e9:,.2f} GFLOP"
+
+
 def format_plan(p: Plan) -> str:
     """The human-readable report of one plan."""
     mesh = " × ".join(f"{k}={v}" for k, v in p.mesh.items()) or "1 device"
-    flops = "n/a (device-less GPU)" if p.compiler_flops is None else f"{p.compiler_flops / 1e12:,.1f} TFLOP"
+    flops = "n/a (device-less GPU)" if p.compiler_flops is None else _flop(p.compiler_flops)
     comm = "\n".join(f"    {axis:24s} {v / _GB:10.3f} GB  ({v / p.chip.link_bandwidth * 1e3:8.2f} ms at link peak)"
                      for axis, v in sorted(p.comm.items(), key=lambda kv: -kv[1])) or "    (none)"
     verdict = "FITS" if p.fits else "DOES NOT FIT"
@@ -148,9 +152,9 @@ def format_plan(p: Plan) -> str:
         f"    arguments    {_gb(p.arguments)}", f"    outputs      {_gb(p.outputs)}  ({_gb(p.aliased).strip()} aliased)",
         f"    temporaries  {_gb(p.temporaries)}", f"    code         {_gb(p.code)}",
         f"    peak         {_gb(p.peak_memory)}  of {p.chip.hbm / _GB:.0f} GB HBM: {verdict}",
-        f"  FLOPs per device: compiler {flops}, model {p.model_flops / 1e12:,.1f} TFLOP",
-        f"  predicted time at {p.chip.peak_flops / 1e12:,.0f} TFLOP/s peak: compute {p.compute_seconds * 1e3:,.1f} ms, "
-        f"communication {p.comm_seconds * 1e3:,.1f} ms (no overlap assumed)",
+        f"  FLOPs per device: compiler {flops}, model {_flop(p.model_flops)}",
+        f"  predicted time at {p.chip.peak_flops / 1e12:,.0f} TFLOP/s peak: compute {p.compute_seconds * 1e3:,.3g} ms, "
+        f"communication {p.comm_seconds * 1e3:,.3g} ms at link peak (lower bounds, not overlapped)",
         "  bytes sent per device by mesh axis:", comm,
         "  kernels: " + (", ".join(f"{k}×{v}" for k, v in p.kernels.items()) or "none"),
     ])
