@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     if args.json:
         row = dataclasses.asdict(plan) | {"peak_memory": plan.peak_memory, "fits": plan.fits,
                                           "compute_seconds": plan.compute_seconds, "comm_seconds": plan.comm_seconds,
+                                          "hbm_seconds": plan.hbm_seconds,
                                           "command": "python -m k3jax.plan " + " ".join(argv or sys.argv[1:])}
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -56,6 +56,11 @@ class Plan:
         return max(self.compiler_flops or 0.0, self.model_flops) / self.chip.peak_flops
 
     @property
+    def hbm_seconds(self) -> float:
+        """Reading every argument (weights, cache, optimizer state) once: decode's real bound."""
+        return self.arguments / self.chip.hbm_bandwidth
+
+    @property
     def comm_seconds(self) -> float:
         return sum(self.comm.values()) / self.chip.link_bandwidth
 
@@ -154,7 +159,8 @@ def format_plan(p: Plan) -> str:
         f"    peak         {_gb(p.peak_memory)}  of {p.chip.hbm / _GB:.0f} GB HBM: {verdict}",
         f"  FLOPs per device: compiler {flops}, model {_flop(p.model_flops)}",
         f"  predicted time at {p.chip.peak_flops / 1e12:,.0f} TFLOP/s peak: compute {p.compute_seconds * 1e3:,.3g} ms, "
-        f"communication {p.comm_seconds * 1e3:,.3g} ms at link peak (lower bounds, not overlapped)",
+        f"reading the arguments once {p.hbm_seconds * 1e3:,.3g} ms, communication {p.comm_seconds * 1e3:,.3g} ms "
+        "at link peak (lower bounds, not overlapped)",
         "  bytes sent per device by mesh axis:", comm,
         "  kernels: " + (", ".join(f"{k}×{v}" for k, v in p.kernels.items()) or "none"),
     ])
