@@ -101,7 +101,7 @@ def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: S
     batch = NamedSharding(mesh, sharding.rules.spec(rules, "batch", None))
     if step == "prefill":
         tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=batch)
-        lengths = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=NamedSharding(mesh, batch.spec[:1]))
+        lengths = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(*batch.spec[:1])))
         fn = jax.jit(lambda v, t, n, c: prefill(v, cfg, t, n, c, chunk=shape.chunk), donate_argnums=3)
         args: tuple[Any, ...] = (variables, tokens, lengths, cache)
     else:

@@ -62,6 +62,15 @@ def test_report_names_memory_comm_and_fit():
     assert "FITS" in text and "arguments" in text and "temporaries" in text
 
 
+def test_prefill_runs_the_kda_kernel_per_shard():
+    """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
+    cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
+    topo = get_topology("v5p:2x2x1")
+    lowered, _ = lower("prefill", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices,
+                       Shape(batch=4, seq=128, chunk=64))
+    assert "kda_chunk_fwd_tpu" in lowered.compile().as_text()
+
+
 def test_unknown_topology():
     with pytest.raises(ValueError, match=r"topology='v9z:2x2' is not a known topology.*v5p:16x16x1"):
         get_topology("v9z:2x2")
