@@ -149,7 +149,7 @@ def format_plan(p: Plan) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in p.mesh.items()) or "1 device"
     flops = "n/a (device-less GPU)" if p.compiler_flops is None else _flop(p.compiler_flops)
     comm = "\n".join(f"    {axis:24s} {v / _GB:10.3f} GB  ({v / p.chip.link_bandwidth * 1e3:8.2f} ms at link peak)"
-                     for axis, v in sorted(p.comm.items(), key=lambda kv: -kv[1])) or "    (none)"
+                     for axis, v in sorted(p.comm.items(), key=lambda kv: -kv[1]) if v >= 1e6) or "    (none)"
     verdict = "FITS" if p.fits else "DOES NOT FIT"
     return "\n".join([
         f"{p.step} on {p.topology}: {p.devices} × {p.chip.name}, mesh {mesh}  (compiled in {p.compile_seconds:.0f} s)",
