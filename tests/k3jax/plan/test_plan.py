@@ -62,6 +62,7 @@ def test_report_names_memory_comm_and_fit():
     assert "FITS" in text and "arguments" in text and "temporaries" in text
 
 
+@pytest.mark.slow
 def test_prefill_runs_the_kda_kernel_per_shard():
     """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
     cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
