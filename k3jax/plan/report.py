@@ -123,6 +123,12 @@ def _out_of_memory(err: Exception, step: str, topology: str, mesh, chip: Chip) -
     text = str(err)
     if "RESOURCE_EXHAUSTED" not in text and "exceeds available" not in text.lower():
         return None
+    if m := re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*space=(\w+).*:: (\S+)", text):
+        return ValueError(
+            f"the {step} step does not compile for {topology}: the Pallas kernel {m.group(4)} needs "
+            f"{int(m.group(1)):,} bytes of {m.group(3).upper()} but the chip has {int(m.group(2)):,} "
+            "(a kernel's tiling or operand size limit, not HBM): shrink the kernel's per-device problem "
+            "(more devices on the axis that splits it) or fix its tiling")
     need = re.search(r"(?:Used|used)\s+([\d.]+)([KMGT])", text) or re.search(r"\(([\d.]+)([KMGT])\) exceeds", text)
     have = re.search(r"of\s+([\d.]+)([KMGT]) hbm", text) or re.search(r"available HBM \(([\d.]+)([KMGT])\)", text)
     scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}

@@ -103,6 +103,11 @@ def test_out_of_memory_names_the_numbers():
                "Used 120.53G of 95.74G hbm. Exceeded hbm capacity by 24.79G.")
     err = _out_of_memory(RuntimeError(message), "train", "v5p:2x2x1", FakeMesh(), CHIPS["v5p"])
     assert "needs 120.5 GB per device against 95.7 GB of HBM with mesh (data=2, expert=2)" in str(err)
+    smem = ("RESOURCE_EXHAUSTED: Allocation (size=1052672) would exceed memory (size=1048576) :: #allocation4 "
+            "[shape = 'u8[1052672]{0}', space=smem, size = 0x101000, scoped, tag = 'prefetched SMEM operand 0'] "
+            ":: moe_gmm_tpu.21")
+    err = _out_of_memory(RuntimeError(smem), "prefill", "v5p:16x16x4", FakeMesh(), CHIPS["v5p"])
+    assert "moe_gmm_tpu.21 needs 1,052,672 bytes of SMEM but the chip has 1,048,576" in str(err)
     assert _out_of_memory(RuntimeError("INVALID_ARGUMENT: something else"), "train", "v5p", FakeMesh(),
                           CHIPS["v5p"]) is None
 
