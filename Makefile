@@ -32,7 +32,7 @@ $(VENV)/.k3jax-stamp: setup.cfg pyproject.toml scripts/find_python.sh Makefile
 	  "$$python" -m venv $(VENV); \
 	fi; \
 	$(PY) -m pip install -q --upgrade pip; \
-	$(PY) -m pip install -q -e '.[test,experiments]'
+	$(PY) -m pip install -q -e '.[test,tpu,experiments]'
 	@touch $@
 
 # The PyTorch side of the golden tests: Python 3.11 (the local CPU torch wheel is cp311).

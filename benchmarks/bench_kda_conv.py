@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers.kda import QK_L2_EPS, short_conv_qkv
+from k3jax.plan.topology import H200_TARGET
 from k3jax.layers.norm import l2_normalize
 from pallas_kernels.kda.conv import same_document_taps, short_convs
 from pallas_kernels.kda.reference import segment_index
@@ -207,16 +208,6 @@ def fusion_summary(fn, args, top=6):
                  for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(2))) / 1e6
         rows.append((m.group(1), mb, m.group(2)[:80]))
     return len(rows), sorted(rows, key=lambda r: -r[1])[:top]
-
-
-H200_TARGET = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32
-  shared_memory_per_block: 49152 shared_memory_per_core: 233472 threads_per_core_limit: 2048
-  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536 }
-platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } runtime_version { major: 12 minor: 8 }
-device_description_str: "NVIDIA H200" """
 
 
 def aot_h200(names, shape):

@@ -11,6 +11,11 @@ import os
 # 8 threads keep free ones even for the 3-warpgroup MoE kernels (4 blocked callbacks).
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 
+# libtpu (the `tpu` extra) compiles for TPU slices on this host (tests/k3jax/plan): no GCE metadata
+# server to ask, and several test processes may load it at once (its lockfile guards real chips).
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 # The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time (shapes,
 # dtypes, argument names in the error) under pytest only: the import hook instruments these
 # packages as they are first imported, which is after this file. K3JAX_TYPECHECK=0 turns it off.

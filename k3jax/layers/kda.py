@@ -108,6 +108,27 @@ def short_conv_qkv(xs: list[Float[Array, "B T H K"]], ws: list[Float[Array, "W H
     return tuple(y.reshape(B, T, H, K) for y in ys)
 
 
+def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs):
+    """``chunk_kda`` from a cached state, returning ``(o, final state)``. On a mesh each device scans
+    its own rows and heads inside ``shard_map``: XLA cannot partition a Pallas kernel, and the scan
+    never mixes rows or heads (an axis that does not divide its dimension is left whole)."""
+    run = lambda q, k, v, g, beta, s: chunk_kda(q, k, v, g, beta, initial_state=s, output_final_state=True,
+                                                 **kwargs)
+    ctx = parallel_context()
+    if ctx is None:
+        return run(q, k, v, g, beta, state)
+    from sharding.init import _fit
+
+    fit = lambda x, *names: _fit(ctx.spec(*names), x.shape, ctx.mesh)
+    rows, s_spec = fit(q, "batch", None, "heads", None), fit(state, "batch", "heads", None, None)
+    rows = jax.sharding.PartitionSpec(s_spec[0], None, s_spec[1], None)  # one split for q..g and the state
+    args = (q, k, v, g, beta, state)
+    specs = (rows, rows, rows, rows, jax.sharding.PartitionSpec(*rows[:3]), s_spec)
+    fn = jax.shard_map(run, mesh=ctx.mesh, in_specs=ctx.in_specs(specs, *args), out_specs=(rows, s_spec),
+                       check_vma=False)
+    return fn(*args)
+
+
 class KDA(nn.Module):
     """One KDA token mixer; ``segment_ids`` resets the state and the conv history per document."""
 
@@ -205,6 +226,6 @@ class KDA(nn.Module):
         if T < c.chunk_size:  # decode: a few tokens, the plain recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
         else:  # prefill: the chunked kernel from the cached state
-            o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=cache.state, output_final_state=True,
-                                 implementation=c.scan_implementation, chunk_size=c.chunk_size)
+            o, state = chunk_from_state(q, k, v, g, beta, cache.state, scale=scale,
+                                        implementation=c.scan_implementation, chunk_size=c.chunk_size)
         return o, cache.replace(state=state.astype(cache.state.dtype), conv=tails.astype(cache.conv.dtype))

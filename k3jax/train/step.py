@@ -68,11 +68,12 @@ class Trainer:
         self.model = Transformer(cfg.model, remat=cfg.remat)
         self.mtp = MTP(cfg.model, remat=cfg.remat) if cfg.model.mtp.num_layers else None
         self.schedule = make_schedule(cfg.schedule, cfg.optimizer.learning_rate, cfg.steps)
-        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.mesh = mesh
+        with self._init_target():
+            boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.axes = {"params": logical_axes(boxed["params"]), "balance": logical_axes(boxed["balance"])}
         self.abstract = nn.unbox(boxed)
         self.tx = make_optimizer(cfg.optimizer, self.schedule, self.abstract["params"], self.axes["params"])
-        self.mesh = mesh
         self.shardings = None
         if mesh is not None:
             from k3jax.train.parallel import state_and_batch_shardings
@@ -111,15 +112,26 @@ class Trainer:
         # Traced outside the parallel context: init runs the model on one short row, which the
         # expert- and context-parallel paths would reject; parameters land sharded all the same.
         out = None if self.shardings is None else self.shardings["state"]
-        return jax.jit(self._init, out_shardings=out)(rng)
+        with self._init_target():
+            return jax.jit(self._init, out_shardings=out)(rng)
 
     def abstract_state(self) -> TrainState:
         """``ShapeDtypeStruct`` tree of the state (with shardings on a mesh): the restore target."""
-        abstract = jax.eval_shape(self._init, jax.random.key(0))
+        with self._init_target():
+            abstract = jax.eval_shape(self._init, jax.random.key(0))
         if self.shardings is None:
             return abstract
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, self.shardings["state"])
+
+    def _init_target(self):
+        """Init is traced outside the mesh context, but for the mesh's devices: the kernel ops pick
+        their implementation for those (an ahead-of-time compile for TPUs on a CPU host)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from pallas_kernels.target import compile_for
+
+        return compile_for(self.mesh.devices.flat[0])
 
     def _context(self):
         if self.mesh is None:

@@ -52,9 +52,13 @@ MAX_HEAD_DIM = 256  # fp32 state plus one chunk of every operand stays well insi
 
 
 def supports(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64) -> bool:
-    """Trace-time check: fp32/bf16/fp16 inputs (no float64), head dims <= 256, chunk % 16 == 0."""
+    """Trace-time check: fp32/bf16 inputs, head dims <= 256, chunk % 16 == 0.
+
+    No float64, and no float16: Mosaic TPU has no float16 vector loads (v4 to TPU7x, libtpu 0.0.48:
+    "Invalid vector type for load"), which only the real compiler reports, not the interpreter.
+    """
     arrays = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
-    if any(a.dtype == jnp.float64 for a in arrays):
+    if any(a.dtype in (jnp.float64, jnp.float16) for a in arrays):
         return False
     return q.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM and chunk_size % 16 == 0
 

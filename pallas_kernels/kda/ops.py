@@ -1,9 +1,11 @@
 """Public KDA ops: ``chunk_kda`` (training / prefill) and ``recurrent_kda_step`` (decode).
 
 ``implementation`` picks the path: ``"xla"`` is :func:`chunk_kda_reference` (always available,
-exact for any gate and dtype, float64 included); ``"pallas"`` is the platform's kernel (or, with
+exact for any gate and dtype, float64 included); ``"pallas"`` is the target platform's kernel (or, with
 ``interpret``, a named kernel in its interpreter); ``None`` takes Pallas when the platform has a kernel that
-supports the inputs, else XLA.
+supports the inputs, else XLA. The platform is the one the code is compiled for
+(:func:`pallas_kernels.target.current_target`: the mesh in context, so an ahead-of-time compile for
+TPU devices on a CPU host gets the TPU kernel), not the host's default backend.
 
 A backend is ``(fn, supports)``: ``fn(q, k, v, g, beta, *, scale, initial_state, segment_ids,
 chunk_size, interpret) -> (o, final_state)`` is differentiable, returns ``o`` in ``v.dtype`` and the
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kda.reference import chunk_kda_reference, compute_dtype, naive_recurrent_kda
+from pallas_kernels.target import current_target
 
 logger = logging.getLogger(__name__)
 _LOGGED_PATHS: set[str] = set()
@@ -155,7 +158,7 @@ def _resolve(implementation, interpret, args: dict):
         return "xla", None
     # Interpret mode runs a named backend's kernel on any host; True means the TPU kernel,
     # whose interpreter also runs on CPU.
-    platform = ("tpu" if interpret is True else interpret) if interpret else jax.default_backend()
+    platform = ("tpu" if interpret is True else interpret) if interpret else current_target().platform
     backend = _pallas_backend(platform)
     if backend is None:
         if implementation == "pallas":

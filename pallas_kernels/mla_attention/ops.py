@@ -1,6 +1,7 @@
 """Public op: ``mla_attention`` (causal MLA attention with document masks, SPEC §3) and its switch.
 
-``implementation``: ``None`` runs the flash kernel (:mod:`kernel_gpu`) on a CUDA GPU for
+``implementation``: ``None`` runs the flash kernel (:mod:`kernel_gpu`) when compiling for a CUDA GPU
+(:func:`pallas_kernels.target.current_target`) for
 bf16/f16 inputs and the dense reference otherwise; ``"xla"`` is always the reference;
 ``"pallas"`` needs a CUDA GPU and bf16/f16 inputs, or ``interpret=True`` (the CPU
 interpreter runs the same kernels). Gradients of the kernel path go through ``jax.custom_vjp``
@@ -26,14 +27,15 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
 from pallas_kernels.mla_attention.reference import mla_attention_reference
+from pallas_kernels.target import current_target
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 def _cuda_gpu() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and "cuda" in getattr(dev.client, "platform_version", "").lower()
+    """Compiling for an NVIDIA GPU (the target of :mod:`pallas_kernels.target`, not the host)."""
+    return current_target().cuda
 
 
 def resolve_implementation(implementation: str | None, dtype, interpret: bool = False) -> str:
@@ -50,7 +52,7 @@ def resolve_implementation(implementation: str | None, dtype, interpret: bool = 
         return "pallas"
     if implementation == "pallas":
         raise ValueError("implementation='pallas' needs a CUDA GPU (or interpret=True); "
-                         f"default backend is {jax.default_backend()!r}")
+                         f"compiling for {current_target().platform!r}")
     return "xla"
 
 

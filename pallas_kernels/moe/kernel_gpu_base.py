@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.target import current_target
+
 _COMPUTE_WGS = 2
 _DETECT_RACES = False  # tests switch on the GPU interpreter's race detector here
 
@@ -72,7 +74,11 @@ class GpuTiling:
 
 
 def _num_sms(interpret: bool) -> int:
-    return 2 if interpret else jax.devices()[0].core_count
+    """SMs of the GPU compiled for (the target's, so a device-less AOT compile sizes the grid right)."""
+    if interpret:
+        return 2
+    cores = current_target().num_cores
+    return cores if cores else jax.devices()[0].core_count
 
 
 def _swizzled(minor_elems: int, dtype, swizzle_bytes: int = 0):

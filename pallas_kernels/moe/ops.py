@@ -1,7 +1,8 @@
 """Public MoE ops: ``grouped_matmul`` (``jax.lax.ragged_dot`` semantics) and ``moe_ffn``.
 
-``implementation``: ``None`` picks the Pallas kernel where one exists for the default
-backend (Hopper GPU, TPU), the tile loop of :mod:`pallas_kernels.moe.tiled` on CPU (whose XLA
+``implementation``: ``None`` picks the Pallas kernel where one exists for the target the code is
+compiled for (Hopper GPU, TPU; :func:`pallas_kernels.target.current_target`: the mesh in context,
+else the default device), the tile loop of :mod:`pallas_kernels.moe.tiled` on CPU (whose XLA
 backend expands ``ragged_dot`` to every group) and ``ragged_dot`` elsewhere; ``"xla"`` is always
 sort + ``ragged_dot`` (the reference); ``"pallas"``
 needs a GPU/TPU, or ``interpret=True`` on CPU (``kernel_backend`` then names which kernel the
@@ -22,41 +23,44 @@ from pallas_kernels.moe.activations import packed_gated_activation
 from pallas_kernels.moe.dispatch import combine, permute
 from pallas_kernels.moe.reference import grouped_matmul_ragged
 from pallas_kernels.moe.tiled import grouped_matmul_tiled
+from pallas_kernels.target import current_target
 
 
-_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+# Mosaic TPU has no float16 vector loads (libtpu 0.0.48, v4 to TPU7x), so the TPU kernel takes bf16 only.
+_KERNEL_DTYPES = {"gpu": (jnp.bfloat16, jnp.float16), "tpu": (jnp.bfloat16,)}
 
 
 def _hopper_gpu() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") in ("9.0", "9.0a")
+    return current_target().hopper
 
 
 def resolve_implementation(implementation, interpret: bool, kernel_backend: str | None, dtype=jnp.bfloat16) -> str:
-    """Return "xla", "tiled", "gpu" or "tpu": which code path runs (kernels take bf16/f16 only)."""
+    """Return "xla", "tiled", "gpu" or "tpu": which code path runs (the GPU kernels take bf16/f16,
+    the TPU kernel bf16)."""
     if implementation not in (None, "xla", "pallas"):
         raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
     if kernel_backend not in (None, "gpu", "tpu"):
         raise ValueError(f"kernel_backend must be None, 'gpu' or 'tpu', got {kernel_backend!r}")
     if implementation == "xla":
         return "xla"
-    platform = jax.default_backend()
+    platform = current_target().platform
     fallback = "tiled" if platform == "cpu" else "xla"
-    if jnp.dtype(dtype) not in _KERNEL_DTYPES:
-        if implementation == "pallas":
-            raise ValueError(f"implementation='pallas' needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}")
-        return fallback
     if interpret:
-        return kernel_backend or ("tpu" if platform == "tpu" else "gpu")
-    if platform == "tpu":
-        return "tpu"
-    if platform == "gpu" and _hopper_gpu():
-        return "gpu"
-    if implementation == "pallas":
+        path = kernel_backend or ("tpu" if platform == "tpu" else "gpu")
+    elif platform == "tpu" or (platform == "gpu" and _hopper_gpu()):
+        path = platform
+    elif implementation == "pallas":
         raise ValueError(
-            f"implementation='pallas' needs a Hopper GPU or a TPU, or interpret=True; default backend is {platform!r}"
+            f"implementation='pallas' needs a Hopper GPU or a TPU, or interpret=True; compiling for {platform!r}"
         )
-    return fallback
+    else:
+        return fallback
+    if jnp.dtype(dtype) not in _KERNEL_DTYPES[path]:
+        if implementation == "pallas":
+            names = " or ".join(jnp.dtype(d).name for d in _KERNEL_DTYPES[path])
+            raise ValueError(f"implementation='pallas': the {path} kernel needs {names} inputs, got {jnp.dtype(dtype)}")
+        return fallback
+    return path
 
 
 def _kernel_module(path: str):

@@ -1,0 +1,121 @@
+"""The three programs a plan compiles, from abstract state only (``jax.eval_shape``: no weights).
+
+- ``train``: ``k3jax.train.step.Trainer``'s donated step (forward, backward, per-head Muon, QK-Clip,
+  Quantile Balancing) on its own state and batch shardings.
+- ``prefill``: ``k3jax.infer.decode.prefill`` (the prompt in chunks into the cache).
+- ``decode``: ``k3jax.infer.decode.forward_cached`` for one new token per sequence.
+
+Inference parameters are stored in ``param_dtype`` of the config (``--param-dtype bfloat16`` for
+serving); the cache rows are batch-sharded like the activations. Everything is traced inside
+``sharding.use_mesh`` on the topology's devices, so the kernel ops pick the target's kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.config import ModelConfig
+from k3jax.infer.cache import KDACache, MLACache, init_cache
+from k3jax.model import Transformer
+from k3jax.train.config import MeshConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What one program processes: ``batch`` sequences of ``seq`` tokens (train: per step; prefill:
+    the prompt; decode: the cache length), ``micro`` micro-batches, ``chunk`` prefill tokens per call."""
+
+    batch: int
+    seq: int
+    micro: int = 1
+    chunk: int = 2048
+    remat: str = "layer"
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def lower_train(cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
+    """``(lowered, mesh)`` of the train step for ``shape.batch × shape.seq`` tokens per step."""
+    from k3jax.train.parallel import make_train_mesh
+    from k3jax.train.step import Trainer
+
+    tcfg = TrainConfig(model=cfg, batch_size=shape.batch, seq_len=shape.seq, micro_batches=shape.micro,
+                       remat=shape.remat, mesh=MeshConfig(axes=mesh_axes))
+    mesh = make_train_mesh(tcfg, devices)
+    trainer = Trainer(tcfg, mesh)
+    state = trainer.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=s)
+             for k, s in trainer.shardings["batch"].items()}
+    with trainer._context():
+        return trainer._jit_step.lower(state, batch), mesh
+
+
+def _variables(cfg: ModelConfig, mesh, rules):
+    """Abstract ``{"params", "balance"}`` placed by their logical names."""
+    import sharding
+
+    from pallas_kernels.target import compile_for
+
+    with compile_for(mesh.devices.flat[0]):  # traced outside the mesh context (one short row)
+        boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    abstract = nn.unbox(boxed)
+    return _abstract(abstract, sharding.shardings_for(abstract, sharding.logical_axes(boxed), mesh, rules))
+
+
+def _cache_shardings(cache, mesh, rules):
+    """Cache rows split like the activations: batch, and the KDA state's heads."""
+    import sharding
+
+    def names(leaf_cache):
+        if isinstance(leaf_cache, KDACache):
+            return KDACache(state=PartitionSpec("batch", "heads", None, None),
+                            conv=PartitionSpec(None, "batch", None, "heads"))
+        return MLACache(latent=PartitionSpec("batch", None, None), lengths=PartitionSpec("batch"))
+
+    logical = cache.replace(layers=tuple(names(c) for c in cache.layers), lengths=PartitionSpec("batch"))
+    return sharding.shardings_for(cache, logical, mesh, rules)
+
+
+def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
+    """``(lowered, mesh)`` of ``prefill`` (a ``shape.seq``-token prompt) or ``decode`` (one token
+    per sequence against a cache of ``shape.seq``)."""
+    import sharding
+    from k3jax.infer.decode import forward_cached, prefill
+    from k3jax.train.parallel import make_train_mesh, train_rules
+
+    tcfg = TrainConfig(model=cfg, batch_size=shape.batch, seq_len=1 if step == "decode" else shape.seq,
+                       mesh=MeshConfig(axes=mesh_axes))
+    mesh = make_train_mesh(tcfg, devices)
+    rules = train_rules(tcfg, mesh)
+    variables = _variables(cfg, mesh, rules)
+    cache = jax.eval_shape(lambda: init_cache(cfg, shape.batch, shape.seq))
+    cache = _abstract(cache, _cache_shardings(cache, mesh, rules))
+    batch = NamedSharding(mesh, sharding.rules.spec(rules, "batch", None))
+    if step == "prefill":
+        tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=batch)
+        lengths = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(*batch.spec[:1])))
+        fn = jax.jit(lambda v, t, n, c: prefill(v, cfg, t, n, c, chunk=shape.chunk), donate_argnums=3)
+        args: tuple[Any, ...] = (variables, tokens, lengths, cache)
+    else:
+        tokens = jax.ShapeDtypeStruct((shape.batch, 1), jnp.int32, sharding=batch)
+        fn = jax.jit(lambda v, t, c: forward_cached(v, cfg, t, c), donate_argnums=2)
+        args = (variables, tokens, cache)
+    with sharding.use_mesh(mesh, rules):
+        return fn.lower(*args), mesh
+
+
+def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
+    """Lower one program ("train", "prefill" or "decode")."""
+    if step == "train":
+        return lower_train(cfg, mesh_axes, devices, shape)
+    if step in ("prefill", "decode"):
+        return lower_infer(step, cfg, mesh_axes, devices, shape)
+    raise ValueError(f"step={step!r} must be 'train', 'prefill' or 'decode'")

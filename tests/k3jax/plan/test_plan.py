@@ -1,0 +1,121 @@
+"""Ahead-of-time plans on a TPU slice from this CPU host (libtpu, installed by ``make test``).
+
+The default tests compile a one-layer K3 of reduced widths (the real KDA and MoE kernel paths) for
+v5p:2x2x1 on a data × expert mesh and check that the Pallas TPU kernels are in the program; the
+real-width version is ``slow``. Bad input (topology, mesh, fit) must read as one clear message.
+"""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("libtpu", reason="libtpu compiles for TPU on a CPU host: pip install -e '.[tpu]'")
+
+from k3jax import config  # noqa: E402
+from k3jax.plan.__main__ import main, parse_mesh  # noqa: E402
+from k3jax.plan.programs import Shape, lower  # noqa: E402
+from k3jax.plan.report import _out_of_memory, compile_plan, format_plan  # noqa: E402
+from k3jax.plan.topology import CHIPS, get_topology  # noqa: E402
+
+TPU_KERNELS = ("kda_chunk_fwd_tpu", "kda_chunk_bwd_tpu", "moe_gmm_tpu", "moe_tgmm_tpu")
+
+
+def _one_kda_moe_layer(cfg):
+    """The first KDA layer with an MoE, Pallas kernels named explicitly (a CPU host has none)."""
+    return dataclasses.replace(
+        cfg, num_layers=1, mla_layers=(), mlp=dataclasses.replace(cfg.mlp, first_dense_layers=0),
+        kda=dataclasses.replace(cfg.kda, implementation="pallas"),
+        moe=dataclasses.replace(cfg.moe, implementation="pallas"))
+
+
+def _plan(cfg, step, mesh, shape, topology="v5p:2x2x1"):
+    topo = get_topology(topology)
+    axes = parse_mesh(mesh, len(topo.devices), topology)
+    lowered, mesh = lower(step, cfg, axes, topo.devices, shape)
+    return compile_plan(lowered, step, topology, mesh, topo.chip, flops_total=1.0)
+
+
+def _kernel_names(plan_kernels_text: str) -> set[str]:
+    return {name for name in TPU_KERNELS if name in plan_kernels_text}
+
+
+def test_train_step_compiles_the_tpu_kernels():
+    cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
+    topo = get_topology("v5p:2x2x1")
+    lowered, mesh = lower("train", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices,
+                          Shape(batch=4, seq=128, remat="none"))
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text
+    assert _kernel_names(text) == set(TPU_KERNELS), _kernel_names(text)
+    mem = compiled.memory_analysis()
+    assert 0 < mem.argument_size_in_bytes < CHIPS["v5p"].hbm
+
+
+def test_report_names_memory_comm_and_fit():
+    cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
+    plan = _plan(cfg, "decode", "data=2,expert=2", Shape(batch=4, seq=256))
+    assert plan.fits and plan.devices == 4 and plan.arguments > 0
+    assert plan.comm and all(v > 0 for v in plan.comm.values())  # the expert all-to-alls at least
+    assert any("expert" in axes for axes in plan.comm), plan.comm
+    text = format_plan(plan)
+    assert "FITS" in text and "arguments" in text and "temporaries" in text
+
+
+@pytest.mark.slow
+def test_prefill_runs_the_kda_kernel_per_shard():
+    """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
+    cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
+    topo = get_topology("v5p:2x2x1")
+    lowered, _ = lower("prefill", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices,
+                       Shape(batch=4, seq=128, chunk=64))
+    assert "kda_chunk_fwd_tpu" in lowered.compile().as_text()
+
+
+def test_unknown_topology():
+    with pytest.raises(ValueError, match=r"topology='v9z:2x2' is not a known topology.*v5p:16x16x1"):
+        get_topology("v9z:2x2")
+    with pytest.raises(ValueError, match=r"topology='v5e:1x1': libtpu has no such slice"):
+        get_topology("v5e:1x1")
+
+
+def test_mesh_must_divide_the_devices():
+    with pytest.raises(ValueError, match=r"data=3 × expert=2 = 6 devices, but v5p:2x2x1 has 4"):
+        parse_mesh("data=3,expert=2", 4, "v5p:2x2x1")
+    with pytest.raises(ValueError, match=r"expert=-1: data=3 = 3 does not divide the 4 devices"):
+        parse_mesh("data=3,expert=-1", 4, "v5p:2x2x1")
+    with pytest.raises(ValueError, match="'pipeline' is not a mesh axis"):
+        parse_mesh("pipeline=4", 4, "v5p:2x2x1")
+    assert parse_mesh("fsdp=2,expert=-1", 4, "v5p") == (("fsdp", 2), ("expert", 2))
+
+
+def test_cli_reports_bad_input_in_one_line(capsys):
+    assert main(["--preset", "tiny", "--topology", "v5p:2x2x1", "--mesh", "data=8", "--step", "decode"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "data=8 = 8 devices, but v5p:2x2x1 has 4" in err
+
+
+def test_out_of_memory_names_the_numbers():
+    class FakeMesh:
+        shape = {"data": 2, "fsdp": 1, "expert": 2}
+
+    message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+               "Used 120.53G of 95.74G hbm. Exceeded hbm capacity by 24.79G.")
+    err = _out_of_memory(RuntimeError(message), "train", "v5p:2x2x1", FakeMesh(), CHIPS["v5p"])
+    assert "needs 120.5 GB per device against 95.7 GB of HBM with mesh (data=2, expert=2)" in str(err)
+    smem = ("RESOURCE_EXHAUSTED: Allocation (size=1052672) would exceed memory (size=1048576) :: #allocation4 "
+            "[shape = 'u8[1052672]{0}', space=smem, size = 0x101000, scoped, tag = 'prefetched SMEM operand 0'] "
+            ":: moe_gmm_tpu.21")
+    err = _out_of_memory(RuntimeError(smem), "prefill", "v5p:16x16x4", FakeMesh(), CHIPS["v5p"])
+    assert "moe_gmm_tpu.21 needs 1,052,672 bytes of SMEM but the chip has 1,048,576" in str(err)
+    assert _out_of_memory(RuntimeError("INVALID_ARGUMENT: something else"), "train", "v5p", FakeMesh(),
+                          CHIPS["v5p"]) is None
+
+
+@pytest.mark.slow
+def test_real_width_k3_layer_train_step():
+    """One KDA + MoE layer of kimi_k3() at its real widths (896 experts, 96 heads) on 64 v5p chips."""
+    cfg = _one_kda_moe_layer(config.kimi_k3())
+    plan = _plan(cfg, "train", "fsdp=8,expert=8", Shape(batch=64, seq=4096), topology="v5p:4x4x4")
+    assert plan.fits, format_plan(plan)
+    assert plan.kernels.get("tpu_custom_call", 0) > 0, plan.kernels
