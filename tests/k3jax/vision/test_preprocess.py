@@ -106,3 +106,38 @@ def test_pack_budget_raises():
     m = image_media(_img(56, 56), V)
     with pytest.raises(ValueError, match="sample 0: its media need 16 patches"):
         pack_media([[m]], V, num_patches=8)
+
+
+class _FakeK3Tokenizer:
+    vocab_size, bos_id, eos_id, pad_id = 163840, 163584, 163585, 163839
+
+    def encode(self, text):
+        return np.frombuffer(text.encode(), np.uint8).astype(np.int64) + 1000
+
+
+def test_prepare_with_the_k3_template_and_without(tmp_path):
+    from pathlib import Path
+
+    from k3jax.config import kimi_k3
+    from k3jax.vision.config import MEDIA_BEGIN_ID, MEDIA_CONTENT_ID, MEDIA_END_ID, MEDIA_PAD_ID
+    from k3jax.vision.prompt import prepare
+
+    path = tmp_path / "a.png"
+    Image.fromarray(_img(30, 45)).save(path)
+    frames = [_img(28, 28, i) for i in range(5)]
+    k3 = MultimodalConfig(text=kimi_k3(), vision=V)
+    tokens, lengths, batch = prepare([["hi ", Path(path), frames]], k3, _FakeK3Tokenizer())
+    row = tokens[0, :lengths[0]].tolist()
+    tok = _FakeK3Tokenizer()
+    n_img = image_media(_img(30, 45), V).num_tokens(V)
+    want = ([k3.text.bos_token_id] + tok.encode("hi ").tolist() + [MEDIA_BEGIN_ID] + tok.encode("image 45x30").tolist()
+            + [MEDIA_CONTENT_ID] + [MEDIA_PAD_ID] * n_img + [MEDIA_END_ID])
+    video_block = [MEDIA_BEGIN_ID] + tok.encode("video").tolist() + [MEDIA_CONTENT_ID, MEDIA_PAD_ID, MEDIA_END_ID]
+    assert row == want + video_block * 2  # 5 frames: two chunks, one block each (1 merged token per 28x28 chunk)
+    assert int(batch.merged_valid.sum()) == n_img + 2
+    tokens, lengths, _ = prepare([[Path(path), frames]], CFG, None, bos=False)
+    assert tokens[0, :lengths[0]].tolist() == [5] * (n_img + 2)
+    with pytest.raises(ValueError, match="sample 0 part 0: text parts need a tokenizer"):
+        prepare([["hi"]], CFG)
+    with pytest.raises(ValueError, match=r"sample 0 part 1 \(video\): all frames"):
+        prepare([[Path(path), [_img(28, 28), _img(56, 28)]]], CFG)
