@@ -12,8 +12,9 @@ from experiments import vision_learns as vl
 def test_data_and_report_are_well_formed(tmp_path):
     s = vl.PRESETS["smoke"]
     cfg = vl.make_cfg(s)
-    tokens, mask, answer_at, is_count, media = vl.dataset(cfg, s, 16, 0, with_images=True)
-    text = vl.dataset(cfg, s, 16, 0, with_images=False)
+    samples = vl.renders(s, 16, 0)
+    tokens, mask, answer_at, is_count, media = vl.dataset(cfg, samples, with_images=True)
+    text = vl.dataset(cfg, samples, with_images=False)
     merged = (s.image // 28) ** 2
     assert (tokens == vl.MEDIA_ID).sum(1).tolist() == [merged] * 16 and int(media.merged_valid.sum()) == 16 * merged
     assert not (text[0] == vl.MEDIA_ID).any() and text[4] is None
