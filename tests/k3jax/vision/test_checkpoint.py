@@ -116,3 +116,13 @@ def test_tower_sizes():
     from k3jax.vision.config import moonvit_v2
     assert abs(tower_params(moonvit_v2()) - 0.401e9) < 0.001e9  # ~0.4 B (SPEC §9)
     assert tower_params(moonvit_k25()) > tower_params(moonvit_v2())
+
+
+def test_orbax_round_trip_of_the_multimodal_tree(tmp_path):
+    import orbax.checkpoint as ocp
+
+    variables = _variables(make_cfg(), 3)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "state", variables)
+        ckpt.wait_until_finished()
+        _assert_equal(ckpt.restore(tmp_path / "state"), variables)
