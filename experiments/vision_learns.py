@@ -55,7 +55,7 @@ class Settings:
     test: int = 256
     batch: int = 32
     steps: int = 200
-    lr: float = 2e-3
+    lr: float = 3e-3
     text_layers: int = 2
     text_hidden: int = 64
     vision_hidden: int = 32
@@ -68,10 +68,11 @@ class Settings:
 
 
 PRESETS = {
-    "cpu": Settings(),
+    "cpu": Settings(steps=400, lr=3e-3),
     "smoke": Settings(train=64, test=32, batch=16, steps=3),
-    "h200": Settings(image=84, train=8192, test=1024, batch=128, steps=1000, lr=1e-3, text_layers=6,
-                     text_hidden=128, vision_hidden=128, vision_layers=4, vision_heads=4, dtype="bfloat16"),
+    "h200": Settings(image=84, train=8192, test=1024, batch=128, steps=1500, lr=2e-3, text_layers=6,
+                     text_hidden=128, vision_hidden=128, vision_layers=4, vision_heads=4, dtype="bfloat16",
+                     eval_every=500),
 }
 
 

@@ -108,7 +108,8 @@ def _check_vision_keys(table: list[VisionEntry], reader: SafetensorsReader) -> N
     if missing:
         raise ValueError(f"tensor {missing[0]!r} is missing for this vision_config ({len(missing)} missing)")
     if unexpected:
-        raise ValueError(f"tensor {unexpected[0]!r} is unexpected for this vision_config ({len(unexpected)} unexpected)")
+        raise ValueError(f"tensor {unexpected[0]!r} is unexpected for this vision_config "
+                         f"({len(unexpected)} unexpected)")
 
 
 def _read(reader: SafetensorsReader, entry: VisionEntry, dtype) -> np.ndarray:
@@ -132,7 +133,8 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
                                  param_dtype=text_cfg.param_dtype)
     text_hidden = config["vision_config"].get("text_hidden_size", text_cfg.hidden)
     if text_hidden != text_cfg.hidden:
-        raise ValueError(f"vision_config.text_hidden_size={text_hidden} must equal the text hidden size {text_cfg.hidden}")
+        raise ValueError(f"vision_config.text_hidden_size={text_hidden} must equal the text hidden size "
+                         f"{text_cfg.hidden}")
     cfg = _read_media_proc_cfg(path, MultimodalConfig(text=text_cfg, vision=vision,
                                                       media_token_id=media_token_id(config)))
     reader = SafetensorsReader(path)

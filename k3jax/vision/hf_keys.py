@@ -150,10 +150,12 @@ def from_hf_vision_config(d: dict, name: str = "hf") -> VisionConfig:
     norm = get("norm_type", default="layernorm")
     bias = bool(get("linear_bias", default=True))
     if bool(get("attn_bias", default=bias)) != bias:
-        raise ValueError(f"vision_config.attn_bias={d['attn_bias']!r} must equal linear_bias={bias!r} (one bias switch)")
+        raise ValueError(f"vision_config.attn_bias={d['attn_bias']!r} must equal linear_bias={bias!r} "
+                         "(one bias switch)")
     return VisionConfig(
         name=name, hidden=hidden, num_layers=get("vt_num_hidden_layers", "num_hidden_layers"), num_heads=heads,
-        head_dim=get("qkv_hidden_size", default=hidden) // heads, mlp_dim=get("vt_intermediate_size", "intermediate_size"),
+        head_dim=get("qkv_hidden_size", default=hidden) // heads,
+        mlp_dim=get("vt_intermediate_size", "intermediate_size"),
         patch_size=get("patch_size"), norm=norm, norm_eps=FP32_EPS if norm == "rmsnorm" else 1e-5, bias=bias,
         patch_bias=bool(get("patch_embed_proj_bias", default=True)),
         pos_grid=(get("init_pos_emb_height"), get("init_pos_emb_width")), pos_time=get("init_pos_emb_time", default=4),

@@ -32,7 +32,8 @@ class _Vision(nn.Module):
 
     @nn.compact
     def __call__(self, media):
-        return Projector(self.cfg, self.text_hidden, name="mm_projector")(VisionTower(self.cfg, name="vision_tower")(media))
+        features = VisionTower(self.cfg, name="vision_tower")(media)
+        return Projector(self.cfg, self.text_hidden, name="mm_projector")(features)
 
 
 @functools.lru_cache(maxsize=8)

@@ -47,7 +47,8 @@ def test_save_load_roundtrip_is_exact(tmp_path, vision):
     variables = _variables(cfg)
     checkpoint.save_hf(cfg, variables, str(tmp_path))
     got_cfg, got = checkpoint.load_hf(str(tmp_path))
-    assert got_cfg.vision == dataclasses.replace(vision, name="hf", dtype=got_cfg.text.dtype) and got_cfg.media_token_id == cfg.media_token_id
+    assert got_cfg.vision == dataclasses.replace(vision, name="hf", dtype=got_cfg.text.dtype)
+    assert got_cfg.media_token_id == cfg.media_token_id
     _assert_equal(got, variables)
 
 
@@ -95,10 +96,12 @@ def test_independently_written_checkpoint_loads_exactly(tmp_path):
     wqkv = t["vision_tower.encoder.blocks.1.wqkv.weight"]  # rows (q|k|v, head, dim)
     for s in range(3):
         for h in range(H):
-            np.testing.assert_array_equal(blk["wqkv"]["kernel"][:, s, h, :], wqkv[(s * H + h) * K:(s * H + h + 1) * K].T)
+            rows = wqkv[(s * H + h) * K:(s * H + h + 1) * K]
+            np.testing.assert_array_equal(blk["wqkv"]["kernel"][:, s, h, :], rows.T)
     np.testing.assert_array_equal(blk["wo"]["kernel"].reshape(H * K, W), t["vision_tower.encoder.blocks.1.wo.weight"].T)
     np.testing.assert_array_equal(blk["fc0"]["kernel"], t["vision_tower.encoder.blocks.1.mlp.fc0.weight"].T)
-    np.testing.assert_array_equal(P["vision_tower"]["patch_embed"]["pos_emb"], t["vision_tower.patch_embed.pos_emb.weight"])
+    np.testing.assert_array_equal(P["vision_tower"]["patch_embed"]["pos_emb"],
+                                  t["vision_tower.patch_embed.pos_emb.weight"])
     np.testing.assert_array_equal(P["mm_projector"]["proj_2"]["kernel"], t["mm_projector.proj.2.weight"].T)
     np.testing.assert_array_equal(P["mm_projector"]["post_norm"]["scale"], t["mm_projector.post_norm.weight"])
     _assert_equal(got["params"]["language_model"], text_vars["params"]["language_model"])
