@@ -1,5 +1,8 @@
 """The multimodal model: jit == eager, gradients reach the tower, packing invariance, text-only parity,
-decode with an image in the prompt == the full forward, and errors before compilation."""
+decode with an image in the prompt == the full forward, and errors before compilation.
+
+The whole-model jit == eager and text-loss gradient tests are ``slow`` (an eager pass and a backward
+compile of the language model); ``test_tower.py`` runs both for the tower alone in the default suite."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ def rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_jit_equals_eager(mixed):
     model = MultimodalTransformer(mixed.cfg)
     eager = model.apply(mixed.variables, mixed.tokens, mixed.media)
@@ -26,6 +30,7 @@ def test_jit_equals_eager(mixed):
     assert rel(jitted, eager) < F32_RTOL
 
 
+@pytest.mark.slow
 def test_text_loss_reaches_every_tower_parameter(mixed):
     model = MultimodalTransformer(mixed.cfg)
     after_media = jnp.asarray(mixed.tokens != MEDIA_ID, jnp.float32)  # text positions only

@@ -1,4 +1,4 @@
-"""The tower alone: logical axis names on every parameter, bf16 compute against float32."""
+"""The tower alone: logical axis names, bf16 against float32, jit == eager, gradients reach every parameter."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ from k3jax.vision.params import _probe, _Vision
 from k3jax.vision.batch import pack_media
 from k3jax.vision.preprocess import image_media
 from tests.k3jax.vision.conftest import image, make_cfg
-from tests.tolerances import BF16_MODEL_RTOL
+from tests.tolerances import BF16_MODEL_RTOL, F32_RTOL
 
 
 def test_every_parameter_has_logical_axis_names():
@@ -37,3 +37,20 @@ def test_bf16_compute_tracks_float32():
     valid = np.asarray(media.merged_valid)
     err = jnp.linalg.norm((got.astype(jnp.float32) - want)[valid]) / jnp.linalg.norm(want[valid])
     assert float(err) < BF16_MODEL_RTOL
+
+
+def test_tower_jit_equals_eager_and_every_parameter_learns():
+    cfg = make_cfg(jnp.float32).vision
+    media = pack_media([[image_media(image(84, 84, 5), cfg)], [image_media(image(30, 50, 6), cfg)]], cfg)
+    model = _Vision(cfg, 64)
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(2), media))
+    eager = model.apply(variables, media)
+    jitted = jax.jit(model.apply)(variables, media)
+    assert float(jnp.linalg.norm(jitted - eager) / jnp.linalg.norm(eager)) < F32_RTOL
+    target = jax.random.normal(jax.random.PRNGKey(3), eager.shape)
+    valid = jnp.asarray(media.merged_valid)[..., None]
+    loss = lambda p: jnp.sum(jnp.where(valid, model.apply({"params": p}, media) * target, 0.0))
+    grads = jax.jit(jax.grad(loss))(variables["params"])
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        assert float(jnp.abs(g).max()) > 0, jax.tree_util.keystr(path)
+    assert bool(jnp.all(jnp.abs(grads["vision_tower"]["patch_embed"]["pos_emb"]).max(-1) > 0))
