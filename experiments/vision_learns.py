@@ -220,7 +220,8 @@ def write(result: dict, out: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name in ("vision", "text_only"):
         a.plot(result[name]["losses"], label=name)
-    a.set(xlabel="step", ylabel="next-token loss (text positions)", title="training loss")
+    where = "answer position" if result["settings"].get("loss_on") == "answer" else "text positions"
+    a.set(xlabel="step", ylabel=f"next-token loss ({where})", title="training loss")
     a.legend()
     keys = ("accuracy_colour", "accuracy_count")
     x = np.arange(len(keys))
