@@ -65,6 +65,7 @@ def test_features_do_not_depend_on_the_rest_of_the_batch(mixed):
         assert rel(got[0, :n], together[1, start:start + n]) < F32_RTOL
 
 
+@pytest.mark.slow
 def test_text_only_batch_is_the_language_model(mixed):
     tokens = jnp.asarray([[30, 31, 32, 33, 34]])
     got = jax.jit(MultimodalTransformer(mixed.cfg).apply)(mixed.variables, tokens, None)
