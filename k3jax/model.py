@@ -118,7 +118,7 @@ class Transformer(nn.Module):
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_logits=False)
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
-               return_hidden: bool = False, keep_steps: bool = False):
+               return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None):
         """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
 
         ``caches`` holds one mixer cache per layer. ``num_new`` (default T) is how many of each row's
@@ -127,13 +127,18 @@ class Transformer(nn.Module):
         and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes). With ``keep_steps`` each
         KDA layer's new cache is a ``KDASteps`` (its state after every one of the T tokens: T times
         the state memory) from which ``k3jax.infer.cache.select_step`` rolls back without a re-run.
+        ``embeddings`` (default: the token embeddings) replaces the lookup, e.g. with image features
+        spliced in (``k3jax.vision``).
         """
         cfg = self.cfg
         validate_inputs(cfg, tokens, None)
         if len(caches) != cfg.num_layers:
             raise ValueError(f"caches must hold one cache per layer ({cfg.num_layers}), got {len(caches)}")
         valid = None if num_new is None else jnp.arange(tokens.shape[1])[None] < num_new[:, None]  # [B, T]
-        stream = ResidualStream.start(self.embed(tokens).astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
+        x = self.embed(tokens) if embeddings is None else embeddings
+        if x.shape != tokens.shape + (cfg.hidden,):
+            raise ValueError(f"embeddings must have shape [B, T, D] = {tokens.shape + (cfg.hidden,)}, got {x.shape}")
+        stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
         new_caches = []
         for layer, cache in zip(self.layers, caches):
             stream, cache = layer(stream, cache=cache, valid=valid, keep_steps=keep_steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -147,8 +148,12 @@ def _config_dict(cfg: ModelConfig, dtype_name: str, use_mxfp4: bool) -> dict:
 
 
 def save_hf(cfg: ModelConfig, variables: dict, path: str, *, dtype: Any = None, mxfp4: bool = False,
-            max_shard_bytes: int = 5 << 30) -> None:
-    """Write ``variables`` (``{"params", "balance"}``, docs/params.md) as a HF folder at ``path``."""
+            max_shard_bytes: int = 5 << 30, extra_tensors: Sequence[tuple[str, PendingTensor]] = (),
+            extra_config: dict | None = None) -> None:
+    """Write ``variables`` (``{"params", "balance"}``, docs/params.md) as a HF folder at ``path``.
+
+    ``extra_tensors`` / ``extra_config`` add tensors and top-level config fields of other parts of the
+    checkpoint (the vision tower: ``k3jax.vision.checkpoint``)."""
     if mxfp4 and family(cfg) != "kimi_k3":
         raise ValueError(f"mxfp4=True is the K3 release format; cfg is {family(cfg)!r}")
     for collection in ("params", "balance"):
@@ -161,9 +166,10 @@ def save_hf(cfg: ModelConfig, variables: dict, path: str, *, dtype: Any = None, 
         leaf = _get(variables[entry.collection], entry.path, entry.collection)
         _check_leaf(entry, leaf)
         tensors += _pending(entry, leaf, dtype, mxfp4 and entry.is_experts)
+    tensors += list(extra_tensors)
     os.makedirs(path, exist_ok=True)
     write_folder(path, tensors, max_shard_bytes=max_shard_bytes)
     embed = variables["params"]["embed"]["embedding"]
     name = np.dtype(dtype if dtype is not None else embed.dtype).name
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(_config_dict(cfg, name, mxfp4), f, indent=2, sort_keys=True)
+        json.dump({**_config_dict(cfg, name, mxfp4), **(extra_config or {})}, f, indent=2, sort_keys=True)
