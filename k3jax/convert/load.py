@@ -21,6 +21,7 @@ from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import LAYOUTS, Entry, entries, ignored_prefixes
 from k3jax.convert.safetensors_io import SafetensorsReader
+from k3jax.layout import to_scanned
 
 PACKED, SCALE = "weight_packed", "weight_scale"
 
@@ -106,6 +107,8 @@ def _check_dtype(name: str, dtype) -> None:
 def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[ModelConfig, dict]:
     """``(cfg, {"params": ..., "balance": ...})`` from a Hugging Face folder of any Kimi family.
 
+    The variables are in ``cfg``'s layout: the scanned run of layers stacked (``k3jax.layout``; pass
+    ``cfg`` through ``k3jax.layout.unrolled`` and ``to_per_layer`` for one entry per layer).
     ``dtype`` / ``param_dtype`` override the config's compute / parameter dtypes (default bfloat16 /
     float32); the SPEC §10 fp32 parameters (convs, gate biases, ``A_log``, router, QB bias) are kept in
     ``promote(param_dtype, float32)``.
@@ -124,5 +127,6 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
     variables: dict = {"params": {}, "balance": {}}
     for entry in table:
         value = _leaf(entry, reader, wide if entry.wide else jnp.dtype(cfg.param_dtype))
-        _set(variables[entry.collection], entry.path, jnp.asarray(value))
-    return cfg, variables
+        _set(variables[entry.collection], entry.path, value)
+    # Stacked on the host (the scanned layout of cfg, k3jax.layout), then placed leaf by leaf.
+    return cfg, jax.tree.map(jnp.asarray, to_scanned(variables, cfg))
