@@ -125,14 +125,7 @@ def _collection_to_per_layer(tree: dict, plan: ScanPlan, name: str) -> dict:
                              f"(the scanned unit has {plan.unit} offsets)")
         for l, layer in zip(plan.layers(j), _unstack(stack[offset_name(j)], plan.repeats)):
             out[f"layers_{l}"] = layer
-    return dict(sorted(out.items(), key=lambda kv: _order(kv[0])))
-
-
-def _order(key: str) -> tuple:
-    """Embedding first, layers in order, the rest after (the order ``init`` produces)."""
-    if key.startswith("layers_"):
-        return (1, int(key.split("_")[1]), "")
-    return (0 if key == "embed" else 2, 0, key)
+    return out
 
 
 def to_scanned(variables: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
