@@ -65,7 +65,8 @@ def _validate_positions(cfg: ModelConfig, shape: tuple[int, ...], segment_ids) -
 
 
 class Transformer(nn.Module):
-    """The language model. ``remat`` rematerialises each layer ("layer") or only the MoE ("moe")."""
+    """The language model. ``remat`` rematerialises each layer ("layer"; in the scanned run, each
+    repeating unit) or only the MoE ("moe")."""
 
     cfg: ModelConfig
     remat: str = "none"

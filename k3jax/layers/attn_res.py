@@ -10,6 +10,8 @@ is known at trace time) and the ``partial`` sum of the current block. Separate a
 ``[Nmax,B,T,D]`` buffer, so no zero buffer is written and a read of block n differentiates into
 block n alone. The mix has an explicit backward (`_mix_bwd`) so that XLA's fusions of the blocks'
 cotangents stay elementwise (`benchmarks/RESULTS.md`, stop 15).
+Inside the scanned layer stack a layer's index is traced, so there the stream is a
+``StackedStream``: the ``[Nmax,B,T,D]`` buffer, a traced count, and a mix that masks unused slots.
 Plain pre-norm residual models use the same stream with no blocks.
 """
 

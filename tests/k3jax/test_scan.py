@@ -103,29 +103,38 @@ def test_oracle_scanned_gradients_equal_unrolled_fp64(oracle64):
     assert max(jax.tree.leaves(gaps)) <= 1e-10, gaps
 
 
+@pytest.mark.slow
 def test_train_step_scanned_equals_unrolled():
     from k3jax.train.loop import make_data
-    from k3jax.train.step import Trainer
+    from k3jax.train.step import Trainer, TrainState
     from tests.k3jax.train import toy
 
+    toy.use_compilation_cache()
     model = dataclasses.replace(config.tiny(), vocab_size=64, dtype=jnp.float32)
-    cfg = toy.micro_train_config(model=model, batch_size=2, seq_len=16)
+    cfg = toy.micro_train_config(model=model, batch_size=2)
     flat, stacked = Trainer(dataclasses.replace(cfg, model=unrolled(model))), Trainer(cfg)
-    state = flat.init_state(jax.random.key(0))
-    params = {"model": to_scanned({"params": state.params["model"]}, model)["params"]}
-    balance = {"model": to_scanned({"balance": state.balance["model"]}, model)["balance"]}
-    state_s = state.replace(params=params, balance=balance, opt_state=stacked.tx.init(params))
+    rng = np.random.default_rng(0)  # random values, not the init: its compile would dominate the test
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, s: jnp.asarray((p[-1].key == "scale") + 0.1 * rng.normal(size=s.shape), s.dtype),
+        flat.abstract["params"])
+    balance = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), flat.abstract["balance"])
+
+    def state(trainer, params, balance):  # distinct buffers: the step donates its state
+        zero = jnp.zeros([], jnp.int32)
+        return jax.tree.map(jnp.copy, TrainState(step=zero, params=params, opt_state=trainer.tx.init(params),
+                                                 balance=balance, nonfinite_streak=zero, nonfinite_total=zero))
+
+    scan = lambda tree, name: {"model": to_scanned({name: tree["model"]}, model)[name]}
     batch = next(make_data(cfg))
     with jax.default_matmul_precision("highest"):
-        new, metrics = flat.step(state, batch)
-        new_s, metrics_s = stacked.step(state_s, batch)
+        new, metrics = flat.step(state(flat, params, balance), batch)
+        new_s, metrics_s = stacked.step(state(stacked, scan(params, "params"), scan(balance, "balance")), batch)
     np.testing.assert_allclose(metrics_s["loss"], metrics["loss"], rtol=F32_RTOL)
     np.testing.assert_allclose(metrics_s["grad_norm"], metrics["grad_norm"], rtol=10 * F32_RTOL)
-    want = to_scanned({"params": new.params["model"], "balance": new.balance["model"]}, model)
-    got = {"params": new_s.params["model"], "balance": new_s.balance["model"]}
-    assert rel_rmse(jnp.concatenate([x.ravel() for x in jax.tree.leaves(got)]),
-                    jnp.concatenate([x.ravel() for x in jax.tree.leaves(want)])) <= 10 * F32_RTOL
-
+    want = {"params": scan(new.params, "params"), "balance": scan(new.balance, "balance")}
+    got = {"params": new_s.params, "balance": new_s.balance}
+    flat_leaves = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])
+    assert rel_rmse(flat_leaves(got), flat_leaves(want)) <= 10 * F32_RTOL
 
 
 def test_qk_clip_on_stacked_layers():
@@ -137,9 +146,10 @@ def test_qk_clip_on_stacked_layers():
     mla = nn.unbox(toy.boxed_params())["layers_1"]["mla"]
     logits = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [1.0, 400.0, 1.0, 1.0]])
     stacked = {"stack": {"offset_0": {"mla": jax.tree.map(lambda x: jnp.stack([x, x]), mla)}}}
-    new, gammas = qk_clip(stacked, {("stack", "offset_0", "mla"): logits}, cfg, 100.0)
+    clip = jax.jit(qk_clip, static_argnums=(2, 3))  # one program, not hundreds of eager ops
+    new, gammas = clip(stacked, {("stack", "offset_0", "mla"): logits}, cfg, 100.0)
     assert gammas[("stack", "offset_0", "mla")].shape == (2, 4)
     for r in range(2):
-        alone, _ = qk_clip({"layers_1": {"mla": mla}}, {("layers_1", "mla"): logits[r]}, cfg, 100.0)
+        alone, _ = clip({"layers_1": {"mla": mla}}, {("layers_1", "mla"): logits[r]}, cfg, 100.0)
         got = jax.tree.map(lambda x: x[r], new["stack"]["offset_0"]["mla"])
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, alone["layers_1"]["mla"]))
