@@ -153,3 +153,17 @@ def test_qk_clip_on_stacked_layers():
         alone, _ = clip({"layers_1": {"mla": mla}}, {("layers_1", "mla"): logits[r]}, cfg, 100.0)
         got = jax.tree.map(lambda x: x[r], new["stack"]["offset_0"]["mla"])
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, alone["layers_1"]["mla"]))
+
+
+def test_muon_treats_the_layer_axis_as_batch():
+    from k3jax.train.optimizer import muon_dimension_numbers
+
+    params = {"q_proj": {"kernel": jnp.zeros((2, 8, 4, 3))}, "b_proj": {"kernel": jnp.zeros((2, 8, 4))},
+              "norm": {"scale": jnp.zeros((2, 8))}}
+    axes = {"q_proj": {"kernel": ("layers", "embed", "heads", "head_dim")},
+            "b_proj": {"kernel": ("layers", "embed", "heads")}, "norm": {"scale": ("layers", "embed")}}
+    dims = muon_dimension_numbers(params, axes)
+    q, b = dims["q_proj"]["kernel"], dims["b_proj"]["kernel"]
+    assert (tuple(q.reduction_axis), tuple(q.output_axis)) == ((1,), (3,))  # per layer, per head
+    assert (tuple(b.reduction_axis), tuple(b.output_axis)) == ((1,), (2,))  # per layer, [D, H] whole
+    assert dims["norm"]["scale"] is None
