@@ -37,6 +37,7 @@ from k3jax.infer.cache import KDACache, MLACache, init_cache, tree_bytes
 from k3jax.infer.decode import decode_step, prefill_jit
 from k3jax.infer.draft import train_draft
 from k3jax.infer.speculative import speculative_generate
+from k3jax.layout import to_per_layer
 from k3jax.model import Transformer
 from k3jax.train.batched_calls import batch_random_draws
 
@@ -52,22 +53,28 @@ def active_weight_bytes(cfg, variables) -> int:
     """Weights a single token reads: everything but the E−k unused experts and the embedding table."""
     total = tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
     m = cfg.moe
+    params = jax.eval_shape(lambda v: to_per_layer(v, cfg), variables)["params"]  # shapes per layer, no copy
     for i, is_moe in enumerate(cfg.moe_layers):
         if is_moe:
-            experts = sum(tree_bytes(variables["params"][f"layers_{i}"]["moe"][w]) for w in ("w1", "w2", "w3"))
+            experts = sum(tree_bytes(params[f"layers_{i}"]["moe"][w]) for w in ("w1", "w2", "w3"))
             total -= experts * (m.num_experts - m.top_k) // m.num_experts
     return total
+
+
+def _layer_caches(cache) -> list:
+    """Every layer cache, the scanned stack's stacked ones included."""
+    return jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, (KDACache, MLACache)))
 
 
 def cache_read_bytes(cfg, cache, length: int) -> int:
     """Cache bytes one decode step reads: KDA state and conv tails, MLA latents up to ``length``."""
     total = 0
-    for layer in cache.layers:
+    for layer in _layer_caches(cache):
         if isinstance(layer, KDACache):
             total += tree_bytes(layer)
         else:
-            B, _, C = layer.latent.shape
-            total += B * length * C * jnp.dtype(layer.latent.dtype).itemsize
+            *lead, _, C = layer.latent.shape  # [B, S, C], or [R, B, S, C] in the scanned stack
+            total += int(np.prod(lead)) * length * C * jnp.dtype(layer.latent.dtype).itemsize
     return total
 
 
@@ -126,8 +133,8 @@ def bench_prefill(cfg, variables, n_tokens, chunk):
     last, cache = compiled(variables, tokens, lengths, cache)
     jax.block_until_ready(last)
     seconds = time.perf_counter() - t0
-    kda = sum(tree_bytes(c) for c in cache.layers if isinstance(c, KDACache))
-    mla = sum(tree_bytes(c.latent) for c in cache.layers if isinstance(c, MLACache))
+    kda = sum(tree_bytes(c) for c in _layer_caches(cache) if isinstance(c, KDACache))
+    mla = sum(tree_bytes(c.latent) for c in _layer_caches(cache) if isinstance(c, MLACache))
     m = cfg.mla
     full_kv = cfg.num_layers * n_tokens * m.num_heads * (m.qk_head_dim + m.v_head_dim) * jnp.dtype(cfg.dtype).itemsize
     analysis = compiled.memory_analysis()

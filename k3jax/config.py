@@ -253,6 +253,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
+    # Scan the longest run of repeating layers (``k3jax.layout``): one traced copy of the repeating
+    # unit, parameters stacked on a leading ``layers`` axis. False: every layer traced on its own.
+    scan_layers: bool = True
 
     def __post_init__(self):
         _positive(vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,

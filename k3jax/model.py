@@ -11,6 +11,9 @@ Decode: ``Transformer(cfg).apply(variables, tokens, caches, method=Transformer.d
 per-layer caches (``k3jax.infer.cache``; prefill is the same call on a fresh cache) and returns
 ``(logits, new_caches)``; the cache-free ``__call__`` is the full forward.
 
+Where the layer pattern repeats (``cfg.scan_layers``, ``k3jax.layout``), the repeating run of layers
+is one ``nn.scan`` (``k3jax.layers.stack``); the layers before and after it run one by one.
+
 ``variables = {"params": …, "balance": …}`` (docs/params.md); run with ``mutable=["stats"]`` to
 collect router loads, QB histograms and MLA max logits. ``remat`` ("none" | "layer" | "moe") is a
 training choice, not part of the model config.
@@ -30,6 +33,8 @@ from k3jax.layers.attn_res import ResidualStream, attn_res
 from k3jax.layers.block import DecoderLayer
 from k3jax.layers.linear import constrain, einsum, proj
 from k3jax.layers.norm import norm
+from k3jax.layers.stack import layer_stack, run_stack
+from k3jax.layout import scan_plan
 
 REMAT = ("none", "layer", "moe")
 
@@ -67,7 +72,8 @@ def _validate_positions(cfg: ModelConfig, shape: tuple[int, ...], segment_ids) -
 
 
 class Transformer(nn.Module):
-    """The language model. ``remat`` rematerialises each layer ("layer") or only the MoE ("moe")."""
+    """The language model. ``remat`` rematerialises each layer ("layer"; in the scanned run, each
+    repeating unit) or only the MoE ("moe")."""
 
     cfg: ModelConfig
     remat: str = "none"
@@ -82,7 +88,10 @@ class Transformer(nn.Module):
                                                         ("vocab", "embed")),
         )
         layer_cls = nn.remat(DecoderLayer) if self.remat == "layer" else DecoderLayer
-        self.layers = [layer_cls(cfg, i, remat_moe=self.remat == "moe") for i in range(cfg.num_layers)]
+        plan = scan_plan(cfg)
+        before, after = plan.unrolled(cfg.num_layers) if plan else (range(cfg.num_layers), range(0))
+        self.layers = {i: layer_cls(cfg, i, remat_moe=self.remat == "moe") for i in (*before, *after)}
+        self.stack = None if plan is None else layer_stack(cfg, plan, remat=self.remat)
         self.final_norm = norm(cfg, None)
         self.out_res = attn_res(cfg, None) if cfg.attn_res is not None else None
         if not cfg.tie_embeddings:
@@ -103,8 +112,7 @@ class Transformer(nn.Module):
             raise ValueError(f"x must have shape [B, T, D] with D = hidden = {cfg.hidden}, got {x.shape}")
         _validate_positions(cfg, x.shape[:2], segment_ids)
         stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
-        for layer in self.layers:
-            stream = layer(stream, segment_ids)
+        stream, _ = self._layers(stream, segment_ids=segment_ids)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
         if not return_logits:
             return self.final_norm(hidden).astype(cfg.compute_dtype), hidden
@@ -121,7 +129,7 @@ class Transformer(nn.Module):
                return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None):
         """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
 
-        ``caches`` holds one mixer cache per layer. ``num_new`` (default T) is how many of each row's
+        ``caches`` holds one mixer cache per layer (the scanned run's as one entry, ``k3jax.infer.cache``). ``num_new`` (default T) is how many of each row's
         tokens are real (a ragged prefill; the rest are padding that leaves the caches as if unseen).
         With ``return_hidden`` the first result is ``(logits, hidden, blocks)``: the final-norm input
         and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes). With ``keep_steps`` each
@@ -132,21 +140,39 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         validate_inputs(cfg, tokens, None)
-        if len(caches) != cfg.num_layers:
-            raise ValueError(f"caches must hold one cache per layer ({cfg.num_layers}), got {len(caches)}")
+        entries = len(self.layers) + (self.stack is not None)
+        if len(caches) != entries:
+            raise ValueError(f"caches must hold one cache per layer, the scanned run's as one entry ({entries}), "
+                             f"got {len(caches)}")
         valid = None if num_new is None else jnp.arange(tokens.shape[1])[None] < num_new[:, None]  # [B, T]
         x = self.embed(tokens) if embeddings is None else embeddings
         if x.shape != tokens.shape + (cfg.hidden,):
             raise ValueError(f"embeddings must have shape [B, T, D] = {tokens.shape + (cfg.hidden,)}, got {x.shape}")
         stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
-        new_caches = []
-        for layer, cache in zip(self.layers, caches):
-            stream, cache = layer(stream, cache=cache, valid=valid, keep_steps=keep_steps)
-            new_caches.append(cache)
+        stream, new_caches = self._layers(stream, caches=caches, valid=valid, keep_steps=keep_steps)
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         out = (logits, hidden, stream.blocks) if return_hidden else logits
-        return out, tuple(new_caches)
+        return out, new_caches
+
+    def _layers(self, stream: ResidualStream, *, segment_ids=None, caches: tuple | None = None, valid=None,
+                keep_steps: bool = False):
+        """The decoder layers in order (the scanned run as one step): ``(stream, new caches or None)``.
+
+        ``caches``: one entry per unrolled layer, the scanned run's (a tuple of one stacked cache per
+        offset of its unit) in its place."""
+        plan, new_caches = scan_plan(self.cfg), []
+        entries = sorted(self.layers) if plan is None else sorted([*self.layers, plan.start])
+        for n, i in enumerate(entries):
+            cache = None if caches is None else caches[n]
+            if plan is not None and i == plan.start:
+                stream, cache = run_stack(self.stack, self.cfg, plan, stream, segment_ids, valid, cache, keep_steps)
+            elif cache is None:
+                stream = self.layers[i](stream, segment_ids)
+            else:
+                stream, cache = self.layers[i](stream, cache=cache, valid=valid, keep_steps=keep_steps)
+            new_caches.append(cache)
+        return stream, None if caches is None else tuple(new_caches)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """The output head (untied in every Kimi release; tied: the embedding transposed), fp32."""

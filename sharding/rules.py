@@ -9,8 +9,8 @@ has no ``batch`` and so shards ``embed`` over ``fsdp`` (ZeRO-3 style, gathered p
 
 Logical names: the parameter names of docs/params.md plus these activation names
 ``batch``, ``length`` (tokens of a row), ``embed``, ``heads``, ``head_dim``, ``latent``,
-``mlp``, ``expert_mlp``, ``experts``, ``vocab``, ``kv_lora``. Names not in a table stay
-unsharded.
+``mlp``, ``expert_mlp``, ``experts``, ``vocab``, ``kv_lora``, and ``layers`` (the scanned stack's
+parameter axis, replicated). Names not in a table stay unsharded.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Parameters without a batch axis spread their widest "model" axis over fsdp.
+# Parameters without a batch axis spread their widest "model" axis over fsdp. The scanned stack's
+# leading "layers" axis stays whole: each scan step reads one layer's slice on every device.
 _FSDP_PARAMS: Rules = (
+    ("layers", None),
     ("embed", "fsdp"),
     ("latent", "fsdp"),
     ("q_lora", "fsdp"),

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_config import from_hf_config
 from k3jax.convert.sharded_read import HFSource
+from k3jax.layout import to_scanned
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -35,6 +36,8 @@ def _check_dtype(name: str, dtype) -> None:
 def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[ModelConfig, dict]:
     """``(cfg, {"params": ..., "balance": ...})`` from a Hugging Face folder of any Kimi family.
 
+    The variables are in ``cfg``'s layout: the scanned run of layers stacked (``k3jax.layout``; pass
+    ``cfg`` through ``k3jax.layout.unrolled`` and ``to_per_layer`` for one entry per layer).
     ``dtype`` / ``param_dtype`` override the config's compute / parameter dtypes (default bfloat16 /
     float32); the SPEC §10 fp32 parameters (convs, gate biases, ``A_log``, router, QB bias) are kept in
     ``promote(param_dtype, float32)``.
@@ -51,5 +54,6 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
     variables: dict = {"params": {}, "balance": {}}
     for entry in source.table:
         value = source.read(entry, (), wide if entry.wide else jnp.dtype(cfg.param_dtype))
-        _set(variables[entry.collection], entry.path, jnp.asarray(value))
-    return cfg, variables
+        _set(variables[entry.collection], entry.path, value)
+    # Stacked on the host (the scanned layout of cfg, k3jax.layout), then placed leaf by leaf.
+    return cfg, jax.tree.map(jnp.asarray, to_scanned(variables, cfg))

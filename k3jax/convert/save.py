@@ -23,6 +23,7 @@ from k3jax.convert import mxfp4 as mx
 from k3jax.convert.hf_config import family, to_hf_config
 from k3jax.convert.hf_keys import LAYOUTS, Entry, entries
 from k3jax.convert.safetensors_io import PendingTensor, write_folder
+from k3jax.layout import to_per_layer
 
 # compressed-tensors' block of the released K3 config.json (text_config.quantization_config).
 MXFP4_QUANTIZATION_CONFIG = {
@@ -150,7 +151,7 @@ def _config_dict(cfg: ModelConfig, dtype_name: str, use_mxfp4: bool) -> dict:
 def save_hf(cfg: ModelConfig, variables: dict, path: str, *, dtype: Any = None, mxfp4: bool = False,
             max_shard_bytes: int = 5 << 30, extra_tensors: Sequence[tuple[str, PendingTensor]] = (),
             extra_config: dict | None = None) -> None:
-    """Write ``variables`` (``{"params", "balance"}``, docs/params.md) as a HF folder at ``path``.
+    """Write ``variables`` (``{"params", "balance"}``, docs/params.md, either layer layout) as a HF folder at ``path``.
 
     ``extra_tensors`` / ``extra_config`` add tensors and top-level config fields of other parts of the
     checkpoint (the vision tower: ``k3jax.vision.checkpoint``)."""
@@ -159,6 +160,7 @@ def save_hf(cfg: ModelConfig, variables: dict, path: str, *, dtype: Any = None, 
     for collection in ("params", "balance"):
         if collection not in variables:
             raise ValueError(f"variables must hold {collection!r} (docs/params.md), got {sorted(variables)}")
+    variables = to_per_layer(variables, cfg)  # the HF layout is per layer (a no-op on per-layer trees)
     table = entries(cfg)
     _check_no_extra(table, variables)
     tensors = []

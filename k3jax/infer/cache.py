@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers import mla
 from k3jax.layers.kda import KDASteps, conv_tail
+from k3jax.layout import scan_plan
 
 
 @flax.struct.dataclass
@@ -44,12 +45,19 @@ class MLACache:
 
 @flax.struct.dataclass
 class Cache:
-    layers: tuple  # one KDACache / MLACache per decoder layer
+    # One KDACache / MLACache per decoder layer; the scanned run of layers (``k3jax.layout``) is one
+    # entry in its place: a tuple with one cache per offset of its unit, stacked [repeats, ...].
+    layers: tuple
     lengths: Int[Array, "B"]  # tokens consumed per sequence (all layers agree)
 
     @property
     def max_len(self) -> int:
-        return next(c.latent.shape[1] for c in self.layers if isinstance(c, MLACache))
+        return next(c.latent.shape[-2] for c in jax.tree.leaves(self.layers, is_leaf=_is_layer_cache)
+                    if isinstance(c, MLACache))
+
+
+def _is_layer_cache(x) -> bool:
+    return isinstance(x, (KDACache, MLACache, KDASteps))
 
 
 @flax.struct.dataclass
@@ -70,13 +78,19 @@ def select_step(steps: StepCache, n: Int[Array, "B"]) -> Cache:
     n = jnp.asarray(n, jnp.int32)
     layers = []
     for c in steps.layers:
-        if isinstance(c, KDASteps):
-            state = jnp.take_along_axis(c.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
-            conv = conv_tail(c.window, n, c.window.shape[2] - c.states.shape[1])
-            layers.append(KDACache(state=state, conv=conv))
+        if isinstance(c, tuple):  # the scanned run: each offset's caches stacked on a leading axis
+            layers.append(tuple(jax.vmap(lambda one: _select_one(one, n, steps.start))(o) for o in c))
         else:
-            layers.append(c.replace(lengths=steps.start + n))
+            layers.append(_select_one(c, n, steps.start))
     return Cache(layers=tuple(layers), lengths=steps.start + n)
+
+
+def _select_one(c, n: Int[Array, "B"], start: Int[Array, "B"]):
+    if isinstance(c, KDASteps):
+        state = jnp.take_along_axis(c.states, (n - 1)[:, None, None, None, None], axis=1)[:, 0]
+        conv = conv_tail(c.window, n, c.window.shape[2] - c.states.shape[1])
+        return KDACache(state=state, conv=conv)
+    return c.replace(lengths=start + n)
 
 
 def cache_length(max_len: int) -> int:
@@ -94,18 +108,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, *, dtype=None) -> Cac
     if not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= cfg.max_position:
         raise ValueError(f"max_len={max_len!r} must be an int in [1, max_position={cfg.max_position}]")
     dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
-    wide, lengths = cfg.fp32_dtype, jnp.zeros((batch,), jnp.int32)
-    layers = []
-    for kind in cfg.layer_kinds:
-        if kind is LayerKind.KDA:
-            c = cfg.kda
-            layers.append(KDACache(
-                state=jnp.zeros((batch, c.num_heads, c.head_dim, c.head_dim), wide),
-                conv=jnp.zeros((3, batch, c.conv_size - 1, c.num_heads * c.head_dim), wide)))
-        else:
-            layers.append(MLACache(latent=jnp.zeros((batch, cache_length(max_len), cfg.mla.cache_width), dtype),
-                                   lengths=lengths))
-    return Cache(layers=tuple(layers), lengths=lengths)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    one = lambda l: _empty(cfg, cfg.layer_kinds[l], batch, max_len, dtype)
+    plan = scan_plan(cfg)
+    if plan is None:
+        return Cache(layers=tuple(one(l) for l in range(cfg.num_layers)), lengths=lengths)
+    before, after = plan.unrolled(cfg.num_layers)
+    stack = lambda c: jax.tree.map(lambda x: jnp.zeros((plan.repeats,) + x.shape, x.dtype), c)
+    stacked = tuple(stack(one(plan.start + j)) for j in range(plan.unit))
+    return Cache(layers=(*map(one, before), stacked, *map(one, after)), lengths=lengths)
+
+
+def _empty(cfg: ModelConfig, kind: LayerKind, batch: int, max_len: int, dtype):
+    """One layer's empty cache."""
+    if kind is LayerKind.KDA:
+        c, wide = cfg.kda, cfg.fp32_dtype
+        return KDACache(state=jnp.zeros((batch, c.num_heads, c.head_dim, c.head_dim), wide),
+                        conv=jnp.zeros((3, batch, c.conv_size - 1, c.num_heads * c.head_dim), wide))
+    return MLACache(latent=jnp.zeros((batch, cache_length(max_len), cfg.mla.cache_width), dtype),
+                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def bytes_per_token(cfg: ModelConfig, dtype=None) -> dict[str, int]:

@@ -10,6 +10,8 @@ is known at trace time) and the ``partial`` sum of the current block. Separate a
 ``[Nmax,B,T,D]`` buffer, so no zero buffer is written and a read of block n differentiates into
 block n alone. The mix has an explicit backward (`_mix_bwd`) so that XLA's fusions of the blocks'
 cotangents stay elementwise (`benchmarks/RESULTS.md`, stop 15).
+Inside the scanned layer stack a layer's index is traced, so there the stream is a
+``StackedStream``: the ``[Nmax,B,T,D]`` buffer, a traced count, and a mix that masks unused slots.
 Plain pre-norm residual models use the same stream with no blocks.
 """
 
@@ -22,7 +24,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from k3jax.layers.linear import constrain, param
 
@@ -59,8 +61,63 @@ class ResidualStream:
             raise ValueError(f"push: all max_blocks={self.max_blocks} AttnRes blocks are already stored")
         return self.replace(partial=jnp.zeros_like(self.partial), stored=self.stored + (self.partial,))
 
+    def push_if(self, flag: bool) -> "ResidualStream":
+        """``push()`` when ``flag`` (a Python bool: the block bookkeeping here is static)."""
+        if not isinstance(flag, bool):
+            raise ValueError(f"push_if: flag must be a Python bool for a ResidualStream, got {flag!r}; "
+                             "a traced flag needs the scanned StackedStream")
+        return self.push() if flag else self
+
     def add(self, y: Float[Array, "B T D"]) -> "ResidualStream":
         return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES))
+
+    def mix(self, direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
+        """The AttnRes mix of the stored blocks and the partial sum (the partial alone before any block)."""
+        if self.count == 0:  # the only source is the partial sum: its mix is itself
+            return self.partial
+        return attn_res_mix(self.stored, self.count, self.partial, direction, eps, wide_dtype)
+
+
+@flax.struct.dataclass
+class StackedStream:
+    """The stream inside the scanned layer stack (``k3jax.layers.stack``), where a layer's index and
+    so the number of stored blocks are traced: the block sums live in one ``[N, B, T, D]`` buffer
+    (SPEC §5's static form), zeros past ``count``, and the mix masks the unused slots out."""
+
+    partial: Float[Array, "B T D"]
+    buffer: Float[Array, "N B T D"]
+    count: Int[Array, ""]
+
+    @classmethod
+    def of(cls, stream: ResidualStream) -> "StackedStream":
+        return cls(partial=stream.partial, buffer=stream.blocks, count=jnp.int32(stream.count))
+
+    def unstack(self, count: int) -> ResidualStream:
+        """Back to the static form, ``count`` (known from the layer index) blocks stored."""
+        stored = tuple(self.buffer[n] for n in range(count))
+        return ResidualStream(partial=self.partial, stored=stored, max_blocks=self.buffer.shape[0])
+
+    @property
+    def blocks(self) -> Float[Array, "N B T D"]:
+        return self.buffer
+
+    def push_if(self, flag) -> "StackedStream":
+        """Store the partial sum as block ``count`` and restart it where ``flag`` (traced) holds."""
+        if isinstance(flag, bool):
+            flag = jnp.bool_(flag)
+        slot = jnp.minimum(self.count, self.buffer.shape[0] - 1)  # the plan never pushes past N
+        kept = jax.lax.dynamic_index_in_dim(self.buffer, slot, keepdims=False)
+        buffer = jax.lax.dynamic_update_index_in_dim(self.buffer, jnp.where(flag, self.partial, kept), slot, 0)
+        partial = jnp.where(flag, jnp.zeros_like(self.partial), self.partial)
+        return self.replace(partial=partial, buffer=buffer, count=self.count + flag.astype(jnp.int32))
+
+    def add(self, y: Float[Array, "B T D"]) -> "StackedStream":
+        return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES))
+
+    def mix(self, direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
+        """The mix over the first ``count`` slots and the partial sum (unused slots weigh exactly 0)."""
+        return _mix_stacked(self.buffer, self.count, self.partial, direction.astype(wide_dtype), eps,
+                            jnp.dtype(wide_dtype))
 
 
 def attn_res_mix(blocks, count: int, partial: Float[Array, "B T D"],
@@ -77,11 +134,13 @@ def attn_res_mix(blocks, count: int, partial: Float[Array, "B T D"],
     return _mix(sources, direction.astype(wide_dtype), eps, jnp.dtype(wide_dtype))
 
 
-def _mix_terms(sources, d, eps, wide):
-    """Per source ``[N, B, T]``: ``s = v·d``, ``r = 1/rms(v)``, and the softmax weights of ``s·r``."""
+def _mix_terms(sources, d, eps, wide, used=None):
+    """Per source ``[N, B, T]``: ``s = v·d``, ``r = 1/rms(v)``, and the softmax weights of ``s·r``
+    (sources where ``used [N]`` is False get weight exactly 0)."""
     s = jnp.stack([jnp.sum(v.astype(wide) * d, axis=-1) for v in sources])
     r = jnp.stack([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(wide)), axis=-1) + eps) for v in sources])
-    return s, r, jax.nn.softmax(s * r, axis=0)
+    logits = s * r if used is None else jnp.where(used[:, None, None], s * r, -jnp.inf)
+    return s, r, jax.nn.softmax(logits, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -105,6 +164,10 @@ def _mix_bwd(eps, wide, res, dh):
     that ran at a fifth of the H200's bandwidth (9.3 ms per small() step in three such fusions).
     Here ``dd`` is a matrix product of its own, so the cotangents stay elementwise (loop fusions)."""
     sources, d, s, r, p = res
+    return _mix_grads(sources, d, s, r, p, dh, wide)
+
+
+def _mix_grads(sources, d, s, r, p, dh, wide):
     dh = dh.astype(wide)
     D = dh.shape[-1]
     g = jnp.stack([jnp.sum(dh * v.astype(wide), axis=-1) for v in sources])
@@ -119,6 +182,37 @@ def _mix_bwd(eps, wide, res, dh):
 _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
+def _slots(buffer, count, partial):
+    """The sources of a stacked mix and which of them are used: the ``N`` slots, then the partial sum."""
+    used = jnp.arange(buffer.shape[0] + 1) < count
+    return tuple(buffer[n] for n in range(buffer.shape[0])) + (partial,), used.at[-1].set(True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _mix_stacked(buffer, count, partial, d, eps: float, wide) -> Float[Array, "B T D"]:
+    """`_mix` of the first ``count`` slots of ``buffer [N, B, T, D]`` and ``partial``; the unused
+    slots are masked out. The backward saves the buffer itself, once per mix (a scanned stack saves
+    a layer's residuals per repetition: N slices saved separately would be N copies of it)."""
+    return _mix_stacked_fwd(buffer, count, partial, d, eps, wide)[0]
+
+
+def _mix_stacked_fwd(buffer, count, partial, d, eps, wide):
+    sources, used = _slots(buffer, count, partial)
+    s, r, p = _mix_terms(sources, d, eps, wide, used)
+    h = sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources))
+    return h, (buffer, count, partial, d, s, r, p)
+
+
+def _mix_stacked_bwd(eps, wide, res, dh):
+    buffer, count, partial, d, s, r, p = res
+    sources, _ = _slots(buffer, count, partial)
+    dsources, dd = _mix_grads(sources, d, s, r, p, dh, wide)
+    return jnp.stack(dsources[:-1]), None, dsources[-1], dd
+
+
+_mix_stacked.defvjp(_mix_stacked_fwd, _mix_stacked_bwd)
+
+
 class AttnResMix(nn.Module):
     """One mixing point: its pseudo-query ``query`` (init 0: uniform mixing) and key-norm weight ``norm``."""
 
@@ -128,15 +222,12 @@ class AttnResMix(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, stream: ResidualStream) -> Float[Array, "B T D"]:
+    def __call__(self, stream: "ResidualStream | StackedStream") -> Float[Array, "B T D"]:
         D = stream.partial.shape[-1]
         query = param(self, "query", nn.initializers.zeros, (D,), ("embed",), self.param_dtype)
         norm = param(self, "norm", nn.initializers.ones, (D,), ("embed",), self.param_dtype)
-        if stream.count == 0:  # the only source is the partial sum: its mix is itself
-            return stream.partial
         direction = norm.astype(self.wide_dtype) * query.astype(self.wide_dtype)
-        h = attn_res_mix(stream.stored, stream.count, stream.partial, direction, self.eps, self.wide_dtype)
-        return h.astype(self.dtype)
+        return stream.mix(direction, self.eps, self.wide_dtype).astype(self.dtype)
 
 
 def attn_res(cfg, name: str | None) -> AttnResMix:

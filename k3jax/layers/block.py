@@ -21,7 +21,7 @@ import flax.linen as nn
 from jaxtyping import Array, Bool, Int
 
 from k3jax.config import LayerKind, ModelConfig
-from k3jax.layers.attn_res import ResidualStream, attn_res
+from k3jax.layers.attn_res import ResidualStream, StackedStream, attn_res
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import MLP
@@ -32,7 +32,11 @@ MIXERS = {LayerKind.KDA: (KDA, "kda"), LayerKind.MLA: (MLA, "mla")}
 
 
 class DecoderLayer(nn.Module):
-    """Decoder layer ``index`` of the stack; ``remat_moe`` rematerialises the MoE in the backward pass."""
+    """Decoder layer ``index`` of the stack; ``remat_moe`` rematerialises the MoE in the backward pass.
+
+    In the scanned stack one module stands for every layer at its offset of the unit: ``index`` is
+    the first of them (they share the mixer and FFN kind) and ``push`` says, traced, whether this
+    repetition's layer starts an AttnRes block (default: ``index % block_size == 0``)."""
 
     cfg: ModelConfig
     index: int
@@ -46,8 +50,9 @@ class DecoderLayer(nn.Module):
         return moe_cls(cfg, name="moe")
 
     @nn.compact
-    def __call__(self, stream: ResidualStream, segment_ids: Int[Array, "B T"] | None = None, *,
-                 cache=None, valid: Bool[Array, "B T"] | None = None, keep_steps: bool = False):
+    def __call__(self, stream: ResidualStream | StackedStream, segment_ids: Int[Array, "B T"] | None = None, *,
+                 cache=None, valid: Bool[Array, "B T"] | None = None, keep_steps: bool = False,
+                 push: bool | Bool[Array, ""] | None = None):
         cfg = self.cfg
         mixer_cls, mixer_name = MIXERS[cfg.layer_kinds[self.index]]
         mixer = mixer_cls(cfg, name=mixer_name)
@@ -64,8 +69,7 @@ class DecoderLayer(nn.Module):
             stream = stream.add(ffn(mlp_norm(stream.partial)))
             return stream if cache is None else (stream, cache)
         h = attn_res(cfg, "attn_res")(stream)
-        if self.index % cfg.attn_res.block_size == 0:
-            stream = stream.push()
+        stream = stream.push_if(self.index % cfg.attn_res.block_size == 0 if push is None else push)
         y, cache = mix(attn_norm(h))
         stream = stream.add(y)
         h = attn_res(cfg, "mlp_res")(stream)

@@ -13,7 +13,8 @@ model attaches to each parameter (``docs/params.md``).
 Which optimiser a parameter gets:
   1. Muon: linear kernels and expert stacks (leaf named ``kernel``, ``w1``, ``w2``, ``w3``) of rank
      ≥ 2 without a ``vocab`` axis. ``heads``/``experts`` axes are batch axes when at least two other
-     axes remain (``b_proj [D, H]`` and the router ``[D, E]`` stay whole matrices). Of the rest, the
+     axes remain (``b_proj [D, H]`` and the router ``[D, E]`` stay whole matrices); the scanned
+     stack's ``layers`` axis always is one (its matrices are those of the per-layer tree). Of the rest, the
      first axis is the reduction (input) axis and the others the output axes (weights are ``[in, out]``).
   2. AdamW: embeddings and the head (``vocab`` axis; these also get weight decay), norms, biases,
      A_log, dt_bias, conv taps, AttnRes queries/norms (no weight decay).
@@ -43,6 +44,7 @@ from k3jax.train.config import OptimizerConfig
 
 MUON_LEAVES = ("kernel", "w1", "w2", "w3")
 BATCH_AXES = ("heads", "experts")
+LAYER_AXIS = "layers"  # the scanned stack's leading axis: always a batch axis (one matrix per layer)
 DECAYED_ADAMW_AXES = ("vocab",)
 
 
@@ -75,10 +77,11 @@ def muon_dimension_numbers(params: Any, axes: Any) -> Any:
                              f"but {len(names)} logical axis names {names}")
         if _leaf_name(path) not in MUON_LEAVES or len(names) < 2 or "vocab" in names:
             return None
+        layers = [i for i, n in enumerate(names) if n == LAYER_AXIS]
         batch = [i for i, n in enumerate(names) if n in BATCH_AXES]
-        if len(names) - len(batch) < 2:
+        if len(names) - len(layers) - len(batch) < 2:
             batch = []
-        rest = [i for i in range(len(names)) if i not in batch]
+        rest = [i for i in range(len(names)) if i not in batch + layers]
         return MuonDimensionNumbers(reduction_axis=(rest[0],), output_axis=tuple(rest[1:]))
 
     return jax.tree_util.tree_map_with_path(dims, params, axes)

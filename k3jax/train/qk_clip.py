@@ -1,7 +1,7 @@
 """QK-Clip for MLA (MuonClip, Kimi K2 report arXiv 2507.20534 §2.1; SPEC §7).
 
 After each optimizer step, per MLA layer and head h, with S_h the largest pre-softmax logit the
-forward pass saw (``stats layers_{i}/mla/max_logit [H]``):
+forward pass saw (``stats layers_{i}/mla/max_logit [H]``; ``[R, H]`` per offset of the scanned stack):
   1. γ_h = min(1, τ / S_h)  (heads with S_h ≤ τ keep γ_h = 1);
   2. the head's q_nope and k_nope columns are scaled by √γ_h and its q_rope columns by γ_h, so every
      logit of the head, q_nope·k_nope + q_rope·k_rope, scales by exactly γ_h;
@@ -42,12 +42,13 @@ def clip_factors(max_logit: Float[Array, "H"], tau: float) -> Float[Array, "H"]:
     return jnp.where(s > tau, tau / jnp.maximum(s, tau), 1.0)
 
 
-def _scale_heads(kernel, first: Float[Array, "H"], second: Float[Array, "H"], split: int):
-    """Scale ``kernel[..., h, :split]`` by first[h] and ``kernel[..., h, split:]`` by second[h]."""
+def _scale_heads(kernel, first: Float[Array, "*R H"], second: Float[Array, "*R H"], split: int):
+    """Scale ``kernel[..., h, :split]`` by first[h] and ``kernel[..., h, split:]`` by second[h]; in the
+    scanned stack ``kernel [R, in, H, W]`` and the factors ``[R, H]`` carry the layer axis first."""
     width = kernel.shape[-1]
     cols = jnp.arange(width) < split  # [W]
-    scale = jnp.where(cols[None, :], first[:, None], second[:, None])  # [H, W]
-    return (kernel.astype(jnp.float32) * scale).astype(kernel.dtype)
+    scale = jnp.where(cols, first[..., None], second[..., None])  # [*R, H, W]
+    return (kernel.astype(jnp.float32) * jnp.expand_dims(scale, -3)).astype(kernel.dtype)
 
 
 def _clip_mla(mla: dict, gamma: Float[Array, "H"], dn: int) -> dict:

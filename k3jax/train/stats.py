@@ -29,8 +29,8 @@ def combine_stats(stats: Any) -> Any:
         values = values if isinstance(values, tuple) else (values,)
         if name in MAX_STATS:
             return jnp.max(jnp.stack(values), axis=0)
-        if name == "margins":
-            return jnp.concatenate(values, axis=0)
+        if name == "margins":  # [..., T, E]: the scanned stack's layer axis leads
+            return jnp.concatenate(values, axis=-2)
         return sum(values[1:], values[0])
 
     return jax.tree_util.tree_map_with_path(reduce, stats, is_leaf=lambda x: isinstance(x, tuple))
@@ -62,9 +62,14 @@ def merge_margins(rest: Any, margins: Any) -> Any:
 def update_balance(cfg, bias_tree: Any, stats: Any) -> Any:
     """New router biases: ``k3jax.balance.update_bias`` for every ``…/bias`` from the stats beside it."""
 
+    def update(bias, stats):
+        if bias.ndim > 1:  # the scanned stack: one bias per layer on a leading axis
+            return jax.vmap(update)(bias, stats)
+        return qb.update_bias(cfg.balance, bias, stats, cfg.moe.top_k)
+
     def walk(bias_node, stats_node):
         if "bias" in bias_node and not isinstance(bias_node["bias"], dict):
-            return {**bias_node, "bias": qb.update_bias(cfg.balance, bias_node["bias"], stats_node, cfg.moe.top_k)}
+            return {**bias_node, "bias": update(bias_node["bias"], stats_node)}
         return {k: walk(v, stats_node[k]) for k, v in bias_node.items()}
 
     return walk(bias_tree, stats)
@@ -76,6 +81,6 @@ def balance_metrics(stats: Any) -> dict[str, jax.Array]:
              if stat_name(p) == "loads"]
     if not loads:
         return {}
-    m = qb.load_metrics(jnp.stack(loads))  # each [layers]
+    m = qb.load_metrics(jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in loads]))  # each [layers]
     return {"load_max_mean": jnp.max(m["max_mean_ratio"]), "load_cv": jnp.mean(m["cv"]),
             "load_zero_experts": jnp.sum(m["zero_experts"])}

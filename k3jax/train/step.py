@@ -214,7 +214,9 @@ class Trainer:
             return (jax.tree.map(jnp.add, acc_g, grads), acc), margins
 
         (grads, aux), margins = jax.lax.scan(body, init, micro)
-        margins = jax.tree.map(lambda m: m.reshape((-1,) + m.shape[2:]), margins)
+        # [M, ..., T, E] -> [..., M·T, E]: micro-batches join along the tokens (scanned layers lead).
+        margins = jax.tree.map(lambda m: jnp.moveaxis(m, 0, -3).reshape(m.shape[1:-2] + (-1, m.shape[-1])),
+                               margins)
         aux["stats"] = st.merge_margins(aux["stats"], margins)
         return (grads, aux), denom, mtp_denoms
 

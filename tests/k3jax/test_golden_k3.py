@@ -18,6 +18,7 @@ import pytest
 from k3jax.config import LayerKind
 from k3jax.convert import load_hf
 from k3jax.layers.moe import route
+from k3jax.layout import to_per_layer, unrolled
 from k3jax.model import Transformer
 from tests.tolerances import F32_GOLDEN_GAP_FACTOR, F64_RTOL, rel_rmse
 
@@ -69,13 +70,15 @@ def fp64_run(reference):
     with jax.enable_x64(True):
         cfg, v = load_hf(f"{ORACLE}/hf_bf16", dtype=jnp.float64, param_dtype=jnp.float64)
         cfg4, v4 = load_hf(f"{ORACLE}/hf_mxfp4", dtype=jnp.float64, param_dtype=jnp.float64)
+        same = jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), v, v4))
+        # Per-layer intermediates need the layers one by one (tests/k3jax/test_scan.py: scanned == this).
+        cfg, v = unrolled(cfg), to_per_layer(v, cfg)
         tokens = jnp.asarray(reference["input_ids"], jnp.int32)
         run = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, capture_intermediates=True,
                                                          mutable=["intermediates", "stats"]))
         logits, state = run(v, tokens)
         arrays = jax.tree.map(np.asarray, _per_layer(cfg, v, state["intermediates"]))
-        same = jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), v, v4))
-    return cfg, cfg4, same, np.asarray(logits), arrays
+    return cfg, unrolled(cfg4), same, np.asarray(logits), arrays
 
 
 def test_both_variants_load_the_same_model(fp64_run):
@@ -107,7 +110,7 @@ def test_fp64_routing_identical(fp64_run, reference):
 def test_fp32_logits_within_reference_noise(reference):
     with open(f"{ORACLE}/manifest.json") as f:
         gap = json.load(f)["self_checks"][NOISE]["max_abs_logits_diff"]
-    cfg, v = load_hf(f"{ORACLE}/hf_bf16", dtype=jnp.float32, param_dtype=jnp.float32)
+    cfg, v = load_hf(f"{ORACLE}/hf_bf16", dtype=jnp.float32, param_dtype=jnp.float32)  # scanned layers 1-8
     tokens = jnp.asarray(reference["input_ids"], jnp.int32)
     with jax.default_matmul_precision("highest"):
         logits = np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t))(v, tokens))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from k3jax.convert import family, load_hf, save_hf
+from k3jax.layout import to_per_layer
 from k3jax.model import Transformer
 from tests.reference.env import golden_dir, reference_python
 from tests.tolerances import KIMI_LINEAR_RTOL, rel_rmse
@@ -64,7 +65,7 @@ def test_config_is_the_kimi_linear_family(golden):
     assert cfg.mla.q_lora_rank is None and not cfg.mla.output_gate and cfg.moe.latent_dim is None
     assert cfg.moe.routed_scaling_factor == 2.446
     assert [k.value for k in cfg.layer_kinds] == ["kda", "kda", "kda", "mla", "mla"]
-    assert np.all(np.asarray(v["balance"]["layers_1"]["moe"]["bias"]) != 0)
+    assert np.all(np.asarray(to_per_layer(v, cfg)["balance"]["layers_1"]["moe"]["bias"]) != 0)
 
 
 def test_logits_match_transformers(golden):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from k3jax import config
+from k3jax.layout import to_per_layer
 from k3jax.model import Transformer
 from tests.tolerances import BF16_MODEL_RTOL, F32_RTOL, rel_rmse
 
@@ -26,7 +27,7 @@ def test_outputs_and_stats(tiny_model):
     assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
     assert hidden.shape == (B, T, cfg.hidden)
     assert np.isfinite(np.asarray(logits)).all()
-    stats = mut["stats"]
+    stats = to_per_layer({"stats": mut["stats"]}, cfg)["stats"]  # tiny() scans layers 2-5
     for i, (kind, is_moe) in enumerate(zip(cfg.layer_kinds, cfg.moe_layers)):
         layer = stats.get(f"layers_{i}", {})
         if is_moe:
@@ -48,7 +49,8 @@ def test_outputs_and_stats(tiny_model):
 def test_jit_equals_eager(tiny_model):
     """Eager dispatch is slow, so compare on a 2-layer model (KDA + dense, MLA + MoE) cut from tiny()."""
     cfg = dataclasses.replace(tiny_model.cfg, num_layers=2, mla_layers=(1,))
-    params, balance = tiny_model.variables["params"], tiny_model.variables["balance"]
+    per_layer = to_per_layer(tiny_model.variables, tiny_model.cfg)
+    params, balance = per_layer["params"], per_layer["balance"]
     variables = {
         "params": {**{k: v for k, v in params.items() if not k.startswith("layers_")},
                    "layers_0": params["layers_0"], "layers_1": params["layers_3"]},  # tiny()'s layer 3 is MLA + MoE

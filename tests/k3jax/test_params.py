@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax import config
+from k3jax.layout import unrolled
 from k3jax.model import Transformer
 from k3jax.params import COMPONENTS, count_params, param_table
 
@@ -76,7 +77,7 @@ def _flat(tree, prefix=""):
 
 
 def test_tiny_tree_matches_docs_params_md():
-    cfg = config.tiny()
+    cfg = unrolled(config.tiny())  # the per-layer layout (the scanned one: tests/k3jax/test_scan.py)
     boxed = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 4), jnp.int32))
     assert set(boxed) == {"params", "balance"}
     want = {"embed/embedding": (256, 64), "final_norm/scale": (64,), "out_res/query": (64,), "out_res/norm": (64,),

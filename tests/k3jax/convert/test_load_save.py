@@ -12,6 +12,7 @@ import pytest
 
 from k3jax import config as C
 from k3jax.convert import load_hf, save_hf, to_hf_config
+from k3jax.layout import to_per_layer, to_scanned
 from k3jax.convert.hf_keys import entries
 from k3jax.convert.safetensors_io import PendingTensor, SafetensorsReader, write_folder
 from k3jax.model import Transformer
@@ -73,7 +74,7 @@ def _flat(tree):
 def test_mapping_covers_the_model_tree(name):
     """Every leaf of ``Transformer(cfg).init`` has exactly one HF tensor, with its shape and dtype."""
     cfg = CONFIGS[name]()
-    model = _flat(jax.eval_shape(lambda: _init(cfg)))
+    model = _flat(jax.eval_shape(lambda: to_per_layer(_init(cfg), cfg)))  # HF is per layer
     wide = jnp.promote_types(cfg.param_dtype, jnp.float32)
     mine = {}
     for e in entries(cfg):
@@ -96,11 +97,13 @@ def test_mxfp4_experts_bit_exact(oracle):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
-    assert v["params"]["layers_1"]["moe"]["w2"].shape == (16, 32, 32)
+    assert v["params"]["stack"]["offset_0"]["moe"]["w2"].shape == (2, 16, 32, 32)  # layers 1 and 5
+    assert to_per_layer(v, cfg)["params"]["layers_1"]["moe"]["w2"].shape == (16, 32, 32)
 
 
 def test_layouts_against_raw_tensors(oracle):
     (cfg, v), _ = oracle
+    v = to_per_layer(v, cfg)
     raw = SafetensorsReader(ORACLE + "/hf_bf16")
     hf = lambda k: raw.get(k).astype(np.float32)  # noqa: E731
     p = jax.tree.map(np.asarray, v["params"])
@@ -164,7 +167,7 @@ def test_family_round_trip_bitwise(tmp_path, name):
     save_hf(cfg, v, str(tmp_path / "a"))
     cfg2, v2 = load_hf(str(tmp_path / "a"))
     assert dataclasses.replace(cfg2, name=cfg.name) == cfg
-    _assert_bitwise(v, v2)
+    _assert_bitwise(to_scanned(v, cfg), v2)  # loaded in cfg's (scanned) layout
     save_hf(cfg2, v2, str(tmp_path / "b"))
     _assert_bitwise(v2, load_hf(str(tmp_path / "b"))[1])
 
@@ -218,6 +221,7 @@ def test_float64_needs_x64():
 
 def test_save_errors(oracle, tmp_path):
     (cfg, v), _ = oracle
+    v = to_per_layer(v, cfg)  # save_hf takes either layout
     broken = jax.tree.map(lambda x: x, v)
     del broken["params"]["layers_2"]["kda"]["g_proj"]
     with pytest.raises(ValueError, match="layers_2/kda/g_proj"):

@@ -1,0 +1,80 @@
+"""The scanned run of decoder layers (``k3jax.layout.scan_plan``): one traced unit, ``nn.scan`` over its repeats.
+
+The unit is ``plan.unit`` consecutive ``DecoderLayer``s, one per offset; ``nn.scan`` stacks each
+offset's variables (params, balance biases, the stats it sows) on a leading axis of ``repeats``,
+named ``layers`` for the sharding rules, and XLA sees the unit once however deep the stack.
+
+AttnRes bookkeeping is traced here: the carry is a ``StackedStream`` (the block sums in one
+``[N, B, T, D]`` buffer and a traced count), and a layer starts a block where its index, traced
+from the repetition, is a multiple of the block size (static when it is so for every repetition).
+Decode scans the caches of the run too: offset j's caches stacked ``[repeats, …]`` in, the new ones out.
+``remat="layer"`` rematerialises each unit (its input stream is all a repetition saves).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from k3jax.config import ModelConfig
+from k3jax.layers.attn_res import ResidualStream, StackedStream
+from k3jax.layers.block import DecoderLayer
+from k3jax.layout import ScanPlan, offset_name
+
+SCANNED_COLLECTIONS = ("params", "balance", "stats", "intermediates")
+
+
+def push_flag(cfg: ModelConfig, plan: ScanPlan, offset: int, repeat: Int[Array, ""]) -> bool | Bool[Array, ""]:
+    """Whether repetition ``repeat``'s layer at ``offset`` starts an AttnRes block."""
+    if cfg.attn_res is None:
+        return False
+    size = cfg.attn_res.block_size
+    starts = [l % size == 0 for l in plan.layers(offset)]
+    if all(starts) or not any(starts):
+        return starts[0]
+    return (plan.start + offset + plan.unit * repeat) % size == 0
+
+
+class LayerUnit(nn.Module):
+    """One repetition of the unit: ``(stream, repeat index, …) -> (stream, new caches or None)``."""
+
+    cfg: ModelConfig
+    plan: ScanPlan
+    remat_moe: bool = False
+
+    @nn.compact
+    def __call__(self, stream: StackedStream | ResidualStream, repeat: Int[Array, ""],
+                 segment_ids: Int[Array, "B T"] | None, valid: Bool[Array, "B T"] | None, caches: tuple | None,
+                 keep_steps: bool = False):
+        cfg, plan = self.cfg, self.plan
+        new_caches = []
+        for j in range(plan.unit):
+            layer = DecoderLayer(cfg, plan.start + j, remat_moe=self.remat_moe, name=offset_name(j))
+            push = push_flag(cfg, plan, j, repeat)
+            if caches is None:
+                stream = layer(stream, segment_ids, push=push)
+            else:
+                stream, cache = layer(stream, cache=caches[j], valid=valid, keep_steps=keep_steps, push=push)
+                new_caches.append(cache)
+        return stream, None if caches is None else tuple(new_caches)
+
+
+def layer_stack(cfg: ModelConfig, plan: ScanPlan, *, remat: str) -> nn.Module:
+    """The scanned run as a module (name it ``stack``; call it through `run_stack`)."""
+    unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(6,)) if remat == "layer" else LayerUnit
+    scanned = nn.scan(unit, variable_axes={c: 0 for c in SCANNED_COLLECTIONS}, split_rngs={"params": True},
+                      in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast), length=plan.repeats,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(cfg, plan, remat_moe=remat == "moe")
+
+
+def run_stack(stack: nn.Module, cfg: ModelConfig, plan: ScanPlan, stream: ResidualStream,
+              segment_ids=None, valid=None, caches: tuple | None = None, keep_steps: bool = False):
+    """Run ``stack`` on a static stream: ``(static stream after the run, new caches or None)``."""
+    inner = stream if cfg.attn_res is None else StackedStream.of(stream)
+    inner, caches = stack(inner, jnp.arange(plan.repeats), segment_ids, valid, caches, keep_steps)
+    if cfg.attn_res is None:
+        return inner, caches
+    pushed = -(-plan.stop // cfg.attn_res.block_size)  # layers 0, S, 2S, … below stop started blocks
+    return inner.unstack(pushed), caches
