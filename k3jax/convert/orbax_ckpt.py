@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_keys import Entry, entries
+from k3jax.layout import to_scanned, unrolled
 
 FORMAT, VERSION, LAYOUT = "k3jax-orbax", 1, "per-layer"
 METADATA, STATE = "k3jax.json", "state"
@@ -79,12 +80,14 @@ def leaf_path(entry: Entry) -> tuple[str, ...]:
 
 
 def mesh_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[tuple[str, ...], jax.sharding.NamedSharding]:
-    """``{leaf path: NamedSharding}`` on ``mesh`` from the model's logical axis names and rules."""
+    """``{leaf path: NamedSharding}`` of the per-layer (stored) leaves on ``mesh`` from the model's
+    logical axis names and rules."""
     from k3jax.params import _abstract_variables
     from sharding.init import logical_axes, shardings_for
 
     # Logical axes do not depend on dtypes: one traced init (cached) serves every dtype of a model.
-    boxed = _abstract_variables(dataclasses.replace(cfg, dtype=jnp.float32, param_dtype=jnp.float32))
+    per_layer = dataclasses.replace(unrolled(cfg), dtype=jnp.float32, param_dtype=jnp.float32)
+    boxed = _abstract_variables(per_layer)
     tree = shardings_for(nn.unbox(boxed), logical_axes(boxed), mesh)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
     return {tuple(str(k.key) for k in path): s for path, s in flat}
@@ -143,7 +146,9 @@ def _shardings_tree(cfg: ModelConfig, shardings) -> dict[tuple[str, ...], jax.sh
 
 def restore_orbax(path: str | os.PathLike, *, shardings: Any = None) -> tuple[ModelConfig, dict]:
     """``(cfg, {"params", "balance"})`` from a k3jax orbax checkpoint folder, onto ``shardings``
-    (None: the first local device; a ``Mesh``: by the model's logical axes; or a sharding tree)."""
+    (None: the first local device; a ``Mesh``: by the model's logical axes; or a tree of shardings
+    of the stored per-layer leaves). The stored layout is per-layer; the variables come back in
+    ``cfg``'s layout (scanned where the config scans, ``k3jax.layout.to_scanned``)."""
     meta = read_metadata(path)
     cfg = model_config(meta)
     stored = check_stored(path, cfg, meta["dtype"])
@@ -153,7 +158,7 @@ def restore_orbax(path: str | os.PathLike, *, shardings: Any = None) -> tuple[Mo
     variables = ocp.PyTreeCheckpointer().restore(
         Path(path).absolute() / STATE,
         args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-    return cfg, variables
+    return cfg, to_scanned(variables, cfg)
 
 
 def restore_leaf(path: str | os.PathLike, leaf: tuple[str, ...]) -> np.ndarray:
