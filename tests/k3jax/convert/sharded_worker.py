@@ -16,6 +16,7 @@ import numpy as np
 from k3jax.convert import load_hf
 from k3jax.convert.convert import hf_to_orbax
 from k3jax.convert.orbax_ckpt import mesh_shardings, restore_orbax
+from k3jax.layout import to_per_layer
 from k3jax.convert.sharded_read import HFSource
 from tests.sharding.multidevice import emit
 
@@ -58,9 +59,9 @@ def main() -> None:
         size = sum(i.end - i.begin for i in source.reader.infos.values())
         cfg, restored = restore_orbax(dst, shardings=mesh)
         _, loaded = load_hf(path, param_dtype=jnp.bfloat16)
-        want = mesh_shardings(cfg, mesh)
-        r, l = _flat(restored), _flat(loaded)
-        w1 = restored["params"]["layers_1"]["moe"]["w1"]
+        want = mesh_shardings(cfg, mesh)  # of the stored per-layer leaves
+        r, l = _flat(to_per_layer(restored, cfg)), _flat(to_per_layer(loaded, cfg))
+        w1 = to_per_layer(restored, cfg)["params"]["layers_1"]["moe"]["w1"]
         out[variant] = {
             "bytes_read": source.bytes_read, "checkpoint_bytes": size,
             "bitwise": r.keys() == l.keys() and all(

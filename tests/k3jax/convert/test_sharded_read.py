@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.convert import load_hf
+from k3jax.layout import to_per_layer
 from k3jax.convert.hf_keys import LAYOUTS
 from k3jax.convert.sharded_read import HFSource
 
@@ -16,7 +17,8 @@ ORACLE = "/work/shared/oracle/tiny_a"
 @pytest.fixture(scope="module", params=("hf_bf16", "hf_mxfp4"))
 def source_and_tree(request):
     path = f"{ORACLE}/{request.param}"
-    return HFSource(path), load_hf(path, param_dtype=jnp.float32)[1]
+    cfg, variables = load_hf(path, param_dtype=jnp.float32)
+    return HFSource(path), to_per_layer(variables, cfg)  # HF entries name per-layer leaves
 
 
 def _leaf(tree, entry):
