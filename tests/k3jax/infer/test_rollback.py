@@ -43,13 +43,15 @@ def test_select_step_equals_feeding_n_tokens(model):
     np.testing.assert_array_equal(np.asarray(ref.lengths), PROMPT + np.asarray(n))
     H, K, W = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_size
     kinds = set()
-    for got, want, stepped in zip(rolled.layers, ref.layers, steps.layers):
+    # Per layer; the scanned run's caches are stacked on a leading [repeats] axis (k3jax.infer.cache).
+    per_layer = lambda c: jax.tree.leaves(c.layers, is_leaf=lambda x: isinstance(x, (KDACache, MLACache, KDASteps)))
+    for got, want, stepped in zip(per_layer(rolled), per_layer(ref), per_layer(steps)):
         assert type(got) is type(want)
         if isinstance(want, KDACache):
             kinds.add("kda")
             assert isinstance(stepped, KDASteps)  # the documented memory: γ+1 states, W-1+γ+1 conv inputs
-            assert stepped.states.shape == (B, STEPS, H, K, K) and stepped.states.dtype == jnp.float32
-            assert stepped.window.shape == (3, B, W - 1 + STEPS, H * K)
+            assert stepped.states.shape[-5:] == (B, STEPS, H, K, K) and stepped.states.dtype == jnp.float32
+            assert stepped.window.shape[-4:] == (3, B, W - 1 + STEPS, H * K)
             assert got.state.shape == want.state.shape and got.conv.shape == want.conv.shape
             assert rel_rmse(got.state, want.state) <= F32_RTOL
             assert rel_rmse(got.conv, want.conv) <= F32_RTOL
@@ -59,7 +61,7 @@ def test_select_step_equals_feeding_n_tokens(model):
             np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
             for b in range(B):  # rows past a sequence's length are stale by design
                 m = PROMPT + int(n[b])
-                assert rel_rmse(got.latent[b, :m], want.latent[b, :m]) <= F32_RTOL, b
+                assert rel_rmse(got.latent[..., b, :m, :], want.latent[..., b, :m, :]) <= F32_RTOL, b
     assert kinds == {"kda", "mla"}
     for b in range(B):  # keeping the steps changes nothing the call computes
         m = int(n[b])
