@@ -11,6 +11,7 @@ cast; routed experts are stacked ``[E, in, out]``, decoding MXFP4 (``weight_pack
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -42,6 +43,9 @@ def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[M
     float32); the SPEC §10 fp32 parameters (convs, gate biases, ``A_log``, router, QB bias) are kept in
     ``promote(param_dtype, float32)``.
     """
+    if not os.path.isdir(path):
+        raise ValueError(f"path={str(path)!r} " + ("does not exist" if not os.path.exists(path) else
+                         "is a file; expected a Hugging Face folder (config.json + safetensors)"))
     cfg = from_hf_config(path)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)

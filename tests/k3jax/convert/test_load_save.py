@@ -236,3 +236,19 @@ def test_save_errors(oracle, tmp_path):
         save_hf(cfg, broken, str(tmp_path))
     with pytest.raises(ValueError, match="mxfp4=True"):
         save_hf(_tiny_linear(), _random_variables(_tiny_linear()), str(tmp_path), mxfp4=True)
+
+
+def test_load_names_the_missing_folder_the_truncated_file_and_the_index(tmp_path):
+    """Issue 27 item 6: each error names the path, the file and tensor, or the index."""
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hf(str(tmp_path / "nope"))
+    cut, gone = tmp_path / "cut", tmp_path / "gone"
+    shutil.copytree(ORACLE + "/hf_bf16", cut)
+    shutil.copytree(ORACLE + "/hf_bf16", gone)
+    with open(cut / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor '.*' ends at byte \d+, past the end"):
+        load_hf(str(cut))
+    (gone / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="model.safetensors is missing: model.safetensors.index.json names it"):
+        load_hf(str(gone))
