@@ -33,8 +33,8 @@ def _count_draws(jaxpr, names=DRAWS) -> int:
     return n
 
 
-def _trainer(num_layers=4, first_dense_layers=1):
-    model = dataclasses.replace(tiny(), num_layers=num_layers, vocab_size=64)
+def _trainer(num_layers=4, first_dense_layers=1, scan_layers=True):
+    model = dataclasses.replace(tiny(), num_layers=num_layers, vocab_size=64, scan_layers=scan_layers)
     model = dataclasses.replace(model, mlp=dataclasses.replace(model.mlp, first_dense_layers=first_dense_layers))
     return Trainer(TrainConfig(model=model, batch_size=1, seq_len=16, steps=2, data=DataConfig(source="random")))
 
@@ -83,7 +83,9 @@ def test_trainer_init_matches_flax_init():
 
 
 def test_trainer_init_draws_once_per_parameter_shape():
-    trainer = _trainer()
+    # Unrolled, every layer's leaves are separate draws that batching merges by shape; the scanned
+    # stack's leaves are drawn inside its scan, one draw per stacked leaf, which batching cannot merge.
+    trainer = _trainer(scan_layers=False)
     shapes = {leaf.shape for leaf in jax.tree.leaves(trainer.abstract["params"])}
     ours = _count_draws(jax.make_jaxpr(trainer._init)(jax.random.key(0)).jaxpr)
     flax_draws = _count_draws(jax.make_jaxpr(lambda k: trainer._init_boxed(k))(jax.random.key(0)).jaxpr)
