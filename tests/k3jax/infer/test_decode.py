@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.infer.cache import init_cache
+from k3jax.infer.cache import KDACache, MLACache, init_cache
 from k3jax.infer.decode import decode_step, forward_cached, prefill_jit
 from k3jax.model import Transformer
 from tests.tolerances import BF16_MODEL_RTOL, F32_RTOL, rel_rmse
@@ -101,7 +101,9 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
     variables, tokens = tiny_model.variables, _tokens(3)
     ref = np.asarray(jax.jit(Transformer(cfg).apply)(variables, tokens))
     cache = init_cache(cfg, 2, T)
-    assert cache.layers[3].latent.dtype == jnp.bfloat16 and cache.layers[0].state.dtype == jnp.float32
+    layers = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, (KDACache, MLACache)))
+    assert {c.latent.dtype for c in layers if isinstance(c, MLACache)} == {jnp.dtype(jnp.bfloat16)}
+    assert {c.state.dtype for c in layers if isinstance(c, KDACache)} == {jnp.dtype(jnp.float32)}
     last, cache = prefill_jit(variables, cfg, tokens[:, :16], jnp.full((2,), 16, jnp.int32), cache)
     outs = [np.asarray(last)[:, None]]
     for t in range(16, T - 1):

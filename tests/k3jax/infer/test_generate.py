@@ -93,12 +93,19 @@ def test_cache_bytes_match_spec():
     cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
     B, S = 3, 40
     cache = jax.eval_shape(lambda: init_cache(cfg, B, S))
-    for layer in cache.layers:
+    # The scanned run's caches are one entry per unit offset, stacked over its repeats.
+    layers = jax.tree.leaves(cache.layers, is_leaf=lambda c: isinstance(c, (KDACache, MLACache)))
+    count = 0
+    for layer in layers:
+        n = layer.lengths.shape[0] if isinstance(layer, MLACache) and layer.lengths.ndim == 2 else (
+            layer.state.shape[0] if isinstance(layer, KDACache) and layer.state.ndim == 5 else 1)
+        count += n
         if isinstance(layer, MLACache):
-            assert tree_bytes(layer.latent) == B * S * bytes_per_token(cfg)["mla"]
+            assert tree_bytes(layer.latent) == n * B * S * bytes_per_token(cfg)["mla"]
         else:
             assert isinstance(layer, KDACache)
-            assert tree_bytes(layer) == B * bytes_per_token(cfg)["kda_per_sequence"]
+            assert tree_bytes(layer) == n * B * bytes_per_token(cfg)["kda_per_sequence"]
+    assert count == cfg.num_layers
 
 
 def test_cli_loads_an_orbax_run(tiny_model, tmp_path):
