@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from k3jax.layout import to_per_layer, unrolled
+from k3jax.model import Transformer
 from pallas_kernels.moe.activations import gated_activation
 
 TILE = 16
@@ -69,7 +71,13 @@ def make_probe(kinds: tuple[str, ...] = PROBES):
         raise ValueError(f"kinds={kinds} must be a subset of {PROBES}")
 
     def build(trainer):
+        # The probes keep values from inside each layer's call, so the model runs unrolled: inside the
+        # scanned stack they would be tracers of the scan's body.
+        cfg = trainer.model.cfg
+        model = Transformer(unrolled(cfg))
+
         def run(params, balance, tokens):
+            variables = to_per_layer({"params": params, "balance": balance}, cfg)
             found = {k: {} for k in kinds}
 
             def intercept(next_fun, args, kwargs, ctx):
@@ -84,8 +92,7 @@ def make_probe(kinds: tuple[str, ...] = PROBES):
                 return out
 
             with nn.intercept_methods(intercept):
-                trainer.model.apply({"params": params, "balance": balance}, tokens, method="features",
-                                    mutable=["stats"])
+                model.apply(variables, tokens, method="features", mutable=["stats"])
             return found
 
         return jax.jit(run)

@@ -1,5 +1,6 @@
 """The KDA-gate probe: tile sums, the bf16 overflow line, and the bound the K3 gate guarantees."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,3 +25,22 @@ def test_bounded_gate_stays_inside_bf16_exponent_range_softplus_does_not():
     assert bounded["overflow_fraction"] == 0
     assert softplus["min_tile_log_decay"] < -probes.BF16_EXP_LIMIT and softplus["overflow_fraction"] > 0
     assert jnp.isinf(jnp.exp(-softplus["min_tile_log_decay"]).astype(jnp.bfloat16))  # what overflow means
+
+
+def test_probes_read_every_layer_of_a_scanned_model():
+    """The probes keep values from inside layers, so they run the model unrolled: on a scanned
+    baseline they return one summary per layer (inside the scan they would leak its tracers)."""
+    import types
+
+    from experiments import families
+    from k3jax.layout import scan_plan
+    from k3jax.model import Transformer
+
+    cfg = families.k3_baseline(64)
+    assert scan_plan(cfg) is not None
+    model = Transformer(cfg)
+    tokens = jnp.ones((1, 32), jnp.int32)
+    variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+    out = probes.make_probe()(types.SimpleNamespace(model=model))(variables["params"], variables["balance"], tokens)
+    assert sorted(out["hidden"]) == [f"layers_{i}" for i in range(cfg.num_layers)]
+    assert len(out["decay"]) == 3 and len(out["experts"]) == cfg.num_layers - 1
