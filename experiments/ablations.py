@@ -4,7 +4,8 @@ Runs, in order: ``ablate_attn_res``, ``ablate_situ``, ``ablate_kda_gate``, ``abl
 ``ablate_balance`` (each script's docstring has its hypothesis). Seven training runs in all
 (baseline + plain residual, SwiGLU, softplus gate, full-width experts, sign, none), stored in
 ``<out>/ablation_runs/``: a stopped call resumes, finished runs are loaded, not retrained.
-Command (one H200; estimated ≈ 4-5 min, not yet measured there: 7 compilations + 7 × 400 steps):
+Command (one H200; measured 2026-12-02: ≈ 11 min, ~90 s a run plus the first compile, so run it twice
+within a 10-minute call limit — the second call resumes):
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 experiments/ablations.py
 Tiny CPU smoke version: ``--tiny``. Redraw plots from the JSON: ``--plot_only``.
 """
