@@ -7,7 +7,7 @@ Two paths replace it there (``decode_path`` picks by the static token count):
 - ``"gather"`` (``T·k <= E/2``; batch 1): each token's k experts' matrices are gathered and applied
   as multiply-and-sum fusions, so the gather (and MXFP4's decode) happens inside the fusion that
   reads the weights: only the routed experts' bytes move.
-- ``"dense"`` (up to ``DENSE_MAX_TOKENS`` tokens): every expert on every token as one batched
+- ``"dense"`` (``T·k >= 2E``, up to ``DENSE_MAX_TOKENS`` tokens): every expert on every token as one batched
   matmul per projection, whose weights are read exactly once; at T tokens it does T FLOPs per
   weight byte, below the GPU's ratio of compute to bandwidth, so it costs the weight read. The
   router's k experts per token are then picked from the products, as ``moe_ffn`` combines them.
@@ -32,10 +32,17 @@ Weights = Float[Array, "E I O"] | Mxfp4
 
 
 def decode_path(tokens: int, top_k: int, num_experts: int) -> str:
-    """``"gather"``, ``"dense"`` or ``"grouped"`` (``moe_ffn``) for ``tokens`` tokens of a decode call."""
-    if 2 * tokens * top_k <= num_experts:
+    """``"gather"``, ``"dense"`` or ``"grouped"`` (``moe_ffn``) for ``tokens`` tokens of a decode call.
+
+    Gather while the ``T·k`` routed matrices are at most half the experts; dense once ``T·k >= 2E``
+    (uniform routing then touches >= 86 % of the experts, so reading all of them once costs little
+    more); in between, and past ``DENSE_MAX_TOKENS``, the grouped matmul, which reads only the
+    experts that received tokens.
+    """
+    slots = tokens * top_k
+    if 2 * slots <= num_experts:
         return "gather"
-    return "dense" if tokens <= DENSE_MAX_TOKENS else "grouped"
+    return "dense" if slots >= 2 * num_experts and tokens <= DENSE_MAX_TOKENS else "grouped"
 
 
 def _routed_product(h: Float[Array, "T k I"], w: Weights, ids: Int[Array, "T k"]) -> Float[Array, "T k O"]:

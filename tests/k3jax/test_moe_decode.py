@@ -36,7 +36,7 @@ def _expert_inputs(T):
     return x, ids, weights, ws
 
 
-@pytest.mark.parametrize("path,T", [("gather", 1), ("gather", 2), ("dense", 5)])
+@pytest.mark.parametrize("path,T", [("gather", 1), ("gather", 2), ("dense", 8)])
 def test_decode_paths_equal_moe_ffn(path, T):
     assert moe_decode.decode_path(T, K, E) == path
     x, ids, weights, ws = _expert_inputs(T)
@@ -63,7 +63,7 @@ def _moe_variables(cfg):
     return nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0, impl="unsafe_rbg"), x))
 
 
-@pytest.mark.parametrize("T,decode", [(1, True), (3, True), (40, False)])  # gather, dense, grouped
+@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (3, True), (40, False)])  # gather, dense, grouped, training
 def test_mxfp4_moe_equals_dequantised(T, decode):
     cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
     variables = _moe_variables(cfg)

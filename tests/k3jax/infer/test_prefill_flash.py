@@ -1,10 +1,12 @@
 """Chunked prefill's MLA attention by the flash kernel (``mla.flash_cached_attention``, CPU interpreter)
 equals the absorbed attention over the compressed cache (``mla.cached_attention``), with a different
-cache length per row, and the kernel's per-row query offsets equal the reference's."""
+cache length per row (compiled on a GPU under ``-m gpu``), and the kernel's per-row query offsets
+equal the reference's."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax.layers import mla
 from pallas_kernels.mla_attention import mla_attention
@@ -18,13 +20,15 @@ def _normal(*shape, dtype=jnp.float32):
     return jnp.asarray(RNG.normal(size=shape), dtype)
 
 
-def test_flash_cached_attention_equals_absorbed():
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_flash_cached_attention_equals_absorbed(interpret):
     start = jnp.asarray([0, 37], jnp.int32)  # row 1's cache already holds 37 tokens
     latent = _normal(B, S, R + DR, dtype=jnp.bfloat16)
     kv_b = _normal(R, H, DN + DV) * R ** -0.5
     q = _normal(B, T, H, DN + DR)
     scale = (DN + DR) ** -0.5
-    got = mla.flash_cached_attention(q, latent, kv_b.astype(jnp.bfloat16), start, scale, nope_dim=DN, interpret=True)
+    got = mla.flash_cached_attention(q, latent, kv_b.astype(jnp.bfloat16), start, scale, nope_dim=DN,
+                                     interpret=interpret)
     # The absorbed path on the same bf16-rounded operands, in float32.
     q32 = q.astype(jnp.bfloat16).astype(jnp.float32)
     w = kv_b.astype(jnp.bfloat16).astype(jnp.float32)
