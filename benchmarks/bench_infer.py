@@ -1,15 +1,17 @@
 """Inference benchmark: decode throughput against the HBM roofline, million-token chunked prefill,
 and the mean accepted length of a briefly trained speculative draft.
 
-1. Decode tokens/s at batch 1 and 64 for small() (bf16 weights), after a prompt of ``--prompt``
-   tokens, and the share of the HBM roofline: bytes read per step (all weights — the roofline's
-   upper bound — or only the active ones, plus the KDA states and the MLA latents up to the
-   current length) over ``--hbm-tbps``, divided by the measured step time. Steps run as one
-   device-side loop (as ``generate`` runs them); the step time of a Python loop of jitted
-   ``decode_step`` calls is printed beside it (the figure recorded before 2026-11-30's last run).
-2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, peak device memory,
-   and the memory split (KDA states, MLA latents, weights) against the KV cache a full-attention
-   model of the same depth would need (per head uncompressed K and V, every layer).
+1. Decode tokens/s at batch 1 and 64 for small() (bf16 weights; ``--mxfp4`` also with MXFP4 routed
+   experts), after a prompt of ``--prompt`` tokens, and the bytes a step reads against the HBM
+   roofline (``--hbm-tbps``): "all weights" (every parameter but the embedding table, plus the KDA
+   states and the MLA latents up to the current length) and "needed weights" (the same less the
+   experts no token of this batch was routed to, counted from the router's loads of one step).
+   Steps run as one device-side loop (as ``generate`` runs them); with ``--host-loop`` the step
+   time of a Python loop of jitted ``decode_step`` calls is printed beside it.
+2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
+   causal attention; ``k3jax.train.metrics``) and their rate against a bf16 matmul measured in the
+   same process, peak device memory, and the memory split (KDA states, MLA latents, weights)
+   against the KV cache a full-attention model of the same depth would need.
 3. A draft trained for ``--draft-minutes`` on the standard-library corpus (byte tokens) against the
    target (random init unless ``--target CHECKPOINT``), then the mean accepted length (tokens per
    target call) of speculative decoding, greedy and at temperature 1.
@@ -24,6 +26,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import time
 
 import flax.linen as nn
@@ -37,8 +40,9 @@ from k3jax.infer.cache import KDACache, MLACache, init_cache, tree_bytes
 from k3jax.infer.decode import decode_step, prefill_jit
 from k3jax.infer.draft import train_draft
 from k3jax.infer.speculative import speculative_generate
-from k3jax.layout import to_per_layer
+from k3jax.layers import mxfp4
 from k3jax.model import Transformer
+from k3jax.train.metrics import flops_per_token
 from k3jax.train.batched_calls import batch_random_draws
 
 
@@ -49,16 +53,36 @@ def build(cfg, seed=0):
     return nn.meta.unbox(variables)
 
 
-def active_weight_bytes(cfg, variables) -> int:
-    """Weights a single token reads: everything but the E−k unused experts and the embedding table."""
-    total = tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
-    m = cfg.moe
-    params = jax.eval_shape(lambda v: to_per_layer(v, cfg), variables)["params"]  # shapes per layer, no copy
-    for i, is_moe in enumerate(cfg.moe_layers):
-        if is_moe:
-            experts = sum(tree_bytes(params[f"layers_{i}"]["moe"][w]) for w in ("w1", "w2", "w3"))
-            total -= experts * (m.num_experts - m.top_k) // m.num_experts
-    return total
+def weight_bytes(variables) -> int:
+    """Weights a step may read: every parameter (MXFP4 experts at their packed size) but the
+    embedding table, of which a step reads only its tokens' rows."""
+    return (tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
+            + tree_bytes(variables.get(mxfp4.COLLECTION, {})))
+
+
+def expert_bytes(variables) -> int:
+    """Bytes of every MoE layer's routed experts together (bf16 params or MXFP4)."""
+    if mxfp4.COLLECTION in variables:
+        return tree_bytes(variables[mxfp4.COLLECTION])
+    leaves = jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+    return sum(tree_bytes(x) for path, x in leaves if str(getattr(path[-1], "key", "")) in mxfp4.EXPERT_WEIGHTS)
+
+
+def experts_touched(cfg, variables, tok, cache) -> np.ndarray:
+    """Distinct experts each MoE layer routes ``tok`` to in one decode step: ``[MoE layers]``."""
+    run = jax.jit(lambda v, t, c: Transformer(cfg).apply(v, t, c, method=Transformer.decode, mutable=["stats"])[1])
+    stats = run(variables, tok, cache.layers)
+    leaves = jax.tree_util.tree_flatten_with_path(stats)[0]
+    loads = [np.asarray(x).reshape(-1, cfg.moe.num_experts) for path, x in leaves  # sown: (..., "loads", 0)
+             if any(getattr(p, "key", None) == "loads" for p in path)]
+    return (np.concatenate(loads) > 0).sum(axis=1)
+
+
+def needed_weight_bytes(cfg, variables, touched: np.ndarray) -> int:
+    """Weights a step needs: all of :func:`weight_bytes` less the experts no token was routed to."""
+    per_layer_expert = expert_bytes(variables) / len(touched)
+    unused = sum((cfg.moe.num_experts - n) / cfg.moe.num_experts for n in touched)
+    return int(weight_bytes(variables) - unused * per_layer_expert)
 
 
 def _layer_caches(cache) -> list:
@@ -88,35 +112,43 @@ def _greedy_loop(variables, tok, cache, *, cfg, steps):
     return jax.lax.fori_loop(0, steps, body, (tok, cache))[0]
 
 
-def bench_decode(cfg, variables, batch, prompt, steps, hbm):
+def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
+    """Seconds per step of a Python loop of jitted ``decode_step`` calls (host dispatch included)."""
+    jax.block_until_ready(decode_step(variables, cfg, tok, cache)[0])  # compile
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits, cache = decode_step(variables, cfg, tok, cache)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    jax.block_until_ready(tok)
+    return (time.perf_counter() - t0) / steps
+
+
+def bench_decode(cfg, variables, batch, prompt, steps, hbm, profile=None, host_loop=False):
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, batch, prompt + steps + 1)
     _, cache = prefill_jit(variables, cfg, tokens, jnp.full((batch,), prompt, jnp.int32), cache)
-    tok = tokens[:, -1:]
-    logits, c2 = decode_step(variables, cfg, tok, cache)  # compile
-    jax.block_until_ready(logits)
-    t0 = time.perf_counter()
-    host_cache = cache
-    for _ in range(steps):
-        logits, host_cache = decode_step(variables, cfg, tok, host_cache)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    jax.block_until_ready(tok)
-    host_step_s = (time.perf_counter() - t0) / steps
+    host_step_s = _host_loop_step(cfg, variables, tokens[:, -1:], cache, steps) if host_loop else float("nan")
     # The same greedy steps as one device-side loop (as `generate` runs them): no per-step dispatch.
     loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))
     jax.block_until_ready(loop(variables, tokens[:, -1:], cache))  # compile
     t0 = time.perf_counter()
     jax.block_until_ready(loop(variables, tokens[:, -1:], cache))
     step_s = (time.perf_counter() - t0) / steps
-    w_all = tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
-    w_act = active_weight_bytes(cfg, variables)
+    if profile:  # one more run of the loop under the profiler (benchmarks/trace_summary.py reads it)
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            jax.block_until_ready(loop(variables, tokens[:, -1:], cache))
+    touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
+    w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes = cache_read_bytes(cfg, cache, prompt + steps // 2)
     roof = lambda b: b / (hbm * 1e12)
     return {"batch": batch, "prompt": prompt, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
-            "host_loop_step_ms": host_step_s * 1e3,
-            "bytes_per_step_all_weights": w_all + c_bytes, "bytes_per_step_active_weights": w_act + c_bytes,
+            "host_loop_step_ms": host_step_s * 1e3, "experts_touched_per_layer": touched.tolist(),
+            "weight_bytes_all": w_all, "weight_bytes_needed": w_need, "cache_bytes_read": c_bytes,
+            "bytes_per_step_all_weights": w_all + c_bytes, "bytes_per_step_needed_weights": w_need + c_bytes,
+            "roofline_ms_all_weights": 1e3 * roof(w_all + c_bytes),
+            "roofline_ms_needed_weights": 1e3 * roof(w_need + c_bytes),
             "roofline_pct_all_weights": 100 * roof(w_all + c_bytes) / step_s,
-            "roofline_pct_active_weights": 100 * roof(w_act + c_bytes) / step_s}
+            "roofline_pct_needed_weights": 100 * roof(w_need + c_bytes) / step_s}
 
 
 def peak_bytes():
@@ -124,7 +156,19 @@ def peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def bench_prefill(cfg, variables, n_tokens, chunk):
+def matmul_ceiling(n: int = 8192, iters: int = 10) -> float:
+    """Measured bf16 matmul FLOP/s of an ``n³`` product (the prefill's compute ceiling)."""
+    a = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(mm(a))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = mm(a)
+    jax.block_until_ready(out)
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+
+
+def bench_prefill(cfg, variables, n_tokens, chunk, ceiling_n=8192):
     tokens = jax.random.randint(jax.random.key(2), (1, n_tokens), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, 1, n_tokens)
     lengths = jnp.full((1,), n_tokens, jnp.int32)
@@ -138,7 +182,11 @@ def bench_prefill(cfg, variables, n_tokens, chunk):
     m = cfg.mla
     full_kv = cfg.num_layers * n_tokens * m.num_heads * (m.qk_head_dim + m.v_head_dim) * jnp.dtype(cfg.dtype).itemsize
     analysis = compiled.memory_analysis()
+    flops = n_tokens * flops_per_token(cfg, n_tokens) / 3  # forward model FLOPs (causal attention)
+    ceiling = matmul_ceiling(ceiling_n)
     return {"tokens": n_tokens, "chunk": chunk, "seconds": seconds, "tokens_per_s": n_tokens / seconds,
+            "model_flops": flops, "tflops_per_s": flops / seconds / 1e12, "matmul_ceiling_tflops": ceiling / 1e12,
+            "pct_of_matmul_ceiling": 100 * flops / seconds / ceiling,
             "peak_device_bytes": peak_bytes(),
             "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
             "kda_state_bytes": kda, "mla_latent_bytes": mla, "weight_bytes": tree_bytes(variables["params"]),
@@ -191,7 +239,11 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=1_048_576)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--draft-minutes", type=float, default=3.0)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: prefill, draft")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode, prefill, draft")
+    ap.add_argument("--host-loop", action="store_true", help="also time a Python loop of jitted steps")
+    ap.add_argument("--profile", default=None, help="trace one decode loop per batch into this folder")
+    ap.add_argument("--mxfp4", action="store_true", help="also time decode with MXFP4 expert weights")
+    ap.add_argument("--batches", default=None, help="comma list of decode batch sizes (default 1,64; quick 1,4)")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
     args = ap.parse_args()
     if args.quick:
@@ -201,6 +253,9 @@ def main():
     else:
         cfg = dataclasses.replace(config.small(), param_dtype=jnp.bfloat16)
         batches, draft_shape = (1, 64), dict(batch=4, length=256, gamma=4, max_new=64)
+    skip = args.skip.split(",")
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
     if args.target:
         from k3jax.checkpoint_source import load_variables
 
@@ -208,22 +263,37 @@ def main():
     else:
         variables = build(cfg)
     results = {"device": jax.devices()[0].device_kind, "config": cfg.name, "hbm_tbps": args.hbm_tbps,
-               "target": args.target or "random init"}
+               "target": args.target or "random init", "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"{cfg.name} built on {results['device']}; timing decode at batches {batches}", flush=True)
-    results["decode"] = [bench_decode(cfg, variables, b, args.prompt, args.decode_steps, args.hbm_tbps)
-                         for b in batches]
-    for r in results["decode"]:
-        print(f"decode B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.2f} ms "
-              f"(one step per jitted call from Python: {r['host_loop_step_ms']:.2f} ms), "
-              f"roofline {r['roofline_pct_all_weights']:.1f}% (all weights) / "
-              f"{r['roofline_pct_active_weights']:.1f}% (active)", flush=True)
-    if "prefill" not in args.skip.split(","):
-        results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk)
-        print(f"prefill {p['tokens']} tokens (chunk {p['chunk']}): {p['seconds']:.1f} s, peak {p['peak_device_bytes']} B; "
+    results["decode"] = []
+    weights = {"bf16": variables} if "decode" not in skip else {}
+    if args.mxfp4 and weights:
+        t0 = time.perf_counter()
+        weights["mxfp4"] = mxfp4.quantize_experts(variables)
+        results["mxfp4_quantize_seconds"] = time.perf_counter() - t0
+    for name, v in weights.items():
+        for b in batches:
+            trace = f"{args.profile}/{name}_b{b}" if args.profile else None
+            r = dict(bench_decode(cfg, v, b, args.prompt, args.decode_steps, args.hbm_tbps, trace, args.host_loop),
+                     experts=name)
+            results["decode"].append(r)
+            host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop else ""
+            print(f"decode {name} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
+                  f"{host}; bytes/step {r['bytes_per_step_all_weights'] / 1e9:.3f} GB "
+                  f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
+                  f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "
+                  f"{r['roofline_ms_all_weights']:.3f} / {r['roofline_ms_needed_weights']:.3f} ms = "
+                  f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%", flush=True)
+    if "prefill" not in skip:
+        results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk,
+                                               1024 if args.quick else 8192)
+        print(f"prefill {p['tokens']} tokens (chunk {p['chunk']}): {p['seconds']:.1f} s, "
+              f"{p['model_flops']:.3g} FLOPs = {p['tflops_per_s']:.1f} TFLOP/s = {p['pct_of_matmul_ceiling']:.1f}% "
+              f"of the measured matmul ceiling ({p['matmul_ceiling_tflops']:.1f} TFLOP/s); peak {p['peak_device_bytes']} B; "
               f"KDA {p['kda_state_bytes'] / 2**20:.1f} MiB, MLA {p['mla_latent_bytes'] / 2**20:.1f} MiB, "
               f"weights {p['weight_bytes'] / 2**20:.1f} MiB vs full-attention KV {p['full_attention_kv_bytes'] / 2**20:.1f} MiB",
               flush=True)
-    if "draft" not in args.skip.split(","):
+    if "draft" not in skip:
         results["draft"] = d = bench_draft(cfg, variables, args.draft_minutes, **draft_shape)
         print(f"draft: {d['train_steps']} steps in {d['train_seconds']:.0f} s, loss {d['first_loss']:.3f} -> "
               f"{d['last_loss']:.3f}; mean accepted length (gamma={d['gamma']}) greedy {d['mean_accepted_length_greedy']:.2f}, "

@@ -19,8 +19,8 @@ _E8M0_BIAS = 127
 _E8M0_NAN = 255
 # E2M1 magnitudes by the low three bits of a code.
 _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-# All 16 codes: bit 3 flips the sign.
-_CODE_VALUES = np.concatenate([_MAGNITUDES, -_MAGNITUDES])
+# All 16 codes: bit 3 flips the sign (also the JAX decoder's table, k3jax.layers.mxfp4).
+CODE_VALUES = np.concatenate([_MAGNITUDES, -_MAGNITUDES])
 
 
 def _check_pair(packed: np.ndarray, scale: np.ndarray, name: str) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def decode(packed: np.ndarray, scale: np.ndarray, *, name: str = "mxfp4") -> np.
     codes = np.empty((rows, cols), dtype=np.uint8)
     codes[:, 0::2] = packed & 0x0F
     codes[:, 1::2] = packed >> 4
-    values = _CODE_VALUES[codes].reshape(rows, cols // GROUP, GROUP)
+    values = CODE_VALUES[codes].reshape(rows, cols // GROUP, GROUP)
     # ldexp multiplies by an exact power of two: no rounding anywhere.
     exponents = scale.astype(np.int32)[..., None] - _E8M0_BIAS
     return np.ldexp(values, exponents).reshape(rows, cols)

@@ -17,6 +17,8 @@ per token, so a decoded token needs only its own stream, never the history of th
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 from jaxtyping import Array, Bool, Int
 
@@ -58,6 +60,8 @@ class DecoderLayer(nn.Module):
         mixer = mixer_cls(cfg, name=mixer_name)
         ffn = self._ffn()
         attn_norm, mlp_norm = norm(cfg, "attn_norm"), norm(cfg, "mlp_norm")
+        if cache is not None and cfg.moe_layers[self.index] and not self.remat_moe:  # k3jax.layers.moe_decode
+            ffn = functools.partial(ffn, decode=True)
         if cache is None:
             mix = lambda h: (mixer(h, segment_ids), None)
         else:

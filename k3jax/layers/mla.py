@@ -13,7 +13,9 @@ Sows ``max_logit [H]`` (the largest scaled pre-softmax logit per head) for QK-Cl
 Decode (SPEC §3): with ``cache`` (any pytree with ``latent [B,Tmax,Rkv+dr]`` and ``lengths [B]``;
 ``k3jax.infer.cache``) the layer writes its new ``[RMSNorm(c), k_r]`` rows at each sequence's
 length, attends over the compressed cache with ``W_kvb`` absorbed into the query and the output
-(the cache is never expanded per head), and returns ``(y, new_cache)``.
+(the cache is never expanded per head), and returns ``(y, new_cache)``. A call of many new tokens
+(chunked prefill, ``PREFILL_FLASH_TOKENS``) runs the flash kernel instead where it can
+(:func:`flash_cached_attention`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from k3jax.layers import attention as attention_lib
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
+from pallas_kernels.mla_attention import mla_attention
 from sharding import current as parallel_context
 from sharding.cp_attention import mla_attention_cp
 
@@ -35,6 +38,8 @@ from sharding.cp_attention import mla_attention_cp
 QUERY_BLOCK = 512
 # Cached keys per block of the decode attention (a longer cache must be a multiple of it).
 KEY_BLOCK = 2048
+# New tokens per row from which a cached call (chunked prefill) runs the flash kernel where it can.
+PREFILL_FLASH_TOKENS = 256
 
 
 def attention_mask(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Bool[Array, "B T S"]:
@@ -111,6 +116,27 @@ def cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"],
     return acc / jnp.moveaxis(l, 1, 2)[..., None]
 
 
+def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B S C"], kv_b: Float[Array, "R H Dkv"],
+                           start: Int[Array, "B"], scale: float, *, nope_dim: int,
+                           interpret: bool = False) -> Float[Array, "B T H V"]:
+    """Chunked prefill's attention: row ``b``'s queries at positions ``start[b] + t`` over the cache.
+
+    Every cached latent row is expanded into per-head ``[k_nope, v]`` once per chunk (one read of
+    each cache page), then the flash kernel runs with each row's offset and skips the key blocks
+    past its last query. Expanded, a query-key pair costs ``2·(dn+dr) + 2·dv`` FLOPs per head
+    against ``2·(Rkv+dr) + 2·Rkv`` absorbed (640 vs 1152 for K3): over a chunk of thousands of
+    queries the expansion (``2·Rkv·(dn+dv)`` per key and head) is the cheaper side. The operands
+    are in ``latent``'s dtype (bf16); the output is float32, ``W_v`` applied.
+    """
+    R, dt = kv_b.shape[0], latent.dtype
+    c = latent[..., :R]
+    k_nope = einsum("BSR,RHK->BSHK", c, kv_b[..., :nope_dim].astype(dt))  # [B, S, H, dn]
+    v = einsum("BSR,RHV->BSHV", c, kv_b[..., nope_dim:].astype(dt))  # [B, S, H, dv]
+    o, _ = mla_attention(q[..., :nope_dim].astype(dt), q[..., nope_dim:].astype(dt), k_nope, latent[..., R:], v,
+                         scale=scale, implementation="pallas", interpret=interpret, q_start=start)
+    return o
+
+
 class MLA(nn.Module):
     """Gated MLA over pre-normed ``x``; ``segment_ids`` masks attention across documents."""
 
@@ -159,7 +185,13 @@ class MLA(nn.Module):
         pos = cache.lengths[:, None] + jnp.arange(T)[None]  # [B, T]
         latent = latent.at[jnp.arange(B)[:, None], pos].set(rows, mode="drop")  # past Tmax: dropped
         kv_b(c[:, :0])  # creates or binds the kernel
-        kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(wide)  # [Rkv, H, dn+dv]
+        kernel = nn.unbox(kv_b.variables["params"]["kernel"])  # [Rkv, H, dn+dv]
+        dt = self.cfg.compute_dtype
+        if T >= PREFILL_FLASH_TOKENS and parallel_context() is None and attention_lib.use_flash(
+                m.attention_implementation, dt, B, m.num_heads):
+            o = flash_cached_attention(q, latent, kernel.astype(dt), cache.lengths, scale, nope_dim=dn)
+            return o, cache.replace(latent=latent)
+        kernel = kernel.astype(wide)
         q_c = einsum("BTHK,RHK->BTHR", q[..., :dn], kernel[..., :dn])  # W_k absorbed into the query
         o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale)  # [B, T, H, Rkv]
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax import balance
 from k3jax.config import ModelConfig
+from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
@@ -96,17 +97,34 @@ class MoE(nn.Module):
             self.sow("stats", name, value)
         return ids, weights
 
-    def _experts(self, u: Float[Array, "T L"], ids, weights) -> Float[Array, "T L"]:
+    def _expert_weights(self) -> tuple:
+        """``w1, w3, w2``: the params ``[E, in, out]``, or the ``mxfp4`` collection's encoded
+        matrices where ``k3jax.layers.mxfp4.quantize_experts`` put them (inference)."""
+        if self.has_variable(mxfp4.COLLECTION, "w1"):
+            return tuple(self.get_variable(mxfp4.COLLECTION, n) for n in mxfp4.EXPERT_WEIGHTS)
         cfg, m = self.cfg, self.cfg.moe
         E, L, F = m.num_experts, cfg.moe_width, m.expert_intermediate
         init = nn.initializers.normal(cfg.initializer_range)
         w1 = param(self, "w1", init, (E, L, F), ("experts", "latent", "expert_mlp"), cfg.param_dtype)
         w3 = param(self, "w3", init, (E, L, F), ("experts", "latent", "expert_mlp"), cfg.param_dtype)
         w2 = param(self, "w2", init, (E, F, L), ("experts", "expert_mlp", "latent"), cfg.param_dtype)
+        return w1, w3, w2
+
+    def _experts(self, u: Float[Array, "T L"], ids, weights, decode: bool) -> Float[Array, "T L"]:
+        cfg, m = self.cfg, self.cfg.moe
         dt = cfg.compute_dtype
-        args = (u.astype(dt), ids, weights, w1.astype(dt), w3.astype(dt), w2.astype(dt))
-        kwargs = dict(activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
-                      situ_linear_beta=cfg.mlp.situ_linear_beta, implementation=m.implementation)
+        ws = self._expert_weights()
+        act = dict(activation=cfg.mlp.activation, situ_beta=cfg.mlp.situ_beta,
+                   situ_linear_beta=cfg.mlp.situ_linear_beta)
+        path = moe_decode.decode_path(u.shape[0], m.top_k, m.num_experts) if decode else "grouped"
+        if parallel_context() is None and path != "grouped":
+            ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
+            run = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
+            return run(u.astype(dt), ids, weights, *ws, **act)
+        # [E, out, in] MXFP4 matrices back to the kernels' [E, in, out] layout
+        ws = tuple(jnp.swapaxes(w.dequantize(dt), -1, -2) if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
+        args = (u.astype(dt), ids, weights, *ws)
+        kwargs = dict(act, implementation=m.implementation)
         placement = self._placement() if m.redundant_experts else None
         if parallel_context() is None:
             return moe_ffn(*args, **kwargs)
@@ -131,18 +149,20 @@ class MoE(nn.Module):
                 var("replica_share", (m.redundant_experts,), jnp.float32, ("replicas",)))
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"], *, decode: bool = False) -> Float[Array, "B T D"]:
+        """``decode``: a decode call (few tokens, no gradient), where the routed experts take the
+        paths of ``k3jax.layers.moe_decode`` that read only the weights the tokens need."""
         cfg, m = self.cfg, self.cfg.moe
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
         with jax.named_scope("moe_route"):
             ids, weights = self._router(xt)
         if m.latent_dim is None:
-            y = self._experts(xt, ids, weights)  # [T, D]
+            y = self._experts(xt, ids, weights, decode)  # [T, D]
         else:
             L = m.latent_dim
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
-            y = self._experts(u, ids, weights)  # [T, L]
+            y = self._experts(u, ids, weights, decode)  # [T, L]
             if m.latent_norm:
                 y = norm(cfg, "latent_norm", axis="latent")(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)

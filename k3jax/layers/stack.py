@@ -22,7 +22,7 @@ from k3jax.layers.attn_res import ResidualStream, StackedStream
 from k3jax.layers.block import DecoderLayer
 from k3jax.layout import ScanPlan, offset_name
 
-SCANNED_COLLECTIONS = ("params", "balance", "stats", "intermediates")
+SCANNED_COLLECTIONS = ("params", "balance", "stats", "intermediates", "mxfp4")
 
 
 def push_flag(cfg: ModelConfig, plan: ScanPlan, offset: int, repeat: Int[Array, ""]) -> bool | Bool[Array, ""]:

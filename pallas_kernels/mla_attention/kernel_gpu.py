@@ -5,8 +5,8 @@ dQ kernel, for the MLA shapes of SPEC §3: the logits are ``q_nope·k_nope + q_r
 one ``k_rope`` shared by every head (MQA), so the rope key is read once per (batch, key block)
 and never broadcast to heads in memory; values have their own width.
 
-Masks: queries ``[B,T]`` sit at absolute positions ``q_start + t`` (``q_start`` a traced int32:
-context parallel gives each shard its own), keys ``[B,S]`` at ``s``; key ``s`` is visible from
+Masks: queries ``[B,T]`` sit at absolute positions ``q_start[b] + t`` (``q_start [B]`` traced int32:
+context parallel gives each shard its own, chunked prefill each row its cache length), keys ``[B,S]`` at ``s``; key ``s`` is visible from
 query ``t`` iff ``s <= q_start + t`` and ``k_seg[s] == q_seg[t]``. Key blocks wholly past the
 diagonal are skipped by the loop bounds (forward and dQ loop over keys up to the block's last
 query; dK/dV starts at the first query block that reaches the key block); blocks of other
@@ -184,8 +184,8 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 
 
-# The query offset: one int32 read by every program.
-OFFSET_SPEC = pl.BlockSpec((1,), lambda i, b, h: (0,))
+# The query offset of each row ``[B]``: one int32 read by every program of that row.
+OFFSET_SPEC = pl.BlockSpec((1,), lambda i, b, h: (b,))
 
 
 def _tiles(length: int, block: int, reverse: bool):
@@ -212,10 +212,10 @@ def _whole(length: int):
 
 def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: Float[Array, "B S H N"],
                   kr: Float[Array, "B S R"], v: Float[Array, "B S H V"], q_seg: Int[Array, "B T"],
-                  k_seg: Int[Array, "B S"], q_start: Int[Array, "1"], *, scale: float, blocks: BlockSizes,
+                  k_seg: Int[Array, "B S"], q_start: Int[Array, "B"], *, scale: float, blocks: BlockSizes,
                   interpret: bool = False):
     """``(o [B,T,H,V] f32, lse [B,H,T], row max [B,H,T])`` of causal same-document attention, query
-    ``t`` at position ``q_start + t`` and key ``s`` at ``s``."""
+    ``t`` of row ``b`` at position ``q_start[b] + t`` and key ``s`` at ``s``."""
     B, T, H, N = qn.shape
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k

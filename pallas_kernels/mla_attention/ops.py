@@ -12,8 +12,8 @@ The kernel path zero-pads head widths to powers of two (>= 16; exact for ``q·k`
 and the sequences to multiples of the blocks: padded rows come after every real row, so the
 causal mask already hides them from real queries, and their outputs and row maxima are dropped.
 
-``q_start`` (context parallel): queries at positions ``q_start + t`` against a longer key
-sequence, the offset traced (one int32 read by every kernel program), so every shard runs the same
+``q_start`` (context parallel, chunked prefill): queries at positions ``q_start + t`` against a longer
+key sequence, the offset traced (a scalar, or one per row; one int32 read by every kernel program), so every shard runs the same
 compiled kernels; the key blocks a shard's queries cannot reach are skipped, not masked.
 """
 
@@ -113,6 +113,8 @@ def _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids, key_segment_id
             raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
     if (segment_ids is None) != (key_segment_ids is None) and q_start is not None:
         raise ValueError("segment_ids and key_segment_ids must be given together with q_start")
+    if q_start is not None and jnp.shape(q_start) not in ((), (B,)):
+        raise ValueError(f"q_start must be a scalar or one offset per row [B={B}], got shape {jnp.shape(q_start)}")
     if isinstance(q_start, int) and not 0 <= q_start <= S - T:
         raise ValueError(f"q_start must be in [0, {S - T}] (S - T: every query needs its keys), got {q_start}")
     dtypes = {x.dtype for x in (q_nope, q_rope, k_nope, k_rope, v)}
@@ -124,7 +126,7 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
                   k_nope: Float[Array, "B S H N"], k_rope: Float[Array, "B S R"], v: Float[Array, "B S H V"],
                   segment_ids: Int[Array, "B T"] | None = None, *, scale: float,
                   implementation: str | None = None, interpret: bool = False,
-                  blocks: BlockSizes | None = None, q_start: int | Int[Array, ""] | None = None,
+                  blocks: BlockSizes | None = None, q_start: int | Int[Array, ""] | Int[Array, "B"] | None = None,
                   key_segment_ids: Int[Array, "B S"] | None = None
                   ) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
     """Causal attention of ``q = [q_nope, q_rope]`` over ``k = [k_nope, k_rope (shared)]`` within each
@@ -134,7 +136,8 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
     queries are rows ``q_start .. q_start+T-1`` of the ``S`` keys (``q_start + T <= S``): context
     parallel's shard of queries against the gathered keys. ``segment_ids`` then label the queries
     and ``key_segment_ids`` the keys (both or neither; ``segment_ids[t]`` must equal
-    ``key_segment_ids[q_start + t]``).
+    ``key_segment_ids[q_start + t]``). ``q_start`` may also give each row its own offset ``[B]``
+    (chunked prefill of rows whose caches hold different lengths).
     """
     _check_shapes(q_nope, q_rope, k_nope, k_rope, v, segment_ids, key_segment_ids, q_start)
     B, T, H, N = q_nope.shape
@@ -152,7 +155,7 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
         Tp = Sp = max(Tp, Sp)
     q_seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     k_seg = jnp.zeros((B, S), jnp.int32) if key_seg is None else key_seg.astype(jnp.int32)
-    start = jnp.zeros((1,), jnp.int32) if q_start is None else jnp.reshape(q_start, (1,)).astype(jnp.int32)
+    start = jnp.zeros((B,), jnp.int32) if q_start is None else jnp.broadcast_to(q_start, (B,)).astype(jnp.int32)
     pad = lambda x, width, length: _pad(_pad(x, x.ndim - 1, width), 1, length)
     o, row_max = _flash(pad(q_nope, _pow2_width(N), Tp), pad(q_rope, _pow2_width(R), Tp),
                         pad(k_nope, _pow2_width(N), Sp), pad(k_rope, _pow2_width(R), Sp),

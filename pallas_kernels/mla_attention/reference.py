@@ -14,11 +14,12 @@ from jaxtyping import Array, Float, Int
 
 def visible(segment_ids: Int[Array, "B T"] | None, batch: int, length: int, *, q_start=0,
             key_length: int | None = None, key_segment_ids: Int[Array, "B S"] | None = None) -> jax.Array:
-    """``[B, T, S]``: key ``s`` is visible from query ``t`` at position ``q_start + t`` (causal, same
-    document); keys default to the queries (``S = T``, ``key_segment_ids = segment_ids``)."""
+    """``[B, T, S]``: key ``s`` is visible from query ``t`` at position ``q_start + t`` (``q_start``: a
+    scalar or one per row; causal, same document); keys default to the queries (``S = T``, ``key_segment_ids = segment_ids``)."""
     S = length if key_length is None else key_length
-    causal = (q_start + jnp.arange(length))[:, None] >= jnp.arange(S)[None]
-    causal = causal[None]
+    q_pos = jnp.asarray(q_start)[..., None] + jnp.arange(length)  # [T], or [B, T] for per-row offsets
+    causal = q_pos[..., :, None] >= jnp.arange(S)
+    causal = causal if causal.ndim == 3 else causal[None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (batch, length, S))
     key_ids = segment_ids if key_segment_ids is None else key_segment_ids

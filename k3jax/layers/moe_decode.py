@@ -1,0 +1,90 @@
+"""Routed experts for the few tokens of a decode step: read only the weights the step needs.
+
+A decode step is bound by the bytes it reads, and at small batch the grouped-matmul pipeline of
+``moe_ffn`` (permute, two grouped matmuls over every expert's tile, combine) reads every expert.
+Two paths replace it there (``decode_path`` picks by the static token count):
+
+- ``"gather"`` (``T·k <= E/2``; batch 1): each token's k experts' matrices are gathered and applied
+  as multiply-and-sum fusions, so the gather (and MXFP4's decode) happens inside the fusion that
+  reads the weights: only the routed experts' bytes move.
+- ``"dense"`` (``T·k >= 2E``, up to ``DENSE_MAX_TOKENS`` tokens): every expert on every token as one batched
+  matmul per projection, whose weights are read exactly once; at T tokens it does T FLOPs per
+  weight byte, below the GPU's ratio of compute to bandwidth, so it costs the weight read. The
+  router's k experts per token are then picked from the products, as ``moe_ffn`` combines them.
+
+Both round where ``moe_ffn`` rounds (gate and up products, the activation, each expert's output,
+in the compute dtype; the weighted sum over the k experts in float32), so decode matches the
+forward. Weights are the model's ``[E, in, out]`` arrays or :class:`k3jax.layers.mxfp4.Mxfp4`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from k3jax.layers.linear import einsum
+from k3jax.layers.mxfp4 import Mxfp4
+from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.reference import accum_dtype
+
+DENSE_MAX_TOKENS = 256
+Weights = Float[Array, "E I O"] | Mxfp4
+
+
+def decode_path(tokens: int, top_k: int, num_experts: int) -> str:
+    """``"gather"``, ``"dense"`` or ``"grouped"`` (``moe_ffn``) for ``tokens`` tokens of a decode call.
+
+    Gather while the ``T·k`` routed matrices are at most half the experts; dense once ``T·k >= 2E``
+    (uniform routing then touches >= 86 % of the experts, so reading all of them once costs little
+    more); in between, and past ``DENSE_MAX_TOKENS``, the grouped matmul, which reads only the
+    experts that received tokens.
+    """
+    slots = tokens * top_k
+    if 2 * slots <= num_experts:
+        return "gather"
+    return "dense" if slots >= 2 * num_experts and tokens <= DENSE_MAX_TOKENS else "grouped"
+
+
+def _routed_product(h: Float[Array, "T k I"], w: Weights, ids: Int[Array, "T k"]) -> Float[Array, "T k O"]:
+    """``h[t, s] · W[ids[t, s]]`` as a multiply-and-sum in ``h``'s (wide) dtype: the gathered
+    matrices are an operand of the reduction, never written out."""
+    if isinstance(w, Mxfp4):
+        wg = w.take(ids).dequantize(h.dtype)  # [T, k, O, I]
+        return jnp.sum(h[..., None, :] * wg, axis=-1)
+    return jnp.sum(h[..., None] * w[ids].astype(h.dtype), axis=-2)  # w[ids]: [T, k, I, O]
+
+
+def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
+                     w1: Weights, w3: Weights, w2: Weights, *, activation: str, situ_beta: float = 4.0,
+                     situ_linear_beta: float = 25.0) -> Float[Array, "T L"]:
+    """``Σ_s weights[t,s] · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids[t,s]``, reading k experts per token."""
+    dt, wide = x.dtype, accum_dtype(x.dtype)
+    h = x.astype(wide)[:, None]  # [T, 1, L]
+    g = _routed_product(h, w1, ids).astype(dt)  # [T, k, F]
+    u = _routed_product(h, w3, ids).astype(dt)
+    a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt)
+    y = _routed_product(a.astype(wide), w2, ids).astype(dt)  # [T, k, L]
+    return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
+
+
+def _expert_products(h: Float[Array, "E T I"], w: Weights) -> Float[Array, "E T O"]:
+    """Every expert's product with its own rows, accumulated wide, returned in ``h``'s dtype."""
+    wide = accum_dtype(h.dtype)
+    if isinstance(w, Mxfp4):
+        return einsum("ETI,EOI->ETO", h, w.dequantize(h.dtype), preferred_element_type=wide).astype(h.dtype)
+    return einsum("ETI,EIO->ETO", h, w.astype(h.dtype), preferred_element_type=wide).astype(h.dtype)
+
+
+def dense_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
+                  w1: Weights, w3: Weights, w2: Weights, *, activation: str, situ_beta: float = 4.0,
+                  situ_linear_beta: float = 25.0) -> Float[Array, "T L"]:
+    """The same sum with every expert applied to every token (each weight read once), then each
+    token's k products picked and weighted."""
+    dt, wide = x.dtype, accum_dtype(x.dtype)
+    E = (w1.packed if isinstance(w1, Mxfp4) else w1).shape[0]
+    xe = jnp.broadcast_to(x, (E,) + x.shape)  # [E, T, L]: a batched matmul reads each W_e as stored
+    g, u = _expert_products(xe, w1), _expert_products(xe, w3)  # [E, T, F]
+    a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt)
+    y = _expert_products(a, w2)  # [E, T, L]
+    picked = y[ids, jnp.arange(x.shape[0])[:, None]]  # [T, k, L]
+    return einsum("TkL,Tk->TL", picked.astype(wide), weights.astype(wide)).astype(dt)
