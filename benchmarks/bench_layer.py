@@ -86,16 +86,19 @@ def stream_at(cfg: ModelConfig, index: int, tokens: int, key) -> ResidualStream:
                           max_blocks=cfg.num_attn_res_blocks)
 
 
-def make_case(cfg: ModelConfig, kind: str, tokens: int, remat: str, key):
-    """(loss(params, stream), params, balance, stream) for one layer; the loss is ⟨output, cot⟩."""
+def make_case(cfg: ModelConfig, kind: str, tokens: int, remat: str, key, abstract: bool = False):
+    """(loss(params, stream), params, stream, index) for one layer; the loss is ⟨output, cot⟩.
+    ``abstract``: params and stream as shapes only (nothing allocated; for ``residual_report``)."""
     if remat not in REMATS:
         raise ValueError(f"remat={remat!r} must be one of {REMATS}")
     index = layer_index(cfg, kind)
     layer = (nn.remat(DecoderLayer) if remat == "layer" else DecoderLayer)(cfg, index, remat_moe=remat == "moe")
     k_init, k_x, k_cot = jax.random.split(key, 3)
-    stream = stream_at(cfg, index, tokens, k_x)
-    variables = jax.jit(layer.init)(k_init, stream)
-    params, balance = variables["params"], variables["balance"]
+    build = jax.eval_shape if abstract else lambda f, *a: f(*a)
+    stream = build(lambda k: stream_at(cfg, index, tokens, k), k_x)
+    variables = build(jax.jit(layer.init), k_init, stream)
+    params = variables["params"]
+    balance = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), variables["balance"])  # the bias starts at 0
     cot = jax.random.normal(k_cot, (1, tokens, cfg.hidden), jnp.float32)
 
     def loss(p, s):
@@ -111,10 +114,40 @@ def layer_flops(cfg: ModelConfig, params, kind: str, tokens: int) -> float:
     return tokens * (6.0 * _active_size(params, cfg) + mixer)
 
 
+def residuals(loss, params, stream) -> list[tuple[int, str, str]]:
+    """``(bytes, shape, where from)`` of each residual the backward keeps, largest first; the layer's
+    inputs and weights (arguments) and the loss's cotangent (a constant) are not activations."""
+    rows = [(int(np.prod(a.shape)) * a.dtype.itemsize, a.str_short(), why)
+            for a, why in saved_residuals(loss, params, stream)
+            if not why.startswith(("from the argument", "from a constant"))]
+    return sorted(rows, key=lambda r: -r[0])
+
+
 def activation_bytes(loss, params, stream) -> int:
-    """Bytes of the residuals the backward keeps, the layer's own inputs and weights excluded."""
-    res = saved_residuals(loss, params, stream)
-    return int(sum(np.prod(a.shape) * a.dtype.itemsize for a, why in res if not why.startswith("from the argument")))
+    """Bytes of the residuals the backward keeps (``residuals``)."""
+    return sum(b for b, _, _ in residuals(loss, params, stream))
+
+
+def _origin(why: str) -> str:
+    """``why``'s op and source line, with paths relative to the repository."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return why.replace(root, "")
+
+
+def residual_report(cfg: ModelConfig, kind: str, tokens: int, remat: str, top: int = 12) -> dict:
+    """The residuals of one layer traced for an H200 on any host (abstract, nothing allocated), so the
+    kernels' GPU paths decide what is saved: total GiB and the largest residuals by origin."""
+    from pallas_kernels.target import Target, compile_for
+
+    with compile_for(Target("gpu", "NVIDIA H200", 132, cuda=True)):
+        loss, params, stream, index = make_case(cfg, kind, tokens, remat, jax.random.key(0), abstract=True)
+        rows = residuals(loss, params, stream)
+    total = sum(b for b, _, _ in rows)
+    print(f"{kind} layer {index}, T={tokens}, remat={remat}: {total / GiB:.2f} GiB in {len(rows)} residuals")
+    for b, shape, why in rows[:top]:
+        print(f"  {b / 2**20:9.1f} MiB  {shape:28s} {_origin(why)}")
+    return {"kind": kind, "index": index, "tokens": tokens, "remat": remat, "activation_gib": total / GiB,
+            "largest": [{"mib": b / 2**20, "shape": shape, "origin": _origin(why)} for b, shape, why in rows[:top]]}
 
 
 def measured_activation_bytes(loss, params, stream) -> int | None:
@@ -183,10 +216,19 @@ def main() -> None:
     p.add_argument("--peak-flops", type=float, default=None)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace 2 steps of each case at the smallest token count; print the device time per kernel")
+    p.add_argument("--residuals", action="store_true",
+                   help="only trace each case for an H200 (any host, nothing allocated) and list what its backward keeps")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     a.tokens = [int(t) for t in a.tokens.split(",")]
     cfg = layer_config(a.model, a.local_experts, a.top_k, a.param_dtype)
+    if a.residuals:
+        rows = [residual_report(cfg, kind, t, remat) for t in a.tokens for kind in a.kinds.split(",")
+                for remat in a.remat.split(",")]
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"model": a.model, "residuals": rows}, f, indent=1)
+        return
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": a.model,
               "local_experts": a.local_experts, "top_k": a.top_k, "cases": []}
     if jax.default_backend() == "gpu":
