@@ -97,7 +97,7 @@ def make_case(cfg: ModelConfig, kind: str, tokens: int, remat: str, key, abstrac
     build = jax.eval_shape if abstract else lambda f, *a: f(*a)
     stream = build(lambda k: stream_at(cfg, index, tokens, k), k_x)
     variables = build(jax.jit(layer.init), k_init, stream)
-    params = variables["params"]
+    params = nn.unbox(variables["params"])  # plain arrays: the FLOP count reads their paths
     balance = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), variables["balance"])  # the bias starts at 0
     cot = jax.random.normal(k_cot, (1, tokens, cfg.hidden), jnp.float32)
 
