@@ -25,10 +25,11 @@ term (chunkwise KDA, or causal MLA at T / 2 keys); rematerialisation is not coun
 989 TFLOP/s datasheet peak; the bf16 8192³ ``jnp.dot`` measured in the same call is printed beside.
 
 **Memory.** Per case: the residuals the backward keeps (``saved_residuals``: what one layer of a
-stack holds from its forward until its backward, its inputs and weights excluded), the same
-measured on the device (bytes in use after a jitted ``jax.vjp`` forward, minus its output), the
-compiled fwd+bwd's temporaries (``memory_analysis``) and the device's peak so far (monotonic over
-the process, so cases run in order of growing memory).
+stack holds from its forward until its backward, its inputs and weights excluded; ``--residuals``
+lists them by origin, traced for an H200 on any host), the same measured on the device (the
+buffers a jitted ``jax.vjp`` forward returns that are not its inputs, and the growth of bytes in
+use over that call), the compiled fwd+bwd's temporaries (``memory_analysis``) and the device's
+peak so far (monotonic over the process, so cases run in order of growing memory).
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def layer_config(model: str, local_experts: int, top_k: int, param_dtype: str) -
 
 def layer_index(cfg: ModelConfig, kind: str) -> int:
     """The MoE layer of ``kind`` nearest the middle of the stack."""
-    want = {"kda": LayerKind.KDA, "mla": LayerKind.MLA}[kind]
+    kinds = {"kda": LayerKind.KDA, "mla": LayerKind.MLA}
+    if kind not in kinds:
+        raise ValueError(f"kind={kind!r} must be one of {tuple(kinds)}")
+    want = kinds[kind]
     found = [i for i, k in enumerate(cfg.layer_kinds) if k is want and cfg.moe_layers[i]]
     if not found:
         raise ValueError(f"kind={kind!r}: {cfg.name} has no MoE layer of that kind")
@@ -87,7 +91,7 @@ def stream_at(cfg: ModelConfig, index: int, tokens: int, key) -> ResidualStream:
 
 
 def make_case(cfg: ModelConfig, kind: str, tokens: int, remat: str, key, abstract: bool = False):
-    """(loss(params, stream), params, stream, index) for one layer; the loss is ⟨output, cot⟩.
+    """(loss(params, stream, cot), (params, stream, cot), index) for one layer: loss = ⟨output, cot⟩.
     ``abstract``: params and stream as shapes only (nothing allocated; for ``residual_report``)."""
     if remat not in REMATS:
         raise ValueError(f"remat={remat!r} must be one of {REMATS}")
@@ -99,13 +103,13 @@ def make_case(cfg: ModelConfig, kind: str, tokens: int, remat: str, key, abstrac
     variables = build(jax.jit(layer.init), k_init, stream)
     params = nn.unbox(variables["params"])  # plain arrays: the FLOP count reads their paths
     balance = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), variables["balance"])  # the bias starts at 0
-    cot = jax.random.normal(k_cot, (1, tokens, cfg.hidden), jnp.float32)
+    cot = build(lambda k: jax.random.normal(k, (1, tokens, cfg.hidden), jnp.float32), k_cot)
 
-    def loss(p, s):
+    def loss(p, s, c):
         out = layer.apply({"params": p, "balance": balance}, s)
-        return jnp.sum(out.partial.astype(jnp.float32) * cot)
+        return jnp.sum(out.partial.astype(jnp.float32) * c)
 
-    return loss, params, stream, index
+    return loss, (params, stream, cot), index
 
 
 def layer_flops(cfg: ModelConfig, params, kind: str, tokens: int) -> float:
@@ -114,18 +118,18 @@ def layer_flops(cfg: ModelConfig, params, kind: str, tokens: int) -> float:
     return tokens * (6.0 * _active_size(params, cfg) + mixer)
 
 
-def residuals(loss, params, stream) -> list[tuple[int, str, str]]:
+def residuals(loss, inputs) -> list[tuple[int, str, str]]:
     """``(bytes, shape, where from)`` of each residual the backward keeps, largest first; the layer's
-    inputs and weights (arguments) and the loss's cotangent (a constant) are not activations."""
+    inputs, weights and the loss's cotangent (arguments) and constants are not activations."""
     rows = [(int(np.prod(a.shape)) * a.dtype.itemsize, a.str_short(), why)
-            for a, why in saved_residuals(loss, params, stream)
-            if not why.startswith(("from the argument", "from a constant"))]
+            for a, why in saved_residuals(loss, *inputs)
+            if not why.startswith(("from the argument", "from a constant", "from a literal"))]
     return sorted(rows, key=lambda r: -r[0])
 
 
-def activation_bytes(loss, params, stream) -> int:
+def activation_bytes(loss, inputs) -> int:
     """Bytes of the residuals the backward keeps (``residuals``)."""
-    return sum(b for b, _, _ in residuals(loss, params, stream))
+    return sum(b for b, _, _ in residuals(loss, inputs))
 
 
 def _origin(why: str) -> str:
@@ -140,8 +144,8 @@ def residual_report(cfg: ModelConfig, kind: str, tokens: int, remat: str, top: i
     from pallas_kernels.target import Target, compile_for
 
     with compile_for(Target("gpu", "NVIDIA H200", 132, cuda=True)):
-        loss, params, stream, index = make_case(cfg, kind, tokens, remat, jax.random.key(0), abstract=True)
-        rows = residuals(loss, params, stream)
+        loss, inputs, index = make_case(cfg, kind, tokens, remat, jax.random.key(0), abstract=True)
+        rows = residuals(loss, inputs)
     total = sum(b for b, _, _ in rows)
     print(f"{kind} layer {index}, T={tokens}, remat={remat}: {total / GiB:.2f} GiB in {len(rows)} residuals")
     for b, shape, why in rows[:top]:
@@ -150,19 +154,22 @@ def residual_report(cfg: ModelConfig, kind: str, tokens: int, remat: str, top: i
             "largest": [{"mib": b / 2**20, "shape": shape, "origin": _origin(why)} for b, shape, why in rows[:top]]}
 
 
-def measured_activation_bytes(loss, params, stream) -> int | None:
-    """Device bytes held by a jitted forward's residuals (None where the backend keeps no stats)."""
+def measured_activation_bytes(loss, inputs) -> tuple[int, int] | None:
+    """Device bytes a jitted ``jax.vjp`` forward's residuals hold: (the residual buffers that are not
+    the inputs' own, bytes in use after the call minus before); None where the backend keeps no stats."""
     dev = jax.devices()[0]
     if dev.memory_stats() is None:
         return None
-    fwd = jax.jit(lambda p, s: jax.vjp(loss, p, s))
-    jax.block_until_ready(fwd(params, stream))  # compile and warm outside the measurement
+    fwd = jax.jit(lambda *a: jax.vjp(loss, *a)[1])
+    jax.block_until_ready(fwd(*inputs))  # compile and warm outside the measurement
     before = dev.memory_stats()["bytes_in_use"]
-    out = fwd(params, stream)
+    out = fwd(*inputs)
     jax.block_until_ready(out)
-    held = dev.memory_stats()["bytes_in_use"] - before
+    grown = dev.memory_stats()["bytes_in_use"] - before
+    own = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(inputs)}
+    held = sum(x.nbytes for x in jax.tree.leaves(out) if x.unsafe_buffer_pointer() not in own)
     del out
-    return int(held)
+    return int(held), int(grown)
 
 
 def matmul_ceiling() -> float:
@@ -174,21 +181,22 @@ def matmul_ceiling() -> float:
 
 
 def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> dict:
-    loss, params, stream, index = make_case(cfg, kind, tokens, remat, jax.random.key(tokens))
+    loss, inputs, index = make_case(cfg, kind, tokens, remat, jax.random.key(tokens))
+    params, stream, _ = inputs
     row = {"kind": kind, "index": index, "tokens": tokens, "remat": remat, "param_dtype": str(cfg.param_dtype),
            "stored_blocks": len(stream.stored), "flops": layer_flops(cfg, params, kind, tokens)}
-    row["activation_gib"] = activation_bytes(loss, params, stream) / GiB
+    row["activation_gib"] = activation_bytes(loss, inputs) / GiB
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     t0 = time.perf_counter()
-    compiled = step.lower(params, stream).compile()
+    compiled = step.lower(*inputs).compile()
     row["compile_s"] = round(time.perf_counter() - t0, 1)
     mem = compiled.memory_analysis()
     if mem is not None:
         row["compiled_temp_gib"] = mem.temp_size_in_bytes / GiB
-    held = measured_activation_bytes(loss, params, stream) if tokens <= args.measure_tokens else None
+    held = measured_activation_bytes(loss, inputs) if tokens <= args.measure_tokens else None
     if held is not None:
-        row["measured_activation_gib"] = held / GiB
-    row["ms"] = timeit_interleaved({"step": (compiled, (params, stream))}, reps=args.reps, min_ms=1.0)["step"]
+        row["measured_activation_gib"], row["measured_growth_gib"] = held[0] / GiB, held[1] / GiB
+    row["ms"] = timeit_interleaved({"step": (compiled, inputs)}, reps=args.reps, min_ms=1.0)["step"]
     stats = jax.devices()[0].memory_stats()
     if stats:
         row["peak_so_far_gib"] = stats["peak_bytes_in_use"] / GiB
@@ -196,7 +204,7 @@ def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> dict
     peak = peak_flops(args.peak_flops)
     row["mfu"] = None if peak is None else row["flops"] / (row["ms"] * 1e-3) / peak
     if args.profile and tokens == min(args.tokens):
-        row["breakdown"] = breakdown(compiled, (params, stream), os.path.join(args.profile, f"{kind}_{remat}"))
+        row["breakdown"] = breakdown(compiled, inputs, os.path.join(args.profile, f"{kind}_{remat}"))
     return row
 
 
