@@ -121,8 +121,12 @@ def layer_flops(cfg: ModelConfig, params, kind: str, tokens: int) -> float:
 def residuals(loss, inputs) -> list[tuple[int, str, str]]:
     """``(bytes, shape, where from)`` of each residual the backward keeps, largest first; the layer's
     inputs, weights and the loss's cotangent (arguments) and constants are not activations."""
+    params, stream, cot = inputs
+    if isinstance(cot, jax.ShapeDtypeStruct):  # abstract inputs: the cotangent is still a constant
+        cot = np.ones(cot.shape, cot.dtype)
+    # differentiated w.r.t. the weights and the stream only, as the step is
     rows = [(int(np.prod(a.shape)) * a.dtype.itemsize, a.str_short(), why)
-            for a, why in saved_residuals(loss, *inputs)
+            for a, why in saved_residuals(lambda p, s: loss(p, s, cot), params, stream)
             if not why.startswith(("from the argument", "from a constant", "from a literal"))]
     return sorted(rows, key=lambda r: -r[0])
 
@@ -160,7 +164,7 @@ def measured_activation_bytes(loss, inputs) -> tuple[int, int] | None:
     dev = jax.devices()[0]
     if dev.memory_stats() is None:
         return None
-    fwd = jax.jit(lambda *a: jax.vjp(loss, *a)[1])
+    fwd = jax.jit(lambda p, s, c: jax.vjp(lambda p, s: loss(p, s, c), p, s)[1])
     jax.block_until_ready(fwd(*inputs))  # compile and warm outside the measurement
     before = dev.memory_stats()["bytes_in_use"]
     out = fwd(*inputs)
