@@ -21,6 +21,8 @@ tokens without running the layer again (speculative verification; ``k3jax.infer.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -29,6 +31,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
+from k3jax.layers.gates import sigmoid_gate
 from k3jax.layers.linear import param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
@@ -47,6 +50,15 @@ def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"],
     if lower_bound is None:
         return -rate * jax.nn.softplus(z)
     return lower_bound * jax.nn.sigmoid(rate * z)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3, 4))
+def _biased_decay_gate(z: Float[Array, "B T H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
+                       lower_bound: float | None, wide_dtype) -> Float[Array, "B T H K"]:
+    """``decay_gate(z + dt_bias)`` in ``wide_dtype``, recomputed in the backward from the projection's
+    output ``z`` as it comes in (compute dtype): autodiff kept three wide ``[B, T, H, K]`` terms
+    (1.1 GiB per K3 KDA layer at 8 K tokens, ``benchmarks/bench_layer.py --residuals``)."""
+    return decay_gate(z.astype(wide_dtype) + dt_bias.astype(wide_dtype), a_log, lower_bound)
 
 
 def _a_log_init(key, shape, dtype):
@@ -161,8 +173,7 @@ class KDA(nn.Module):
         z = proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(z)
         dt_bias = param(self, "dt_bias", nn.initializers.zeros, (H, K), ("heads", "head_dim"), wide_param_dtype(cfg))
         a_log = param(self, "A_log", _a_log_init, (H,), ("heads",), wide_param_dtype(cfg))
-        z = z.astype(cfg.fp32_dtype) + dt_bias.astype(cfg.fp32_dtype)
-        return decay_gate(z, a_log, c.gate_lower_bound)
+        return _biased_decay_gate(z, dt_bias, a_log, c.gate_lower_bound, cfg.fp32_dtype)
 
     def _output_gate(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
         cfg, c = self.cfg, self.cfg.kda
@@ -204,8 +215,7 @@ class KDA(nn.Module):
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
-        gate = jax.nn.sigmoid(self._output_gate(x).astype(cfg.fp32_dtype))
-        o = (o * gate).astype(dt)  # [B, T, H, K]
+        o = sigmoid_gate(o, self._output_gate(x), cfg.fp32_dtype, dt)  # [B, T, H, K]
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 

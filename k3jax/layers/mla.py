@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers import attention as attention_lib
+from k3jax.layers.gates import sigmoid_gate
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
@@ -241,7 +242,7 @@ class MLA(nn.Module):
             self.sow("stats", "max_logit", max_logit)
         if m.output_gate:
             gate = proj(cfg, "BTD,DHV->BTHV", (D, H, dv), ("embed", "heads", "head_dim"), "g_proj")(x)
-            o = o * jax.nn.sigmoid(gate.astype(wide))
+            o = sigmoid_gate(o, gate, wide, cfg.compute_dtype)
         o = o.astype(cfg.compute_dtype)  # [B, T, H, dv]
         y = proj(cfg, "BTHV,HVD->BTD", (H, dv, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)

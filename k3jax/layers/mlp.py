@@ -1,7 +1,8 @@
 """The dense gated MLP: K3's first layer and the fused shared experts (SPEC §4).
 
 ``y = W_down act(W_gate x, W_up x)`` with ``act`` SiTU-GLU (K3) or SwiGLU (Kimi-Linear, K2); the
-activation runs in fp32 (``pallas_kernels.moe.activations``, shared with the routed experts).
+activation runs in fp32 (``pallas_kernels.moe.activations``, shared with the routed experts), and
+its backward keeps the two partial derivatives in the compute dtype (``split_gated_activation``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import proj
-from pallas_kernels.moe.activations import gated_activation
-
-
-def activation(cfg: ModelConfig, g, u):
-    """The configured GLU activation of gate ``g`` and up ``u``, in fp32 (or wider)."""
-    m = cfg.mlp
-    return gated_activation(g, u, m.activation, m.situ_beta, m.situ_linear_beta)
+from pallas_kernels.moe.activations import split_gated_activation
 
 
 class MLP(nn.Module):
@@ -31,5 +26,7 @@ class MLP(nn.Module):
         D, F = self.cfg.hidden, self.width
         g = proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), "gate")(x)
         u = proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), "up")(x)
-        h = activation(self.cfg, g, u).astype(self.cfg.compute_dtype)  # [B, T, F]
+        m = self.cfg.mlp
+        h = split_gated_activation(g, u, m.activation, m.situ_beta, m.situ_linear_beta,
+                                   self.cfg.compute_dtype)  # [B, T, F]
         return proj(self.cfg, "BTF,FD->BTD", (F, D), ("mlp", "embed"), "down")(h)

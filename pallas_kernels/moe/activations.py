@@ -87,16 +87,20 @@ def packed_gated_activation(
     return a.astype(gu.dtype if out_dtype is None else out_dtype)
 
 
-def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
-    F = gu.shape[-1] // 2
+def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
+    """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
     fn = _activation_fn(activation, situ_beta, situ_linear_beta)
-    g, u = gu[..., :F], gu[..., F:]
     one, zero = jnp.ones_like(g), jnp.zeros_like(g)
     a, d_g = jax.jvp(fn, (g, u), (one, zero))  # elementwise: the tangent is ∂a/∂g itself
     d_u = jax.jvp(fn, (g, u), (zero, one))[1]
-    out = a.astype(gu.dtype if out_dtype is None else out_dtype)
     # the barrier keeps the stored dtype: XLA (excess precision allowed) would fold the cast pair
-    return out, jax.lax.optimization_barrier((d_g.astype(gu.dtype), d_u.astype(gu.dtype)))
+    return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
+
+
+def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
+    F = gu.shape[-1] // 2
+    return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta,
+                             gu.dtype if out_dtype is None else out_dtype, gu.dtype)
 
 
 def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
@@ -107,3 +111,38 @@ def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
 
 
 packed_gated_activation.defvjp(_packed_fwd, _packed_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def split_gated_activation(
+    g: Float[Array, "*B F"],
+    u: Float[Array, "*B F"],
+    activation: str,
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    out_dtype=None,
+) -> Float[Array, "*B F"]:
+    """``gated_activation(g, u)`` cast to ``out_dtype`` (default ``g.dtype``), with the backward of
+    ``packed_gated_activation`` for a gate and an up product made apart (the dense and shared MLPs):
+    the forward stores ``∂a/∂g``, ``∂a/∂u`` in ``g.dtype`` and the backward is two products. Autodiff
+    kept seven float32 ``[T, F]`` terms instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens,
+    ``benchmarks/bench_layer.py --residuals``)."""
+    return gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(
+        g.dtype if out_dtype is None else out_dtype)
+
+
+def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
+    if g.shape != u.shape:
+        raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
+    return _with_derivatives(g, u, activation, situ_beta, situ_linear_beta,
+                             g.dtype if out_dtype is None else out_dtype, g.dtype)
+
+
+def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+    d_g, d_u = res
+    wide = jnp.promote_types(d_g.dtype, jnp.float32)
+    da = da.astype(wide)
+    return (da * d_g.astype(wide)).astype(d_g.dtype), (da * d_u.astype(wide)).astype(d_u.dtype)
+
+
+split_gated_activation.defvjp(_split_fwd, _split_bwd)

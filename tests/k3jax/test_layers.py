@@ -27,6 +27,31 @@ def test_rms_norm_and_l2_normalize():
     assert rel_rmse(l2_normalize(jnp.asarray(x), 1e-6), want) <= F32_RTOL
 
 
+def _rms_norm_autodiff(x, w, eps, wide):
+    xw = x.astype(wide)
+    return xw * jax.lax.rsqrt(jnp.mean(jnp.square(xw), axis=-1, keepdims=True) + eps) * w.astype(wide)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_backward_matches_autodiff_and_keeps_one_row_copy(dtype):
+    """The written-out backward equals autodiff of the formula (x and the scale), and what it keeps
+    for the backward is ``x`` itself (an argument) and the per-row ``1/rms``: no fp32 row copies."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x = jnp.asarray(RNG.normal(size=(2, 6, 16)) * 3, dtype)
+    w = jnp.asarray(RNG.uniform(0.5, 1.5, size=16), dtype)
+    dy = jnp.asarray(RNG.normal(size=(2, 6, 16)), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w, 1e-5, jnp.float32) * dy)
+    got = jax.grad(loss(rms_norm), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(_rms_norm_autodiff), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype == dtype
+        assert rel_rmse(np.asarray(g, np.float64), np.asarray(r, np.float64)) <= (F32_RTOL if dtype == jnp.float32 else 1e-2)
+    np.testing.assert_array_equal(rms_norm(x, w, 1e-5, jnp.float32), _rms_norm_autodiff(x, w, 1e-5, jnp.float32))
+    kept = [a.shape for a, why in saved_residuals(loss(rms_norm), x, w) if why.startswith("output of")]
+    assert kept == [(2, 6, 1)]
+
+
 def test_decay_gates():
     z = jnp.asarray(RNG.normal(size=(1, 4, 2, 3)) * 3, jnp.float32)
     a_log = jnp.asarray(np.log([1.5, 12.0]), jnp.float32)

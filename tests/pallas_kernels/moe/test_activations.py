@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.activations import gated_activation, packed_gated_activation, situ_glu, swiglu
+from pallas_kernels.moe.activations import (gated_activation, packed_gated_activation, situ_glu, split_gated_activation,
+                                             swiglu)
 from tests.tolerances import BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 
@@ -61,6 +62,30 @@ def test_packed_equals_unpacked_values_and_grads(activation, dtype):
     got, want = jax.grad(loss(packed))(gu), jax.grad(loss(unpacked))(gu)
     assert got.dtype == dtype and got.shape == gu.shape
     assert rel_rmse(got, want) <= (F32_RTOL if dtype == jnp.float32 else BF16_GRAD_RTOL)
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_equals_autodiff_values_and_grads(activation, dtype):
+    """``split_gated_activation(g, u)`` == ``gated_activation(g, u)`` cast, its backward == autodiff,
+    and what it keeps for the backward is two ``[., F]`` arrays in the input dtype."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(7), 3)
+    g, u = ((jax.random.normal(k, (2, 32, 24)) * 3).astype(dtype) for k in (k1, k2))
+    da = jax.random.normal(k3, (2, 32, 24))
+    split = lambda g, u: split_gated_activation(g, u, activation, 4.0, 25.0, dtype)
+    plain = lambda g, u: gated_activation(g, u, activation).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(split(g, u), np.float32), np.asarray(plain(g, u), np.float32))
+    loss = lambda f: lambda g, u: jnp.sum(f(g, u).astype(jnp.float32) * da)
+    got, want = jax.grad(loss(split), argnums=(0, 1))(g, u), jax.grad(loss(plain), argnums=(0, 1))(g, u)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and a.shape == g.shape
+        assert rel_rmse(a, b) <= (F32_RTOL if dtype == jnp.float32 else BF16_GRAD_RTOL)
+    kept = [(a.shape, a.dtype) for a, why in saved_residuals(loss(split), g, u) if why.startswith("output of")]
+    assert sorted(kept, key=str) == [((2, 32, 24), jnp.dtype(dtype))] * 2
+    with pytest.raises(ValueError, match="u.shape"):
+        jax.grad(loss(split))(g, u[:, :16])
 
 
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])

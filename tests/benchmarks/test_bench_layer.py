@@ -1,0 +1,46 @@
+"""benchmarks/bench_layer.py: the expert-parallel stand-in, the FLOP count, the residual accounting."""
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks.bench_layer import activation_bytes, layer_config, layer_flops, layer_index, make_case
+from benchmarks.layer_breakdown import kernel_kind
+
+
+def test_stand_in_is_one_rank_of_16_way_expert_parallelism():
+    cfg = layer_config("kimi_k3", 56, 16, "bfloat16")
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden, cfg.moe.latent_dim) == (56, 16, 7168, 3584)
+    assert 896 // 16 == cfg.moe.num_experts  # K3's experts over 16 ranks
+    assert (layer_index(cfg, "kda"), layer_index(cfg, "mla")) == (46, 47)  # mid-stack, 4 stored AttnRes blocks
+    with pytest.raises(ValueError, match="top_k"):
+        layer_config("kimi_k3", 56, 57, "bfloat16")
+    with pytest.raises(ValueError, match="kind"):
+        layer_index(layer_config("tiny", 8, 2, "float32"), "gqa")
+
+
+def _sizes(params):
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    expert = sum(np.prod(v.shape) for p, v in leaves if str(p[-1].key) in ("w1", "w2", "w3"))
+    return sum(np.prod(v.shape) for _, v in leaves), expert
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_flops_count_k_of_e_experts_and_remat_keeps_less(kind):
+    cfg = layer_config("tiny", 8, 2, "float32")
+    loss, inputs, _ = make_case(cfg, kind, 32, "none", jax.random.key(0), abstract=True)
+    total, expert = _sizes(inputs[0])
+    active = total - expert + expert * 2 / 8
+    flops = layer_flops(cfg, inputs[0], kind, 32)
+    assert 32 * 6 * active < flops < 32 * 6 * active * 1.5  # plus the token mixer's own term
+    kept = {r: activation_bytes(*make_case(cfg, kind, 32, r, jax.random.key(0), abstract=True)[:2])
+            for r in ("none", "moe", "layer")}
+    assert kept["none"] > kept["moe"] > kept["layer"]
+
+
+def test_kernel_kinds():
+    assert kernel_kind("moe_gmm") == "moe grouped matmul (Pallas)"
+    assert kernel_kind("kda_prep_fwd") == "kda kernels (Pallas)"
+    assert kernel_kind("mla_flash_dq") == "mla flash (Pallas)"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense matmul (cuBLAS / XLA gemm)"
+    assert kernel_kind("loop_multiply_fusion_3") == "XLA glue (fusions, copies, reductions)"
