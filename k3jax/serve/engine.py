@@ -1,0 +1,309 @@
+"""The continuous-batching engine: requests join and leave between steps over one paged cache.
+
+Each ``step()``:
+
+1. Admit waiting requests (FIFO) while a slot is free: match the prompt in the prefix index,
+   pin the shared pages, reserve private pages for the rest of prompt + ``max_tokens`` (evicting
+   unreferenced cached prefixes if needed; if that fails the request keeps waiting), copy a
+   partial tail page, load the KDA snapshot into the slot.
+2. Decode: one token for every decoding slot, one program ``[num_slots, 1]``.
+3. Prefill: the rest of the step's token budget goes to prompt chunks (``prefill_lanes`` lanes
+   of ``chunk`` tokens); a chunk that does not finish its prompt ends on a page boundary, so
+   snapshots can be taken there. A finished prompt samples its first token.
+4. Cache: every page a request fills joins the prefix index at once (other requests can share it
+   while it runs), with a KDA snapshot every ``snapshot_every`` pages; a finished request leaves
+   its partial last page and final state as a tail node (the next turn of a conversation resumes
+   there), then its slot and private pages are freed.
+
+Shapes are static: lanes are fixed, token widths are 1 and ``chunk``, and pages per lane come in
+power-of-two buckets; ``warm_up()`` compiles every program, after which nothing compiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from k3jax.config import ModelConfig
+from k3jax.serve import pages as paged_ops
+from k3jax.serve.allocator import Allocator, Budget
+from k3jax.serve.config import EngineConfig
+from k3jax.serve.params import SamplingParams
+from k3jax.serve.radix import Match, PrefixIndex
+from k3jax.serve.request import Request, State
+from k3jax.serve.step import RowSampling, model_step
+
+_COMPILES = [0]
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compilations() -> int:
+    """XLA compilations in this process so far (jax's backend-compile monitoring event)."""
+    return _COMPILES[0]
+
+
+class Engine:
+    def __init__(self, variables: dict, cfg: ModelConfig, ecfg: EngineConfig = EngineConfig(), *,
+                 decode: Callable[[list[int]], str] | None = None):
+        if ecfg.max_context > cfg.max_position:
+            raise ValueError(f"max_context={ecfg.max_context} must be <= the model's max_position={cfg.max_position}")
+        self.variables, self.cfg, self.ecfg, self.decode = variables, cfg, ecfg, decode
+        probe = paged_ops.init_paged(cfg, num_slots=1, num_pages=1, page_size=ecfg.page_size, num_snapshots=1)
+        self.page_bytes, self.snapshot_bytes = paged_ops.page_bytes(probe), paged_ops.snapshot_bytes(probe)
+        # Default: every slot's full context twice over, and eight snapshots per slot.
+        default = max(2 * ecfg.num_slots * ecfg.max_pages * self.page_bytes / (1 - ecfg.snapshot_share),
+                      8 * ecfg.num_slots * self.snapshot_bytes / ecfg.snapshot_share)
+        self.budget = Budget.split(int(ecfg.cache_bytes or default), self.page_bytes, self.snapshot_bytes,
+                                   ecfg.snapshot_share)
+        self.paged = paged_ops.init_paged(cfg, num_slots=ecfg.num_slots, num_pages=self.budget.num_pages,
+                                          page_size=ecfg.page_size, num_snapshots=self.budget.num_snapshots)
+        self.index = PrefixIndex(ecfg.page_size)
+        self.alloc = Allocator(self.budget, self.index)
+        self.page_table = np.zeros((ecfg.num_slots + 1, ecfg.max_pages), np.int32)  # last row: scratch slot
+        self.slots: list[Request | None] = [None] * ecfg.num_slots
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.incoming: collections.deque[Request] = collections.deque()
+        self.wake = threading.Condition()
+        self.stats = collections.Counter()
+        self._bucket: int | None = None  # warm_up's forced page bucket
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> Request:
+        """Queue a request (thread-safe); ``ValueError`` for a prompt or parameters it cannot serve."""
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"prompt ids must lie in [0, vocab_size={self.cfg.vocab_size})")
+        params.check_vocab(self.cfg.vocab_size)
+        if ids.size + params.max_tokens > self.ecfg.max_context:
+            raise ValueError(f"the prompt ({ids.size} tokens) plus max_tokens={params.max_tokens} must fit the "
+                             f"context of {self.ecfg.max_context} tokens")
+        if -(-(ids.size + params.max_tokens) // self.ecfg.page_size) > self.budget.num_pages - 1:
+            raise ValueError(f"the prompt plus max_tokens needs more cache pages than the whole budget holds "
+                             f"({self.budget.num_pages - 1})")
+        req = Request([int(t) for t in ids], params, self.decode)
+        with self.wake:
+            self.incoming.append(req)
+            self.wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop ``req`` (thread-safe): its slot and private pages are freed at the next step."""
+        req.cancelled = True
+        with self.wake:
+            self.wake.notify()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.incoming or self.waiting or any(self.slots))
+
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the prefix index / prompt tokens admitted."""
+        return self.stats["hit_tokens"] / max(self.stats["prompt_tokens"], 1)
+
+    def metrics(self) -> dict:
+        return {**self.stats, "hit_rate": self.hit_rate(), "evicted_pages": self.alloc.stats.evicted_pages,
+                "dropped_snapshots": self.alloc.stats.dropped_snapshots, "pages_in_use": self.alloc.pages_in_use,
+                "num_pages": self.budget.num_pages - 1, "num_snapshots": self.budget.num_snapshots}
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run ``prompts`` to completion on this thread (tests, benchmarks); the generated ids."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        reqs = [self.submit(p, q) for p, q in zip(prompts, params)]
+        while any(r.state is not State.DONE for r in reqs):
+            self.step()
+        return [r.generated for r in reqs]
+
+    def warm_up(self) -> None:
+        """Compile every program the engine can run (all lanes idle: nothing in the cache changes)."""
+        S, L, C = self.ecfg.num_slots, self.ecfg.prefill_lanes, self.ecfg.chunk
+        idle = lambda B, T, ids: self._call(ids, np.zeros((B, T), np.int32), np.zeros((B,), np.int32), {})
+        for pages in self.ecfg.page_buckets:
+            self._bucket = pages
+            idle(S, 1, np.arange(S, dtype=np.int32))
+            idle(L, C, np.full((L,), S, np.int32))
+        self._bucket = None
+        scratch, spare = np.int32(S), np.int32(0)
+        self.paged = paged_ops.save_snapshot(self.paged, scratch, spare)
+        self.paged = paged_ops.load_snapshot(self.paged, spare, scratch, np.bool_(True))
+        self.paged = paged_ops.copy_page(self.paged, np.int32(0), np.int32(0))
+        jax.block_until_ready(self.paged)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        with self.wake:
+            self.waiting.extend(self.incoming)
+            self.incoming.clear()
+        for req in [r for r in self.slots if r is not None and r.cancelled]:
+            self._release(req, "cancelled", cache=False)
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            req.finish("cancelled")
+        while self.waiting and None in self.slots and self._admit(self.waiting[0]):
+            self.waiting.popleft()
+        decoding = [r for r in self.slots if r is not None and r.state is State.DECODE]
+        if decoding:
+            self._decode(decoding)
+        budget = self.ecfg.budget_tokens - len(decoding)
+        prefilling = [r for r in self.slots if r is not None and r.state is State.PREFILL]
+        prefilling.sort(key=lambda r: r.id)
+        if prefilling and budget > 0:
+            self._prefill(prefilling[:self.ecfg.prefill_lanes], budget)
+        self.stats["steps"] += 1
+
+    def _admit(self, req: Request) -> bool:
+        P = self.ecfg.page_size
+        limit = len(req.prompt) - 1  # at least one prompt token is fed: its logits give the first token
+        match = self.index.match(req.prompt, limit) if self.ecfg.prefix_cache else Match(0, [], None, None)
+        pinned = match.nodes + ([match.tail] if match.tail else [])
+        for n in pinned:  # before allocating: eviction must not take the matched prefix
+            n.refs += 1
+        need = -(-(len(req.prompt) + req.params.max_tokens - 1) // P) - len(match.nodes)
+        private = self.alloc.pages(need)
+        if match.tail:
+            match.tail.refs -= 1
+        if private is None:
+            for n in match.nodes:
+                n.refs -= 1
+            return False
+        slot = self.slots.index(None)
+        self.slots[slot], req.slot, req.state = req, slot, State.PREFILL
+        req.refs, req.owned = list(match.nodes), set(private)
+        req.pages = [n.page for n in match.nodes] + private
+        req.node = match.nodes[-1] if match.nodes else self.index.root
+        req.length = req.hit = match.length
+        self.page_table[slot] = 0
+        self.page_table[slot, :len(req.pages)] = req.pages
+        if match.tail is not None:
+            self.paged = paged_ops.copy_page(self.paged, np.int32(match.tail.page), np.int32(private[0]))
+        self.paged = paged_ops.load_snapshot(self.paged, np.int32(match.snapshot or 0), np.int32(slot),
+                                             np.bool_(match.snapshot is None))
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self.stats["hit_tokens"] += match.length
+        return True
+
+    def _decode(self, reqs: list[Request]) -> None:
+        S = self.ecfg.num_slots
+        tokens, num_new = np.zeros((S, 1), np.int32), np.zeros((S,), np.int32)
+        for r in reqs:
+            tokens[r.slot, 0], num_new[r.slot] = r.tokens[r.length], 1
+        out = self._call(np.arange(S, dtype=np.int32), tokens, num_new, {r.slot: r for r in reqs})
+        for r in reqs:
+            r.length += 1
+            self._advance(r, int(out[r.slot]))
+
+    def _prefill(self, reqs: list[Request], budget: int) -> None:
+        L, C, P = self.ecfg.prefill_lanes, self.ecfg.chunk, self.ecfg.page_size
+        tokens, num_new = np.zeros((L, C), np.int32), np.zeros((L,), np.int32)
+        slot_ids = np.full((L,), self.ecfg.num_slots, np.int32)
+        lanes = {}
+        for lane, r in enumerate(reqs):
+            if budget <= 0:
+                break
+            end = min(len(r.prompt), r.length + C, r.length + budget)
+            if end < len(r.prompt) and end // P * P > r.length:
+                end = end // P * P  # stop on a page boundary: a snapshot can be taken there
+            n = end - r.length
+            tokens[lane, :n], num_new[lane], slot_ids[lane] = r.prompt[r.length:end], n, r.slot
+            lanes[lane] = r
+            budget -= n
+        out = self._call(slot_ids, tokens, num_new, lanes)
+        for lane, r in lanes.items():
+            r.length += int(num_new[lane])
+            self.stats["prefill_tokens"] += int(num_new[lane])
+            if r.length == len(r.prompt):
+                r.state = State.DECODE
+                self._advance(r, int(out[lane]))
+            else:
+                self._cache_pages(r)
+
+    def _call(self, slot_ids, tokens, num_new, lanes: dict) -> np.ndarray:
+        """One model program over ``lanes`` (lane -> request); the token sampled for each lane."""
+        B = len(slot_ids)
+        lengths = np.zeros((B,), np.int32)
+        temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+        top_k, seed, pos = np.zeros((B,), np.int32), np.zeros((B,), np.uint32), np.zeros((B,), np.int32)
+        pages = 1
+        for lane, r in lanes.items():
+            lengths[lane] = r.length
+            q = r.params
+            temp[lane], top_p[lane], top_k[lane], seed[lane] = q.temperature, q.top_p, q.k, q.seed
+            pos[lane] = r.length + num_new[lane]  # the sampled token's position
+            pages = max(pages, -(-(r.length + int(num_new[lane])) // self.ecfg.page_size))
+        table = self.page_table[slot_ids, :self._bucket or self.ecfg.bucket(pages)]
+        out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
+                                     RowSampling(temp, top_k, top_p, seed, pos), cfg=self.cfg)
+        return np.asarray(out)
+
+    def _advance(self, r: Request, token: int) -> None:
+        """After the cache grew: index the filled pages, then take the sampled token."""
+        self._cache_pages(r)
+        self.stats["generated_tokens"] += 1
+        if r.push(token):
+            self._release(r, r.finish_reason, cache=True)
+
+    # -- the prefix index --------------------------------------------------------------------------
+
+    def _cache_pages(self, r: Request) -> None:
+        """Every page ``r`` has filled joins the index (shared from now on), with snapshots."""
+        P = self.ecfg.page_size
+        while self.ecfg.prefix_cache and r.length >= r.node.depth + P:
+            i = r.node.depth // P
+            key = tuple(r.tokens[r.node.depth:r.node.depth + P])
+            child = self.index.child(r.node, key)
+            if child is None:
+                child = self.index.add(r.node, key, r.pages[i])
+                r.owned.discard(r.pages[i])
+            child.refs += 1
+            child.touch()
+            r.refs.append(child)
+            r.node = child
+            if r.length == child.depth and child.snapshot is None and (i + 1) % self.ecfg.snapshot_every == 0:
+                self._snapshot(r, child)
+
+    def _snapshot(self, r: Request, node) -> bool:
+        snap = self.alloc.snapshot()
+        if snap is None:
+            return False
+        self.paged = paged_ops.save_snapshot(self.paged, np.int32(r.slot), np.int32(snap))
+        node.snapshot = snap
+        return True
+
+    def _release(self, r: Request, reason: str, *, cache: bool) -> None:
+        """Free ``r``'s slot; with ``cache``, its last partial page and final state become a tail node."""
+        P = self.ecfg.page_size
+        if cache and self.ecfg.prefix_cache:
+            tail = r.length - r.node.depth
+            if tail == 0 and r.node.snapshot is None and r.node is not self.index.root:
+                self._snapshot(r, r.node)
+            elif tail > 0 and self.index.child(r.node, tuple(r.tokens[r.node.depth:r.length])) is None:
+                node = self.index.add(r.node, tuple(r.tokens[r.node.depth:r.length]), r.pages[r.node.depth // P])
+                r.owned.discard(node.page)
+                if not self._snapshot(r, node):
+                    self.index.remove(node)
+                    r.owned.add(node.page)
+        self.alloc.release_pages(sorted(r.owned))
+        for n in r.refs:
+            n.refs -= 1
+        r.owned, r.refs = set(), []
+        self.slots[r.slot] = None
+        self.page_table[r.slot] = 0
+        if r.finish_reason is None:
+            r.finish(reason)
+        r.state = State.DONE
