@@ -19,6 +19,7 @@ class EngineConfig:
     snapshot_share: float = 0.25  # at most this part of cache_bytes holds KDA snapshots
     snapshot_every: int = 4  # KDA snapshot every this many pages along a sequence (plus at its end)
     prefix_cache: bool = True  # reuse cached prefixes across requests
+    buckets: tuple[int, ...] = ()  # pages gathered per lane, one program each (empty: powers of two)
 
     def __post_init__(self):
         for name in ("num_slots", "page_size", "max_context", "chunk", "prefill_lanes", "snapshot_every"):
@@ -29,6 +30,12 @@ class EngineConfig:
             raise ValueError(f"page_size={self.page_size} must be a power of two <= {KEY_BLOCK}")
         if self.chunk % self.page_size:
             raise ValueError(f"chunk={self.chunk} must be a multiple of page_size={self.page_size}")
+        if self.buckets and (list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1
+                             or self.buckets[-1] != self.max_pages
+                             or any(b * self.page_size > KEY_BLOCK and b * self.page_size % KEY_BLOCK
+                                    for b in self.buckets)):
+            raise ValueError(f"buckets={self.buckets} must increase, end at max_pages={self.max_pages}, and each "
+                             f"hold <= {KEY_BLOCK} tokens or a multiple of {KEY_BLOCK}")
         if self.step_tokens is not None and self.step_tokens < self.num_slots + 1:
             raise ValueError(f"step_tokens={self.step_tokens} must be >= num_slots + 1 = {self.num_slots + 1} "
                              "(every slot decoding, and prefill still progressing)")
@@ -46,7 +53,9 @@ class EngineConfig:
 
     @property
     def page_buckets(self) -> tuple[int, ...]:
-        """Pages gathered per lane: powers of two up to ``max_pages`` (one program each)."""
+        """Pages gathered per lane: ``buckets``, or powers of two up to ``max_pages`` (one program each)."""
+        if self.buckets:
+            return self.buckets
         out, n = [], 1
         while n < self.max_pages:
             out.append(n)

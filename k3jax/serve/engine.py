@@ -66,17 +66,31 @@ class Engine:
                       8 * ecfg.num_slots * self.snapshot_bytes / ecfg.snapshot_share)
         self.budget = Budget.split(int(ecfg.cache_bytes or default), self.page_bytes, self.snapshot_bytes,
                                    ecfg.snapshot_share)
-        self.paged = paged_ops.init_paged(cfg, num_slots=ecfg.num_slots, num_pages=self.budget.num_pages,
-                                          page_size=ecfg.page_size, num_snapshots=self.budget.num_snapshots)
-        self.index = PrefixIndex(ecfg.page_size)
-        self.alloc = Allocator(self.budget, self.index)
-        self.page_table = np.zeros((ecfg.num_slots + 1, ecfg.max_pages), np.int32)  # last row: scratch slot
         self.slots: list[Request | None] = [None] * ecfg.num_slots
+        self._reset_cache()
         self.waiting: collections.deque[Request] = collections.deque()
         self.incoming: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
         self.stats = collections.Counter()
         self._bucket: int | None = None  # warm_up's forced page bucket
+
+    def _reset_cache(self) -> None:
+        """Empty pools, index and page tables (at start, and after a failed step left them unknown)."""
+        ecfg = self.ecfg
+        self.paged = paged_ops.init_paged(self.cfg, num_slots=ecfg.num_slots, num_pages=self.budget.num_pages,
+                                          page_size=ecfg.page_size, num_snapshots=self.budget.num_snapshots)
+        self.index = PrefixIndex(ecfg.page_size)
+        self.alloc = Allocator(self.budget, self.index)
+        self.page_table = np.zeros((ecfg.num_slots + 1, ecfg.max_pages), np.int32)  # last row: scratch slot
+
+    def fail_all(self, message: str) -> None:
+        """End every request with ``error: message`` and start from an empty cache."""
+        for r in [r for r in self.slots if r is not None]:
+            self.slots[r.slot] = None
+            r.finish(f"error: {message}")
+        while self.waiting:
+            self.waiting.popleft().finish(f"error: {message}")
+        self._reset_cache()
 
     # -- requests ----------------------------------------------------------------------------------
 
