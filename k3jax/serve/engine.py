@@ -165,9 +165,11 @@ class Engine:
             self.incoming.clear()
         for req in [r for r in self.slots if r is not None and r.cancelled]:
             self._release(req, "cancelled", cache=False)
+            self.stats["cancelled"] += 1
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             req.finish("cancelled")
+            self.stats["cancelled"] += 1
         while self.waiting and None in self.slots and self._admit(self.waiting[0]):
             self.waiting.popleft()
         decoding = [r for r in self.slots if r is not None and r.state is State.DECODE]

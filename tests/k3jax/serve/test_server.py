@@ -118,25 +118,27 @@ def test_unknown_route_is_a_404(served):
 def test_client_leaving_mid_stream_frees_its_pages(served, make_engine):
     engine, url = served
     want = _expected(make_engine, list(b"keep"), 8)
-    body = {"prompt": "gone", "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": "gone", "max_tokens": 27, "temperature": 0, "stream": True, "ignore_eos": True}
     result = {}
 
     def other():  # runs alongside: must be unaffected
         result["text"] = httpx.post(url + "/v1/completions", json={"prompt": "keep", "max_tokens": 8,
                                                                     "temperature": 0}, timeout=120).json()
+    cancelled = engine.stats["cancelled"]
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        thread = threading.Thread(target=other)
-        thread.start()
-    # closed after the first event: the server's next write fails and the engine cancels it
+        assert next(r.iter_lines()).startswith("data: ")
+        engine.wake.acquire()  # pause the engine loop (after its step) while the client goes away
+    engine.wake.release()  # the server's next writes fail: the engine cancels the request
+    thread = threading.Thread(target=other)
+    thread.start()
     thread.join(timeout=120)
     assert result["text"]["choices"][0]["text"] == want
-    for _ in range(200):
+    for _ in range(400):
         if not engine.busy:
             break
         threading.Event().wait(0.05)
+    assert engine.stats["cancelled"] == cancelled + 1
     assert not engine.busy and all(s is None for s in engine.slots)
     owned_by_index = {n.page for n in engine.index.nodes()}
     assert len(engine.alloc.free_pages) + len(owned_by_index) == engine.budget.num_pages - 1
