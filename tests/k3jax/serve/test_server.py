@@ -128,10 +128,10 @@ def test_client_leaving_mid_stream_frees_its_pages(served, make_engine):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("data: ")
+        thread = threading.Thread(target=other)  # submitted while the stream is running
+        thread.start()
         engine.wake.acquire()  # pause the engine loop (after its step) while the client goes away
     engine.wake.release()  # the server's next writes fail: the engine cancels the request
-    thread = threading.Thread(target=other)
-    thread.start()
     thread.join(timeout=120)
     assert result["text"]["choices"][0]["text"] == want
     for _ in range(400):
