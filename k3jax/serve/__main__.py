@@ -36,23 +36,13 @@ def _serve(args) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} must lie in [0, 65536)")
     ecfg = apply_overrides(EngineConfig(), args.assignments)
-    from k3jax.checkpoint_source import HF, describe_source, load_variables
-    from k3jax.data.tokenizer import load_tokenizer
-
-    kind, folder = describe_source(args.checkpoint)
-    tok_dir = args.tokenizer
-    if tok_dir is None and kind == HF and (folder / "tiktoken.model").exists():
-        tok_dir = str(folder)
-    tokenizer = load_tokenizer(tok_dir)
+    from k3jax.checkpoint_source import load_with_tokenizer
     from k3jax.compile_cache import enable_compilation_cache
     from k3jax.serve.engine import Engine
     from k3jax.serve.server import Server
 
     enable_compilation_cache()
-    cfg, variables = load_variables(args.checkpoint)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
-                         f"{cfg.vocab_size}; use the tokenizer the model was trained with")
+    cfg, variables, tokenizer = load_with_tokenizer(args.checkpoint, args.tokenizer)
     if ecfg.max_context > cfg.max_position:
         ecfg = EngineConfig(**{**ecfg.__dict__, "max_context": cfg.max_position})
     engine = Engine(variables, cfg, ecfg, decode=tokenizer.decode)

@@ -71,7 +71,9 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.incoming: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
-        self.stats = collections.Counter()
+        # every key up front: /health copies the counter from another thread while steps update it
+        self.stats = collections.Counter(dict.fromkeys(
+            ("requests", "prompt_tokens", "hit_tokens", "prefill_tokens", "generated_tokens", "steps", "cancelled"), 0))
         self._bucket: int | None = None  # warm_up's forced page bucket
 
     def _reset_cache(self) -> None:
