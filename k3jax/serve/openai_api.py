@@ -9,6 +9,7 @@ special ids (and ``<|im_end|>`` ends generation), with the byte tokenizer they a
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -40,7 +41,7 @@ def _sampling(body: dict, tokenizer, end_ids: tuple[int, ...], max_tokens_key: s
     return SamplingParams(
         max_tokens=max_tokens, temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
         top_k=body.get("top_k", 0), stop=stop, stop_token_ids=ids + (() if ignore_eos else end_ids),
-        seed=0 if seed is None else seed)
+        seed=random.getrandbits(32) if seed is None else seed)  # no seed: a fresh draw per request
 
 
 def _stream_flag(body: dict) -> bool:

@@ -166,4 +166,5 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error") -> None:
+        self.close_connection = True  # the body may be unread: do not reuse the connection
         self._json(status, openai_api.error_body(message, kind))

@@ -37,8 +37,13 @@ class RowSampling:
 def sample_rows(logits: Float[Array, "B V"], s: RowSampling) -> Int[Array, "B"]:
     """One token per row from its warped distribution (see the module docstring)."""
     logits = logits.astype(jnp.float32)
-    B, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The sort over the vocabulary is skipped when every row is greedy.
+    return jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, s, greedy), lambda: greedy)
+
+
+def _draw(logits: Float[Array, "B V"], s: RowSampling, greedy: Int[Array, "B"]) -> Int[Array, "B"]:
+    B, V = logits.shape
     z = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     ranked = -jnp.sort(-z, axis=-1)  # [B, V] descending
     rank = jnp.arange(V)[None]
