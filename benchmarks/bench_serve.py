@@ -131,23 +131,26 @@ def main(argv=None) -> dict:
     warm.warm_up()
     cold.warm_up()
     warmed = compilations()
+    print(f"warm-up done: {warmed} compilations in {time.perf_counter() - t0:.1f} s", flush=True)
     results = {"device": jax.devices()[0].device_kind, "model": cfg.name, "engine": dataclasses.asdict(ecfg),
-               "warm_up_s": time.perf_counter() - t0}
-    print(f"warm-up {results['warm_up_s']:.1f} s ({warmed} compilations)", flush=True)
-    results["second_turn"] = second_turn(s, warm, cold, rng)
-    print(json.dumps(results["second_turn"]), flush=True)
+               "warm_up_s": time.perf_counter() - t0, "compilations_in_warm_up": warmed}
+
+    def record(key, value):  # printed and written at once: a run cut short keeps what it measured
+        results[key] = value
+        print(key, json.dumps(value), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    record("warm_up_s", results["warm_up_s"])
+    record("second_turn", second_turn(s, warm, cold, rng))
     prompts, outputs = mixed(s, rng)
-    results["engine_mixed"] = through_engine(warm, prompts, outputs)
-    results["compilations_after_warm_up"] = compilations() - warmed
-    print(json.dumps(results["engine_mixed"]), flush=True)
-    results["fixed_batches"] = fixed_batches(variables, cfg, prompts, outputs, s["batch"])
-    results["speedup"] = results["engine_mixed"]["tokens_per_s"] / results["fixed_batches"]["tokens_per_s"]
-    results["engine_metrics"] = warm.metrics()
-    results["total_s"] = time.perf_counter() - t0
-    print(json.dumps({k: results[k] for k in ("fixed_batches", "speedup", "compilations_after_warm_up", "total_s")}))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    record("engine_mixed", through_engine(warm, prompts, outputs))
+    record("compilations_after_warm_up", compilations() - warmed)
+    record("engine_metrics", warm.metrics())
+    record("fixed_batches", fixed_batches(variables, cfg, prompts, outputs, s["batch"]))
+    record("speedup", results["engine_mixed"]["tokens_per_s"] / results["fixed_batches"]["tokens_per_s"])
+    record("total_s", time.perf_counter() - t0)
     return results
 
 
