@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from k3jax.serve.__main__ import main
@@ -40,6 +39,7 @@ def test_bad_checkpoint(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not ORACLE.is_dir(), reason="the oracle checkpoint is not on this machine")
 def test_serves_the_oracle_checkpoint():
+    openai = pytest.importorskip("openai")
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     sets = ["num_slots=2", "page_size=16", "max_context=64", "chunk=16", "buckets=(4,)"]
     proc = subprocess.Popen([sys.executable, "-m", "k3jax.serve", "--checkpoint", str(ORACLE), "--port", "0",

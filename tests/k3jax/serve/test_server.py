@@ -6,9 +6,10 @@ while another request keeps streaming."""
 import json
 import threading
 
-import httpx
-import openai
 import pytest
+
+httpx = pytest.importorskip("httpx")  # the test extra (setup.cfg) installs both clients
+openai = pytest.importorskip("openai")
 
 from k3jax.data.tokenizer import ByteTokenizer
 from k3jax.serve import SamplingParams
