@@ -174,14 +174,18 @@ class Engine:
             self.stats["cancelled"] += 1
         while self.waiting and None in self.slots and self._admit(self.waiting[0]):
             self.waiting.popleft()
+        # Both programs are dispatched before either's tokens are read: one host sync per step.
+        launched = []
         decoding = [r for r in self.slots if r is not None and r.state is State.DECODE]
         if decoding:
-            self._decode(decoding)
+            launched.append(self._decode(decoding))
         budget = self.ecfg.budget_tokens - len(decoding)
         prefilling = [r for r in self.slots if r is not None and r.state is State.PREFILL]
         prefilling.sort(key=lambda r: r.id)
         if prefilling and budget > 0:
-            self._prefill(prefilling[:self.ecfg.prefill_lanes], budget)
+            launched.append(self._prefill(prefilling[:self.ecfg.prefill_lanes], budget))
+        for out, done in launched:
+            done(np.asarray(out))
         self.stats["steps"] += 1
 
     def _admit(self, req: Request) -> bool:
@@ -216,17 +220,20 @@ class Engine:
         self.stats["hit_tokens"] += match.length
         return True
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, reqs: list[Request]):
+        """Dispatch one token for each of ``reqs``: ``(tokens on the device, what to do with them)``."""
         S = self.ecfg.num_slots
         tokens, num_new = np.zeros((S, 1), np.int32), np.zeros((S,), np.int32)
         for r in reqs:
             tokens[r.slot, 0], num_new[r.slot] = r.tokens[r.length], 1
-        out = self._call(np.arange(S, dtype=np.int32), tokens, num_new, {r.slot: r for r in reqs})
-        for r in reqs:
-            r.length += 1
-            self._advance(r, int(out[r.slot]))
+        def done(out):
+            for r in reqs:
+                r.length += 1
+                self._advance(r, int(out[r.slot]))
+        return self._call(np.arange(S, dtype=np.int32), tokens, num_new, {r.slot: r for r in reqs}), done
 
-    def _prefill(self, reqs: list[Request], budget: int) -> None:
+    def _prefill(self, reqs: list[Request], budget: int):
+        """Dispatch the next prompt chunk of each of ``reqs``: ``(tokens on the device, what to do with them)``."""
         L, C, P = self.ecfg.prefill_lanes, self.ecfg.chunk, self.ecfg.page_size
         tokens, num_new = np.zeros((L, C), np.int32), np.zeros((L,), np.int32)
         slot_ids = np.full((L,), self.ecfg.num_slots, np.int32)
@@ -241,18 +248,20 @@ class Engine:
             tokens[lane, :n], num_new[lane], slot_ids[lane] = r.prompt[r.length:end], n, r.slot
             lanes[lane] = r
             budget -= n
-        out = self._call(slot_ids, tokens, num_new, lanes)
-        for lane, r in lanes.items():
-            r.length += int(num_new[lane])
-            self.stats["prefill_tokens"] += int(num_new[lane])
-            if r.length == len(r.prompt):
-                r.state = State.DECODE
-                self._advance(r, int(out[lane]))
-            else:
-                self._cache_pages(r)
+        def done(out):
+            for lane, r in lanes.items():
+                r.length += int(num_new[lane])
+                self.stats["prefill_tokens"] += int(num_new[lane])
+                if r.length == len(r.prompt):
+                    r.state = State.DECODE
+                    self._advance(r, int(out[lane]))
+                else:
+                    self._cache_pages(r)
+        return self._call(slot_ids, tokens, num_new, lanes), done
 
-    def _call(self, slot_ids, tokens, num_new, lanes: dict) -> np.ndarray:
-        """One model program over ``lanes`` (lane -> request); the token sampled for each lane."""
+    def _call(self, slot_ids, tokens, num_new, lanes: dict) -> jax.Array:
+        """Dispatch one model program over ``lanes`` (lane -> request); the token sampled for each
+        lane, still on the device."""
         B = len(slot_ids)
         lengths = np.zeros((B,), np.int32)
         temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
@@ -267,7 +276,7 @@ class Engine:
         table = self.page_table[slot_ids, :self._bucket or self.ecfg.bucket(pages)]
         out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
                                      RowSampling(temp, top_k, top_p, seed, pos), cfg=self.cfg)
-        return np.asarray(out)
+        return out
 
     def _advance(self, r: Request, token: int) -> None:
         """After the cache grew: index the filled pages, then take the sampled token."""
