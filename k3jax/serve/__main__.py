@@ -12,6 +12,7 @@ listens; the line ``serving MODEL on URL`` says it is ready.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -43,8 +44,9 @@ def _serve(args) -> int:
 
     enable_compilation_cache()
     cfg, variables, tokenizer = load_with_tokenizer(args.checkpoint, args.tokenizer)
-    if ecfg.max_context > cfg.max_position:
-        ecfg = EngineConfig(**{**ecfg.__dict__, "max_context": cfg.max_position})
+    explicit = any(a.partition("=")[0].strip() == "max_context" for a in args.assignments)
+    if ecfg.max_context > cfg.max_position and not explicit:  # the default only; a set value is checked
+        ecfg = dataclasses.replace(ecfg, max_context=cfg.max_position)
     engine = Engine(variables, cfg, ecfg, decode=tokenizer.decode)
     engine.warm_up()
     name = args.model_name or Path(args.checkpoint).resolve().name
