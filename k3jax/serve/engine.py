@@ -54,6 +54,9 @@ def compilations() -> int:
 
 
 class Engine:
+    """One model, one paged cache, many requests: ``submit`` from any thread, ``step`` from one
+    (the server's engine thread, or ``generate`` here), ``cancel`` to stop a request early."""
+
     def __init__(self, variables: dict, cfg: ModelConfig, ecfg: EngineConfig = EngineConfig(), *,
                  decode: Callable[[list[int]], str] | None = None):
         if ecfg.max_context > cfg.max_position:
