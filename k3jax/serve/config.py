@@ -14,6 +14,7 @@ class EngineConfig:
     max_context: int = 8192  # prompt + output tokens of one request
     chunk: int = 2048  # prefill tokens per lane per step (a multiple of page_size)
     prefill_lanes: int = 1  # requests prefilled side by side per step
+    decode_steps: int = 8  # decode steps per device call while no prompt waits to be prefilled
     step_tokens: int | None = None  # token budget per step (default: every slot decoding + full chunks)
     cache_bytes: int | None = None  # pages + snapshots (default: every slot's full context, twice)
     snapshot_share: float = 0.25  # at most this part of cache_bytes holds KDA snapshots
@@ -22,7 +23,8 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()  # pages gathered per lane, one program each (empty: powers of two)
 
     def __post_init__(self):
-        for name in ("num_slots", "page_size", "max_context", "chunk", "prefill_lanes", "snapshot_every"):
+        for name in ("num_slots", "page_size", "max_context", "chunk", "prefill_lanes", "decode_steps",
+                     "snapshot_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")

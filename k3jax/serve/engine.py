@@ -6,7 +6,10 @@ Each ``step()``:
    pin the shared pages, reserve private pages for the rest of prompt + ``max_tokens`` (evicting
    unreferenced cached prefixes if needed; if that fails the request keeps waiting), copy a
    partial tail page, load the KDA snapshot into the slot.
-2. Decode: one token for every decoding slot, one program ``[num_slots, 1]``.
+2. Decode: every decoding slot advances, one program over ``[num_slots]`` lanes. While no prompt
+   waits, it runs up to ``decode_steps`` tokens in one device loop (rows stop on the device at a
+   stop id, their ``max_tokens`` or the next snapshot boundary), else one token, so prefill is
+   never held back by more than a step.
 3. Prefill: the rest of the step's token budget goes to prompt chunks (``prefill_lanes`` lanes
    of ``chunk`` tokens); a chunk that does not finish its prompt ends on a page boundary, so
    snapshots can be taken there. A finished prompt samples its first token.
@@ -32,10 +35,10 @@ from k3jax.config import ModelConfig
 from k3jax.serve import pages as paged_ops
 from k3jax.serve.allocator import Allocator, Budget
 from k3jax.serve.config import EngineConfig
-from k3jax.serve.params import SamplingParams
+from k3jax.serve.params import MAX_STOP_IDS, SamplingParams
 from k3jax.serve.radix import Match, PrefixIndex
 from k3jax.serve.request import Request, State
-from k3jax.serve.step import RowSampling, model_step
+from k3jax.serve.step import RowSampling, decode_block, model_step
 
 _COMPILES = [0]
 
@@ -153,7 +156,8 @@ class Engine:
         idle = lambda B, T, ids: self._call(ids, np.zeros((B, T), np.int32), np.zeros((B,), np.int32), {})
         for pages in self.ecfg.page_buckets:
             self._bucket = pages
-            idle(S, 1, np.arange(S, dtype=np.int32))
+            self._call(np.arange(S, dtype=np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32), {},
+                       np.full((S, MAX_STOP_IDS), -1, np.int32))
             idle(L, C, np.full((L,), S, np.int32))
         self._bucket = None
         scratch, spare = np.int32(S), np.int32(0)
@@ -224,16 +228,30 @@ class Engine:
         return True
 
     def _decode(self, reqs: list[Request]):
-        """Dispatch one token for each of ``reqs``: ``(tokens on the device, what to do with them)``."""
-        S = self.ecfg.num_slots
-        tokens, num_new = np.zeros((S, 1), np.int32), np.zeros((S,), np.int32)
+        """Dispatch up to ``decode_steps`` tokens for each of ``reqs`` (one while prompts wait to be
+        prefilled): ``(tokens [K, slots] on the device, what to do with them)``."""
+        S, K = self.ecfg.num_slots, self.ecfg.decode_steps
+        quiet = not (self.waiting or self.incoming or any(r is not None and r.state is State.PREFILL
+                                                           for r in self.slots))
+        tokens, limit = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+        stop = np.full((S, MAX_STOP_IDS), -1, np.int32)
         for r in reqs:
-            tokens[r.slot, 0], num_new[r.slot] = r.tokens[r.length], 1
+            every = self.ecfg.snapshot_every * self.ecfg.page_size  # blocks end where snapshots are taken
+            to_snapshot = (r.length // every + 1) * every - r.length
+            limit[r.slot] = min(K, r.params.max_tokens - len(r.generated), to_snapshot) if quiet else 1
+            tokens[r.slot] = r.tokens[r.length]
+            stop[r.slot, :len(r.params.stop_token_ids)] = r.params.stop_token_ids
+
         def done(out):
             for r in reqs:
-                r.length += 1
-                self._advance(r, int(out[r.slot]))
-        return self._call(np.arange(S, dtype=np.int32), tokens, num_new, {r.slot: r for r in reqs}), done
+                column = out[:, r.slot]
+                new = [int(t) for t in column[column >= 0]]
+                r.device_length = r.length + len(new)
+                for t in new:
+                    r.length += 1
+                    if self._advance(r, t):
+                        break  # a stop string: the device ran past it, the rest is dropped
+        return self._call(np.arange(S, dtype=np.int32), tokens, limit, {r.slot: r for r in reqs}, stop), done
 
     def _prefill(self, reqs: list[Request], budget: int):
         """Dispatch the next prompt chunk of each of ``reqs``: ``(tokens on the device, what to do with them)``."""
@@ -254,6 +272,7 @@ class Engine:
         def done(out):
             for lane, r in lanes.items():
                 r.length += int(num_new[lane])
+                r.device_length = r.length
                 self.stats["prefill_tokens"] += int(num_new[lane])
                 if r.length == len(r.prompt):
                     r.state = State.DECODE
@@ -262,9 +281,10 @@ class Engine:
                     self._cache_pages(r)
         return self._call(slot_ids, tokens, num_new, lanes), done
 
-    def _call(self, slot_ids, tokens, num_new, lanes: dict) -> jax.Array:
-        """Dispatch one model program over ``lanes`` (lane -> request); the token sampled for each
-        lane, still on the device."""
+    def _call(self, slot_ids, tokens, num_new, lanes: dict, stop=None) -> jax.Array:
+        """Dispatch one model program over ``lanes`` (lane -> request): a prefill chunk
+        (``tokens [B, C]``), or with ``stop`` a decode block (``tokens [B]``, ``num_new`` the
+        lanes' step limits). The sampled tokens, still on the device."""
         B = len(slot_ids)
         lengths = np.zeros((B,), np.int32)
         temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
@@ -274,19 +294,27 @@ class Engine:
             lengths[lane] = r.length
             q = r.params
             temp[lane], top_p[lane], top_k[lane], seed[lane] = q.temperature, q.top_p, q.k, q.seed
-            pos[lane] = r.length + num_new[lane]  # the sampled token's position
+            pos[lane] = r.length + (1 if stop is not None else num_new[lane])  # the (first) sampled token's position
             pages = max(pages, -(-(r.length + int(num_new[lane])) // self.ecfg.page_size))
         table = self.page_table[slot_ids, :self._bucket or self.ecfg.bucket(pages)]
-        out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
-                                     RowSampling(temp, top_k, top_p, seed, pos), cfg=self.cfg)
+        sampling = RowSampling(temp, top_k, top_p, seed, pos)
+        if stop is None:
+            out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
+                                         sampling, cfg=self.cfg)
+        else:
+            out, self.paged = decode_block(self.variables, self.paged, tokens, num_new, stop, slot_ids, table,
+                                           lengths, sampling, cfg=self.cfg, max_steps=self.ecfg.decode_steps)
         return out
 
-    def _advance(self, r: Request, token: int) -> None:
-        """After the cache grew: index the filled pages, then take the sampled token."""
+    def _advance(self, r: Request, token: int) -> bool:
+        """After the cache grew: index the filled pages, then take the sampled token; True when
+        that finished the request."""
         self._cache_pages(r)
         self.stats["generated_tokens"] += 1
         if r.push(token):
             self._release(r, r.finish_reason, cache=True)
+            return True
+        return False
 
     # -- the prefix index --------------------------------------------------------------------------
 
@@ -304,7 +332,8 @@ class Engine:
             child.touch()
             r.refs.append(child)
             r.node = child
-            if r.length == child.depth and child.snapshot is None and (i + 1) % self.ecfg.snapshot_every == 0:
+            if r.length == child.depth == r.device_length and child.snapshot is None \
+                    and (i + 1) % self.ecfg.snapshot_every == 0:
                 self._snapshot(r, child)
 
     def _snapshot(self, r: Request, node) -> bool:
@@ -318,7 +347,7 @@ class Engine:
     def _release(self, r: Request, reason: str, *, cache: bool) -> None:
         """Free ``r``'s slot; with ``cache``, its last partial page and final state become a tail node."""
         P = self.ecfg.page_size
-        if cache and self.ecfg.prefix_cache:
+        if cache and self.ecfg.prefix_cache and r.length == r.device_length:  # the slot's state is at r.length
             tail = r.length - r.node.depth
             if tail == 0 and r.node.snapshot is None and r.node is not self.index.root:
                 self._snapshot(r, r.node)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+MAX_STOP_IDS = 8  # stop ids per request, checked on the device
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -37,8 +39,10 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop) \
                 or len(self.stop) > 16:
             raise ValueError(f"stop={self.stop!r} must be at most 16 non-empty strings")
-        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids) \
+                or len(self.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be at most {MAX_STOP_IDS} non-negative ints "
+                             "(end-of-text ids included)")
         if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32)")
 

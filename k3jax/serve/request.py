@@ -43,6 +43,7 @@ class Request:
         self.tokens = list(prompt)  # prompt + generated; the first ``length`` are in the cache
         self.generated: list[int] = []
         self.length = 0
+        self.device_length = 0  # tokens the slot's device state has consumed (> length: ran past a stop string)
         self.state = State.WAITING
         self.slot: int | None = None
         self.pages: list[int] = []  # the page table (index i: tokens [i·page, (i+1)·page))

@@ -119,3 +119,23 @@ def test_bad_requests_are_refused(make_engine, prompt, params, match):
 def test_invalid_sampling_parameters(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_decode_blocks_that_run_past_a_stop_string_cache_nothing_wrong(make_engine):
+    from k3jax.data.tokenizer import ByteTokenizer
+
+    decode = ByteTokenizer().decode
+    prompt, params = [40, 41, 42, 43], SamplingParams(max_tokens=6, temperature=0.0)
+    (full,) = make_engine(False).generate([prompt], params)
+    stop = decode(full[:3])[-1]  # a character of the third token: the device block runs past it
+    reuse, cold = make_engine(True, decode=decode), make_engine(False, decode=decode)
+    stopped = dict(max_tokens=6, temperature=0.0, stop=(stop,))
+    req = reuse.submit(prompt, SamplingParams(**stopped))
+    while req.state is not State.DONE:
+        reuse.step()
+    out = req.generated
+    assert len(out) < len(full) and out == full[:len(out)] and req.finish_reason == "stop"
+    assert req.device_length > req.length  # the block ran on: its final state was not cached
+    turn2 = prompt + out + [7]
+    assert reuse.generate([turn2], params) == cold.generate([turn2], params)
+    _pages_accounted(reuse)
