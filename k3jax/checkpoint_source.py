@@ -71,6 +71,23 @@ def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> t
     return _load_orbax(folder, abstract or abstract_variables)
 
 
+def load_with_tokenizer(path: str | Path, tokenizer_dir: str | None = None) -> tuple[ModelConfig, dict, Any]:
+    """``(cfg, variables, tokenizer)`` for a text command line: the K3 tokenizer from
+    ``tokenizer_dir``, else from the HF folder's own ``tiktoken.model``, else bytes (checked before
+    the weights are read); ``ValueError`` when it has more ids than the model."""
+    from k3jax.data.tokenizer import load_tokenizer
+
+    kind, folder = describe_source(path)
+    if tokenizer_dir is None and kind == HF and (folder / "tiktoken.model").exists():
+        tokenizer_dir = str(folder)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    cfg, variables = load_variables(path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{cfg.vocab_size}; use the tokenizer the model was trained with")
+    return cfg, variables, tokenizer
+
+
 def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
     from k3jax.train.checkpoint import Checkpointer
     from k3jax.train.config import CheckpointConfig

@@ -80,22 +80,12 @@ def _generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     check_sampling(args.temperature, args.top_k, args.top_p)
-    from k3jax.checkpoint_source import HF, describe_source, load_variables
-    from k3jax.data.tokenizer import load_tokenizer
-
-    kind, folder = describe_source(args.checkpoint)
-    tok_dir = args.tokenizer
-    if tok_dir is None and kind == HF and (folder / "tiktoken.model").exists():
-        tok_dir = str(folder)
-    tokenizer = load_tokenizer(tok_dir)
+    from k3jax.checkpoint_source import load_with_tokenizer
     from k3jax.compile_cache import enable_compilation_cache
     from k3jax.infer.generate import generate
 
     enable_compilation_cache()
-    cfg, variables = load_variables(args.checkpoint)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
-                         f"{cfg.vocab_size}; use the tokenizer the model was trained with")
+    cfg, variables, tokenizer = load_with_tokenizer(args.checkpoint, args.tokenizer)
     prompts = [list(tokenizer.encode(p)) for p in args.prompt]
     single = len(prompts) == 1
     text = TextStream(tokenizer, args.prompt[0])
