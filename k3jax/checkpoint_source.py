@@ -60,11 +60,19 @@ def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> t
     kind, folder = describe_source(path)
     if kind in (HF, CONVERTED):
         from k3jax.convert import load_hf
-        from k3jax.convert.orbax_ckpt import restore_orbax
+        from k3jax.convert.orbax_ckpt import model_config, read_metadata, restore_orbax
+        from k3jax.convert.orbax_layout import in_layout
 
-        cfg, variables = load_hf(str(folder)) if kind == HF else restore_orbax(folder)
-        if abstract is not None:
-            want = abstract(cfg)
+        if kind == HF:
+            cfg, variables = load_hf(str(folder))
+        else:
+            cfg = model_config(read_metadata(folder))
+        want = None if abstract is None else abstract(cfg)
+        layout = None if want is None else _layout_of(want)  # None: the config's own
+        if kind == CONVERTED:  # either stored layout, restored in the one asked for
+            cfg, variables = restore_orbax(folder, layout=layout)
+        if want is not None:
+            variables = in_layout(variables, cfg, layout)
             _check_layout(variables, want, folder)
             variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
         return cfg, variables
@@ -94,6 +102,13 @@ def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
         raise ValueError(f"checkpoint {str(folder)!r} holds no restorable step")
     state, _, _ = restored
     return found["cfg"], {"params": state["params"]["model"], "balance": state["balance"]["model"]}
+
+
+def _layout_of(variables: dict) -> str:
+    """``"scanned"`` when the tree holds the scanned stack's stacked entry, else ``"per-layer"``."""
+    from k3jax.layout import STACK
+
+    return "scanned" if STACK in variables["params"] else "per-layer"
 
 
 def _check_layout(variables: dict, want: dict, folder: Path) -> None:

@@ -1,6 +1,7 @@
 """``python -m k3jax.convert {hf-to-orbax, orbax-to-hf, inspect}``: real weights in and out of k3jax.
 
-    python -m k3jax.convert hf-to-orbax SRC DST [--mesh expert=8] [--dtype bfloat16|float32] [--overwrite]
+    python -m k3jax.convert hf-to-orbax SRC DST [--mesh expert=8] [--dtype bfloat16|float32]
+                                                [--layout per-layer|scanned] [--overwrite]
     python -m k3jax.convert orbax-to-hf SRC DST [--dtype bfloat16] [--mxfp4 | --no-mxfp4] [--overwrite]
     python -m k3jax.convert inspect PATH
 
@@ -8,8 +9,10 @@
 (``--mesh`` as ``axis=size`` over data, fsdp, expert, sequence, tensor; one size may be -1) and
 writes them with orbax. Under several processes (``jax.distributed``; started from the usual
 environment, see ``sharding.mesh.maybe_initialize_distributed``) run the same command in every
-process. The layer stack is stored per layer (``layers_{i}``); a stacked layout would be one
-per-layer <-> stacked function applied to the tree on each side (``k3jax.convert.orbax_ckpt``).
+process. ``--layout per-layer`` (default) stores one ``layers_{i}`` subtree per layer; ``--layout
+scanned`` stores the scanned stack's stacked leaves, which a scanned model restores as they are
+(``k3jax.convert.orbax_layout``). Every reader (restore, ``inspect``, ``orbax-to-hf``, ``train
+--init-from``, ``generate --checkpoint``) takes both.
 Every user error is one ``error: ...`` line on stderr and exit status 2 (``--debug``: traceback).
 """
 
@@ -19,6 +22,7 @@ import argparse
 import sys
 
 from k3jax.convert.convert import total_bytes
+from k3jax.convert.orbax_layout import LAYOUTS
 
 DTYPES = ("bfloat16", "float32")
 
@@ -71,10 +75,11 @@ def _hf_to_orbax(args) -> int:
     mesh = make_mesh(**sizes) if sizes is not None else None
     bar = _bar(args, "hf-to-orbax", len(source.table), total_bytes(source.cfg, args.dtype))
     meta = hf_to_orbax(args.src, args.dst, mesh=mesh, dtype=jnp.dtype(args.dtype), overwrite=args.overwrite,
-                       group_bytes=int(args.group_mb * 2**20), progress=bar, source=source)
+                       group_bytes=int(args.group_mb * 2**20), progress=bar, source=source, layout=args.layout)
     if bar is not None:
         bar.close()
-    print(f"wrote {args.dst}: {meta['tensors']} tensors, {meta['bytes'] / 2**20:.1f} MiB ({meta['dtype']})")
+    print(f"wrote {args.dst}: {meta['tensors']} tensors, {meta['bytes'] / 2**20:.1f} MiB ({meta['dtype']}, "
+          f"{meta['layout']} layout)")
     return 0
 
 
@@ -110,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("dst")
     h.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: one device; one process only)")
     h.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored parameter dtype (fp32 leaves stay fp32)")
+    h.add_argument("--layout", choices=LAYOUTS, default="per-layer",
+                   help="per-layer: layers_{i} subtrees; scanned: the scanned stack's stacked leaves")
     h.add_argument("--group-mb", type=float, default=512.0, help="MiB of leaves per orbax write (memory bound)")
     o = sub.add_parser("orbax-to-hf", help="k3jax orbax checkpoint -> Hugging Face folder (MXFP4 experts for K3)")
     o.add_argument("src")

@@ -3,13 +3,16 @@
 ``hf_to_orbax``:
 1. checks ``DST`` (refused when present, unless ``overwrite``) and the whole source — config
    family, every key, shape, dtype and byte range (``HFSource``) — before anything is written;
-2. builds the leaves a group at a time (``group_bytes``), each as a sharded ``jax.Array`` whose
-   shards every process reads itself (``HFSource.leaf``), and appends each group to an orbax
-   partial save (multi-host safe: orbax coordinates the processes, each writes its shards);
+2. builds the stored leaves (``layout``: per layer, or the scanned stack's stacked leaves,
+   ``k3jax.convert.orbax_layout``) a group at a time (``group_bytes``), each as a sharded
+   ``jax.Array`` whose shards every process reads itself (``HFSource.leaf`` / ``stacked_leaf``), and
+   appends each group to an orbax partial save (multi-host safe: orbax coordinates the processes,
+   each writes its shards; a stacked leaf is stored one chunk per layer, so one layer reads back
+   alone);
 3. finalises the orbax checkpoint in ``DST.incomplete``, writes ``k3jax.json`` there last and
    renames the folder to ``DST`` — an interrupted conversion leaves no ``DST``.
 
-``orbax_to_hf`` streams the other way, one leaf in host memory at a time, through ``save_hf``
+``orbax_to_hf`` streams the other way, one layer's leaf in host memory at a time, through ``save_hf``
 (MXFP4 re-encoding of K3's routed experts as the release stores them), into ``DST.incomplete``
 then ``DST``. It runs in one process.
 """
@@ -34,6 +37,7 @@ from k3jax.config import ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family
 from k3jax.convert.hf_keys import entries
+from k3jax.convert.orbax_layout import PER_LAYER, check_layout, mesh_shardings, stored_table
 from k3jax.convert.save import save_hf
 from k3jax.convert.sharded_read import HFSource, leaf_nbytes
 
@@ -89,7 +93,17 @@ def _orbax_context():
 
     context = ocp1.Context()
     context.array.saving.use_replica_parallel = False
+    context.array.saving.scoped_storage_options_creator = _one_chunk_per_layer
     return context
+
+
+def _one_chunk_per_layer(key_path, value):
+    """Storage of a stacked leaf: chunked along its layers axis, so one layer is read on its own."""
+    from orbax.checkpoint.experimental import v1 as ocp1
+
+    if any(getattr(k, "key", None) == "stack" for k in key_path):
+        return ocp1.options.ArrayOptions.Saving.StorageOptions(shard_axes=(0,))
+    return None
 
 
 def _partial_save(path: Path, flat: dict[tuple[str, ...], jax.Array]) -> None:
@@ -101,12 +115,13 @@ def _partial_save(path: Path, flat: dict[tuple[str, ...], jax.Array]) -> None:
 
 def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jnp.bfloat16,
                 overwrite: bool = False, group_bytes: int = 512 << 20, progress: Progress | None = None,
-                source: HFSource | None = None) -> dict:
+                source: HFSource | None = None, layout: str = PER_LAYER) -> dict:
     """Convert the Hugging Face folder ``src`` to a k3jax orbax checkpoint at ``dst``; returns its
     ``k3jax.json``. ``mesh``: where the leaves live while written (None: the first local device;
     required with several processes). ``dtype``: the stored parameter dtype (the SPEC §10 fp32
     leaves stay float32 or wider). ``source`` lets a caller keep the ``HFSource`` (and its
-    ``bytes_read``)."""
+    ``bytes_read``). ``layout``: ``"per-layer"`` or ``"scanned"`` (the scanned stack's stacked leaves;
+    refused for a model whose layers do not scan)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float32")
     if group_bytes <= 0:
@@ -114,56 +129,66 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
     dst_path = check_destination(dst, overwrite)
     src_data = source if source is not None else HFSource(src)
     cfg = dataclasses.replace(src_data.cfg, param_dtype=jnp.dtype(dtype))
-    shardings = _write_shardings(cfg, mesh)
+    check_layout(layout, cfg)
+    table = stored_table(cfg, layout)
+    shardings = _write_shardings(cfg, mesh, layout)
     tmp = _fresh_temp(dst_path)
     group: dict[tuple[str, ...], jax.Array] = {}
-    size = total = 0
-    for i, entry in enumerate(src_data.table):
-        leaf_dtype = oc.leaf_dtype(entry, dtype)
-        group[oc.leaf_path(entry)] = src_data.leaf(entry, shardings(oc.leaf_path(entry)), leaf_dtype)
-        size += leaf_nbytes(entry, leaf_dtype)
-        if size >= group_bytes or i == len(src_data.table) - 1:
+    size = tensors = total = 0
+    for i, stored in enumerate(table):
+        leaf_dtype = oc.leaf_dtype(stored.entry, dtype)
+        where = shardings(stored.path)
+        group[stored.path] = (src_data.stacked_leaf(stored.parts, where, leaf_dtype) if stored.stacked
+                              else src_data.leaf(stored.entry, where, leaf_dtype))
+        size += sum(leaf_nbytes(e, leaf_dtype) for e in stored.parts)
+        tensors += len(stored.parts)
+        if size >= group_bytes or i == len(table) - 1:
             _partial_save(tmp, group)
             if progress is not None:
-                progress(len(group), size)
-            total, group, size = total + size, {}, 0
+                progress(tensors, size)
+            total, group, size, tensors = total + size, {}, 0, 0
     from orbax.checkpoint.experimental.v1 import partial
 
     with _orbax_context():
         partial.finalize(tmp)
-    meta = _metadata(cfg, src_data, dtype, total)
+    meta = _metadata(cfg, src_data, dtype, total, layout)
     _publish(tmp, dst_path, meta)
     return meta
 
 
-def _write_shardings(cfg, mesh: Mesh | None) -> Callable[[tuple[str, ...]], jax.sharding.Sharding]:
+def _write_shardings(cfg, mesh: Mesh | None, layout: str) -> Callable[[tuple[str, ...]], jax.sharding.Sharding]:
     if mesh is None:
         if jax.process_count() > 1:
             raise ValueError("with several processes, --mesh must say how the leaves are split "
                              "(e.g. --mesh expert=-1)")
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return lambda path: one
-    return oc.mesh_shardings(cfg, mesh).__getitem__
+    return mesh_shardings(cfg, mesh, layout).__getitem__
 
 
-def _metadata(cfg, src: HFSource, dtype, total: int) -> dict:
+def _metadata(cfg, src: HFSource, dtype, total: int, layout: str) -> dict:
     from k3jax.train.config import to_dict
 
-    return {"format": oc.FORMAT, "version": oc.VERSION, "layout": oc.LAYOUT, "dtype": jnp.dtype(dtype).name,
+    return {"format": oc.FORMAT, "version": oc.VERSION, "layout": layout, "dtype": jnp.dtype(dtype).name,
             "model": to_dict(cfg), "tensors": len(src.table), "bytes": total,
             "source": {"path": os.path.abspath(src.path), "family": family(cfg),
                        "hf_dtype": np.dtype(src.hf_dtype).name, "mxfp4": src.mxfp4}}
 
 
 class _StoredLeaf:
-    """A leaf of an orbax checkpoint read when ``save_hf`` first asks for it (via ``__array__``)."""
+    """A layer's leaf of an orbax checkpoint read when ``save_hf`` first asks for it (via
+    ``__array__``): a stored leaf, or row ``row`` of a stacked one."""
 
-    def __init__(self, path: Path, leaf: tuple[str, ...], shape, dtype, progress: Progress | None):
-        self.path, self.leaf, self.progress = path, leaf, progress
+    def __init__(self, path: Path, leaf: tuple[str, ...], shape, dtype, progress: Progress | None,
+                 row: int | None = None):
+        self.path, self.leaf, self.progress, self.row = path, leaf, progress, row
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
     def __array__(self, dtype=None, copy=None):
-        value = oc.restore_leaf(self.path, self.leaf)
+        if self.row is None:
+            value = oc.restore_leaf(self.path, self.leaf)
+        else:
+            value = oc.restore_row(self.path, self.leaf, self.row)
         if self.progress is not None:
             self.progress(1, value.nbytes)
         return value if dtype is None else value.astype(dtype)
@@ -180,18 +205,28 @@ def orbax_to_hf(src: str, dst: str, *, dtype: Any = None, mxfp4: bool | None = N
         raise ValueError("orbax-to-hf runs in one process (it writes one set of safetensors files)")
     meta = oc.read_metadata(src)
     cfg = oc.model_config(meta)
-    stored = oc.check_stored(src, cfg, meta["dtype"])
+    stored = oc.check_stored(src, cfg, meta["dtype"], meta["layout"])
     dst_path = check_destination(dst, overwrite)
     source = meta.get("source", {})
     dtype = jnp.dtype(dtype if dtype is not None else source.get("hf_dtype", "bfloat16"))
     use_mxfp4 = bool(source.get("mxfp4", family(cfg) == "kimi_k3")) if mxfp4 is None else mxfp4
-    lazy = oc.nest({p: _StoredLeaf(Path(src), p, m.shape, m.dtype, progress) for p, m in stored.items()})
+    lazy = oc.nest(_per_layer_leaves(Path(src), stored.values(), meta["dtype"], progress))
     lazy.setdefault("balance", {})
     tmp = _fresh_temp(dst_path)
     # The parameter dtype is k3jax's, not the HF model's: keep it out of config.json's overrides.
     hf_cfg = dataclasses.replace(cfg, param_dtype=ModelConfig.__dataclass_fields__["param_dtype"].default)
     save_hf(hf_cfg, lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4, max_shard_bytes=max_shard_bytes)
     _move_into_place(tmp, dst_path)
+
+
+def _per_layer_leaves(src: Path, stored, dtype, progress: Progress | None) -> dict[tuple[str, ...], _StoredLeaf]:
+    """``{per-layer leaf path: _StoredLeaf}``: a stacked leaf's rows become their layers' leaves."""
+    out = {}
+    for leaf in stored:
+        for row, part in enumerate(leaf.parts):
+            out[(part.collection,) + part.path] = _StoredLeaf(src, leaf.path, part.shape, oc.leaf_dtype(part, dtype),
+                                                              progress, row if leaf.stacked else None)
+    return out
 
 
 def total_bytes(cfg, dtype) -> int:

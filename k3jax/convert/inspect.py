@@ -20,6 +20,8 @@ from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
 from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
+from k3jax.convert.orbax_layout import SCANNED, stored_table
+from k3jax.layout import scan_plan
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
 
@@ -34,6 +36,7 @@ class Report:
     nbytes: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0))
     dtypes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     quantisation: str = "none"
+    layout: str = "per-layer"  # of the stored layers (k3jax.convert.orbax_layout); HF is per layer
     problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -93,20 +96,20 @@ def inspect_hf(path: str) -> Report:
 def inspect_orbax(path: str) -> Report:
     meta = oc.read_metadata(path)
     cfg = oc.model_config(meta)
-    report = Report(path, "k3jax orbax", cfg)
+    report = Report(path, "k3jax orbax", cfg, layout=meta["layout"])
     stored = oc.stored_leaves(Path(path))
-    want = {oc.leaf_path(e): e for e in entries(cfg)}
+    want = {leaf.path: leaf for leaf in stored_table(cfg, meta["layout"])}
     report.problems += [f"missing: {'/'.join(p)}" for p in sorted(set(want) - set(stored))]
     report.problems += [f"unexpected: {'/'.join(p)}" for p in sorted(set(stored) - set(want))]
-    for p, entry in want.items():
+    for p, leaf in want.items():
         if p not in stored:
             continue
         shape, dtype = tuple(stored[p].shape), np.dtype(stored[p].dtype)
-        if shape != entry.shape:
-            report.problems.append(f"mis-shaped: leaf {'/'.join(p)!r} is {shape}, expected {entry.shape}")
+        if shape != leaf.shape:
+            report.problems.append(f"mis-shaped: leaf {'/'.join(p)!r} is {shape}, expected {leaf.shape}")
             continue
         report.dtypes[dtype.name] += 1
-        report.add(entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
+        report.add(leaf.entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
     return report
 
 
@@ -133,9 +136,17 @@ def _config_lines(cfg: ModelConfig) -> list[str]:
             f"parameter dtype {np.dtype(cfg.param_dtype).name}"]
 
 
+def _layout_line(r: Report) -> str:
+    if r.layout != SCANNED:
+        return f"layout: {r.layout} (one entry per layer)"
+    plan = scan_plan(dataclasses.replace(r.cfg, scan_layers=True))
+    return (f"layout: scanned (layers {plan.start}-{plan.stop - 1} stacked as {plan.repeats} units of {plan.unit}, "
+            f"stack/offset_0..{plan.unit - 1})")
+
+
 def format_report(r: Report) -> str:
     """The human-readable report ``python -m k3jax.convert inspect`` prints."""
-    lines = [f"{r.path}: {r.kind} checkpoint", *_config_lines(r.cfg),
+    lines = [f"{r.path}: {r.kind} checkpoint", *_config_lines(r.cfg), _layout_line(r),
              f"quantisation: {r.quantisation}",
              "dtypes: " + ", ".join(f"{n} {d}" for d, n in sorted(r.dtypes.items())),
              f"parameters: total {r.total:,}, active {r.active:,}",

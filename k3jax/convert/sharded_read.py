@@ -8,7 +8,9 @@ and scales of its rows and 32-column groups, dequantised per shard.
 
 ``HFSource.leaf`` builds one leaf as a ``jax.Array`` with ``jax.make_array_from_callback``: each
 process calls back only for its addressable shards, so no host reads (or holds) more than its
-share. ``HFSource.bytes_read`` counts the bytes each read asks of the files (per process), which
+share. ``HFSource.stacked_leaf`` does the same for a scanned stack's leaf ``[repeats, ...]`` made
+of several layers' tensors: a shard is a block of rows (layers), each the same block of its
+layer's tensor, so the reads stay the shard's own bytes. ``HFSource.bytes_read`` counts the bytes each read asks of the files (per process), which
 the tests compare with the process's shard share.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -115,6 +118,24 @@ class HFSource:
 
         leaf = jax.make_array_from_callback(entry.shape, sharding, block)
         self.reader.release()  # a streaming conversion keeps no more of the files mapped than one leaf
+        return leaf
+
+
+    def stacked_leaf(self, parts: Sequence[Entry], sharding: jax.sharding.Sharding, dtype) -> Array:
+        """The layers ``parts`` (alike entries, in row order) stacked as one ``[len(parts), ...]`` leaf
+        on ``sharding``; each addressable block reads only its rows' blocks."""
+        shape = (len(parts),) + parts[0].shape
+        blocks: dict[tuple, np.ndarray] = {}
+
+        def block(index: Index) -> np.ndarray:
+            rows, *rest = _normalise(index, shape)
+            key = tuple((s.start, s.stop) for s in (rows, *rest))
+            if key not in blocks:
+                blocks[key] = np.stack([self.read(parts[r], tuple(rest), dtype) for r in range(rows.start, rows.stop)])
+            return blocks[key]
+
+        leaf = jax.make_array_from_callback(shape, sharding, block)
+        self.reader.release()
         return leaf
 
 
