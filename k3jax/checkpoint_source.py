@@ -18,6 +18,7 @@ mesh). The model config comes from the checkpoint itself (the step's metadata or
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any, Callable
@@ -55,28 +56,48 @@ def describe_source(path: str | Path) -> tuple[str, Path]:
                      "folders; expected a Hugging Face folder, a converted orbax folder, a training run folder or a checkpoints folder")
 
 
-def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> tuple[ModelConfig, dict]:
-    """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`)."""
+def load_variables(path: str | Path, *, abstract: AbstractFn | None = None,
+                   multimodal: bool = False) -> tuple[ModelConfig, dict]:
+    """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`).
+
+    A multimodal checkpoint (a K3 HF folder or converted checkpoint with a vision tower) gives its
+    language model, or with ``multimodal=True`` its ``MultimodalConfig`` and ``MultimodalTransformer``
+    variables (``abstract`` then does not apply)."""
     kind, folder = describe_source(path)
-    if kind in (HF, CONVERTED):
-        from k3jax.convert import load_hf
-        from k3jax.convert.orbax_ckpt import model_config, read_metadata, restore_orbax
+    if kind == ORBAX:
+        return _load_orbax(folder, abstract or abstract_variables)
+    cfg, variables = _load_converted(folder) if kind == CONVERTED else _load_hf(folder, multimodal)
+    if multimodal:
+        return cfg, variables
+    if hasattr(cfg, "text"):  # the language model of a multimodal checkpoint
+        from k3jax.vision.model import text_variables
+
+        cfg, variables = cfg.text, text_variables(variables)
+    if abstract is not None:
         from k3jax.convert.orbax_layout import in_layout
 
-        if kind == HF:
-            cfg, variables = load_hf(str(folder))
-        else:
-            cfg = model_config(read_metadata(folder))
-        want = None if abstract is None else abstract(cfg)
-        layout = None if want is None else _layout_of(want)  # None: the config's own
-        if kind == CONVERTED:  # either stored layout, restored in the one asked for
-            cfg, variables = restore_orbax(folder, layout=layout)
-        if want is not None:
-            variables = in_layout(variables, cfg, layout)
-            _check_layout(variables, want, folder)
-            variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
-        return cfg, variables
-    return _load_orbax(folder, abstract or abstract_variables)
+        want = abstract(cfg)
+        variables = in_layout(variables, cfg, _layout_of(want))
+        _check_layout(variables, want, folder)
+        variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
+    return cfg, variables
+
+
+def _load_hf(folder: Path, multimodal: bool):
+    from k3jax.convert import load_hf
+
+    if multimodal and "vision_config" in json.loads((folder / "config.json").read_text()):
+        from k3jax.vision.checkpoint import load_hf as load_multimodal
+
+        return load_multimodal(str(folder))
+    return load_hf(str(folder))
+
+
+def _load_converted(folder: Path):
+    """Either stored layout, restored in the config's own (the loader converts it if asked for another)."""
+    from k3jax.convert.orbax_ckpt import restore_orbax
+
+    return restore_orbax(folder)
 
 
 def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:

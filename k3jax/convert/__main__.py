@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.convert.convert import total_bytes
+from k3jax.convert.convert import totals
 from k3jax.convert.orbax_layout import LAYOUTS
 
 DTYPES = ("bfloat16", "float32")
@@ -73,7 +73,7 @@ def _hf_to_orbax(args) -> int:
     check_destination(args.dst, args.overwrite)  # before reading anything
     source = HFSource(args.src)
     mesh = make_mesh(**sizes) if sizes is not None else None
-    bar = _bar(args, "hf-to-orbax", len(source.table), total_bytes(source.cfg, args.dtype))
+    bar = _bar(args, "hf-to-orbax", *totals(source.multimodal or source.cfg, args.dtype))
     meta = hf_to_orbax(args.src, args.dst, mesh=mesh, dtype=jnp.dtype(args.dtype), overwrite=args.overwrite,
                        group_bytes=int(args.group_mb * 2**20), progress=bar, source=source, layout=args.layout)
     if bar is not None:
@@ -88,8 +88,7 @@ def _orbax_to_hf(args) -> int:
     from k3jax.convert.convert import orbax_to_hf
 
     meta = oc.read_metadata(args.src)
-    cfg = oc.model_config(meta)
-    bar = _bar(args, "orbax-to-hf", meta["tensors"], total_bytes(cfg, meta["dtype"]))
+    bar = _bar(args, "orbax-to-hf", *totals(oc.checkpoint_config(meta), meta["dtype"]))
     orbax_to_hf(args.src, args.dst, dtype=args.dtype, mxfp4=args.mxfp4, overwrite=args.overwrite,
                 max_shard_bytes=int(args.shard_mb * 2**20), progress=bar)
     if bar is not None:

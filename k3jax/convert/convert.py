@@ -36,9 +36,10 @@ from jax.sharding import Mesh
 from k3jax.config import ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family
-from k3jax.convert.hf_keys import entries
-from k3jax.convert.orbax_layout import PER_LAYER, check_layout, mesh_shardings, stored_table
+from k3jax.convert.orbax_layout import (PER_LAYER, TEXT, check_layout, is_multimodal, mesh_shardings, stored_table,
+                                        text_config)
 from k3jax.convert.save import save_hf
+from k3jax.layout import STACK
 from k3jax.convert.sharded_read import HFSource, leaf_nbytes
 
 Progress = Callable[[int, int], None]  # called with (tensors, bytes) as they are finished
@@ -128,7 +129,7 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
         raise ValueError(f"group_bytes={group_bytes} must be > 0")
     dst_path = check_destination(dst, overwrite)
     src_data = source if source is not None else HFSource(src)
-    cfg = dataclasses.replace(src_data.cfg, param_dtype=jnp.dtype(dtype))
+    cfg = _stored_config(src_data, dtype)
     check_layout(layout, cfg)
     table = stored_table(cfg, layout)
     shardings = _write_shardings(cfg, mesh, layout)
@@ -138,8 +139,12 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
     for i, stored in enumerate(table):
         leaf_dtype = oc.leaf_dtype(stored.entry, dtype)
         where = shardings(stored.path)
-        group[stored.path] = (src_data.stacked_leaf(stored.parts, where, leaf_dtype) if stored.stacked
-                              else src_data.leaf(stored.entry, where, leaf_dtype))
+        if stored.is_vision:
+            group[stored.path] = src_data.vision_leaf(stored.entry, where, leaf_dtype)
+        elif stored.stacked:
+            group[stored.path] = src_data.stacked_leaf(stored.parts, where, leaf_dtype)
+        else:
+            group[stored.path] = src_data.leaf(stored.entry, where, leaf_dtype)
         size += sum(leaf_nbytes(e, leaf_dtype) for e in stored.parts)
         tensors += len(stored.parts)
         if size >= group_bytes or i == len(table) - 1:
@@ -156,6 +161,15 @@ def hf_to_orbax(src: str, dst: str, *, mesh: Mesh | None = None, dtype: Any = jn
     return meta
 
 
+def _stored_config(src: HFSource, dtype):
+    """The source's config (multimodal when it has a tower) with ``dtype`` as its parameter dtype."""
+    text = dataclasses.replace(src.cfg, param_dtype=jnp.dtype(dtype))
+    if src.multimodal is None:
+        return text
+    vision = dataclasses.replace(src.multimodal.vision, param_dtype=jnp.dtype(dtype))
+    return dataclasses.replace(src.multimodal, text=text, vision=vision)
+
+
 def _write_shardings(cfg, mesh: Mesh | None, layout: str) -> Callable[[tuple[str, ...]], jax.sharding.Sharding]:
     if mesh is None:
         if jax.process_count() > 1:
@@ -169,10 +183,14 @@ def _write_shardings(cfg, mesh: Mesh | None, layout: str) -> Callable[[tuple[str
 def _metadata(cfg, src: HFSource, dtype, total: int, layout: str) -> dict:
     from k3jax.train.config import to_dict
 
-    return {"format": oc.FORMAT, "version": oc.VERSION, "layout": layout, "dtype": jnp.dtype(dtype).name,
-            "model": to_dict(cfg), "tensors": len(src.table), "bytes": total,
-            "source": {"path": os.path.abspath(src.path), "family": family(cfg),
+    text = text_config(cfg)
+    meta = {"format": oc.FORMAT, "version": oc.VERSION, "layout": layout, "dtype": jnp.dtype(dtype).name,
+            "model": to_dict(text), "tensors": totals(cfg, dtype)[0], "bytes": total,
+            "source": {"path": os.path.abspath(src.path), "family": family(text),
                        "hf_dtype": np.dtype(src.hf_dtype).name, "mxfp4": src.mxfp4}}
+    if is_multimodal(cfg):
+        meta["vision"] = {k: v for k, v in to_dict(cfg).items() if k != "text"}
+    return meta
 
 
 class _StoredLeaf:
@@ -204,18 +222,26 @@ def orbax_to_hf(src: str, dst: str, *, dtype: Any = None, mxfp4: bool | None = N
     if jax.process_count() > 1:
         raise ValueError("orbax-to-hf runs in one process (it writes one set of safetensors files)")
     meta = oc.read_metadata(src)
-    cfg = oc.model_config(meta)
+    cfg = oc.checkpoint_config(meta)
     stored = oc.check_stored(src, cfg, meta["dtype"], meta["layout"])
     dst_path = check_destination(dst, overwrite)
     source = meta.get("source", {})
     dtype = jnp.dtype(dtype if dtype is not None else source.get("hf_dtype", "bfloat16"))
-    use_mxfp4 = bool(source.get("mxfp4", family(cfg) == "kimi_k3")) if mxfp4 is None else mxfp4
+    use_mxfp4 = bool(source.get("mxfp4", family(text_config(cfg)) == "kimi_k3")) if mxfp4 is None else mxfp4
     lazy = oc.nest(_per_layer_leaves(Path(src), stored.values(), meta["dtype"], progress))
-    lazy.setdefault("balance", {})
     tmp = _fresh_temp(dst_path)
     # The parameter dtype is k3jax's, not the HF model's: keep it out of config.json's overrides.
-    hf_cfg = dataclasses.replace(cfg, param_dtype=ModelConfig.__dataclass_fields__["param_dtype"].default)
-    save_hf(hf_cfg, lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4, max_shard_bytes=max_shard_bytes)
+    default = ModelConfig.__dataclass_fields__["param_dtype"].default
+    text = dataclasses.replace(text_config(cfg), param_dtype=default)
+    if is_multimodal(cfg):
+        from k3jax.vision.checkpoint import save_hf as save_multimodal
+
+        lazy.setdefault("balance", {}).setdefault(TEXT, {})
+        save_multimodal(dataclasses.replace(cfg, text=text), lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4,
+                        max_shard_bytes=max_shard_bytes)
+    else:
+        lazy.setdefault("balance", {})
+        save_hf(text, lazy, os.fspath(tmp), dtype=dtype, mxfp4=use_mxfp4, max_shard_bytes=max_shard_bytes)
     _move_into_place(tmp, dst_path)
 
 
@@ -223,12 +249,17 @@ def _per_layer_leaves(src: Path, stored, dtype, progress: Progress | None) -> di
     """``{per-layer leaf path: _StoredLeaf}``: a stacked leaf's rows become their layers' leaves."""
     out = {}
     for leaf in stored:
+        if not leaf.stacked:
+            out[leaf.path] = _StoredLeaf(src, leaf.path, leaf.shape, oc.leaf_dtype(leaf.entry, dtype), progress)
+            continue
+        where = leaf.path[:leaf.path.index(STACK)]  # (collection,) or (collection, "language_model")
         for row, part in enumerate(leaf.parts):
-            out[(part.collection,) + part.path] = _StoredLeaf(src, leaf.path, part.shape, oc.leaf_dtype(part, dtype),
-                                                              progress, row if leaf.stacked else None)
+            out[where + part.path] = _StoredLeaf(src, leaf.path, part.shape, oc.leaf_dtype(part, dtype), progress, row)
     return out
 
 
-def total_bytes(cfg, dtype) -> int:
-    """Bytes of all leaves of ``cfg`` stored in ``dtype`` (the progress bar's total)."""
-    return sum(leaf_nbytes(e, oc.leaf_dtype(e, dtype)) for e in entries(cfg))
+def totals(cfg, dtype) -> tuple[int, int]:
+    """``(tensors, bytes)`` of ``cfg`` (text or multimodal) stored in ``dtype``: the progress bar's totals
+    (an expert stack counts as one tensor)."""
+    parts = [e for leaf in stored_table(cfg, PER_LAYER) for e in leaf.parts]
+    return len(parts), sum(leaf_nbytes(e, oc.leaf_dtype(e, dtype)) for e in parts)

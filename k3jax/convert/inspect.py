@@ -20,7 +20,7 @@ from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
 from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
-from k3jax.convert.orbax_layout import SCANNED, stored_table
+from k3jax.convert.orbax_layout import SCANNED, stored_table, text_config
 from k3jax.layout import scan_plan
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
@@ -38,14 +38,22 @@ class Report:
     quantisation: str = "none"
     layout: str = "per-layer"  # of the stored layers (k3jax.convert.orbax_layout); HF is per layer
     problems: list[str] = dataclasses.field(default_factory=list)
+    vision: dict = dataclasses.field(default_factory=dict)  # {"vision_tower" | "mm_projector": parameters}
+    vision_bytes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return sum(self.params.values())
+        return sum(self.params.values()) + sum(self.vision.values())
 
     @property
     def active(self) -> int:
-        return sum(self.params[c] - round(self.inactive[c]) for c in COMPONENTS)
+        """SPEC §11's active count, plus every tower and projector parameter (the tower is dense)."""
+        return sum(self.params[c] - round(self.inactive[c]) for c in COMPONENTS) + sum(self.vision.values())
+
+    def add_vision(self, entry, count: int, nbytes: int) -> None:
+        part = entry.path[0]
+        self.vision[part] = self.vision.get(part, 0) + count
+        self.vision_bytes[part] = self.vision_bytes.get(part, 0) + nbytes
 
     def add(self, entry: Entry, count: int, nbytes: int) -> None:
         """``count`` parameters of ``entry`` stored in ``nbytes`` (SPEC §11's active rule: the
@@ -90,13 +98,41 @@ def inspect_hf(path: str) -> Report:
     report.problems += [f"unexpected: {k}" for k in sorted(present - expected)]
     for entry in table:
         _hf_entry(report, reader, entry)
+    _hf_vision(report, path, reader)
     return report
+
+
+def _hf_vision(report: Report, path: str, reader: SafetensorsReader) -> None:
+    """The tower and projector of a multimodal folder: missing, unexpected and mis-shaped keys, counts."""
+    from k3jax.vision.checkpoint import multimodal_config
+    from k3jax.vision.hf_keys import VISION_PREFIXES, vision_entries
+
+    try:
+        mm = multimodal_config(path, report.cfg)
+    except ValueError as err:
+        report.problems.append(f"vision_config: {err}")
+        return
+    present = {k for k in reader.keys() if k.startswith(VISION_PREFIXES)}
+    if mm is None or not present:  # no vision_config, or one kept without weights (a text-only release)
+        return
+    table = vision_entries(mm.vision, report.cfg.hidden)
+    report.problems += [f"missing: {k}" for k in sorted({e.hf for e in table} - present)]
+    report.problems += [f"unexpected: {k}" for k in sorted(present - {e.hf for e in table})]
+    for entry in table:
+        if entry.hf not in reader:
+            continue
+        info = reader.infos[entry.hf]
+        if tuple(info.shape) != entry.hf_shape:
+            report.problems.append(f"mis-shaped: {entry.hf!r} is {tuple(info.shape)}, expected {entry.hf_shape}")
+            continue
+        report.dtypes[info.dtype.name] += 1
+        report.add_vision(entry, int(np.prod(entry.shape)), info.end - info.begin)
 
 
 def inspect_orbax(path: str) -> Report:
     meta = oc.read_metadata(path)
-    cfg = oc.model_config(meta)
-    report = Report(path, "k3jax orbax", cfg, layout=meta["layout"])
+    cfg = oc.checkpoint_config(meta)
+    report = Report(path, "k3jax orbax", text_config(cfg), layout=meta["layout"])
     stored = oc.stored_leaves(Path(path))
     want = {leaf.path: leaf for leaf in stored_table(cfg, meta["layout"])}
     report.problems += [f"missing: {'/'.join(p)}" for p in sorted(set(want) - set(stored))]
@@ -109,7 +145,8 @@ def inspect_orbax(path: str) -> Report:
             report.problems.append(f"mis-shaped: leaf {'/'.join(p)!r} is {shape}, expected {leaf.shape}")
             continue
         report.dtypes[dtype.name] += 1
-        report.add(leaf.entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
+        add = report.add_vision if leaf.is_vision else report.add
+        add(leaf.entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
     return report
 
 
@@ -154,7 +191,11 @@ def format_report(r: Report) -> str:
     for c in COMPONENTS:
         active = r.params[c] - round(r.inactive[c])
         lines.append(f"{c:<18}{r.params[c]:>16,}{active:>16,}{r.nbytes[c]:>16,}")
-    lines.append(f"{'total':<18}{r.total:>16,}{r.active:>16,}{sum(r.nbytes.values()):>16,}")
+    for part, name in (("vision_tower", "vision tower"), ("mm_projector", "vision projector")):
+        if part in r.vision:
+            lines.append(f"{name:<18}{r.vision[part]:>16,}{r.vision[part]:>16,}{r.vision_bytes[part]:>16,}")
+    nbytes = sum(r.nbytes.values()) + sum(r.vision_bytes.values())
+    lines.append(f"{'total':<18}{r.total:>16,}{r.active:>16,}{nbytes:>16,}")
     if r.problems:
         lines.append(f"problems: {len(r.problems)}")
         lines += [f"  {p}" for p in r.problems]

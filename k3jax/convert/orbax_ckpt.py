@@ -4,7 +4,8 @@ Layout of ``DST`` (format version 1)::
 
     DST/k3jax.json     {"format": "k3jax-orbax", "version": 1, "layout": "per-layer" | "scanned",
                         "dtype": "bfloat16", "model": <k3jax.train.config.to_dict(ModelConfig)>,
-                        "source": {"path", "family", "hf_dtype", "mxfp4"}, "tensors", "bytes"}
+                        "source": {"path", "family", "hf_dtype", "mxfp4"}, "tensors", "bytes",
+                        "vision": {"vision", "media_token_id", "frames_per_chunk"} (multimodal only)}
     DST/state/         an orbax PyTree checkpoint of {"params": ..., "balance": ...} in that layout
                        (``k3jax.convert.orbax_layout``: one ``layers_{i}`` subtree per layer, or the
                        scanned stack's ``stack/offset_{j}`` leaves; docs/params.md)
@@ -36,8 +37,8 @@ from jax.sharding import Mesh
 
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_keys import Entry
-from k3jax.convert.orbax_layout import (LAYOUTS, PER_LAYER, StoredLeaf, check_layout, in_layout, mesh_shardings,
-                                        model_layout, stored_table)
+from k3jax.convert.orbax_layout import (LAYOUTS, PER_LAYER, AnyConfig, StoredLeaf, check_layout, in_layout,
+                                        mesh_shardings, model_layout, stored_table)
 
 FORMAT, VERSION = "k3jax-orbax", 1
 METADATA, STATE = "k3jax.json", "state"
@@ -68,9 +69,20 @@ def read_metadata(path: str | os.PathLike) -> dict:
 
 
 def model_config(meta: dict) -> ModelConfig:
+    """The (text) model's config."""
     from k3jax.train.config import from_dict
 
     return from_dict(ModelConfig, meta["model"])
+
+
+def checkpoint_config(meta: dict) -> AnyConfig:
+    """The config of the whole checkpoint: a ``MultimodalConfig`` when it holds a vision tower."""
+    if "vision" not in meta:
+        return model_config(meta)
+    from k3jax.train.config import from_dict
+    from k3jax.vision.config import MultimodalConfig
+
+    return from_dict(MultimodalConfig, {"text": meta["model"], **meta["vision"]})
 
 
 def leaf_dtype(entry: Entry, dtype) -> np.dtype:
@@ -95,7 +107,7 @@ def stored_leaves(path: Path) -> dict[tuple[str, ...], Any]:
     return {tuple(str(k.key) for k in p): leaf for p, leaf in flat}
 
 
-def check_stored(path: str | os.PathLike, cfg: ModelConfig, dtype, layout: str = PER_LAYER
+def check_stored(path: str | os.PathLike, cfg: AnyConfig, dtype, layout: str = PER_LAYER
                  ) -> dict[tuple[str, ...], StoredLeaf]:
     """``{path: StoredLeaf}`` of ``cfg`` in ``layout``, checked against the stored leaves (missing,
     unexpected, shape, dtype)."""
@@ -114,7 +126,7 @@ def check_stored(path: str | os.PathLike, cfg: ModelConfig, dtype, layout: str =
     return want
 
 
-def _shardings_tree(cfg: ModelConfig, layout: str, shardings) -> dict[tuple[str, ...], jax.sharding.Sharding]:
+def _shardings_tree(cfg: AnyConfig, layout: str, shardings) -> dict[tuple[str, ...], jax.sharding.Sharding]:
     paths = [leaf.path for leaf in stored_table(cfg, layout)]
     if shardings is None:
         if jax.process_count() > 1:
@@ -132,14 +144,15 @@ def _shardings_tree(cfg: ModelConfig, layout: str, shardings) -> dict[tuple[str,
 
 
 def restore_orbax(path: str | os.PathLike, *, shardings: Any = None, layout: str | None = None
-                  ) -> tuple[ModelConfig, dict]:
+                  ) -> tuple[AnyConfig, dict]:
     """``(cfg, {"params", "balance"})`` from a k3jax orbax checkpoint folder, onto ``shardings``
     (None: the first local device; a ``Mesh``: by the model's logical axes; or a tree of shardings
     of the stored leaves). ``layout``: of the returned variables, ``"per-layer"`` or ``"scanned"``
     (default: ``cfg``'s own, scanned where the config scans); the stored layout is read as it is
-    and converted when the two differ."""
+    and converted when the two differ. A multimodal checkpoint gives its ``MultimodalConfig`` and the
+    ``MultimodalTransformer`` tree (``k3jax.vision.text_variables`` takes the text model's part)."""
     meta = read_metadata(path)
-    cfg = model_config(meta)
+    cfg = checkpoint_config(meta)
     stored_layout = meta["layout"]
     layout = model_layout(cfg) if layout is None else layout
     check_layout(layout, cfg)

@@ -11,6 +11,10 @@
 
 A ``StoredLeaf`` is one stored array and the HF entries it is made of (one, or the stacked layers in
 row order); ``stored_table`` lists them in checkpoint order.
+
+A multimodal K3 (``k3jax.vision.MultimodalConfig``) stores the tree of ``MultimodalTransformer``:
+the text model's leaves (in either layout) under ``language_model``, as the HF keys nest them, and
+the tower and projector (``vision_tower/…``, ``mm_projector/…``, ``k3jax.vision.hf_keys``) beside it.
 """
 
 from __future__ import annotations
@@ -22,12 +26,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from typing import Union
+
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_keys import Entry, entries
 from k3jax.layout import STACK, offset_name, scan_plan, to_per_layer, to_scanned, unrolled
 
 PER_LAYER, SCANNED = "per-layer", "scanned"
 LAYOUTS = (PER_LAYER, SCANNED)
+TEXT = "language_model"  # where a multimodal checkpoint keeps the text model
+AnyConfig = Union[ModelConfig, "k3jax.vision.MultimodalConfig"]  # noqa: F821
+
+
+def text_config(cfg: AnyConfig) -> ModelConfig:
+    """The language model's config (``cfg`` itself for a text model)."""
+    return cfg if isinstance(cfg, ModelConfig) else cfg.text
+
+
+def is_multimodal(cfg: AnyConfig) -> bool:
+    return not isinstance(cfg, ModelConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +59,18 @@ class StoredLeaf:
         return self.parts[0]
 
     @property
+    def is_vision(self) -> bool:
+        """A tower or projector leaf (its entry a ``k3jax.vision.hf_keys.VisionEntry``)."""
+        return not isinstance(self.entry, Entry)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return ((len(self.parts),) if self.stacked else ()) + self.entry.shape
 
 
-def check_layout(layout: str, cfg: ModelConfig) -> None:
+def check_layout(layout: str, cfg: AnyConfig) -> None:
     """``ValueError`` for an unknown layout, or ``scanned`` for a model whose layers do not scan."""
+    cfg = text_config(cfg)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
     if layout == SCANNED and scan_plan(_scanning(cfg)) is None:
@@ -55,14 +78,17 @@ def check_layout(layout: str, cfg: ModelConfig) -> None:
                          f"{cfg.num_layers}-layer model has none (use layout='per-layer')")
 
 
-def model_layout(cfg: ModelConfig) -> str:
+def model_layout(cfg: AnyConfig) -> str:
     """The layout of ``cfg``'s own variables: scanned when ``cfg`` scans a run of layers."""
-    return SCANNED if scan_plan(cfg) is not None else PER_LAYER
+    return SCANNED if scan_plan(text_config(cfg)) is not None else PER_LAYER
 
 
-def in_layout(variables: dict, cfg: ModelConfig, layout: str) -> dict:
+def in_layout(variables: dict, cfg: AnyConfig, layout: str) -> dict:
     """``variables`` of ``cfg`` (either layout) in ``layout``: stacked or split as needed."""
     check_layout(layout, cfg)
+    if is_multimodal(cfg):
+        text = in_layout({name: tree[TEXT] for name, tree in variables.items()}, cfg.text, layout)
+        return {name: {**tree, TEXT: text[name]} for name, tree in variables.items()}
     if layout == SCANNED:
         return variables if STACK in variables["params"] else to_scanned(variables, _scanning(cfg))
     return to_per_layer(variables, _scanning(cfg))
@@ -77,8 +103,17 @@ def _layer_index(entry: Entry) -> int | None:
     return int(head.split("_")[1]) if head.startswith("layers_") and head[7:].isdigit() else None
 
 
-def stored_table(cfg: ModelConfig, layout: str) -> list[StoredLeaf]:
+def stored_table(cfg: AnyConfig, layout: str) -> list[StoredLeaf]:
     """Every stored leaf of ``cfg`` in ``layout`` (checked by `check_layout`), in checkpoint order."""
+    if not is_multimodal(cfg):
+        return _text_table(cfg, layout)
+    from k3jax.vision.hf_keys import vision_entries
+
+    text = [dataclasses.replace(leaf, path=(leaf.path[0], TEXT) + leaf.path[1:]) for leaf in _text_table(cfg.text, layout)]
+    return text + [StoredLeaf(("params",) + e.path, (e,), False) for e in vision_entries(cfg.vision, cfg.text.hidden)]
+
+
+def _text_table(cfg: ModelConfig, layout: str) -> list[StoredLeaf]:
     check_layout(layout, cfg)
     table = entries(cfg)
     if layout == PER_LAYER:
@@ -98,17 +133,28 @@ def stored_table(cfg: ModelConfig, layout: str) -> list[StoredLeaf]:
     return out
 
 
-def mesh_shardings(cfg: ModelConfig, mesh: Mesh, layout: str = PER_LAYER
+def mesh_shardings(cfg: AnyConfig, mesh: Mesh, layout: str = PER_LAYER
                    ) -> dict[tuple[str, ...], jax.sharding.NamedSharding]:
     """``{stored leaf path: NamedSharding}`` of ``layout``'s leaves on ``mesh``, from the model's
     logical axis names and rules."""
     from k3jax.params import _abstract_variables
-    from sharding.init import logical_axes, shardings_for
 
     check_layout(layout, cfg)
-    model = unrolled(cfg) if layout == PER_LAYER else _scanning(cfg)
+    text = text_config(cfg)
+    model = unrolled(text) if layout == PER_LAYER else _scanning(text)
     # Logical axes do not depend on dtypes: one traced init (cached) serves every dtype of a model.
-    boxed = _abstract_variables(dataclasses.replace(model, dtype=jnp.float32, param_dtype=jnp.float32))
+    out = _placed(_abstract_variables(dataclasses.replace(model, dtype=jnp.float32, param_dtype=jnp.float32)), mesh)
+    if not is_multimodal(cfg):
+        return out
+    from k3jax.vision.params import abstract_vision
+
+    out = {(p[0], TEXT) + p[1:]: s for p, s in out.items()}
+    return out | _placed(abstract_vision(cfg.vision, cfg.text.hidden), mesh)
+
+
+def _placed(boxed, mesh: Mesh) -> dict[tuple[str, ...], jax.sharding.NamedSharding]:
+    from sharding.init import logical_axes, shardings_for
+
     tree = shardings_for(nn.unbox(boxed), logical_axes(boxed), mesh)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
     return {tuple(str(k.key) for k in path): s for path, s in flat}

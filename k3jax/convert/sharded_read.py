@@ -65,7 +65,25 @@ class HFSource:
         self.cfg = cfg
         self.reader = SafetensorsReader(path)
         self.table = checked_table(self.cfg, self.reader)  # every header checked before any data is read
+        self.multimodal = self._vision()
         self.bytes_read = 0
+
+    def _vision(self):
+        """The ``MultimodalConfig`` when ``config.json`` has a ``vision_config`` and the folder holds tower
+        or projector tensors (their keys, shapes and dtypes checked from the headers), else None: a
+        ``vision_config`` without those tensors is a text-only release (as the tiny K3 oracle's)."""
+        from k3jax.vision.checkpoint import check_vision_keys, multimodal_config
+        from k3jax.vision.hf_keys import VISION_PREFIXES, vision_entries
+
+        if not any(k.startswith(VISION_PREFIXES) for k in self.reader.keys()):
+            return None
+        try:
+            mm = multimodal_config(self.path, self.cfg)
+            if mm is not None:
+                check_vision_keys(vision_entries(mm.vision, self.cfg.hidden), self.reader)
+        except ValueError as err:
+            raise ValueError(f"{self.path}: {err}") from None
+        return mm
 
     @property
     def mxfp4(self) -> bool:
@@ -135,6 +153,18 @@ class HFSource:
             return blocks[key]
 
         leaf = jax.make_array_from_callback(shape, sharding, block)
+        self.reader.release()
+        return leaf
+
+
+    def vision_leaf(self, entry, sharding: jax.sharding.Sharding, dtype) -> Array:
+        """A vision tower / projector leaf (``k3jax.vision.hf_keys.VisionEntry``) on ``sharding``: read
+        whole (at most tens of MB, and replicated by the model's rules), sliced per shard."""
+        from k3jax.vision.checkpoint import read_tensor
+
+        value = read_tensor(self.reader, entry, dtype)
+        self.bytes_read += self.reader.infos[entry.hf].end - self.reader.infos[entry.hf].begin
+        leaf = jax.make_array_from_callback(entry.shape, sharding, lambda index: value[index])
         self.reader.release()
         return leaf
 
