@@ -16,6 +16,7 @@ the tests compare with the process's shard share.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -65,13 +66,14 @@ class HFSource:
         self.cfg = cfg
         self.reader = SafetensorsReader(path)
         self.table = checked_table(self.cfg, self.reader)  # every header checked before any data is read
-        self.multimodal = self._vision()
         self.bytes_read = 0
 
-    def _vision(self):
+    @functools.cached_property
+    def multimodal(self):
         """The ``MultimodalConfig`` when ``config.json`` has a ``vision_config`` and the folder holds tower
         or projector tensors (their keys, shapes and dtypes checked from the headers), else None: a
-        ``vision_config`` without those tensors is a text-only release (as the tiny K3 oracle's)."""
+        ``vision_config`` without those tensors is a text-only release (as the tiny K3 oracle's). Only
+        the conversion asks (the text loader skips the tower)."""
         from k3jax.vision.checkpoint import check_vision_keys, multimodal_config
         from k3jax.vision.hf_keys import VISION_PREFIXES, vision_entries
 
