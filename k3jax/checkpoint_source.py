@@ -84,12 +84,16 @@ def load_variables(path: str | Path, *, abstract: AbstractFn | None = None,
 
 
 def _load_hf(folder: Path, multimodal: bool):
+    """A multimodal folder (a ``vision_config`` and tower tensors) whole when asked, else the text model."""
     from k3jax.convert import load_hf
 
     if multimodal and "vision_config" in json.loads((folder / "config.json").read_text()):
+        from k3jax.convert.safetensors_io import SafetensorsReader
         from k3jax.vision.checkpoint import load_hf as load_multimodal
+        from k3jax.vision.hf_keys import VISION_PREFIXES
 
-        return load_multimodal(str(folder))
+        if any(k.startswith(VISION_PREFIXES) for k in SafetensorsReader(str(folder)).keys()):
+            return load_multimodal(str(folder))
     return load_hf(str(folder))
 
 

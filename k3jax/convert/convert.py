@@ -39,8 +39,8 @@ from k3jax.convert.hf_config import family
 from k3jax.convert.orbax_layout import (PER_LAYER, TEXT, check_layout, is_multimodal, mesh_shardings, stored_table,
                                         text_config)
 from k3jax.convert.save import save_hf
-from k3jax.layout import STACK
 from k3jax.convert.sharded_read import HFSource, leaf_nbytes
+from k3jax.layout import STACK
 
 Progress = Callable[[int, int], None]  # called with (tensors, bytes) as they are finished
 INCOMPLETE = ".incomplete"
@@ -102,7 +102,7 @@ def _one_chunk_per_layer(key_path, value):
     """Storage of a stacked leaf: chunked along its layers axis, so one layer is read on its own."""
     from orbax.checkpoint.experimental import v1 as ocp1
 
-    if any(getattr(k, "key", None) == "stack" for k in key_path):
+    if any(getattr(k, "key", None) == STACK for k in key_path):
         return ocp1.options.ArrayOptions.Saving.StorageOptions(shard_axes=(0,))
     return None
 

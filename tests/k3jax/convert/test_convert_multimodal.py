@@ -102,3 +102,69 @@ def test_tower_that_disagrees_with_its_config_is_refused_before_writing(folders,
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "tensor 'vision_tower.encoder.blocks.0.mlp.fc0.weight' has shape" in err
     assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.incomplete").exists()
+
+
+@pytest.mark.slow  # compiles the multimodal forward, prefill and decode loop (~3 min on 2 busy cores)
+def test_generate_with_an_image_continues_as_the_full_forward(folders, tmp_path, capsys):
+    """``generate --checkpoint CONVERTED --image FILE``: the tower runs at prefill, then greedy decode
+    gives the tokens a full multimodal forward picks (argmax at the last position, twice)."""
+    from PIL import Image
+
+    from k3jax.data.tokenizer import load_tokenizer
+    from k3jax.generate import main as generate_main
+    from k3jax.infer.generate import generate
+    from k3jax.vision.prompt import prepare
+
+    cfg, root = folders
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (30, 44, 3), np.uint8)).save(picture)
+    mm_cfg, variables = load_variables(root / "orbax", multimodal=True)
+    model = MultimodalTransformer(mm_cfg)
+    tokens, _, media = prepare([[picture, "ab"]], mm_cfg, load_tokenizer(None), bos=False)  # as the CLI does
+    x = model.apply(variables, tokens, media, method=MultimodalTransformer.embed)
+    out = generate(text_variables(variables), mm_cfg.text, [tokens[0].tolist()], max_new_tokens=2, temperature=0.0,
+                   embeddings=x)[0]
+    forward = jax.jit(lambda t: model.apply(variables, t, media))
+    first = int(np.argmax(np.asarray(forward(tokens))[0, -1]))
+    second = int(np.argmax(np.asarray(forward(np.concatenate([tokens, [[first]]], axis=1)))[0, -1]))
+    assert out == [first, second]
+    assert generate_main(["--checkpoint", str(root / "orbax"), "--image", str(picture), "--prompt", "ab",
+                          "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def test_generate_image_bad_input_is_one_error_line(folders, tmp_path, capsys):
+    from k3jax.generate import main as generate_main
+
+    _, root = folders
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(b"not a png")
+    cases = [(["--checkpoint", str(root / "orbax"), "--image", str(tmp_path / "none.png"), "--prompt", "a"],
+              "--image '" + str(tmp_path / "none.png") + "' does not exist"),
+             (["--checkpoint", str(root / "orbax"), "--image", str(picture), "--prompt", "a", "--prompt", "b"],
+              "--image goes with one --prompt, got 2"),
+             (["--checkpoint", "/work/shared/oracle/tiny_a/hf_bf16", "--image", str(picture), "--prompt", "a"],
+              "needs a checkpoint with a vision tower"),  # a vision_config without tower tensors
+             (["--checkpoint", str(root / "orbax"), "--image", str(picture), "--prompt", "a"], "image")]
+    for argv, message in cases:
+        assert generate_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_restore_onto_a_mesh_places_the_tower_by_its_logical_axes(folders, tmp_path):
+    """The tower's shardings come from its modules' logical axis names, like the text model's."""
+    from k3jax.convert.convert import hf_to_orbax
+    from k3jax.convert.orbax_layout import mesh_shardings
+    from sharding import make_mesh
+
+    cfg, root = folders
+    mesh = make_mesh()
+    hf_to_orbax(str(root / "hf"), str(tmp_path / "orbax"), mesh=mesh)
+    got_cfg, got = restore_orbax(tmp_path / "orbax", shardings=mesh, layout="per-layer")
+    want = mesh_shardings(got_cfg, mesh)
+    flat = {tuple(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
+    assert flat.keys() == want.keys() and any(p[1] == "vision_tower" for p in flat)
+    assert all(x.sharding.is_equivalent_to(want[p], x.ndim) for p, x in flat.items())
+    _, single = restore_orbax(root / "orbax", layout="per-layer")
+    assert _bits(got) == _bits(single)
