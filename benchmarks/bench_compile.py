@@ -64,7 +64,7 @@ def _train(cfg, a):
 
     def lower():
         with trainer._context():
-            return trainer._jit_step.lower(state, batch)
+            return trainer._jit_step.lower(state, batch, trainer.horizon)
 
     return lower
 

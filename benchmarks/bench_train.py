@@ -85,7 +85,8 @@ def main() -> None:
     data = make_data(cfg)
     batch = next(data)
     with trainer._context():
-        step, compile_s = _staged("step", trainer._jit_step, state, batch)
+        compiled, compile_s = _staged("step", trainer._jit_step, state, batch, trainer.horizon)
+        step = lambda state, batch: compiled(state, batch, trainer.horizon)  # noqa: E731
         t0 = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready(m)

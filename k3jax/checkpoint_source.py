@@ -18,6 +18,7 @@ mesh). The model config comes from the checkpoint itself (the step's metadata or
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any, Callable
@@ -55,36 +56,78 @@ def describe_source(path: str | Path) -> tuple[str, Path]:
                      "folders; expected a Hugging Face folder, a converted orbax folder, a training run folder or a checkpoints folder")
 
 
-def load_variables(path: str | Path, *, abstract: AbstractFn | None = None) -> tuple[ModelConfig, dict]:
-    """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`)."""
+def load_variables(path: str | Path, *, abstract: AbstractFn | None = None,
+                   multimodal: bool = False) -> tuple[ModelConfig, dict]:
+    """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`).
+
+    A multimodal checkpoint (a K3 HF folder or converted checkpoint with a vision tower) gives its
+    language model, or with ``multimodal=True`` its ``MultimodalConfig`` and ``MultimodalTransformer``
+    variables (``abstract`` then does not apply)."""
     kind, folder = describe_source(path)
-    if kind in (HF, CONVERTED):
-        from k3jax.convert import load_hf
-        from k3jax.convert.orbax_ckpt import restore_orbax
-
-        cfg, variables = load_hf(str(folder)) if kind == HF else restore_orbax(folder)
-        if abstract is not None:
-            want = abstract(cfg)
-            _check_layout(variables, want, folder)
-            variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
+    if kind == ORBAX:
+        return _load_orbax(folder, abstract or abstract_variables)
+    cfg, variables = _load_converted(folder) if kind == CONVERTED else _load_hf(folder, multimodal)
+    if multimodal:
         return cfg, variables
-    return _load_orbax(folder, abstract or abstract_variables)
+    if hasattr(cfg, "text"):  # the language model of a multimodal checkpoint
+        from k3jax.vision.model import text_variables
+
+        cfg, variables = cfg.text, text_variables(variables)
+    if abstract is not None:
+        from k3jax.convert.orbax_layout import in_layout
+
+        want = abstract(cfg)
+        variables = in_layout(variables, cfg, _layout_of(want))
+        _check_layout(variables, want, folder)
+        variables = jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), variables, want)
+    return cfg, variables
 
 
-def load_with_tokenizer(path: str | Path, tokenizer_dir: str | None = None) -> tuple[ModelConfig, dict, Any]:
-    """``(cfg, variables, tokenizer)`` for a text command line: the K3 tokenizer from
-    ``tokenizer_dir``, else from the HF folder's own ``tiktoken.model``, else bytes (checked before
-    the weights are read); ``ValueError`` when it has more ids than the model."""
+def _load_hf(folder: Path, multimodal: bool):
+    """A multimodal folder (a ``vision_config`` and tower tensors) whole when asked, else the text model."""
+    from k3jax.convert import load_hf
+
+    if multimodal and "vision_config" in json.loads((folder / "config.json").read_text()):
+        from k3jax.convert.safetensors_io import SafetensorsReader
+        from k3jax.vision.checkpoint import load_hf as load_multimodal
+        from k3jax.vision.hf_keys import VISION_PREFIXES
+
+        if any(k.startswith(VISION_PREFIXES) for k in SafetensorsReader(str(folder)).keys()):
+            return load_multimodal(str(folder))
+    return load_hf(str(folder))
+
+
+def _load_converted(folder: Path):
+    """Either stored layout, restored in the config's own (the loader converts it if asked for another)."""
+    from k3jax.convert.orbax_ckpt import restore_orbax
+
+    return restore_orbax(folder)
+
+
+def tokenizer_for(path: str | Path, tokenizer_dir: str | None = None):
+    """The K3 tokenizer from ``tokenizer_dir``, else from the HF folder's own ``tiktoken.model``,
+    else bytes; read before any weights."""
     from k3jax.data.tokenizer import load_tokenizer
 
     kind, folder = describe_source(path)
     if tokenizer_dir is None and kind == HF and (folder / "tiktoken.model").exists():
         tokenizer_dir = str(folder)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    cfg, variables = load_variables(path)
+    return load_tokenizer(tokenizer_dir)
+
+
+def check_vocab(tokenizer, cfg: ModelConfig) -> None:
+    """``ValueError`` when the tokenizer has more ids than the model's vocabulary."""
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{cfg.vocab_size}; use the tokenizer the model was trained with")
+
+
+def load_with_tokenizer(path: str | Path, tokenizer_dir: str | None = None) -> tuple[ModelConfig, dict, Any]:
+    """``(cfg, variables, tokenizer)`` for a text command line (``tokenizer_for``, then the weights;
+    ``check_vocab``)."""
+    tokenizer = tokenizer_for(path, tokenizer_dir)
+    cfg, variables = load_variables(path)
+    check_vocab(tokenizer, cfg)
     return cfg, variables, tokenizer
 
 
@@ -111,6 +154,13 @@ def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
         raise ValueError(f"checkpoint {str(folder)!r} holds no restorable step")
     state, _, _ = restored
     return found["cfg"], {"params": state["params"]["model"], "balance": state["balance"]["model"]}
+
+
+def _layout_of(variables: dict) -> str:
+    """``"scanned"`` when the tree holds the scanned stack's stacked entry, else ``"per-layer"``."""
+    from k3jax.layout import STACK
+
+    return "scanned" if STACK in variables["params"] else "per-layer"
 
 
 def _check_layout(variables: dict, want: dict, folder: Path) -> None:

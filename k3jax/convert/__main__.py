@@ -1,6 +1,7 @@
 """``python -m k3jax.convert {hf-to-orbax, orbax-to-hf, inspect}``: real weights in and out of k3jax.
 
-    python -m k3jax.convert hf-to-orbax SRC DST [--mesh expert=8] [--dtype bfloat16|float32] [--overwrite]
+    python -m k3jax.convert hf-to-orbax SRC DST [--mesh expert=8] [--dtype bfloat16|float32]
+                                                [--layout per-layer|scanned] [--overwrite]
     python -m k3jax.convert orbax-to-hf SRC DST [--dtype bfloat16] [--mxfp4 | --no-mxfp4] [--overwrite]
     python -m k3jax.convert inspect PATH
 
@@ -8,8 +9,10 @@
 (``--mesh`` as ``axis=size`` over data, fsdp, expert, sequence, tensor; one size may be -1) and
 writes them with orbax. Under several processes (``jax.distributed``; started from the usual
 environment, see ``sharding.mesh.maybe_initialize_distributed``) run the same command in every
-process. The layer stack is stored per layer (``layers_{i}``); a stacked layout would be one
-per-layer <-> stacked function applied to the tree on each side (``k3jax.convert.orbax_ckpt``).
+process. ``--layout per-layer`` (default) stores one ``layers_{i}`` subtree per layer; ``--layout
+scanned`` stores the scanned stack's stacked leaves, which a scanned model restores as they are
+(``k3jax.convert.orbax_layout``). Every reader (restore, ``inspect``, ``orbax-to-hf``, ``train
+--init-from``, ``generate --checkpoint``) takes both.
 Every user error is one ``error: ...`` line on stderr and exit status 2 (``--debug``: traceback).
 """
 
@@ -18,7 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.convert.convert import total_bytes
+from k3jax.convert.convert import totals
+from k3jax.convert.orbax_layout import LAYOUTS
 
 DTYPES = ("bfloat16", "float32")
 
@@ -69,12 +73,13 @@ def _hf_to_orbax(args) -> int:
     check_destination(args.dst, args.overwrite)  # before reading anything
     source = HFSource(args.src)
     mesh = make_mesh(**sizes) if sizes is not None else None
-    bar = _bar(args, "hf-to-orbax", len(source.table), total_bytes(source.cfg, args.dtype))
+    bar = _bar(args, "hf-to-orbax", *totals(source.multimodal or source.cfg, args.dtype))
     meta = hf_to_orbax(args.src, args.dst, mesh=mesh, dtype=jnp.dtype(args.dtype), overwrite=args.overwrite,
-                       group_bytes=int(args.group_mb * 2**20), progress=bar, source=source)
+                       group_bytes=int(args.group_mb * 2**20), progress=bar, source=source, layout=args.layout)
     if bar is not None:
         bar.close()
-    print(f"wrote {args.dst}: {meta['tensors']} tensors, {meta['bytes'] / 2**20:.1f} MiB ({meta['dtype']})")
+    print(f"wrote {args.dst}: {meta['tensors']} tensors, {meta['bytes'] / 2**20:.1f} MiB ({meta['dtype']}, "
+          f"{meta['layout']} layout)")
     return 0
 
 
@@ -83,8 +88,7 @@ def _orbax_to_hf(args) -> int:
     from k3jax.convert.convert import orbax_to_hf
 
     meta = oc.read_metadata(args.src)
-    cfg = oc.model_config(meta)
-    bar = _bar(args, "orbax-to-hf", meta["tensors"], total_bytes(cfg, meta["dtype"]))
+    bar = _bar(args, "orbax-to-hf", *totals(oc.checkpoint_config(meta), meta["dtype"]))
     orbax_to_hf(args.src, args.dst, dtype=args.dtype, mxfp4=args.mxfp4, overwrite=args.overwrite,
                 max_shard_bytes=int(args.shard_mb * 2**20), progress=bar)
     if bar is not None:
@@ -110,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     h.add_argument("dst")
     h.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: one device; one process only)")
     h.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored parameter dtype (fp32 leaves stay fp32)")
+    h.add_argument("--layout", choices=LAYOUTS, default="per-layer",
+                   help="per-layer: layers_{i} subtrees; scanned: the scanned stack's stacked leaves")
     h.add_argument("--group-mb", type=float, default=512.0, help="MiB of leaves per orbax write (memory bound)")
     o = sub.add_parser("orbax-to-hf", help="k3jax orbax checkpoint -> Hugging Face folder (MXFP4 experts for K3)")
     o.add_argument("src")

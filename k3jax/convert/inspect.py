@@ -20,6 +20,8 @@ from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
 from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
+from k3jax.convert.orbax_layout import SCANNED, stored_table, text_config
+from k3jax.layout import scan_plan
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
 
@@ -34,15 +36,24 @@ class Report:
     nbytes: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0))
     dtypes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     quantisation: str = "none"
+    layout: str = "per-layer"  # of the stored layers (k3jax.convert.orbax_layout); HF is per layer
     problems: list[str] = dataclasses.field(default_factory=list)
+    vision: dict = dataclasses.field(default_factory=dict)  # {"vision_tower" | "mm_projector": parameters}
+    vision_bytes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return sum(self.params.values())
+        return sum(self.params.values()) + sum(self.vision.values())
 
     @property
     def active(self) -> int:
-        return sum(self.params[c] - round(self.inactive[c]) for c in COMPONENTS)
+        """SPEC §11's active count, plus every tower and projector parameter (the tower is dense)."""
+        return sum(self.params[c] - round(self.inactive[c]) for c in COMPONENTS) + sum(self.vision.values())
+
+    def add_vision(self, entry, count: int, nbytes: int) -> None:
+        part = entry.path[0]
+        self.vision[part] = self.vision.get(part, 0) + count
+        self.vision_bytes[part] = self.vision_bytes.get(part, 0) + nbytes
 
     def add(self, entry: Entry, count: int, nbytes: int) -> None:
         """``count`` parameters of ``entry`` stored in ``nbytes`` (SPEC §11's active rule: the
@@ -87,26 +98,55 @@ def inspect_hf(path: str) -> Report:
     report.problems += [f"unexpected: {k}" for k in sorted(present - expected)]
     for entry in table:
         _hf_entry(report, reader, entry)
+    _hf_vision(report, path, reader)
     return report
+
+
+def _hf_vision(report: Report, path: str, reader: SafetensorsReader) -> None:
+    """The tower and projector of a multimodal folder: missing, unexpected and mis-shaped keys, counts."""
+    from k3jax.vision.checkpoint import multimodal_config
+    from k3jax.vision.hf_keys import VISION_PREFIXES, vision_entries
+
+    try:
+        mm = multimodal_config(path, report.cfg)
+    except ValueError as err:
+        report.problems.append(f"vision_config: {err}")
+        return
+    present = {k for k in reader.keys() if k.startswith(VISION_PREFIXES)}
+    if mm is None or not present:  # no vision_config, or one kept without weights (a text-only release)
+        return
+    table = vision_entries(mm.vision, report.cfg.hidden)
+    report.problems += [f"missing: {k}" for k in sorted({e.hf for e in table} - present)]
+    report.problems += [f"unexpected: {k}" for k in sorted(present - {e.hf for e in table})]
+    for entry in table:
+        if entry.hf not in reader:
+            continue
+        info = reader.infos[entry.hf]
+        if tuple(info.shape) != entry.hf_shape:
+            report.problems.append(f"mis-shaped: {entry.hf!r} is {tuple(info.shape)}, expected {entry.hf_shape}")
+            continue
+        report.dtypes[info.dtype.name] += 1
+        report.add_vision(entry, int(np.prod(entry.shape)), info.end - info.begin)
 
 
 def inspect_orbax(path: str) -> Report:
     meta = oc.read_metadata(path)
-    cfg = oc.model_config(meta)
-    report = Report(path, "k3jax orbax", cfg)
+    cfg = oc.checkpoint_config(meta)
+    report = Report(path, "k3jax orbax", text_config(cfg), layout=meta["layout"])
     stored = oc.stored_leaves(Path(path))
-    want = {oc.leaf_path(e): e for e in entries(cfg)}
+    want = {leaf.path: leaf for leaf in stored_table(cfg, meta["layout"])}
     report.problems += [f"missing: {'/'.join(p)}" for p in sorted(set(want) - set(stored))]
     report.problems += [f"unexpected: {'/'.join(p)}" for p in sorted(set(stored) - set(want))]
-    for p, entry in want.items():
+    for p, leaf in want.items():
         if p not in stored:
             continue
         shape, dtype = tuple(stored[p].shape), np.dtype(stored[p].dtype)
-        if shape != entry.shape:
-            report.problems.append(f"mis-shaped: leaf {'/'.join(p)!r} is {shape}, expected {entry.shape}")
+        if shape != leaf.shape:
+            report.problems.append(f"mis-shaped: leaf {'/'.join(p)!r} is {shape}, expected {leaf.shape}")
             continue
         report.dtypes[dtype.name] += 1
-        report.add(entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
+        add = report.add_vision if leaf.is_vision else report.add
+        add(leaf.entry, int(np.prod(shape)), int(np.prod(shape)) * dtype.itemsize)
     return report
 
 
@@ -133,9 +173,17 @@ def _config_lines(cfg: ModelConfig) -> list[str]:
             f"parameter dtype {np.dtype(cfg.param_dtype).name}"]
 
 
+def _layout_line(r: Report) -> str:
+    if r.layout != SCANNED:
+        return f"layout: {r.layout} (one entry per layer)"
+    plan = scan_plan(dataclasses.replace(r.cfg, scan_layers=True))
+    return (f"layout: scanned (layers {plan.start}-{plan.stop - 1} stacked as {plan.repeats} units of {plan.unit}, "
+            f"stack/offset_0..{plan.unit - 1})")
+
+
 def format_report(r: Report) -> str:
     """The human-readable report ``python -m k3jax.convert inspect`` prints."""
-    lines = [f"{r.path}: {r.kind} checkpoint", *_config_lines(r.cfg),
+    lines = [f"{r.path}: {r.kind} checkpoint", *_config_lines(r.cfg), _layout_line(r),
              f"quantisation: {r.quantisation}",
              "dtypes: " + ", ".join(f"{n} {d}" for d, n in sorted(r.dtypes.items())),
              f"parameters: total {r.total:,}, active {r.active:,}",
@@ -143,7 +191,11 @@ def format_report(r: Report) -> str:
     for c in COMPONENTS:
         active = r.params[c] - round(r.inactive[c])
         lines.append(f"{c:<18}{r.params[c]:>16,}{active:>16,}{r.nbytes[c]:>16,}")
-    lines.append(f"{'total':<18}{r.total:>16,}{r.active:>16,}{sum(r.nbytes.values()):>16,}")
+    for part, name in (("vision_tower", "vision tower"), ("mm_projector", "vision projector")):
+        if part in r.vision:
+            lines.append(f"{name:<18}{r.vision[part]:>16,}{r.vision[part]:>16,}{r.vision_bytes[part]:>16,}")
+    nbytes = sum(r.nbytes.values()) + sum(r.vision_bytes.values())
+    lines.append(f"{'total':<18}{r.total:>16,}{r.active:>16,}{nbytes:>16,}")
     if r.problems:
         lines.append(f"problems: {len(r.problems)}")
         lines += [f"  {p}" for p in r.problems]

@@ -2,30 +2,33 @@
 
 Layout of ``DST`` (format version 1)::
 
-    DST/k3jax.json     {"format": "k3jax-orbax", "version": 1, "layout": "per-layer",
+    DST/k3jax.json     {"format": "k3jax-orbax", "version": 1, "layout": "per-layer" | "scanned",
                         "dtype": "bfloat16", "model": <k3jax.train.config.to_dict(ModelConfig)>,
-                        "source": {"path", "family", "hf_dtype", "mxfp4"}, "tensors", "bytes"}
-    DST/state/         an orbax PyTree checkpoint of {"params": ..., "balance": ...}
-                       (docs/params.md; one ``layers_{i}`` subtree per layer)
+                        "source": {"path", "family", "hf_dtype", "mxfp4"}, "tensors", "bytes",
+                        "vision": {"vision", "media_token_id", "frames_per_chunk"} (multimodal only)}
+    DST/state/         an orbax PyTree checkpoint of {"params": ..., "balance": ...} in that layout
+                       (``k3jax.convert.orbax_layout``: one ``layers_{i}`` subtree per layer, or the
+                       scanned stack's ``stack/offset_{j}`` leaves; docs/params.md)
     DST/_CHECKPOINT_METADATA, DST/orbax.checkpoint   orbax's own markers
 
 ``k3jax.json`` is written last and the folder is renamed into place after it, so a folder that
-``is_orbax_checkpoint`` accepts is complete. ``restore_orbax(path, shardings=None | mesh | tree)``
-returns ``(cfg, variables)`` like ``load_hf``: ``None`` restores onto the first local device, a
-``Mesh`` places every leaf by its logical axes (``sharding.shardings_for``, the model's own
-rules), a tree of shardings is used as given. Each process reads only its shards. The tree can
-also be read with plain orbax: ``ocp.StandardCheckpointer().restore(DST / "state", target)``.
+``is_orbax_checkpoint`` accepts is complete. ``restore_orbax(path, shardings=None | mesh | tree,
+layout=None)`` returns ``(cfg, variables)`` like ``load_hf``, in ``layout`` (default: the model
+config's own): ``None`` restores onto the first local device, a ``Mesh`` places every leaf by its
+logical axes (``sharding.shardings_for``, the model's own rules), a tree of shardings (shaped like
+the stored leaves) is used as given. Each process reads only its shards; when the stored layout is
+the one asked for, the arrays are restored as they are (a scanned model reads stacked arrays), else
+they are stacked or split after reading (``k3jax.layout``). The tree can also be read with plain
+orbax: ``ocp.StandardCheckpointer().restore(DST / "state", target)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +36,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from k3jax.config import ModelConfig
-from k3jax.convert.hf_keys import Entry, entries
-from k3jax.layout import to_scanned, unrolled
+from k3jax.convert.hf_keys import Entry
+from k3jax.convert.orbax_layout import (LAYOUTS, PER_LAYER, AnyConfig, StoredLeaf, check_layout, in_layout,
+                                        mesh_shardings, model_layout, stored_table)
 
-FORMAT, VERSION, LAYOUT = "k3jax-orbax", 1, "per-layer"
+FORMAT, VERSION = "k3jax-orbax", 1
 METADATA, STATE = "k3jax.json", "state"
 
 
@@ -59,38 +63,31 @@ def read_metadata(path: str | os.PathLike) -> dict:
     meta = json.loads((Path(path) / METADATA).read_text())
     if meta.get("version") != VERSION:
         raise ValueError(f"{Path(path) / METADATA}: version={meta.get('version')!r}, this k3jax reads {VERSION}")
-    if meta.get("layout") != LAYOUT:
-        raise ValueError(f"{Path(path) / METADATA}: layout={meta.get('layout')!r}, this k3jax reads {LAYOUT!r}")
+    if meta.get("layout") not in LAYOUTS:
+        raise ValueError(f"{Path(path) / METADATA}: layout={meta.get('layout')!r}, this k3jax reads one of {LAYOUTS}")
     return meta
 
 
 def model_config(meta: dict) -> ModelConfig:
+    """The (text) model's config."""
     from k3jax.train.config import from_dict
 
     return from_dict(ModelConfig, meta["model"])
 
 
+def checkpoint_config(meta: dict) -> AnyConfig:
+    """The config of the whole checkpoint: a ``MultimodalConfig`` when it holds a vision tower."""
+    if "vision" not in meta:
+        return model_config(meta)
+    from k3jax.train.config import from_dict
+    from k3jax.vision.config import MultimodalConfig
+
+    return from_dict(MultimodalConfig, {"text": meta["model"], **meta["vision"]})
+
+
 def leaf_dtype(entry: Entry, dtype) -> np.dtype:
     """The stored dtype of a leaf: ``dtype``, or float32 (or wider) for SPEC §10's fp32 leaves."""
     return np.dtype(jnp.promote_types(dtype, jnp.float32) if entry.wide else dtype)
-
-
-def leaf_path(entry: Entry) -> tuple[str, ...]:
-    return (entry.collection,) + entry.path
-
-
-def mesh_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[tuple[str, ...], jax.sharding.NamedSharding]:
-    """``{leaf path: NamedSharding}`` of the per-layer (stored) leaves on ``mesh`` from the model's
-    logical axis names and rules."""
-    from k3jax.params import _abstract_variables
-    from sharding.init import logical_axes, shardings_for
-
-    # Logical axes do not depend on dtypes: one traced init (cached) serves every dtype of a model.
-    per_layer = dataclasses.replace(unrolled(cfg), dtype=jnp.float32, param_dtype=jnp.float32)
-    boxed = _abstract_variables(per_layer)
-    tree = shardings_for(nn.unbox(boxed), logical_axes(boxed), mesh)
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
-    return {tuple(str(k.key) for k in path): s for path, s in flat}
 
 
 def nest(flat: dict[tuple[str, ...], Any]) -> dict:
@@ -110,55 +107,63 @@ def stored_leaves(path: Path) -> dict[tuple[str, ...], Any]:
     return {tuple(str(k.key) for k in p): leaf for p, leaf in flat}
 
 
-def check_stored(path: str | os.PathLike, cfg: ModelConfig, dtype) -> dict[tuple[str, ...], Any]:
-    """The stored leaves, checked against the entries of ``cfg`` (missing, unexpected, shape, dtype)."""
+def check_stored(path: str | os.PathLike, cfg: AnyConfig, dtype, layout: str = PER_LAYER
+                 ) -> dict[tuple[str, ...], StoredLeaf]:
+    """``{path: StoredLeaf}`` of ``cfg`` in ``layout``, checked against the stored leaves (missing,
+    unexpected, shape, dtype)."""
     stored = stored_leaves(Path(path))
-    want = {leaf_path(e): e for e in entries(cfg)}
+    want = {leaf.path: leaf for leaf in stored_table(cfg, layout)}
     missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
     where = Path(path) / STATE
     if missing or extra:
         raise ValueError(f"{where}: leaves missing {['/'.join(p) for p in missing[:3]]} / unexpected "
-                         f"{['/'.join(p) for p in extra[:3]]} for the model config in {METADATA}")
-    for p, e in want.items():
+                         f"{['/'.join(p) for p in extra[:3]]} for the model config and layout {layout!r} in {METADATA}")
+    for p, leaf in want.items():
         shape, dt = tuple(stored[p].shape), np.dtype(stored[p].dtype)
-        if shape != e.shape or dt != leaf_dtype(e, dtype):
-            raise ValueError(f"{where}: leaf {'/'.join(p)!r} is {dt} {shape}, expected {leaf_dtype(e, dtype)} "
-                             f"{e.shape} by the model config")
-    return stored
+        if shape != leaf.shape or dt != leaf_dtype(leaf.entry, dtype):
+            raise ValueError(f"{where}: leaf {'/'.join(p)!r} is {dt} {shape}, expected "
+                             f"{leaf_dtype(leaf.entry, dtype)} {leaf.shape} by the model config")
+    return want
 
 
-def _shardings_tree(cfg: ModelConfig, shardings) -> dict[tuple[str, ...], jax.sharding.Sharding]:
-    paths = [leaf_path(e) for e in entries(cfg)]
+def _shardings_tree(cfg: AnyConfig, layout: str, shardings) -> dict[tuple[str, ...], jax.sharding.Sharding]:
+    paths = [leaf.path for leaf in stored_table(cfg, layout)]
     if shardings is None:
         if jax.process_count() > 1:
             raise ValueError("shardings=None restores onto one device; with several processes pass a mesh")
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return dict.fromkeys(paths, one)
     if isinstance(shardings, Mesh):
-        return mesh_shardings(cfg, shardings)
+        return mesh_shardings(cfg, shardings, layout)
     flat = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
     given = {tuple(str(k.key) for k in p): s for p, s in flat}
     if set(given) != set(paths):
-        raise ValueError("shardings must be None, a Mesh or a tree of shardings shaped like the variables "
-                         f"({{'params', 'balance'}}); e.g. missing {sorted(set(paths) - set(given))[:2]}")
+        raise ValueError(f"shardings must be None, a Mesh or a tree of shardings shaped like the stored {layout!r} "
+                         f"variables ({{'params', 'balance'}}); e.g. missing {sorted(set(paths) - set(given))[:2]}")
     return given
 
 
-def restore_orbax(path: str | os.PathLike, *, shardings: Any = None) -> tuple[ModelConfig, dict]:
+def restore_orbax(path: str | os.PathLike, *, shardings: Any = None, layout: str | None = None
+                  ) -> tuple[AnyConfig, dict]:
     """``(cfg, {"params", "balance"})`` from a k3jax orbax checkpoint folder, onto ``shardings``
     (None: the first local device; a ``Mesh``: by the model's logical axes; or a tree of shardings
-    of the stored per-layer leaves). The stored layout is per-layer; the variables come back in
-    ``cfg``'s layout (scanned where the config scans, ``k3jax.layout.to_scanned``)."""
+    of the stored leaves). ``layout``: of the returned variables, ``"per-layer"`` or ``"scanned"``
+    (default: ``cfg``'s own, scanned where the config scans); the stored layout is read as it is
+    and converted when the two differ. A multimodal checkpoint gives its ``MultimodalConfig`` and the
+    ``MultimodalTransformer`` tree (``k3jax.vision.text_variables`` takes the text model's part)."""
     meta = read_metadata(path)
-    cfg = model_config(meta)
-    stored = check_stored(path, cfg, meta["dtype"])
-    placed = _shardings_tree(cfg, shardings)
-    target = nest({p: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype), sharding=placed[p])
-                    for p, m in stored.items()})
+    cfg = checkpoint_config(meta)
+    stored_layout = meta["layout"]
+    layout = model_layout(cfg) if layout is None else layout
+    check_layout(layout, cfg)
+    stored = check_stored(path, cfg, meta["dtype"], stored_layout)
+    placed = _shardings_tree(cfg, stored_layout, shardings)
+    target = nest({p: jax.ShapeDtypeStruct(leaf.shape, leaf_dtype(leaf.entry, meta["dtype"]), sharding=placed[p])
+                   for p, leaf in stored.items()})
     variables = ocp.PyTreeCheckpointer().restore(
         Path(path).absolute() / STATE,
         args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-    return cfg, to_scanned(variables, cfg)
+    return cfg, in_layout(variables, cfg, layout)
 
 
 def restore_leaf(path: str | os.PathLike, leaf: tuple[str, ...]) -> np.ndarray:
@@ -170,3 +175,18 @@ def restore_leaf(path: str | os.PathLike, leaf: tuple[str, ...]) -> np.ndarray:
     for name in leaf:
         out = out[name]
     return out
+
+
+def restore_row(path: str | os.PathLike, leaf: tuple[str, ...], row: int) -> np.ndarray:
+    """Row ``row`` of a stacked stored leaf as a host array. ``hf-to-orbax`` stores a stacked leaf one
+    chunk per row, so tensorstore (orbax's zarr3-over-OCDBT store, opened directly) reads that row's
+    chunk only; a store laid out otherwise is read through orbax, whole."""
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": (Path(path).absolute() / STATE).as_uri(),
+                                            "path": ".".join(leaf)}}
+    try:
+        store = ts.open(spec, open=True, read=True).result()
+    except ValueError:
+        return restore_leaf(path, leaf)[row]
+    return np.asarray(store[row].read().result())

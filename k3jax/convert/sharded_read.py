@@ -8,14 +8,18 @@ and scales of its rows and 32-column groups, dequantised per shard.
 
 ``HFSource.leaf`` builds one leaf as a ``jax.Array`` with ``jax.make_array_from_callback``: each
 process calls back only for its addressable shards, so no host reads (or holds) more than its
-share. ``HFSource.bytes_read`` counts the bytes each read asks of the files (per process), which
+share. ``HFSource.stacked_leaf`` does the same for a scanned stack's leaf ``[repeats, ...]`` made
+of several layers' tensors: a shard is a block of rows (layers), each the same block of its
+layer's tensor, so the reads stay the shard's own bytes. ``HFSource.bytes_read`` counts the bytes each read asks of the files (per process), which
 the tests compare with the process's shard share.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -63,6 +67,25 @@ class HFSource:
         self.reader = SafetensorsReader(path)
         self.table = checked_table(self.cfg, self.reader)  # every header checked before any data is read
         self.bytes_read = 0
+
+    @functools.cached_property
+    def multimodal(self):
+        """The ``MultimodalConfig`` when ``config.json`` has a ``vision_config`` and the folder holds tower
+        or projector tensors (their keys, shapes and dtypes checked from the headers), else None: a
+        ``vision_config`` without those tensors is a text-only release (as the tiny K3 oracle's). Only
+        the conversion asks (the text loader skips the tower)."""
+        from k3jax.vision.checkpoint import check_vision_keys, multimodal_config
+        from k3jax.vision.hf_keys import VISION_PREFIXES, vision_entries
+
+        if not any(k.startswith(VISION_PREFIXES) for k in self.reader.keys()):
+            return None
+        try:
+            mm = multimodal_config(self.path, self.cfg)
+            if mm is not None:
+                check_vision_keys(vision_entries(mm.vision, self.cfg.hidden), self.reader)
+        except ValueError as err:
+            raise ValueError(f"{self.path}: {err}") from None
+        return mm
 
     @property
     def mxfp4(self) -> bool:
@@ -115,6 +138,36 @@ class HFSource:
 
         leaf = jax.make_array_from_callback(entry.shape, sharding, block)
         self.reader.release()  # a streaming conversion keeps no more of the files mapped than one leaf
+        return leaf
+
+
+    def stacked_leaf(self, parts: Sequence[Entry], sharding: jax.sharding.Sharding, dtype) -> Array:
+        """The layers ``parts`` (alike entries, in row order) stacked as one ``[len(parts), ...]`` leaf
+        on ``sharding``; each addressable block reads only its rows' blocks."""
+        shape = (len(parts),) + parts[0].shape
+        blocks: dict[tuple, np.ndarray] = {}
+
+        def block(index: Index) -> np.ndarray:
+            rows, *rest = _normalise(index, shape)
+            key = tuple((s.start, s.stop) for s in (rows, *rest))
+            if key not in blocks:
+                blocks[key] = np.stack([self.read(parts[r], tuple(rest), dtype) for r in range(rows.start, rows.stop)])
+            return blocks[key]
+
+        leaf = jax.make_array_from_callback(shape, sharding, block)
+        self.reader.release()
+        return leaf
+
+
+    def vision_leaf(self, entry, sharding: jax.sharding.Sharding, dtype) -> Array:
+        """A vision tower / projector leaf (``k3jax.vision.hf_keys.VisionEntry``) on ``sharding``: read
+        whole (at most tens of MB, and replicated by the model's rules), sliced per shard."""
+        from k3jax.vision.checkpoint import read_tensor
+
+        value = read_tensor(self.reader, entry, dtype)
+        self.bytes_read += self.reader.infos[entry.hf].end - self.reader.infos[entry.hf].begin
+        leaf = jax.make_array_from_callback(entry.shape, sharding, lambda index: value[index])
+        self.reader.release()
         return leaf
 
 

@@ -19,13 +19,15 @@ from k3jax.model import Transformer
 
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,
-                   num_new: Int[Array, "B"] | None = None, return_hidden: bool = False, keep_steps: bool = False):
+                   num_new: Int[Array, "B"] | None = None, return_hidden: bool = False, keep_steps: bool = False,
+                   embeddings: Float[Array, "B T D"] | None = None):
     """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``.
 
     With ``keep_steps`` the cache comes back as a ``StepCache`` (``select_step`` rolls it back).
+    ``embeddings`` replaces the token lookup (e.g. image features spliced in, ``k3jax.vision``).
     """
     out, layers = Transformer(cfg).apply(variables, tokens, cache.layers, num_new=num_new,
-                                         return_hidden=return_hidden, keep_steps=keep_steps,
+                                         return_hidden=return_hidden, keep_steps=keep_steps, embeddings=embeddings,
                                          method=Transformer.decode)
     if keep_steps:
         return out, StepCache(layers=layers, start=cache.lengths)
@@ -39,37 +41,43 @@ def head(variables: dict, cfg: ModelConfig, hidden: Float[Array, "B T D"]) -> Fl
 
 
 def prefill(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
-            cache: Cache, *, chunk: int = 2048) -> tuple[Float[Array, "B V"], Cache]:
+            cache: Cache, *, chunk: int = 2048,
+            embeddings: Float[Array, "B T D"] | None = None) -> tuple[Float[Array, "B V"], Cache]:
     """Feed right-padded prompts (row b: ``tokens[b, :lengths[b]]``) into ``cache`` chunk by chunk.
 
     Returns the logits after each row's last prompt token and the filled cache. Rows may be empty
     (``lengths[b] = 0``): their logits are zero and their cache untouched. The chunks run in a
-    ``lax.scan``, so one chunk's program is compiled whatever the prompt length.
+    ``lax.scan``, so one chunk's program is compiled whatever the prompt length. ``embeddings``
+    (chunked alike) replaces the token lookup: a prompt with images (``k3jax.vision``).
     """
     B, T = tokens.shape
     chunks = chunked(tokens, chunk)  # [N, B, C]
+    pieces = chunks if embeddings is None else (chunks, chunked(embeddings, chunk))  # [N, B, C(, D)]
 
     def body(carry, piece):
         cache, last, start = carry
+        piece, x = (piece, None) if embeddings is None else piece
         n = jnp.clip(lengths - start, 0, piece.shape[1]).astype(jnp.int32)  # real tokens of each row here
         # Only the rows' last positions need the head: the full [B, C, V] logits are never used (DCE).
-        (_, hidden, _), cache = forward_cached(variables, cfg, piece, cache, num_new=n, return_hidden=True)
+        (_, hidden, _), cache = forward_cached(variables, cfg, piece, cache, num_new=n, return_hidden=True,
+                                               embeddings=x)
         at = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
         last = jnp.where((n > 0)[:, None], head(variables, cfg, at)[:, 0].astype(last.dtype), last)
         return (cache, last, start + piece.shape[1]), None
 
     last = jnp.zeros((B, cfg.vocab_size), cfg.fp32_dtype)
-    (cache, last, _), _ = jax.lax.scan(body, (cache, last, jnp.int32(0)), chunks)
+    (cache, last, _), _ = jax.lax.scan(body, (cache, last, jnp.int32(0)), pieces)
     return last, cache
 
 
-def chunked(tokens: Int[Array, "B T"], chunk: int) -> Int[Array, "N B C"]:
-    """``tokens`` zero-padded to whole chunks of ``min(chunk, T)`` and split along T (scan-major)."""
-    B, T = tokens.shape
+def chunked(tokens: Int[Array, "B T ..."], chunk: int) -> Int[Array, "N B C ..."]:
+    """``tokens`` (or embeddings ``[B, T, D]``) zero-padded to whole chunks of ``min(chunk, T)`` and
+    split along T (scan-major)."""
+    B, T = tokens.shape[:2]
     C = min(chunk, T)
     N = -(-T // C)
-    padded = jnp.pad(tokens, ((0, 0), (0, N * C - T)))
-    return jnp.moveaxis(padded.reshape(B, N, C), 1, 0)
+    padded = jnp.pad(tokens, ((0, 0), (0, N * C - T)) + ((0, 0),) * (tokens.ndim - 2))
+    return jnp.moveaxis(padded.reshape((B, N, C) + tokens.shape[2:]), 1, 0)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, init_cache
@@ -73,12 +74,12 @@ def check_stop_tokens(cfg: ModelConfig, stop_tokens) -> tuple[int, ...]:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "temperature", "top_k", "top_p", "stop",
                                              "streaming", "chunk"))
-def _run(variables, tokens, lengths, cache: Cache, key, *, cfg, max_new, temperature, top_k, top_p, stop,
-         streaming, chunk):
+def _run(variables, tokens, lengths, cache: Cache, key, embeddings=None, *, cfg, max_new, temperature, top_k, top_p,
+         stop, streaming, chunk):
     """Prefill, then the decode loop; returns ``[B, max_new]`` tokens with ``DONE`` after a stop."""
     B = tokens.shape[0]
     stop_ids = jnp.asarray(stop if stop else (-2,), jnp.int32)
-    last, cache = prefill(variables, cfg, tokens, lengths, cache, chunk=chunk)
+    last, cache = prefill(variables, cfg, tokens, lengths, cache, chunk=chunk, embeddings=embeddings)
 
     def emit(i, logits, key, alive):
         tok = sample(key, logits, temperature, top_k, top_p)
@@ -119,12 +120,15 @@ def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequ
              temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              stop_tokens: Sequence[int] = (), seed: int = 0,
              stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
-             max_len: int | None = None, prefill_chunk: int = 2048) -> list[list[int]]:
+             max_len: int | None = None, prefill_chunk: int = 2048,
+             embeddings: Float[Array, "B T D"] | None = None) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens (a stop token is kept, then the row ends).
 
     ``temperature == 0`` is greedy; ``top_k`` / ``top_p`` restrict the sampling distribution.
     ``stream(step, tokens, alive)`` sees each step's sampled tokens ``[B]`` and which rows were still
-    running before it (rows that had stopped earlier are not alive).
+    running before it (rows that had stopped earlier are not alive). ``embeddings`` ``[B, T, D]``
+    (T the longest prompt, rows right-padded) replace the prompts' token embeddings at prefill: the
+    prompts with their images' features spliced in (``MultimodalTransformer.embed``).
     """
     rows = check_prompts(cfg, prompts, max_new_tokens, max_len)
     check_sampling(temperature, top_k, top_p)
@@ -136,11 +140,14 @@ def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequ
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
     lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    if embeddings is not None and tuple(embeddings.shape) != (B, longest, cfg.hidden):
+        raise ValueError(f"embeddings must have shape [B, T, D] = {(B, longest, cfg.hidden)} (T the longest "
+                         f"prompt), got {tuple(embeddings.shape)}")
     cache = init_cache(cfg, B, max_len or longest + max_new_tokens)
     _STREAM[0] = stream
     try:
         out = _run(as_variables(params_or_variables, cfg), jnp.asarray(tokens), lengths, cache,
-                   jax.random.key(seed), cfg=cfg, max_new=max_new_tokens, temperature=float(temperature),
+                   jax.random.key(seed), embeddings, cfg=cfg, max_new=max_new_tokens, temperature=float(temperature),
                    top_k=top_k, top_p=float(top_p), stop=stop, streaming=stream is not None,
                    chunk=min(prefill_chunk, longest))
         out = np.asarray(out)

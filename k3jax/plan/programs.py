@@ -55,7 +55,7 @@ def lower_train(cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
     batch = {k: jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=s)
              for k, s in trainer.shardings["batch"].items()}
     with trainer._context():
-        return trainer._jit_step.lower(state, batch), mesh
+        return trainer._jit_step.lower(state, batch, trainer.horizon), mesh
 
 
 def _variables(cfg: ModelConfig, mesh, rules):

@@ -37,7 +37,7 @@ from k3jax.train.metrics import ep_metrics
 from k3jax.train.mtp import MTP, mtp_targets
 from k3jax.train.optimizer import logical_axes, make_optimizer
 from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
-from k3jax.train.schedule import make_schedule
+from k3jax.train.schedule import Horizon, learning_rate, make_horizon
 
 BATCH_KEYS = ("tokens", "segment_ids", "labels", "loss_mask")
 _INIT_TOKENS = 64  # parameter shapes do not depend on T; keep init cheap
@@ -67,19 +67,30 @@ class Trainer:
         self.cfg = cfg
         self.model = Transformer(cfg.model, remat=cfg.remat)
         self.mtp = MTP(cfg.model, remat=cfg.remat) if cfg.model.mtp.num_layers else None
-        self.schedule = make_schedule(cfg.schedule, cfg.optimizer.learning_rate, cfg.steps)
+        # The run length is an argument of the jitted step, not a constant in it (k3jax.train.schedule).
+        self.horizon = make_horizon(cfg.schedule, cfg.steps)
         self.mesh = mesh
         with self._init_target():
             boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.axes = {"params": logical_axes(boxed["params"]), "balance": logical_axes(boxed["balance"])}
         self.abstract = nn.unbox(boxed)
-        self.tx = make_optimizer(cfg.optimizer, self.schedule, self.abstract["params"], self.axes["params"])
+        self.tx = self.optimizer(self.horizon)
         self.shardings = None
         if mesh is not None:
             from k3jax.train.parallel import state_and_batch_shardings
 
             self.shardings = state_and_batch_shardings(self, mesh)
         self._jit_step = self._build_step()
+
+    def schedule(self, step, horizon: Horizon | None = None) -> jax.Array:
+        """The learning rate at optimizer step ``step`` (``horizon``: default this run's)."""
+        horizon = self.horizon if horizon is None else horizon
+        return learning_rate(self.cfg.schedule, self.cfg.optimizer.learning_rate, horizon, step)
+
+    def optimizer(self, horizon: Horizon) -> optax.GradientTransformation:
+        """The optimizer on the schedule of ``horizon`` (its state does not depend on it)."""
+        return make_optimizer(self.cfg.optimizer, lambda step: self.schedule(step, horizon), self.abstract["params"],
+                              self.axes["params"])
 
     # ---------------------------------------------------------------- init
     def _init_boxed(self, rng):
@@ -111,7 +122,10 @@ class Trainer:
         """A fresh state (sharded on the mesh when there is one)."""
         # Traced outside the parallel context: init runs the model on one short row, which the
         # expert- and context-parallel paths would reject; parameters land sharded all the same.
-        out = None if self.shardings is None else self.shardings["state"]
+        # Without a mesh the state is committed to the first device, as a restored one is: the step
+        # then lowers to one program for both, which the persistent compilation cache serves on resume.
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        out = one if self.shardings is None else self.shardings["state"]
         with self._init_target():
             return jax.jit(self._init, out_shardings=out)(rng)
 
@@ -221,9 +235,13 @@ class Trainer:
         return (grads, aux), denom, mtp_denoms
 
     # ---------------------------------------------------------------- step
-    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step (un-jitted; `step` is the jitted, donated version)."""
+    def train_step(self, state: TrainState, batch, horizon: Horizon | None = None
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step (un-jitted; `step` is the jitted, donated version). ``horizon``: the
+        schedule's boundaries (default: this run's, as constants; `step` passes them traced)."""
         cfg = self.cfg
+        horizon = self.horizon if horizon is None else horizon
+        tx = self.optimizer(horizon)
         (grads, aux), denom, mtp_denoms = self._grads(state, batch)
         grad_norm = optax.tree.norm(grads)
         loss = aux["ce"] / denom
@@ -231,7 +249,7 @@ class Trainer:
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(mtp_loss)
         # One Newton–Schulz scan per distinct weight shape, not per weight (k3jax.train.batched_calls);
         # on a mesh the stack would mix shardings, so there each weight keeps its own.
-        update = self.tx.update if self.mesh is not None else batch_scans(self.tx.update)
+        update = tx.update if self.mesh is not None else batch_scans(tx.update)
         with _matmul_precision(cfg.optimizer.ns_precision, grads):
             updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -253,7 +271,7 @@ class Trainer:
             balance=keep(balance, state.balance), nonfinite_streak=streak,
             nonfinite_total=state.nonfinite_total + (~ok).astype(jnp.int32))
         metrics.update(loss=loss, grad_norm=grad_norm, tokens=denom, skipped=~ok, nonfinite_streak=streak,
-                       lr=self.schedule(state.step - state.nonfinite_total))
+                       lr=self.schedule(state.step - state.nonfinite_total, horizon))
         if mtp_denoms:
             metrics["mtp_loss"] = mtp_loss
         if max_logits:
@@ -270,17 +288,18 @@ class Trainer:
         return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
     def _build_step(self):
+        """``jit(train_step)(state, batch, horizon)``: one program for every run length."""
         if self.shardings is None:
             return jax.jit(self.train_step, donate_argnums=0)
         s = self.shardings
-        return jax.jit(self.train_step, donate_argnums=0, in_shardings=(s["state"], s["batch"]),
+        return jax.jit(self.train_step, donate_argnums=0, in_shardings=(s["state"], s["batch"], s["replicated"]),
                        out_shardings=(s["state"], s["replicated"]))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted, donated step; ``state`` must not be used afterwards."""
         check_batch(batch, self.cfg)
         with self._context():
-            return self._jit_step(state, batch)
+            return self._jit_step(state, batch, self.horizon)
 
     def model_variables(self, state: TrainState) -> dict[str, Any]:
         """``{"params", "balance"}`` of the main model (for evaluation and inference)."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.config import ModelConfig
 from k3jax.convert import load as text_load
 from k3jax.convert import save as text_save
 from k3jax.convert.hf_config import family
@@ -101,7 +102,9 @@ def _read_media_proc_cfg(path: str, cfg: MultimodalConfig) -> MultimodalConfig:
                                frames_per_chunk=m.get("temporal_merge_kernel_size", cfg.frames_per_chunk))
 
 
-def _check_vision_keys(table: list[VisionEntry], reader: SafetensorsReader) -> None:
+def check_vision_keys(table: list[VisionEntry], reader: SafetensorsReader) -> None:
+    """Every tower / projector key present, none unexpected, each of its HF shape and a floating
+    dtype: from the headers, before any data is read."""
     expected = {e.hf for e in table}
     present = {k for k in reader.keys() if k.startswith(VISION_PREFIXES)}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
@@ -110,40 +113,53 @@ def _check_vision_keys(table: list[VisionEntry], reader: SafetensorsReader) -> N
     if unexpected:
         raise ValueError(f"tensor {unexpected[0]!r} is unexpected for this vision_config "
                          f"({len(unexpected)} unexpected)")
+    for entry in table:
+        info = reader.infos[entry.hf]
+        if tuple(info.shape) != entry.hf_shape:
+            raise ValueError(f"{info.file}: tensor {entry.hf!r} has shape {tuple(info.shape)}, expected {entry.hf_shape}")
+        if not np.issubdtype(info.dtype, np.floating) and info.dtype.name != "bfloat16":
+            raise ValueError(f"{info.file}: tensor {entry.hf!r} has dtype {info.dtype}, expected a floating dtype")
 
 
-def _read(reader: SafetensorsReader, entry: VisionEntry, dtype) -> np.ndarray:
-    value = reader.get(entry.hf)
-    if value.shape != entry.hf_shape:
-        raise ValueError(f"tensor {entry.hf!r} has shape {value.shape}, expected {entry.hf_shape}")
-    if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
-        raise ValueError(f"tensor {entry.hf!r} has dtype {value.dtype}, expected a floating dtype")
-    return entry.to_tree(np.asarray(value)).astype(dtype)
+def read_tensor(reader: SafetensorsReader, entry: VisionEntry, dtype) -> np.ndarray:
+    """``entry``'s tree leaf (shape and dtype checked by `check_vision_keys`), as ``dtype``."""
+    return entry.to_tree(np.asarray(reader.get(entry.hf))).astype(dtype)
 
 
-def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[MultimodalConfig, dict]:
-    """``(MultimodalConfig, variables)`` from a K3 multimodal folder; dtypes as ``k3jax.convert.load_hf``
-    (the tower takes the text model's compute and parameter dtypes)."""
-    text_cfg, text = text_load.load_hf(path, dtype=dtype, param_dtype=param_dtype)
+def multimodal_config(path: str, text_cfg: ModelConfig) -> MultimodalConfig | None:
+    """The ``MultimodalConfig`` of the folder ``path`` around its text model ``text_cfg`` (None when its
+    ``config.json`` has no ``vision_config``: a text-only checkpoint). The tower takes the text model's
+    compute and parameter dtypes."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     if "vision_config" not in config:
-        raise ValueError(f"{path}/config.json has no vision_config: a text-only checkpoint (use k3jax.convert.load_hf)")
+        return None
+    if family(text_cfg) != "kimi_k3":
+        raise ValueError(f"{path}/config.json: a vision_config needs a K3-family text model, got {family(text_cfg)!r}")
     vision = dataclasses.replace(from_hf_vision_config(config["vision_config"]), dtype=text_cfg.dtype,
                                  param_dtype=text_cfg.param_dtype)
     text_hidden = config["vision_config"].get("text_hidden_size", text_cfg.hidden)
     if text_hidden != text_cfg.hidden:
         raise ValueError(f"vision_config.text_hidden_size={text_hidden} must equal the text hidden size "
                          f"{text_cfg.hidden}")
-    cfg = _read_media_proc_cfg(path, MultimodalConfig(text=text_cfg, vision=vision,
-                                                      media_token_id=media_token_id(config)))
+    return _read_media_proc_cfg(path, MultimodalConfig(text=text_cfg, vision=vision,
+                                                       media_token_id=media_token_id(config)))
+
+
+def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[MultimodalConfig, dict]:
+    """``(MultimodalConfig, variables)`` from a K3 multimodal folder; dtypes as ``k3jax.convert.load_hf``
+    (the tower takes the text model's compute and parameter dtypes)."""
+    text_cfg, text = text_load.load_hf(path, dtype=dtype, param_dtype=param_dtype)
+    cfg = multimodal_config(path, text_cfg)
+    if cfg is None:
+        raise ValueError(f"{path}/config.json has no vision_config: a text-only checkpoint (use k3jax.convert.load_hf)")
     reader = SafetensorsReader(path)
-    table = vision_entries(vision, text_cfg.hidden)
-    _check_vision_keys(table, reader)
+    table = vision_entries(cfg.vision, text_cfg.hidden)
+    check_vision_keys(table, reader)
     params = {"language_model": text["params"]}
     for entry in table:
         node = params
         for name in entry.path[:-1]:
             node = node.setdefault(name, {})
-        node[entry.path[-1]] = jnp.asarray(_read(reader, entry, jnp.dtype(text_cfg.param_dtype)))
+        node[entry.path[-1]] = jnp.asarray(read_tensor(reader, entry, jnp.dtype(text_cfg.param_dtype)))
     return cfg, {"params": params, "balance": {"language_model": text["balance"]}}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
@@ -41,6 +42,11 @@ class VisionEntry:
     hf_shape: Shape
     to_tree: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    # As the text model's ``k3jax.convert.hf_keys.Entry`` (which the orbax conversion reads): a
+    # parameter, stored in the parameter dtype, one tensor.
+    collection: ClassVar[str] = "params"
+    wide: ClassVar[bool] = False
+    is_experts: ClassVar[bool] = False
 
 
 def _same(hf, path, shape) -> VisionEntry:

@@ -37,10 +37,15 @@ class _Vision(nn.Module):
 
 
 @functools.lru_cache(maxsize=8)
+def abstract_vision(cfg: VisionConfig, text_hidden: int) -> dict:
+    """``{"params": {"vision_tower", "mm_projector"}}`` as ``ShapeDtypeStruct`` leaves, boxed with their
+    logical axis names (nothing allocated)."""
+    return jax.eval_shape(_Vision(cfg, text_hidden).init, jax.random.PRNGKey(0), _probe(cfg))
+
+
 def vision_table(cfg: VisionConfig, text_hidden: int) -> dict[str, int]:
     """Parameters of ``vision_tower`` and ``mm_projector``."""
-    shapes = jax.eval_shape(_Vision(cfg, text_hidden).init, jax.random.PRNGKey(0), _probe(cfg))
-    shapes = nn.meta.unbox(shapes)["params"]
+    shapes = nn.meta.unbox(abstract_vision(cfg, text_hidden))["params"]
     return {name: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree)) for name, tree in shapes.items()}
 
 

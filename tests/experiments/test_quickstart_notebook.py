@@ -38,3 +38,27 @@ def test_quickstart_notebook_runs_headless(tmp_path, monkeypatch):
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])), "no loss plot"
     first = nb.cells[1].source
     assert "/work" not in first and "pip" in first  # the install cell names no local path
+
+
+def test_install_cell_installs_the_clone_or_asks_for_k3jax_repo(tmp_path, monkeypatch):
+    """Where k3jax is not importable, the first cell pip-installs the clone the notebook sits in, else
+    K3JAX_REPO, and without either stops with a message saying to set K3JAX_REPO (no made-up URL)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    cell = nbformat.read(NOTEBOOK, as_version=4).cells[1].source
+    installs = []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "k3jax" else find_spec(name, *a))
+    monkeypatch.setattr(subprocess, "run", lambda args, check: installs.append(args))
+    monkeypatch.delenv("K3JAX_REPO", raising=False)
+    monkeypatch.chdir(NOTEBOOK.parent)  # Jupyter's working folder: the notebook's own
+    exec(cell, {})
+    assert installs == [[sys.executable, "-m", "pip", "install", "-q", str(ROOT)]]
+    monkeypatch.chdir(tmp_path)  # outside any clone
+    with pytest.raises(RuntimeError, match="not inside a k3jax clone: set K3JAX_REPO"):
+        exec(cell, {})
+    monkeypatch.setenv("K3JAX_REPO", str(ROOT))
+    exec(cell, {})
+    assert installs[-1][-1] == str(ROOT) and len(installs) == 2

@@ -3,7 +3,8 @@
 Prints per variant: the bytes read from the checkpoint against its size (each block read once,
 replicas included), whether the restored leaves equal ``load_hf`` bit for bit and carry the
 model's shardings, and (``K3JAX_CONVERT_LOGITS=1``) whether the forward on the restored sharded
-tree gives the logits of ``load_hf``'s tree placed on the same mesh, bit for bit.
+tree gives the logits of ``load_hf``'s tree placed on the same mesh, bit for bit. The same for
+``hf_mxfp4`` stored in the scanned layout (``hf_mxfp4_scanned``), restored as stacked arrays.
 """
 
 import os
@@ -71,7 +72,26 @@ def main() -> None:
         }
         if os.environ.get("K3JAX_CONVERT_LOGITS") == "1" and variant == "hf_mxfp4":
             out[variant].update(_logits_equal(cfg, mesh, restored, loaded))
+    out["hf_mxfp4_scanned"] = _scanned(mesh)
     emit(out)
+
+
+def _scanned(mesh) -> dict:
+    """``--layout scanned`` on the mesh: stacked leaves read shard by shard, restored as they are
+    stored (the scanned model's layout) with the scanned model's shardings."""
+    path = f"{ORACLE}/hf_mxfp4"
+    dst = os.path.join(tempfile.mkdtemp(), "orbax")
+    source = HFSource(path)
+    hf_to_orbax(path, dst, mesh=mesh, source=source, group_bytes=1 << 18, layout="scanned")
+    cfg, restored = restore_orbax(dst, shardings=mesh, layout="scanned")
+    _, loaded = load_hf(path, param_dtype=jnp.bfloat16)
+    want = mesh_shardings(cfg, mesh, "scanned")
+    r, l = _flat(restored), _flat(loaded)
+    w1 = restored["params"]["stack"]["offset_0"]["moe"]["w1"]
+    return {"bytes_read": source.bytes_read,
+            "bitwise": r.keys() == l.keys() and all(np.asarray(r[k]).tobytes() == np.asarray(l[k]).tobytes() for k in l),
+            "shardings": all(r[k].sharding.is_equivalent_to(want[k], r[k].ndim) for k in r),
+            "w1_spec": str(w1.sharding.spec), "w1_shard_shape": list(w1.addressable_shards[0].data.shape)}
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ def test_eight_devices_read_each_block_once_and_restore_bitwise():
         assert r["checkpoint_bytes"] - r["bytes_read"] == _a_log_padding(variant)
         assert r["bitwise"] and r["shardings"], (variant, r)
         assert r["w1_spec"].startswith("P('expert',") and r["w1_shard_shape"] == [4, 32, 32], r
+    scanned = out["hf_mxfp4_scanned"]  # stacked leaves: the same bytes, the layers axis unsharded
+    assert scanned["bytes_read"] == _share("hf_mxfp4", 1) and scanned["bitwise"] and scanned["shardings"], scanned
+    assert scanned["w1_spec"].startswith("P(None, 'expert',") and scanned["w1_shard_shape"] == [2, 4, 32, 32], scanned
 
 
 @pytest.mark.slow  # compiles the forward on the mesh and on one device (~2 min on 2 cores)
