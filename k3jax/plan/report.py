@@ -42,6 +42,7 @@ class Plan:
     chip: Chip
     compile_seconds: float
     kernels: dict  # custom-call target -> count in the compiled program
+    largest: tuple = ()  # --memory-only: (bytes, shapes) of the largest temporaries
 
     @property
     def peak_memory(self) -> float:
@@ -101,6 +102,26 @@ def analyse(compiled, step: str, topology: str, mesh, chip: Chip, flops_total: f
                 compile_seconds=seconds, kernels=_kernels(hlo))
 
 
+def buffers_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float) -> Plan:
+    """The plan from the compiler's buffer assignment alone (:mod:`k3jax.plan.buffers`): memory and
+    communication as compiled, no FLOP count from the compiler; the compile is left running."""
+    from k3jax.plan.buffers import assign_buffers
+
+    t0 = time.perf_counter()
+    try:
+        b = assign_buffers(lowered)
+    except Exception as err:
+        oom = _out_of_memory(err, step, topology, mesh, chip)
+        if oom is None:
+            raise
+        raise oom from err
+    n = math.prod(mesh.shape.values())
+    return Plan(step=step, topology=topology, mesh={k: v for k, v in mesh.shape.items() if v > 1}, devices=n,
+                arguments=b.arguments, outputs=0.0, aliased=0.0, temporaries=b.temporaries, code=0.0,
+                compiler_flops=None, model_flops=flops_total / n, comm=volume_per_axis(b.hlo, dict(mesh.shape)),
+                chip=chip, compile_seconds=time.perf_counter() - t0, kernels=_kernels(b.hlo), largest=b.largest)
+
+
 def compile_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float,
                  hlo_path: str | None = None) -> Plan:
     """Compile ``lowered``; the compiler's out-of-memory becomes a ``ValueError`` naming the numbers.
@@ -153,7 +174,7 @@ def _flop(x: float) -> str:
 def format_plan(p: Plan) -> str:
     """The human-readable report of one plan."""
     mesh = " × ".join(f"{k}={v}" for k, v in p.mesh.items()) or "1 device"
-    flops = "n/a (device-less GPU)" if p.compiler_flops is None else _flop(p.compiler_flops)
+    flops = "n/a (no cost analysis)" if p.compiler_flops is None else _flop(p.compiler_flops)
     comm = "\n".join(f"    {axis:24s} {v / _GB:10.3f} GB  ({v / p.chip.link_bandwidth * 1e3:8.2f} ms at link peak)"
                      for axis, v in sorted(p.comm.items(), key=lambda kv: -kv[1]) if v >= 1e6) or "    (none)"
     verdict = "FITS" if p.fits else "DOES NOT FIT"
@@ -169,4 +190,5 @@ def format_plan(p: Plan) -> str:
         "at link peak (lower bounds, not overlapped)",
         "  bytes sent per device by mesh axis:", comm,
         "  kernels: " + (", ".join(f"{k}×{v}" for k, v in p.kernels.items()) or "none"),
-    ])
+    ] + (["  largest temporaries (buffer assignment):"] + [f"    {_gb(b)}  {shapes[:140]}" for b, shapes in p.largest]
+         if p.largest else []))
