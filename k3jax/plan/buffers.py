@@ -21,6 +21,7 @@ import dataclasses
 import glob
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -83,7 +84,8 @@ def _dumped(folder: str, suffix: str) -> str | None:
 def assign_buffers(lowered, poll_seconds: float = 2.0, timeout: float = 3600.0) -> Buffers:
     """Compile ``lowered`` in a background thread and return its buffers as soon as the compiler
     has written them. The thread is left running (a compile cannot be interrupted): callers exit
-    the process afterwards. Errors the compile raises first (an out-of-memory) are re-raised."""
+    the process afterwards. Errors the compile raises first (an out-of-memory) are re-raised, with
+    the refused assignment as their ``buffers`` attribute where the compiler wrote one."""
     folder = tempfile.mkdtemp(prefix="k3jax-plan-")
     options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
     failure: list[BaseException] = []
@@ -103,11 +105,14 @@ def assign_buffers(lowered, poll_seconds: float = 2.0, timeout: float = 3600.0) 
         if done or failure or not thread.is_alive():
             break
         time.sleep(poll_seconds)
-    if failure:
-        raise failure[0]
-    names = [_dumped(folder, s) for s in ("after_optimizations-buffer-assignment.txt", "after_optimizations.txt")]
-    if not all(names):
-        raise ValueError(f"the compiler wrote no buffer assignment to {folder} within {timeout:.0f} s "
-                         "(this XLA backend may not dump one): run without --memory-only")
-    texts = [open(n).read() for n in names]
-    return parse(*texts)
+    try:
+        names = [_dumped(folder, s) for s in ("after_optimizations-buffer-assignment.txt", "after_optimizations.txt")]
+        if failure:  # an out-of-memory: the assignment it refused names what allocates
+            failure[0].buffers = parse(*[open(n).read() for n in names]) if all(names) else None
+            raise failure[0]
+        if not all(names):
+            raise ValueError(f"the compiler wrote no buffer assignment within {timeout:.0f} s (this XLA backend "
+                             "may not dump one): run without --memory-only")
+        return parse(*[open(n).read() for n in names])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the dumps are large; what is kept is parsed

@@ -114,6 +114,11 @@ def buffers_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_tota
         oom = _out_of_memory(err, step, topology, mesh, chip)
         if oom is None:
             raise
+        refused = getattr(err, "buffers", None)
+        if refused is not None:
+            raise ValueError(f"{oom} Arguments {_gb(refused.arguments).strip()}, temporaries "
+                             f"{_gb(refused.temporaries).strip()}; the largest temporaries: "
+                             + "; ".join(f"{_gb(n).strip()} {s[:120]}" for n, s in refused.largest[:8])) from err
         raise oom from err
     n = math.prod(mesh.shape.values())
     return Plan(step=step, topology=topology, mesh={k: v for k, v in mesh.shape.items() if v > 1}, devices=n,
