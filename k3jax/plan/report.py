@@ -157,8 +157,8 @@ def _out_of_memory(err: Exception, step: str, topology: str, mesh, chip: Chip) -
             "(more devices on the axis that splits it) or fix its tiling")
     need = re.search(r"(?:Used|used)\s+([\d.]+)([KMGT])", text) or re.search(r"\(([\d.]+)([KMGT])\) exceeds", text)
     have = re.search(r"of\s+([\d.]+)([KMGT]) hbm", text) or re.search(r"available HBM \(([\d.]+)([KMGT])\)", text)
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    amount = lambda m: f"{float(m.group(1)) * scale[m.group(2)] / _GB:.1f} GB" if m else "more than the HBM"
+    # the compiler's "G" is GiB (its 160.65G equals the 160.65 GiB of its memory-usage report)
+    amount = lambda m: f"{float(m.group(1)):.1f} {m.group(2)}iB" if m else "more than the HBM"
     sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
     detail = text.splitlines()[0][:300]
     return ValueError(

@@ -102,7 +102,7 @@ def test_out_of_memory_names_the_numbers():
     message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
                "Used 120.53G of 95.74G hbm. Exceeded hbm capacity by 24.79G.")
     err = _out_of_memory(RuntimeError(message), "train", "v5p:2x2x1", FakeMesh(), CHIPS["v5p"])
-    assert "needs 120.5 GB per device against 95.7 GB of HBM with mesh (data=2, expert=2)" in str(err)
+    assert "needs 120.5 GiB per device against 95.7 GiB of HBM with mesh (data=2, expert=2)" in str(err)
     smem = ("RESOURCE_EXHAUSTED: Allocation (size=1052672) would exceed memory (size=1048576) :: #allocation4 "
             "[shape = 'u8[1052672]{0}', space=smem, size = 0x101000, scoped, tag = 'prefetched SMEM operand 0'] "
             ":: moe_gmm_tpu.21")
