@@ -7,7 +7,7 @@ step (``k3jax.train.loss.head_cross_entropy``, ``--loss-chunk`` tokens at a time
 times ``--iters`` steps after ``--warmup``. On a mesh the loss runs per device
 (``sharding.reduce.head_cross_entropy_sharded``). Printed: tokens/s in total and per GPU, per-GPU
 throughput relative to the 1-GPU run (1.0 = perfect scaling), and the EP overflow count (assignments
-past the a2a buffers, summed over layers: those calls took the gather fallback; ``--ep-reserve``).
+past the a2a buffers, summed over layers: those calls ran further all-to-all rounds; ``--ep-reserve``).
 
 Layouts (the tokens per step grow with the devices that split the batch):
   1gpu            mesh of one device, B = 1

@@ -8,13 +8,18 @@ dropped:
 into a static ``[EP, cap, L]`` buffer, ``cap = ⌈N·k/EP · (1 + reserve)⌉`` (the plan QB keeps
 loads at, plus a reserve); 3. ``all_to_all``; 4. local grouped expert FFN
 (``pallas_kernels.moe``); 5. ``all_to_all`` back; 6. router-weighted combine in fp32.
-If any rank would overflow any buffer, *every* rank takes the ``gather`` path for this call
-(a ``lax.cond`` on a mesh-wide ``pmax``), so overflowing tokens are computed, not dropped; the
-number of overflowing assignments is returned as a metric.
+Assignments beyond a buffer's ``cap`` rows are not dropped: they go in further *rounds* of the
+same exchange (round ``r`` carries each destination's assignments ``r·cap … (r+1)·cap - 1``),
+as many as the fullest buffer of the mesh needs (a ``while_loop``; none when nothing overflows),
+so memory stays one buffer whatever the router does. The overflowing assignments are returned
+as a metric.
 
 ``gather``: all-gather the tokens over the expert axis, each rank runs its own experts on the
 assignments that chose them, ``psum_scatter`` the partial sums back (MaxText's "ring of
 experts"; it moves ``N·L`` values per rank instead of ``N·k·L``, so it wins for large top-k).
+Its memory is not bounded by a plan: each rank permutes all ``EP·N·k`` gathered assignments
+(``[EP·N·k, L]`` rows, 14 GiB per layer at K3's widths with 8 K tokens per rank and EP = 16), so
+it suits small ``EP·N``; the ``a2a`` strategy's rounds are the bounded one.
 """
 
 from __future__ import annotations
@@ -35,10 +40,15 @@ from pallas_kernels.moe.reference import accum_dtype
 from sharding.context import ParallelConfig, current
 
 
+def _rows(g, index):
+    """``g[index]`` with zero rows for indices past the end (assignments outside this round)."""
+    return g.at[index].get(mode="fill", fill_value=0)
+
+
 def _accum_rows(g, index, k: int):
-    """``Σ_s g[index[t·k + s]]`` per token ``t``, summed in the accumulation dtype."""
+    """``Σ_s g[index[t·k + s]]`` per token ``t`` (zero past the end), in the accumulation dtype."""
     dt = accum_dtype(g.dtype)
-    return g[index].astype(dt).reshape(-1, k, g.shape[-1]).sum(1).astype(g.dtype)
+    return _rows(g, index).astype(dt).reshape(-1, k, g.shape[-1]).sum(1).astype(g.dtype)
 
 
 # Every row movement below is a gather whose transpose is another gather (the slot / order maps
@@ -72,8 +82,8 @@ _to_slots.defvjp(lambda x, src, filled, slot, k: (_to_slots(x, src, filled, slot
 
 @jax.custom_vjp
 def _from_slots(back, slot, src, filled, weights):
-    """``Σ_s weights[t, s] · back[slot[t·k + s]]`` in fp32, in ``back.dtype`` (the combine)."""
-    return _weighted_sum(back[slot].reshape(weights.shape + back.shape[-1:]), weights).astype(back.dtype)
+    """``Σ_s weights[t, s] · back[slot[t·k + s]]`` in fp32 (the combine; slots past the end add 0)."""
+    return _weighted_sum(_rows(back, slot).reshape(weights.shape + back.shape[-1:]), weights)
 
 
 def _from_slots_fwd(back, slot, src, filled, weights):
@@ -85,7 +95,7 @@ def _from_slots_bwd(res, g):
     n, k = weights.shape
     dt = accum_dtype(back.dtype)
     gf = g.astype(dt)
-    dweights = jnp.einsum("NkL,NL->Nk", back[slot].astype(dt).reshape(n, k, -1), gf).astype(weights.dtype)
+    dweights = jnp.einsum("NkL,NL->Nk", _rows(back, slot).astype(dt).reshape(n, k, -1), gf).astype(weights.dtype)
     # Buffer row r came from assignment src[r]: its cotangent is that assignment's weight times g.
     w_row = weights.reshape(-1).astype(dt)[src]
     dback = jnp.where(filled[:, None], gf[src // k] * w_row[:, None], 0.0).astype(back.dtype)
@@ -130,29 +140,84 @@ def _gather_path(x, ids, weights, w1, w3, w2, *, axis, act, gmm):
     return out.astype(x.dtype), processed
 
 
-def _a2a_path(x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm):
-    """Static-capacity all-to-all dispatch; assumes no buffer overflows (checked by the caller)."""
+def _route(ids, ep: int, e_local: int):
+    """``(dest, rank, counts)``: each assignment's destination rank and its position among the
+    assignments bound there (token-major), and the count per destination ``[EP]``."""
+    dest = ids.reshape(-1) // e_local  # [A]
+    # A running count per destination ([A, EP] ints) instead of an argsort of A keys with only EP values.
+    onehot = (dest[:, None] == jnp.arange(ep)[None]).astype(jnp.int32)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
+    return dest, rank, jnp.sum(onehot, axis=0)
+
+
+def _a2a_round(r, route, x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm):
+    """Round ``r`` of the static-capacity all-to-all: the assignments ``r·cap … (r+1)·cap - 1`` of
+    every destination, ``(fp32 out [n, L], processed)``; the others add zero."""
     n, k = ids.shape
     e_local = w1.shape[0]
-    flat = ids.reshape(-1)  # [A], token-major
-    dest = flat // e_local
-    # Rank of each assignment among those bound for the same rank: a running count per
-    # destination ([A, EP] ints) instead of an argsort of A keys with only EP distinct values.
-    onehot = (dest[:, None] == jnp.arange(ep)[None]).astype(jnp.int32)  # [A, EP]
-    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
-    counts = jnp.sum(onehot, axis=0)  # [EP]
-    slot = dest * cap + rank  # [A]: buffer row of every assignment (all < EP·cap: no overflow)
-    # Buffer row (d, p) holds the p-th assignment bound for rank d (the inverse of slot).
+    dest, rank, counts = route
+    rank = rank - r * cap
+    # Buffer row of every assignment of this round; EP·cap (past the end) for the others.
+    slot = jnp.where((rank >= 0) & (rank < cap), dest * cap + rank, ep * cap)  # [A]
+    # Buffer row (d, p) holds the p-th assignment of this round bound for rank d (the inverse of slot).
     src = jnp.zeros((ep * cap,), jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32), mode="drop",
                                                          unique_indices=True)
-    filled = (jnp.arange(cap)[None] < counts[:, None]).reshape(-1)  # [EP·cap]
+    filled = (jnp.arange(cap)[None] < jnp.clip(counts - r * cap, 0, cap)[:, None]).reshape(-1)  # [EP·cap]
     send_x = _to_slots(x, src, filled, slot, k)  # [EP·cap, L]
-    send_e = jnp.where(filled, flat[src] % e_local, e_local)[:, None]
+    send_e = jnp.where(filled, ids.reshape(-1)[src] % e_local, e_local)[:, None]
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [EP·cap, L], block j from rank j
     recv_e = lax.all_to_all(send_e, axis, 0, 0, tiled=True)
     y, processed = _local_experts(recv_x, recv_e, w1, w3, w2, act=act, gmm=gmm)
     back = lax.all_to_all(y[:, 0], axis, 0, 0, tiled=True)  # [EP·cap, L], in our slot order
-    return _from_slots(back, slot, src, filled, weights).astype(x.dtype), processed
+    return _from_slots(back, slot, src, filled, weights), processed
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _more_rounds(one_round, rounds, route, ids, x, weights, w1, w3, w2):
+    """``Σ_{r=1..rounds} one_round(r, …)`` in a ``while_loop`` (no round runs when ``rounds == 0``).
+
+    Reverse-mode autodiff has no rule for a loop of dynamic length, hence the custom VJP: the
+    backward runs the rounds again, each one's VJP in turn, keeping only the inputs (the overflow
+    is rare; its rounds cost a recomputation, never memory beyond one round).
+    """
+    zero = (jnp.zeros(x.shape, accum_dtype(x.dtype)), jnp.zeros((), jnp.int32))
+
+    def body(r, acc):
+        out, processed = one_round(r, route, x, ids, weights, w1, w3, w2)
+        return acc[0] + out, acc[1] + processed
+
+    return lax.fori_loop(1, rounds + 1, body, zero)
+
+
+def _more_rounds_fwd(one_round, rounds, route, ids, x, weights, w1, w3, w2):
+    return _more_rounds(one_round, rounds, route, ids, x, weights, w1, w3, w2), (rounds, route, ids, x, weights,
+                                                                                 w1, w3, w2)
+
+
+def _more_rounds_bwd(one_round, res, cotangents):
+    rounds, route, ids, *diff = res
+    g = cotangents[0]
+
+    def body(r, grads):
+        _, vjp = jax.vjp(lambda *d: one_round(r, route, d[0], ids, *d[1:])[0], *diff)
+        return jax.tree.map(jnp.add, grads, vjp(g))
+
+    grads = lax.fori_loop(1, rounds + 1, body, tuple(jnp.zeros_like(d) for d in diff))
+    return (None, None, None, *grads)
+
+
+_more_rounds.defvjp(_more_rounds_fwd, _more_rounds_bwd)
+
+
+def _a2a_path(x, ids, weights, w1, w3, w2, *, axis, ep, cap, act, gmm, tok_axes):
+    """Every assignment through the all-to-all: round 0, then the overflow's rounds if any."""
+    route = _route(ids, ep, w1.shape[0])
+    one_round = functools.partial(_a2a_round, axis=axis, ep=ep, cap=cap, act=act, gmm=gmm)
+    out, processed = one_round(0, route, x, ids, weights, w1, w3, w2)
+    # The same number of rounds on every rank (each one is a collective): the fullest buffer's.
+    rounds = (lax.pmax(jnp.max(route[2]), tok_axes) - 1) // cap
+    more, more_processed = _more_rounds(one_round, rounds, route, ids, x, weights, w1, w3, w2)
+    return (out + more).astype(x.dtype), processed + more_processed
 
 
 def capacity(tokens: int, top_k: int, ep: int, reserve: float) -> int:
@@ -171,23 +236,17 @@ def exchange(x, ids, weights, w1, w3, w2, *, ctx: ParallelConfig, strategy, rese
     n, k = ids.shape
     tok_axes = ctx.token_axes
     paths = dict(axis=axis, act=act, gmm=gmm)
-    gather = functools.partial(_gather_path, **paths)
     if ep == 1:  # every expert is local: no exchange, no buffer, nothing can overflow
         y, processed = _local_experts(x, ids, w1, w3, w2, act=act, gmm=gmm)
         return _weighted_sum(y, weights).astype(x.dtype), processed, jnp.zeros((), jnp.int32), processed[None]
     counts = jnp.bincount(ids.reshape(-1) // w1.shape[0], length=ep)
     received = lax.psum(counts, axis)
     if strategy == "gather":
-        out, processed = gather(x, ids, weights, w1, w3, w2)
+        out, processed = _gather_path(x, ids, weights, w1, w3, w2, **paths)
         return out, processed, jnp.zeros((), jnp.int32), received
     cap = capacity(n, k, ep, reserve)
     overflow = lax.psum(jnp.sum(jnp.maximum(counts - cap, 0)), tok_axes)
-    a2a = functools.partial(_a2a_path, ep=ep, cap=cap, **paths)
-    # Under autodiff a cond outputs the residuals of both branches, the untaken one's as
-    # zeros: without the checkpoint that is ~7 [EP·N·k, L] fp32 buffers filled with zeros per
-    # layer and step. The rarely taken fallback keeps only its inputs and recomputes instead.
-    fallback = jax.checkpoint(gather, policy=jax.checkpoint_policies.nothing_saveable)
-    out, processed = lax.cond(overflow > 0, fallback, a2a, x, ids, weights, w1, w3, w2)
+    out, processed = _a2a_path(x, ids, weights, w1, w3, w2, ep=ep, cap=cap, tok_axes=tok_axes, **paths)
     return out, processed, overflow, received
 
 
@@ -258,7 +317,7 @@ def moe_ffn_ep(
 
     ``x`` is ``[N, L]`` (tokens flattened from ``[B, T]``) or ``[B, T, L]``, sharded like the
     activations. Returns ``(y, stats)``; ``stats["ep_overflow"]`` counts the assignments that
-    did not fit the a2a buffers this call (they were computed by the gather path),
+    did not fit the a2a buffers this call (they were computed by further rounds of the exchange),
     ``stats["ep_dropped"]`` is the number of assignments no rank computed (always 0: a check),
     ``stats["ep_received_max_mean"]`` the most assignments an expert rank received over the mean.
     """

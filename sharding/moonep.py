@@ -20,9 +20,9 @@ Routing (one rank, its ``N·k`` assignments, no communication beyond one ``[E]``
 
 Every assignment goes to exactly one copy of its expert, all copies hold the same weights: the
 output is the no-redundancy output (up to fp32 summation order in the weight gradients). The
-exchange keeps ``sharding.ep``'s mesh-wide fallback for a micro-batch that overflows the buffers;
-with a plan that fits the loads it is never taken (``ep_overflow`` = 0, tested), and it computes
-such tokens rather than dropping them.
+exchange keeps ``sharding.ep``'s overflow rounds for a micro-batch that overflows the buffers;
+with a plan that fits the loads none runs (``ep_overflow`` = 0, tested), and they compute such
+tokens rather than dropping them.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
                          "shapes (auto), always (pallas), or the XLA paths")
     ap.add_argument("--json", default=None, help="append the plan as one JSON line to this file")
     ap.add_argument("--hlo", default=None, help="write the compiled program's HLO text to this file")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="stop after the compiler's buffer assignment: per-device memory (and its largest "
+                         "temporaries) and communication in minutes, without code generation or FLOPs")
     ap.add_argument("--verbose", action="store_true", help="after an out-of-memory message, the compiler's own "
                                                            "(its largest allocations)")
     args = ap.parse_args(argv)
@@ -109,12 +113,16 @@ def main(argv=None) -> int:
                                           "command": "python -m k3jax.plan " + " ".join(argv or sys.argv[1:])}
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")
-    return 0 if plan.fits else 1
+    code = 0 if plan.fits else 1
+    if args.memory_only:  # the compile thread is still generating code: leave it
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def run(args):
     from k3jax.plan.programs import Shape, lower
-    from k3jax.plan.report import compile_plan, model_flops
+    from k3jax.plan.report import buffers_plan, compile_plan, model_flops
     from k3jax.plan.topology import get_topology
     from pallas_kernels.target import compile_for
 
@@ -128,6 +136,8 @@ def run(args):
     print(f"traced and lowered in {time.perf_counter() - t0:.0f} s; compiling for {args.topology} …", flush=True)
     with compile_for(topo.devices[0]):  # counting parameters traces the model's init
         flops = model_flops(cfg, args.step, shape.batch, shape.seq)
+    if args.memory_only:
+        return buffers_plan(lowered, args.step, args.topology, mesh, topo.chip, flops)
     return compile_plan(lowered, args.step, args.topology, mesh, topo.chip, flops, hlo_path=args.hlo)
 
 

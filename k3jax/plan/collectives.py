@@ -6,9 +6,9 @@ devices differ in the mesh coordinates of the axes it communicates over. The byt
 sends are the ring-algorithm volumes of its operand ``S`` in a group of ``n``:
 all-reduce ``2(n-1)/n·S``, all-gather ``(n-1)·S``, reduce-scatter and all-to-all ``(n-1)/n·S``,
 collective-permute ``S`` (from the result's size: compiled HLO prints operands without shapes). A collective inside a loop counts once per iteration: the layer scan,
-the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count. Both
-branches of a conditional count (expert parallel's all-to-all and its overflow fallback), so the
-volume is an upper bound where the program branches.
+the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count. A loop
+of unknown trip count counts once (expert parallel's overflow rounds: none when nothing overflows,
+so one round there is an upper bound); both branches of a conditional count.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class Plan:
     chip: Chip
     compile_seconds: float
     kernels: dict  # custom-call target -> count in the compiled program
+    largest: tuple = ()  # --memory-only: (bytes, shapes) of the largest temporaries
 
     @property
     def peak_memory(self) -> float:
@@ -101,6 +102,31 @@ def analyse(compiled, step: str, topology: str, mesh, chip: Chip, flops_total: f
                 compile_seconds=seconds, kernels=_kernels(hlo))
 
 
+def buffers_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float) -> Plan:
+    """The plan from the compiler's buffer assignment alone (:mod:`k3jax.plan.buffers`): memory and
+    communication as compiled, no FLOP count from the compiler; the compile is left running."""
+    from k3jax.plan.buffers import assign_buffers
+
+    t0 = time.perf_counter()
+    try:
+        b = assign_buffers(lowered)
+    except Exception as err:
+        oom = _out_of_memory(err, step, topology, mesh, chip)
+        if oom is None:
+            raise
+        refused = getattr(err, "buffers", None)
+        if refused is not None:
+            raise ValueError(f"{oom} Arguments {_gb(refused.arguments).strip()}, temporaries "
+                             f"{_gb(refused.temporaries).strip()}; the largest temporaries: "
+                             + "; ".join(f"{_gb(n).strip()} {s[:120]}" for n, s in refused.largest[:8])) from err
+        raise oom from err
+    n = math.prod(mesh.shape.values())
+    return Plan(step=step, topology=topology, mesh={k: v for k, v in mesh.shape.items() if v > 1}, devices=n,
+                arguments=b.arguments, outputs=0.0, aliased=0.0, temporaries=b.temporaries, code=0.0,
+                compiler_flops=None, model_flops=flops_total / n, comm=volume_per_axis(b.hlo, dict(mesh.shape)),
+                chip=chip, compile_seconds=time.perf_counter() - t0, kernels=_kernels(b.hlo), largest=b.largest)
+
+
 def compile_plan(lowered, step: str, topology: str, mesh, chip: Chip, flops_total: float,
                  hlo_path: str | None = None) -> Plan:
     """Compile ``lowered``; the compiler's out-of-memory becomes a ``ValueError`` naming the numbers.
@@ -131,8 +157,8 @@ def _out_of_memory(err: Exception, step: str, topology: str, mesh, chip: Chip) -
             "(more devices on the axis that splits it) or fix its tiling")
     need = re.search(r"(?:Used|used)\s+([\d.]+)([KMGT])", text) or re.search(r"\(([\d.]+)([KMGT])\) exceeds", text)
     have = re.search(r"of\s+([\d.]+)([KMGT]) hbm", text) or re.search(r"available HBM \(([\d.]+)([KMGT])\)", text)
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    amount = lambda m: f"{float(m.group(1)) * scale[m.group(2)] / _GB:.1f} GB" if m else "more than the HBM"
+    # the compiler's "G" is GiB (its 160.65G equals the 160.65 GiB of its memory-usage report)
+    amount = lambda m: f"{float(m.group(1)):.1f} {m.group(2)}iB" if m else "more than the HBM"
     sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
     detail = text.splitlines()[0][:300]
     return ValueError(
@@ -153,7 +179,7 @@ def _flop(x: float) -> str:
 def format_plan(p: Plan) -> str:
     """The human-readable report of one plan."""
     mesh = " × ".join(f"{k}={v}" for k, v in p.mesh.items()) or "1 device"
-    flops = "n/a (device-less GPU)" if p.compiler_flops is None else _flop(p.compiler_flops)
+    flops = "n/a (no cost analysis)" if p.compiler_flops is None else _flop(p.compiler_flops)
     comm = "\n".join(f"    {axis:24s} {v / _GB:10.3f} GB  ({v / p.chip.link_bandwidth * 1e3:8.2f} ms at link peak)"
                      for axis, v in sorted(p.comm.items(), key=lambda kv: -kv[1]) if v >= 1e6) or "    (none)"
     verdict = "FITS" if p.fits else "DOES NOT FIT"
@@ -169,4 +195,5 @@ def format_plan(p: Plan) -> str:
         "at link peak (lower bounds, not overlapped)",
         "  bytes sent per device by mesh axis:", comm,
         "  kernels: " + (", ".join(f"{k}×{v}" for k, v in p.kernels.items()) or "none"),
-    ])
+    ] + (["  largest temporaries (buffer assignment):"] + [f"    {_gb(b)}  {shapes[:140]}" for b, shapes in p.largest]
+         if p.largest else []))

@@ -68,8 +68,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_params: Any = None) -> f
 
 def ep_metrics(stats: Any, balance: Any, cfg: ModelConfig, ep: int) -> dict[str, Any]:
     """Expert-parallel metrics of a step: the most assignments an expert rank received over the
-    mean (worst layer and micro-batch), assignments past the a2a buffers (summed; those calls took
-    the gather fallback), and the MoonEP replicas in use (all layers; ``sharding.moonep``)."""
+    mean (worst layer and micro-batch), assignments past the a2a buffers (summed; those calls ran
+    further all-to-all rounds), and the MoonEP replicas in use (all layers; ``sharding.moonep``)."""
     leaves = jax.tree_util.tree_flatten_with_path((stats, balance))[0]
     named = lambda name: [v for p, v in leaves if str(getattr(p[-1], "key", p[-1])) == name]
     out = {}

@@ -51,9 +51,20 @@ def _row_mask(shape, lo, count):
     return (rows >= lo) & (rows < lo + count)
 
 
+def _flat(meta):
+    """The schedule ``[5, W]`` as one row ``[5·W]``: SMEM pads a 2-D operand's 5 rows to 8 (32 bytes
+    per work tile, 1 MiB at ~4.2 M rows); flat it takes 20 bytes a tile."""
+    return meta.reshape(-1)
+
+
+def _at(meta, field, w, tiles: int):
+    return meta[field * tiles + w]
+
+
 def _gmm_kernel(meta, lhs_ref, rhs_ref, out_ref, acc_ref, *, num_groups, transpose_rhs):
     w, kk = pl.program_id(1), pl.program_id(2)
-    grp, lo, count = meta[GROUP, w], meta[LO, w], meta[COUNT, w]
+    tiles = pl.num_programs(1)
+    grp, lo, count = _at(meta, GROUP, w, tiles), _at(meta, LO, w, tiles), _at(meta, COUNT, w, tiles)
 
     @pl.when(kk == 0)
     def _():
@@ -82,20 +93,21 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     if k % tk or n % tn:
         raise ValueError(f"K={k} must divide by tile_k={tk} and N={n} by tile_n={tn}")
     meta = tile_schedule(group_sizes, m, tm, tail=True, empty_tiles=False)
+    tiles = meta.shape[1]
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
     rhs_index = (
-        (lambda j, w, kk, s: (s[INDEX_GROUP, w], j, kk))
+        (lambda j, w, kk, s: (_at(s, INDEX_GROUP, w, tiles), j, kk))
         if transpose_rhs
-        else (lambda j, w, kk, s: (s[INDEX_GROUP, w], kk, j))
+        else (lambda j, w, kk, s: (_at(s, INDEX_GROUP, w, tiles), kk, j))
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(n // tn, meta.shape[1], k // tk),
         in_specs=[
-            pl.BlockSpec((tm, tk), lambda j, w, kk, s: (s[BLOCK, w], kk)),
+            pl.BlockSpec((tm, tk), lambda j, w, kk, s: (_at(s, BLOCK, w, tiles), kk)),
             pl.BlockSpec(rhs_block, rhs_index),
         ],
-        out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, s: (s[BLOCK, w], j)),
+        out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, s: (_at(s, BLOCK, w, tiles), j)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
     )
     kernel = functools.partial(_gmm_kernel, num_groups=e, transpose_rhs=transpose_rhs)
@@ -106,15 +118,16 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret_arg(interpret),
         name="moe_gmm_tpu_transposed" if transpose_rhs else "moe_gmm_tpu",
-    )(meta, lhs, rhs)
+    )(_flat(meta), lhs, rhs)
 
 
 def _tgmm_kernel(meta, lhs_ref, dout_ref, out_ref, acc_ref):
     w = pl.program_id(2)
-    last_w = pl.num_programs(2) - 1
-    grp, lo, count = meta[GROUP, w], meta[LO, w], meta[COUNT, w]
-    prev = meta[GROUP, jnp.maximum(w - 1, 0)]
-    nxt = meta[GROUP, jnp.minimum(w + 1, last_w)]
+    tiles = pl.num_programs(2)
+    last_w = tiles - 1
+    grp, lo, count = _at(meta, GROUP, w, tiles), _at(meta, LO, w, tiles), _at(meta, COUNT, w, tiles)
+    prev = _at(meta, GROUP, jnp.maximum(w - 1, 0), tiles)
+    nxt = _at(meta, GROUP, jnp.minimum(w + 1, last_w), tiles)
     first_of_group = (w == 0) | (prev != grp)
     last_of_group = (w == last_w) | (nxt != grp)
 
@@ -146,14 +159,15 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
     if group_sizes.shape != (num_groups,):
         raise ValueError(f"group_sizes must have shape ({num_groups},), got {group_sizes.shape}")
     meta = tile_schedule(group_sizes, m, tm, tail=False, empty_tiles=True)
+    tiles = meta.shape[1]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(k // tk, n // tn, meta.shape[1]),
         in_specs=[
-            pl.BlockSpec((tm, tk), lambda i, j, w, s: (s[BLOCK, w], i)),
-            pl.BlockSpec((tm, tn), lambda i, j, w, s: (s[BLOCK, w], j)),
+            pl.BlockSpec((tm, tk), lambda i, j, w, s: (_at(s, BLOCK, w, tiles), i)),
+            pl.BlockSpec((tm, tn), lambda i, j, w, s: (_at(s, BLOCK, w, tiles), j)),
         ],
-        out_specs=pl.BlockSpec((None, tk, tn), lambda i, j, w, s: (s[INDEX_GROUP, w], i, j)),
+        out_specs=pl.BlockSpec((None, tk, tn), lambda i, j, w, s: (_at(s, INDEX_GROUP, w, tiles), i, j)),
         scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
     )
     return pl.pallas_call(
@@ -163,4 +177,4 @@ def tgmm(lhs, dout, group_sizes, *, num_groups, tiling=None, interpret=False):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret_arg(interpret),
         name="moe_tgmm_tpu",
-    )(meta, lhs, dout)
+    )(_flat(meta), lhs, dout)

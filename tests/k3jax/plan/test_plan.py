@@ -102,7 +102,7 @@ def test_out_of_memory_names_the_numbers():
     message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
                "Used 120.53G of 95.74G hbm. Exceeded hbm capacity by 24.79G.")
     err = _out_of_memory(RuntimeError(message), "train", "v5p:2x2x1", FakeMesh(), CHIPS["v5p"])
-    assert "needs 120.5 GB per device against 95.7 GB of HBM with mesh (data=2, expert=2)" in str(err)
+    assert "needs 120.5 GiB per device against 95.7 GiB of HBM with mesh (data=2, expert=2)" in str(err)
     smem = ("RESOURCE_EXHAUSTED: Allocation (size=1052672) would exceed memory (size=1048576) :: #allocation4 "
             "[shape = 'u8[1052672]{0}', space=smem, size = 0x101000, scoped, tag = 'prefetched SMEM operand 0'] "
             ":: moe_gmm_tpu.21")
@@ -119,3 +119,78 @@ def test_real_width_k3_layer_train_step():
     plan = _plan(cfg, "train", "fsdp=8,expert=8", Shape(batch=64, seq=4096), topology="v5p:4x4x4")
     assert plan.fits, format_plan(plan)
     assert plan.kernels.get("tpu_custom_call", 0) > 0, plan.kernels
+
+
+@pytest.mark.slow
+def test_memory_only_matches_the_finished_compile():
+    """--memory-only's buffer-assignment readout equals memory_analysis() of the finished compile."""
+    from k3jax.plan.report import buffers_plan
+
+    cfg = _one_kda_moe_layer(dataclasses.replace(config.tiny(), vocab_size=512))
+    topo = get_topology("v5p:2x2x1")
+    lowered, mesh = lower("train", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices,
+                          Shape(batch=4, seq=128, remat="none"))
+    early = buffers_plan(lowered, "train", "v5p:2x2x1", mesh, topo.chip, flops_total=1.0)
+    mem = lowered.compile().memory_analysis()
+    assert early.arguments == mem.argument_size_in_bytes
+    # The TPU packs temporaries and non-aliased outputs into one allocation; code generation adds
+    # scoped buffers after the assignment (15.5 MB on this program): the readout is a lower bound.
+    final = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    assert 0 <= final - early.temporaries <= 32 * 2**20, (early.temporaries, final)
+    assert early.largest and early.largest[0][0] <= early.temporaries
+    assert "largest temporaries" in format_plan(early) and early.comm
+
+
+def test_buffer_assignment_parse_names_the_largest():
+    from k3jax.plan.buffers import parse
+
+    text = ("allocation 0: size 64, parameter 0, shape |f32[4,4]| at ShapeIndex {}:\n"
+            " value: <1 p @0> (size=64,offset=0): f32[4,4]{1,0}\n"
+            "allocation 1: size 512, maybe-live-out, preallocated-temp:\n"
+            " value: <2 a @0> (size=256,offset=0): bf16[8,16]{1,0}\n"
+            " value: <3 b @0> (size=128,offset=0): f32[32]{0}\n"
+            " value: <4 c @0> (size=256,offset=256): bf16[8,16]{1,0}\n"
+            "allocation 2: size 4096, color 1:\n"
+            " value: <5 v @0> (size=4096,offset=0): f32[1024]{0}\n"
+            "allocation 3: size 8, thread-local:\n"
+            " value: <6 t @0> (size=8,offset=0): f32[2]{0}\n")
+    b = parse(text, hlo="")
+    assert (b.arguments, b.temporaries) == (64, 512)  # VMEM (colour 1) and thread-local left out
+    assert b.largest == ((256, "bf16[8,16], f32[32]"), (256, "bf16[8,16]"))
+
+
+def test_muon_keeps_the_expert_sharding_of_scanned_expert_leaves():
+    """Newton–Schulz of a stacked expert leaf ``[layers, experts, L, F]`` stays split over experts
+    (merging layers and experts into one batch axis replicated every expert on every device)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from k3jax.train.optimizer import _orthogonalize, MuonDimensionNumbers
+
+    mesh = Mesh(get_topology("v5p:2x2x1").devices, ("expert",))
+    x = jax.ShapeDtypeStruct((2, 8, 256, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "expert")))
+    dims = MuonDimensionNumbers(reduction_axis=(2,), output_axis=(3,))
+    fn = jax.jit(lambda x: _orthogonalize(x, jnp.array([3.4445, -4.7750, 2.0315]), 5, 1e-7, dims, "bfloat16"))
+    compiled = fn.lower(x).compile()
+    text = compiled.as_text()
+    assert "all-gather" not in text and "all-to-all" not in text, [l for l in text.splitlines() if "all-" in l][:3]
+    assert compiled.output_shardings.spec[:2] == (None, "expert")
+
+
+def test_tpu_grouped_matmul_schedule_fits_smem_at_4m_rows():
+    """4,194,304 rows (K3 prefill: 4096 tokens × top-16 × 64 expert ranks) needed 1,052,672 bytes of
+    SMEM for the [5, W] schedule (rows padded to 8); flat it takes 20 bytes a tile. Real Mosaic compile."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels.moe import kernel_tpu
+
+    at = SingleDeviceSharding(get_topology("v5p:2x2x1").devices[0])
+    m, e = 4_194_304, 14
+    lhs = jax.ShapeDtypeStruct((m, 128), jnp.bfloat16, sharding=at)
+    rhs = jax.ShapeDtypeStruct((e, 128, 128), jnp.bfloat16, sharding=at)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=at)
+    jax.jit(kernel_tpu.gmm).lower(lhs, rhs, sizes).compile()
+    jax.jit(lambda a, d, g: kernel_tpu.tgmm(a, d, g, num_groups=e)).lower(lhs, lhs, sizes).compile()
