@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
@@ -98,9 +98,10 @@ class Transformer(nn.Module):
             self.head = proj(cfg, "BTD,DV->BTV", (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), None,
                              out_dtype=cfg.fp32_dtype)
 
-    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
+    def __call__(self, tokens: Int[ArrayLike, "B T"], *, segment_ids: Int[ArrayLike, "B T"] | None = None,
                  return_hidden: bool = False):
-        """Logits ``[B, T, V]`` (fp32), and with ``return_hidden`` the final-norm input ``[B, T, D]``."""
+        """Logits ``[B, T, V]`` (fp32), and with ``return_hidden`` the final-norm input ``[B, T, D]``.
+        Tokens may be host arrays (the data pipeline's numpy batches)."""
         validate_inputs(self.cfg, tokens, segment_ids)
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_hidden=return_hidden)
 
@@ -119,7 +120,7 @@ class Transformer(nn.Module):
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
 
-    def features(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None):
+    def features(self, tokens: Int[ArrayLike, "B T"], *, segment_ids: Int[ArrayLike, "B T"] | None = None):
         """``(final-norm output [B,T,D] in the compute dtype, final-norm input)``: the model without
         its head, for losses that apply the head themselves (``k3jax.train.loss``)."""
         validate_inputs(self.cfg, tokens, segment_ids)
