@@ -218,6 +218,7 @@ def test_load_metrics_per_layer():
     np.testing.assert_array_equal(m["zero_experts"], [1, 0])
 
 
+@pytest.mark.unchecked
 def test_bad_input_raises_value_error():
     scores, bias = jnp.full((8, 4), 0.5), jnp.zeros(4)
     with pytest.raises(ValueError, match="k=4"):
