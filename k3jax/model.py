@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
@@ -39,8 +39,9 @@ from k3jax.layout import scan_plan
 REMAT = ("none", "layer", "moe")
 
 
-def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> None:
-    """Raise ``ValueError`` (at trace time) for tokens/segment_ids the model cannot run."""
+def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> tuple[Array, Array | None]:
+    """Raise ``ValueError`` (at trace time) for tokens/segment_ids the model cannot run; else return them
+    as jax arrays (host arrays, e.g. the data pipeline's numpy batches, are accepted)."""
     if not hasattr(tokens, "shape") or tokens.ndim != 2:
         raise ValueError(f"tokens must be a [B, T] integer array, got {getattr(tokens, 'shape', type(tokens))}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -56,6 +57,7 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> None:
         checkify.debug_check(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size)),
                              f"tokens must lie in [0, vocab_size={cfg.vocab_size})")
     _validate_positions(cfg, tokens.shape, segment_ids)
+    return jnp.asarray(tokens), None if segment_ids is None else jnp.asarray(segment_ids)
 
 
 def _validate_positions(cfg: ModelConfig, shape: tuple[int, ...], segment_ids) -> None:
@@ -98,10 +100,11 @@ class Transformer(nn.Module):
             self.head = proj(cfg, "BTD,DV->BTV", (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), None,
                              out_dtype=cfg.fp32_dtype)
 
-    def __call__(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None,
+    def __call__(self, tokens: Int[ArrayLike, "B T"], *, segment_ids: Int[ArrayLike, "B T"] | None = None,
                  return_hidden: bool = False):
-        """Logits ``[B, T, V]`` (fp32), and with ``return_hidden`` the final-norm input ``[B, T, D]``."""
-        validate_inputs(self.cfg, tokens, segment_ids)
+        """Logits ``[B, T, V]`` (fp32), and with ``return_hidden`` the final-norm input ``[B, T, D]``.
+        Tokens may be host arrays (the data pipeline's numpy batches)."""
+        tokens, segment_ids = validate_inputs(self.cfg, tokens, segment_ids)
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_hidden=return_hidden)
 
     def from_embeddings(self, x: Float[Array, "B T D"], *, segment_ids: Int[Array, "B T"] | None = None,
@@ -119,10 +122,10 @@ class Transformer(nn.Module):
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         return (logits, hidden) if return_hidden else logits
 
-    def features(self, tokens: Int[Array, "B T"], *, segment_ids: Int[Array, "B T"] | None = None):
+    def features(self, tokens: Int[ArrayLike, "B T"], *, segment_ids: Int[ArrayLike, "B T"] | None = None):
         """``(final-norm output [B,T,D] in the compute dtype, final-norm input)``: the model without
         its head, for losses that apply the head themselves (``k3jax.train.loss``)."""
-        validate_inputs(self.cfg, tokens, segment_ids)
+        tokens, segment_ids = validate_inputs(self.cfg, tokens, segment_ids)
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_logits=False)
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,

@@ -16,12 +16,11 @@ os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# The jaxtyping annotations of k3jax, pallas_kernels and sharding can be checked at run time (shapes,
-# dtypes, argument names in the error) under pytest: K3JAX_TYPECHECK=1 installs the import hook, which
-# instruments these packages as they are first imported (after this file). It is opt-in for now: the
-# directories listed in the README pass under it, the rest of the suite is not yet clean
-# (tests/test_typecheck.py runs its own checked process either way).
-TYPECHECK = os.environ.get("K3JAX_TYPECHECK", "0") == "1"
+# The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time under pytest
+# (shapes, dtypes, the argument's name in the error): the import hook instruments these packages as
+# they are first imported (after this file), so a wrongly shaped argument fails at the call instead of
+# deep inside XLA. K3JAX_TYPECHECK=0 switches the checks off. Outside pytest nothing is instrumented.
+TYPECHECK = os.environ.get("K3JAX_TYPECHECK", "1") != "0"
 if TYPECHECK:
     import warnings
 
@@ -29,7 +28,9 @@ if TYPECHECK:
     from jaxtyping import install_import_hook
 
     warnings.filterwarnings("ignore", category=BeartypeDecorHintPep585DeprecationWarning)
-    install_import_hook(["k3jax", "pallas_kernels", "sharding"], "beartype.beartype")
+    # PEP 484's numeric tower: an int is a valid ``float`` argument (``margin_range=(-1, 1)``).
+    install_import_hook(["k3jax", "pallas_kernels", "sharding"],
+                        "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
 
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402

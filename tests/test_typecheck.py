@@ -1,5 +1,5 @@
-"""The jaxtyping annotations are checked at run time under pytest with ``K3JAX_TYPECHECK=1``
-(``tests/conftest.py`` installs the import hook with beartype), and only there."""
+"""The jaxtyping annotations are checked at run time under pytest (``tests/conftest.py`` installs the
+import hook with beartype unless ``K3JAX_TYPECHECK=0``), and only there."""
 
 import os
 import subprocess
@@ -14,13 +14,13 @@ from pallas_kernels.moe import grouped_matmul
 from pallas_kernels.kda import chunk_kda
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = os.environ.get("K3JAX_TYPECHECK", "0") == "1"
+CHECKED = os.environ.get("K3JAX_TYPECHECK", "1") != "0"
 hooked = pytest.mark.skipif(not CHECKED, reason="runs in the checked process of test_checked_process")
 
 
 @pytest.mark.skipif(CHECKED, reason="this process is the checked one")
 def test_checked_process():
-    """The hooked tests below, in a process with the annotation checks on."""
+    """The hooked tests below, in a process with the annotation checks on (this one has them off)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "wrong"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", K3JAX_TYPECHECK="1"))

@@ -19,6 +19,8 @@ model call needed. Per KDA layer that costs ``T`` states, ``B·T·H·K·V·4`` b
 
 from __future__ import annotations
 
+import typing
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,10 @@ from k3jax.layers.kda import KDASteps, conv_tail
 from k3jax.layout import scan_plan
 
 
+# The caches are pytrees that JAX rebuilds with other leaves (ShapeDtypeStructs under eval_shape,
+# PartitionSpecs and shardings on a mesh), so their field annotations document the arrays a cache
+# holds and are not checked when one is built (``no_type_check``: pytest's run-time checks skip them).
+@typing.no_type_check
 @flax.struct.dataclass
 class KDACache:
     # A leading [repeats] axis (``*layers``) where the cache belongs to the scanned run of layers.
@@ -38,12 +44,14 @@ class KDACache:
     conv: Float[Array, "*layers 3 B Wm1 C"]  # last W-1 short-conv inputs of q, k, v (oldest first), C = H·K
 
 
+@typing.no_type_check
 @flax.struct.dataclass
 class MLACache:
     latent: Float[Array, "*layers B S C"]  # [RMSNorm(c_kv), k_rope] per cached token, C = Rkv + dr
     lengths: Int[Array, "*layers B"]  # tokens cached per sequence
 
 
+@typing.no_type_check
 @flax.struct.dataclass
 class Cache:
     # One KDACache / MLACache per decoder layer; the scanned run of layers (``k3jax.layout``) is one

@@ -116,8 +116,8 @@ def _stream_hook(i, tok, alive):
         _STREAM[0](int(i), np.asarray(tok), np.asarray(alive))
 
 
-def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int | np.integer] | np.ndarray],
+             *, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              stop_tokens: Sequence[int] = (), seed: int = 0,
              stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
              max_len: int | None = None, prefill_chunk: int = 2048,

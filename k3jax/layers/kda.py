@@ -22,6 +22,7 @@ tokens without running the layer again (speculative verification; ``k3jax.infer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -100,7 +101,7 @@ def recurrent_steps(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: F
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def short_conv_qkv(xs: list[Float[Array, "B T H K"]], ws: list[Float[Array, "W H K"]],
+def short_conv_qkv(xs: Sequence[Float[Array, "B T H K"]], ws: Sequence[Float[Array, "W H K"]],
                    segment_ids: Int[Array, "B T"] | None, *, wide_dtype, out_dtype,
                    eps: float = QK_L2_EPS
                    ) -> tuple[Float[Array, "B T H K"], ...]:

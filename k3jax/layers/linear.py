@@ -37,8 +37,9 @@ def wide_param_dtype(cfg: ModelConfig):
 
 
 def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...],
-          axes: tuple[str, ...], dtype: Any):
-    """A parameter annotated with logical axis names (for sharding rules and per-head Muon)."""
+          axes: tuple[str | None, ...], dtype: Any):
+    """A parameter annotated with logical axis names (for sharding rules and per-head Muon; None: an
+    axis no rule shards)."""
     if len(axes) != len(shape):
         raise ValueError(f"axes={axes} must name every dimension of shape={shape}")
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
@@ -52,7 +53,7 @@ class Proj(nn.Module):
 
     eq: str
     shape: tuple[int, ...]
-    axes: tuple[str, ...]
+    axes: tuple[str | None, ...]
     dtype: Any
     param_dtype: Any
     init_std: float = 0.02
@@ -65,7 +66,7 @@ class Proj(nn.Module):
         return einsum(self.eq, x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=self.out_dtype)
 
 
-def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str, ...], name: str | None,
+def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | None, ...], name: str | None,
          *, wide: bool = False, out_dtype: Any = None) -> Proj:
     """A ``Proj`` with the config's dtypes; ``wide=True`` stores and computes it in fp32 (or wider)."""
     dtype = cfg.fp32_dtype if wide else cfg.compute_dtype

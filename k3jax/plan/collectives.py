@@ -95,8 +95,8 @@ def _sent(kind: str, out_bytes: int, n: int) -> float:
     return (n - 1) / n * out_bytes  # all-gather (result = n inputs), all-to-all
 
 
-def _multipliers(hlo: str) -> tuple[dict[str, int], list[str]]:
-    """Times each computation runs per call of the entry, and its lines."""
+def _multipliers(hlo: str) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Times each computation runs per call of the entry, and each computation's lines."""
     lines: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():

@@ -20,8 +20,9 @@ from jaxtyping import Array, Float
 from k3jax.config import MLAConfig
 
 
-def max_logits_from_stats(stats: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Float[Array, "H"]]:
-    """``{path of the MLA module: max_logit [H]}`` from a ``stats`` tree (values sown as 1-tuples).
+def max_logits_from_stats(stats: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Float[Array, "... H"]]:
+    """``{path of the MLA module: max_logit [H]}`` (``[R, H]`` for an offset of the scanned stack) from a
+    ``stats`` tree (values sown as 1-tuples).
 
     The path addresses the MLA's parameters in the params tree of the same structure, e.g.
     ``("layers_3", "mla")``.
@@ -36,7 +37,7 @@ def max_logits_from_stats(stats: Any, prefix: tuple[str, ...] = ()) -> dict[tupl
     return out
 
 
-def clip_factors(max_logit: Float[Array, "H"], tau: float) -> Float[Array, "H"]:
+def clip_factors(max_logit: Float[Array, "... H"], tau: float) -> Float[Array, "... H"]:
     """γ_h = min(1, τ / S_h), written so that S_h ≤ 0 (or ≤ τ) gives exactly 1."""
     s = max_logit.astype(jnp.float32)
     return jnp.where(s > tau, tau / jnp.maximum(s, tau), 1.0)
@@ -51,7 +52,7 @@ def _scale_heads(kernel, first: Float[Array, "*R H"], second: Float[Array, "*R H
     return (kernel.astype(jnp.float32) * jnp.expand_dims(scale, -3)).astype(kernel.dtype)
 
 
-def _clip_mla(mla: dict, gamma: Float[Array, "H"], dn: int) -> dict:
+def _clip_mla(mla: dict, gamma: Float[Array, "... H"], dn: int) -> dict:
     root, ones = jnp.sqrt(gamma), jnp.ones_like(gamma)
     mla = dict(mla)
     q_name = "q_b" if "q_b" in mla else "q_proj"
@@ -68,8 +69,8 @@ def _replace_at(tree: dict, path: tuple[str, ...], fn) -> dict:
     return {**tree, path[0]: _replace_at(tree[path[0]], path[1:], fn)}
 
 
-def qk_clip(params: Any, max_logits: dict[tuple[str, ...], Float[Array, "H"]], mla: MLAConfig,
-            tau: float) -> tuple[Any, dict[tuple[str, ...], Float[Array, "H"]]]:
+def qk_clip(params: Any, max_logits: dict[tuple[str, ...], Float[Array, "... H"]], mla: MLAConfig,
+            tau: float) -> tuple[Any, dict[tuple[str, ...], Float[Array, "... H"]]]:
     """Params with every reported MLA module clipped, and the applied γ per module (1 = untouched)."""
     gammas = {}
     for path, s in max_logits.items():

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import flax.struct
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import ArrayLike, Bool, Float, Int
 
 from k3jax.vision.config import MultimodalConfig, VisionConfig
 from k3jax.vision.positions import grid_taps
@@ -32,16 +32,18 @@ from k3jax.vision.preprocess import Media
 
 @flax.struct.dataclass
 class MediaBatch:
-    pixels: Float[Array, "B N P"]  # patch pixels flattened (C, py, px), as a Conv2d weight reads them
-    segments: Int[Array, "B N"]  # media index + 1 within the row; 0 = padding
-    rows: Int[Array, "B N"]  # patch row / col in its image (2-D RoPE)
-    cols: Int[Array, "B N"]
-    frames: Int[Array, "B N"]  # frame index for the time embedding; -1: none (images, 1-frame clips)
-    pos_index: Int[Array, "B N K"]  # taps into the flattened position grid
-    pos_weight: Float[Array, "B N K"]
-    window_target: Int[Array, "B Nw"]  # merged slot of each window of 4 patches; M = padding
-    window_weight: Float[Array, "B Nw"]  # 1/t: the temporal mean
-    merged_valid: Bool[Array, "B M"]
+    """Packed media of a batch: host (numpy) arrays from ``pack_media``, device arrays inside ``jit``."""
+
+    pixels: Float[ArrayLike, "B N P"]  # patch pixels flattened (C, py, px), as a Conv2d weight reads them
+    segments: Int[ArrayLike, "B N"]  # media index + 1 within the row; 0 = padding
+    rows: Int[ArrayLike, "B N"]  # patch row / col in its image (2-D RoPE)
+    cols: Int[ArrayLike, "B N"]
+    frames: Int[ArrayLike, "B N"]  # frame index for the time embedding; -1: none (images, 1-frame clips)
+    pos_index: Int[ArrayLike, "B N K"]  # taps into the flattened position grid
+    pos_weight: Float[ArrayLike, "B N K"]
+    window_target: Int[ArrayLike, "B Nw"]  # merged slot of each window of 4 patches; M = padding
+    window_weight: Float[ArrayLike, "B Nw"]  # 1/t: the temporal mean
+    merged_valid: Bool[ArrayLike, "B M"]
 
     @property
     def num_merged(self) -> int:

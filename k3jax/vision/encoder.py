@@ -163,6 +163,7 @@ class VisionTower(nn.Module):
 
     @nn.compact
     def __call__(self, media: MediaBatch) -> Float[Array, "B M F"]:
+        media = jax.tree.map(jnp.asarray, media)  # pack_media's host arrays, when called outside jit
         x = PatchEmbed(self.cfg, name="patch_embed")(media)
         x = Encoder(self.cfg, name="encoder")(x, media)
         return constrain(merge_windows(x, media), ("batch", "length", "vision_merged"))

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from k3jax.model import Transformer, validate_inputs
 from k3jax.vision.batch import MediaBatch
@@ -66,22 +66,22 @@ class MultimodalTransformer(nn.Module):
         """Projected vision features per merged token."""
         return self.mm_projector(self.vision_tower(media))
 
-    def embed(self, tokens: Int[Array, "B T"], media: MediaBatch | None = None) -> Float[Array, "B T D"]:
+    def embed(self, tokens: Int[ArrayLike, "B T"], media: MediaBatch | None = None) -> Float[Array, "B T D"]:
         """Token embeddings with the image / clip features spliced into the placeholders."""
-        validate_inputs(self.cfg.text, tokens, None)
+        tokens, _ = validate_inputs(self.cfg.text, tokens, None)
         check_media(self.cfg, tokens, media)
         x = self.language_model.embed(tokens)
         if media is None:
             return x
         return splice(x, tokens, self.encode(media), self.cfg.media_token_id)
 
-    def __call__(self, tokens: Int[Array, "B T"], media: MediaBatch | None = None, *,
+    def __call__(self, tokens: Int[ArrayLike, "B T"], media: MediaBatch | None = None, *,
                  segment_ids: Int[Array, "B T"] | None = None, return_hidden: bool = False):
         """Logits ``[B, T, V]`` (fp32), as ``Transformer.__call__``."""
         return self.language_model.from_embeddings(self.embed(tokens, media), segment_ids=segment_ids,
                                                    return_hidden=return_hidden)
 
-    def features(self, tokens: Int[Array, "B T"], media: MediaBatch | None = None, *,
+    def features(self, tokens: Int[ArrayLike, "B T"], media: MediaBatch | None = None, *,
                  segment_ids: Int[Array, "B T"] | None = None):
         """As ``Transformer.features``: (final-norm output, final-norm input) for head-applying losses."""
         return self.language_model.from_embeddings(self.embed(tokens, media), segment_ids=segment_ids,

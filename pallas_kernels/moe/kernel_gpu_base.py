@@ -115,7 +115,7 @@ def persistent_kernel(body, out_type, *, interpret: bool, name: str, cluster: in
     warpgroups; with ``cluster > 1`` the CTAs run in clusters of that size (axis ``"cluster"``) and
     the grid axis ``"sm"`` counts clusters."""
     extra = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
-    return plgpu.kernel(
+    call = plgpu.kernel(
         body,
         out_type=out_type,
         grid=(_num_sms(interpret) // cluster,),  # looked up per call: tests pretend 132 SMs
@@ -127,3 +127,15 @@ def persistent_kernel(body, out_type, *, interpret: bool, name: str, cluster: in
         interpret=_interpret_arg(interpret),
         kernel_name=name,
     )
+
+    def traced_x32(*args):
+        # The kernel is traced with 32-bit defaults whatever the caller's ``jax_enable_x64``, so its
+        # jaxpr is the same as without x64 (its operands are typed: bf16/f32 data, int32 metadata).
+        # Under x64, Pallas' warp-specialised pipeline starts its slot counters from Python ints,
+        # i.e. int64; the GPU interpreter then lowers that jaxpr again in worker threads, where a
+        # ``jax.enable_x64()`` context (thread-local) is off, and a loop's int64 carry meets an
+        # int32 initial value: "expect operands to be compatible with condition block arguments".
+        with jax.enable_x64(False):
+            return call(*args)
+
+    return traced_x32

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import flax.linen as nn
 import jax
 import jax.extend
@@ -24,23 +25,24 @@ def _tokens(seed, shape=(B, T), vocab=256):
 def test_outputs_and_stats(tiny_model):
     cfg = tiny_model.cfg
     (logits, hidden), mut = tiny_model.forward(_tokens(0))
-    assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
-    assert hidden.shape == (B, T, cfg.hidden)
-    assert np.isfinite(np.asarray(logits)).all()
+    chex.assert_shape([logits, hidden], [(B, T, cfg.vocab_size), (B, T, cfg.hidden)])
+    chex.assert_type([logits, hidden], jnp.float32)
+    chex.assert_tree_all_finite((logits, hidden))
     stats = to_per_layer({"stats": mut["stats"]}, cfg)["stats"]  # tiny() scans layers 2-5
     for i, (kind, is_moe) in enumerate(zip(cfg.layer_kinds, cfg.moe_layers)):
         layer = stats.get(f"layers_{i}", {})
         if is_moe:
             (loads,), (hist,) = layer["moe"]["loads"], layer["moe"]["hist"]
             assert int(loads.sum()) == B * T * cfg.moe.top_k
-            assert hist.shape == (cfg.moe.num_experts, cfg.balance.num_bins)
+            chex.assert_shape(hist, (cfg.moe.num_experts, cfg.balance.num_bins))
             assert int(hist.sum()) == B * T * cfg.moe.num_experts
         else:
             assert "moe" not in layer
         assert ("mla" in layer) == (kind is config.LayerKind.MLA)
         if kind is config.LayerKind.MLA:
             (max_logit,) = layer["mla"]["max_logit"]
-            assert max_logit.shape == (cfg.mla.num_heads,) and np.isfinite(np.asarray(max_logit)).all()
+            chex.assert_shape(max_logit, (cfg.mla.num_heads,))
+            chex.assert_tree_all_finite(max_logit)
     bias = tiny_model.variables["balance"]["layers_1"]["moe"]["bias"]
     assert bias.shape == (cfg.moe.num_experts,) and not bias.any()
     assert "stats" not in tiny_model.variables
@@ -107,7 +109,7 @@ def test_bf16_long_sequence_close_to_fp32(tiny_model):
     assert jnp.dtype(bf16.dtype) == jnp.bfloat16
     run = lambda cfg: jax.jit(lambda v, t: Transformer(cfg).apply(v, t))(tiny_model.variables, tokens)
     lo, hi = run(bf16), run(tiny_model.cfg)
-    assert np.isfinite(np.asarray(lo)).all()
+    chex.assert_tree_all_finite(lo)
     assert rel_rmse(lo, hi) <= BF16_MODEL_RTOL
 
 
@@ -145,6 +147,7 @@ def test_float64_model_stays_float64():
         assert _float_dtypes(closed.jaxpr) == {jnp.dtype(jnp.float64)}
 
 
+@pytest.mark.unchecked
 def test_bad_inputs_raise_value_error():
     cfg = config.tiny()
     model = Transformer(cfg)

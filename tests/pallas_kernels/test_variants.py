@@ -3,9 +3,13 @@ settings: each variant equals the op's reference, float32 inputs give float32 ou
 documented shape, and nothing is non-finite.
 
 x64 matters: kernels index with int32 while a Python int is int64 under x64 (``int_ops``); the
-TPU KDA kernel raised ``lax.div requires arguments to have the same dtypes`` there. The Pallas
-paths (interpreted) run jitted only: eager dispatch of a ``pallas_call`` compiles the same kernel.
+TPU KDA kernel raised ``lax.div requires arguments to have the same dtypes`` there, and the Mosaic
+GPU grouped matmuls are traced with 32-bit defaults (``kernel_gpu_base.persistent_kernel``), so the
+kernel is the same with x64 on and off. The Pallas paths (interpreted) run jitted only: eager
+dispatch of a ``pallas_call`` compiles the same kernel.
 """
+
+import contextlib
 
 import chex
 import jax
@@ -26,6 +30,21 @@ F32 = dict(rtol=1e-4, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 X64 = [dict(testcase_name="x32", x64=False), dict(testcase_name="x64", x64=True)]
 GROUPS = np.asarray([5, 0, 20, 7], np.int32)  # an empty group, rows past the groups
+
+
+@contextlib.contextmanager
+def _x64_globally(on: bool):
+    """``jax_enable_x64`` set process-wide, not with the thread-local ``jax.enable_x64`` context: the
+    Mosaic GPU interpreter lowers each kernel thread's jaxpr (traced under the caller's setting) again
+    in worker threads, which do not see a context set on the caller's thread, and an int64 loop
+    counter of the interpreter then meets an int32 initial value ("expect operands to be compatible
+    with condition block arguments"). Compiled kernels lower on the caller's thread."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", on)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -125,21 +144,37 @@ class PallasOpsTest(chex.TestCase):
             chex.assert_trees_all_close(o.astype(jnp.float32), want, **BF16)
 
     @chex.variants(with_jit=True)
-    @parameterized.named_parameters(*X64)
-    def test_grouped_matmul_kernels(self, x64):
-        with jax.enable_x64(x64):
-            lhs, rhs = random_gmm_inputs(0, 40, 32, 48, 4, jnp.bfloat16)
-            want = grouped_matmul_dense(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(GROUPS))
-            for backend in ("tpu", "gpu"):
-                run = self.variant(lambda a, b, g: grouped_matmul(a, b, g, implementation="pallas", interpret=True,
-                                                                  kernel_backend=backend))
-                if x64 and backend == "gpu":
-                    # Found by this test, not fixed: inside an outer jit under x64 the Mosaic GPU gmm
-                    # kernel's tile loop carries an int64 scalar its body returns as int32 (the same
-                    # call eagerly passes). Fails loudly today; when it passes, drop this branch.
-                    with pytest.raises(jax.errors.JaxRuntimeError, match="verifier errors"):
-                        jax.block_until_ready(run(lhs, rhs, GROUPS))
-                    continue
-                got = run(lhs, rhs, GROUPS)
-                chex.assert_type(got, jnp.bfloat16)
-                chex.assert_trees_all_close(got.astype(jnp.float32), want, **BF16)
+    def test_grouped_matmul_kernels_agree_across_x64(self):
+        """Both backends' kernels, forward and both gradients: the same bits with x64 off and on,
+        and the dense reference's values (the backward runs the transposed gmm and the tgmm)."""
+        lhs, rhs = random_gmm_inputs(0, 40, 32, 48, 4, jnp.bfloat16)
+        f32 = lambda x: x.astype(jnp.float32)
+        want = jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(grouped_matmul_dense(a, b, jnp.asarray(GROUPS)))),
+                                  argnums=(0, 1))(f32(lhs), f32(rhs))
+        for backend in ("tpu", "gpu"):
+            gmm = lambda a, b: grouped_matmul(a, b, GROUPS, implementation="pallas", interpret=True,
+                                              kernel_backend=backend)
+            run = self.variant(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(f32(gmm(a, b)))), argnums=(0, 1)))
+            got = []
+            for x64 in (False, True):
+                with _x64_globally(x64):
+                    got.append(jax.block_until_ready(run(lhs, rhs)))
+            chex.assert_trees_all_equal(got[0], got[1])
+            chex.assert_trees_all_equal_dtypes(got[0], (jnp.float32, (jnp.bfloat16, jnp.bfloat16)))
+            chex.assert_trees_all_close(jax.tree.map(f32, got[0]), want, **BF16)
+
+
+@pytest.mark.gpu
+def test_compiled_grouped_matmul_agrees_across_x64():
+    """On the GPU: the compiled kernels (forward, input and weight gradients) give the same bits
+    with x64 off and on."""
+    lhs, rhs = random_gmm_inputs(0, 1000, 512, 768, 8, jnp.bfloat16)
+    groups = np.asarray([300, 0, 1, 255, 128, 0, 200, 80], np.int32)  # 36 rows past the groups
+    run = jax.jit(jax.value_and_grad(
+        lambda a, b: jnp.sum(jnp.sin(grouped_matmul(a, b, groups, implementation="pallas").astype(jnp.float32))),
+        argnums=(0, 1)))
+    got = []
+    for x64 in (False, True):
+        with _x64_globally(x64):
+            got.append(jax.block_until_ready(run(lhs, rhs)))
+    chex.assert_trees_all_equal(got[0], got[1])

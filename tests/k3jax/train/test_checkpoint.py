@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,6 @@ def _state(seed=0):
     grads = jax.tree.map(jnp.ones_like, params)
     _, opt = tx.update(grads, tx.init(params), params)  # non-trivial moments
     return {"params": params, "opt": opt, "step": jnp.int32(seed)}
-
-
-def _equal(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _plain_state(seed=0):
@@ -54,7 +51,8 @@ def test_round_trip_and_keep_last_plus_best(tmp_path):
     ck, states = _saved(tmp_path, {1: 5.0, 2: 0.5, 3: 4.0, 4: 3.0, 5: 2.0})
     assert ck.all_steps() == [2, 4, 5]  # the best (2) and the last two
     state, data, step = ck.restore(jax.eval_shape(lambda: states[5]))
-    assert step == 5 and data == {"position": 5} and _equal(state, states[5])
+    assert step == 5 and data == {"position": 5}
+    chex.assert_trees_all_equal(state, states[5])
     ck.close()
 
 
@@ -114,7 +112,8 @@ def test_corrupt_newest_is_moved_aside_and_the_previous_restored(tmp_path, kind,
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_best=0))
     with caplog.at_level(logging.WARNING, logger="k3jax"):
         state, data, step = ck.restore(jax.eval_shape(lambda: states[1]))
-    assert step == 1 and data == {"position": 1} and _equal(state, states[1])
+    assert step == 1 and data == {"position": 1}
+    chex.assert_trees_all_equal(state, states[1])
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("k3jax")]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert f"checkpoint step 2 in {tmp_path / 'ck'} is corrupt ({reason}:" in lines[0]
@@ -126,7 +125,8 @@ def test_corrupt_newest_is_moved_aside_and_the_previous_restored(tmp_path, kind,
     ck.close()
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), keep_best=0))
     state, data, step = ck.restore(jax.eval_shape(lambda: states[2]))
-    assert step == 2 and _equal(state, states[2])
+    assert step == 2
+    chex.assert_trees_all_equal(state, states[2])
     ck.close()
 
 

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -50,11 +51,7 @@ def _draws(key):
 
 def test_batched_draws_equal_op_by_op_draws():
     want = _draws(jax.random.key(7))  # un-jitted: every value rounded as the op-by-op program does
-    got = jax.jit(batch_random_draws(_draws))(jax.random.key(7))
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_array_equal(g, w)
+    chex.assert_trees_all_equal(jax.jit(batch_random_draws(_draws))(jax.random.key(7)), want, strict=True)
     jaxpr = jax.make_jaxpr(batch_random_draws(_draws))(jax.random.key(7)).jaxpr
     assert _count_draws(jaxpr) < _count_draws(jax.make_jaxpr(_draws)(jax.random.key(7)).jaxpr)
 
@@ -63,8 +60,7 @@ def test_batch_size_cap_splits_batches():
     key = jax.random.key(7)
     want = _draws(key)
     capped = batch_random_draws(_draws, max_batch_bytes=2 * 6 * 4 * 4)  # two of the (6, 4) float32 draws
-    for g, w in zip(jax.jit(capped)(key), want):
-        np.testing.assert_array_equal(g, w)
+    chex.assert_trees_all_equal(jax.jit(capped)(key), want, strict=True)
     count = lambda f: _count_draws(jax.make_jaxpr(f)(key).jaxpr)
     assert count(batch_random_draws(_draws)) < count(capped) < count(_draws)
 
@@ -75,11 +71,10 @@ def test_trainer_init_matches_flax_init():
     flax_init = jax.jit(lambda k: nn.unbox(trainer._init_boxed(k)))(jax.random.key(3))
     state = jax.jit(trainer._init)(jax.random.key(3))
     ours = {"params": state.params, "balance": state.balance}
-    assert jax.tree.structure(ours) == jax.tree.structure(flax_init)
-    for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(flax_init)[0], jax.tree.leaves(ours)):
-        assert g.dtype == w.dtype and g.shape == w.shape, jax.tree_util.keystr(path)
-        # Same keys, same draws; the jitted flax init folds the scale into the draw (1 ulp apart).
-        np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=INIT_MAX_ULP)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours, flax_init)
+    # Same keys, same draws; the jitted flax init folds the scale into the draw (1 ulp apart).
+    jax.tree.map(lambda g, w: np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=INIT_MAX_ULP),
+                 ours, flax_init)
 
 
 def test_trainer_init_draws_once_per_parameter_shape():
@@ -100,9 +95,7 @@ def test_batched_muon_update_equals_optax():
     opt_state = trainer.tx.init(params)
     want = jax.jit(trainer.tx.update)(grads, opt_state, params)
     got = jax.jit(batch_scans(trainer.tx.update))(grads, opt_state, params)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(g, w)
+    chex.assert_trees_all_equal(got, want, strict=True)
     dots = lambda f: _count_draws(jax.make_jaxpr(f)(grads, opt_state, params).jaxpr, ("dot_general",))
     assert 2 * dots(batch_scans(trainer.tx.update)) < dots(trainer.tx.update)
 

@@ -75,6 +75,7 @@ def test_fp32_compute_for_bf16_inputs():
     assert y.dtype == jnp.float32 and state.dtype == jnp.float32
 
 
+@pytest.mark.unchecked
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
@@ -154,6 +155,7 @@ def test_short_convs_bf16_io_fp32_compute():
     assert rel_rmse(dw, dw_want) <= F32_RTOL
 
 
+@pytest.mark.unchecked
 @pytest.mark.parametrize(
     "kwargs,needle",
     [

@@ -20,6 +20,7 @@ def _args(**overrides):
     return args
 
 
+@pytest.mark.unchecked
 @pytest.mark.parametrize(
     "overrides,needle",
     [

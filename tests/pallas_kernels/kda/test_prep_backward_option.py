@@ -27,6 +27,7 @@ def test_gradient_uses_the_prep_backward_kernel_only_when_asked(choice, kernel_e
     assert ("kda_prep_bwd" in text) == kernel_expected
 
 
+@pytest.mark.unchecked
 def test_bad_values_name_the_argument():
     with pytest.raises(ValueError, match="gpu_prep_backward"):
         chunk_kda(*_inputs(), gpu_prep_backward="fast")

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,11 +66,11 @@ def test_chunked_matches_recurrent_with_grads(x64, B, T, H, K, V, chunk, lengths
     args = (q, k, v, g, beta, s0)
     g_chunk, (o_c, s_c) = _loss_and_grads(chunked, args, seg)
     g_rec, (o_r, s_r) = _loss_and_grads(naive_recurrent_kda, args, seg)
-    assert o_c.dtype == jnp.float64 and s_c.dtype == jnp.float64
+    chex.assert_type([o_c, s_c], jnp.float64)
+    chex.assert_tree_all_finite(g_chunk)
     _assert_close(o_c, o_r, "o")
     _assert_close(s_c, s_r, "final state")
     for name, a, b in zip(ARG_NAMES, g_chunk, g_rec):
-        assert np.all(np.isfinite(a)), f"d{name} not finite"
         _assert_close(a, b, f"d{name}")
 
 
