@@ -18,6 +18,7 @@ Plain pre-norm residual models use the same stream with no blocks.
 from __future__ import annotations
 
 import functools
+import typing
 from typing import Any
 
 import flax.linen as nn
@@ -31,6 +32,9 @@ from k3jax.layers.linear import constrain, param
 HIDDEN_AXES = ("batch", "length", "embed")
 
 
+# A pytree JAX rebuilds with other leaves (ShapeDtypeStructs under eval_shape, shardings), so the
+# field annotations document and are not checked when one is built (as the decode caches).
+@typing.no_type_check
 @flax.struct.dataclass
 class ResidualStream:
     """What flows between decoder layers."""

@@ -28,7 +28,7 @@ from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.reference import accum_dtype
 
 DENSE_MAX_TOKENS = 256
-Weights = Float[Array, "E I O"] | Mxfp4
+Weights = Float[Array, "E _ _"] | Mxfp4  # w1 / w3 [E, L, F], w2 [E, F, L]
 
 
 def decode_path(tokens: int, top_k: int, num_experts: int) -> str:
@@ -45,7 +45,7 @@ def decode_path(tokens: int, top_k: int, num_experts: int) -> str:
     return "dense" if slots >= 2 * num_experts and tokens <= DENSE_MAX_TOKENS else "grouped"
 
 
-def _routed_product(h: Float[Array, "T k I"], w: Weights, ids: Int[Array, "T k"]) -> Float[Array, "T k O"]:
+def _routed_product(h: Float[Array, "T #k I"], w: Weights, ids: Int[Array, "T k"]) -> Float[Array, "T k O"]:
     """``h[t, s] · W[ids[t, s]]`` as a multiply-and-sum in ``h``'s (wide) dtype: the gathered
     matrices are an operand of the reduction, never written out."""
     if isinstance(w, Mxfp4):

@@ -18,7 +18,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int, UInt32
 
 from k3jax.config import ModelConfig
 from k3jax.infer.decode import forward_cached, head
@@ -27,11 +27,11 @@ from k3jax.serve.pages import PagedCache, gather, scatter
 
 @flax.struct.dataclass
 class RowSampling:
-    temperature: Float[Array, "B"]  # 0: greedy
-    top_k: Int[Array, "B"]  # 0: all tokens
-    top_p: Float[Array, "B"]  # in (0, 1]
-    seed: Int[Array, "B"]  # uint32 seed of the row's request
-    position: Int[Array, "B"]  # the sampled token's position (folded into the key)
+    temperature: Float[ArrayLike, "B"]  # 0: greedy
+    top_k: Int[ArrayLike, "B"]  # 0: all tokens
+    top_p: Float[ArrayLike, "B"]  # in (0, 1]
+    seed: UInt32[ArrayLike, "B"]  # uint32 seed of the row's request
+    position: Int[ArrayLike, "B"]  # the sampled token's position (folded into the key)
 
 
 def sample_rows(logits: Float[Array, "B V"], s: RowSampling) -> Int[Array, "B"]:
