@@ -102,7 +102,7 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> Request:
+    def submit(self, prompt: Sequence[int | np.integer] | np.ndarray, params: SamplingParams = SamplingParams()) -> Request:
         """Queue a request (thread-safe); ``ValueError`` for a prompt or parameters it cannot serve."""
         ids = np.asarray(prompt)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -141,7 +141,7 @@ class Engine:
                 "dropped_snapshots": self.alloc.stats.dropped_snapshots, "pages_in_use": self.alloc.pages_in_use,
                 "num_pages": self.budget.num_pages - 1, "num_snapshots": self.budget.num_snapshots}
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    def generate(self, prompts: Sequence[Sequence[int | np.integer] | np.ndarray], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[list[int]]:
         """Run ``prompts`` to completion on this thread (tests, benchmarks); the generated ids."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

@@ -22,7 +22,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, KDACache, MLACache, init_cache
@@ -147,7 +147,7 @@ def save_snapshot(paged: PagedCache, slot: Int[Array, ""], snap: Int[Array, ""])
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def load_snapshot(paged: PagedCache, snap: Int[Array, ""], slot: Int[Array, ""], fresh: bool) -> PagedCache:
+def load_snapshot(paged: PagedCache, snap: Int[Array, ""], slot: Int[Array, ""], fresh: bool | Bool[Array, ""]) -> PagedCache:
     """Slot ``slot`` resumes from snapshot ``snap`` (``fresh``: from the zero state of an empty
     sequence instead)."""
     def one(live, snaps):
