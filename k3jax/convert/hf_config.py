@@ -16,20 +16,16 @@ written, only where they differ from what the Hugging Face fields alone give, un
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
-
 from k3jax.config import (AttnResConfig, KDAConfig, LayerKind, MLAConfig, MLPConfig, ModelConfig, MoEConfig,
                           MTPConfig, RopeConfig, hybrid_mla_layers)
+from k3jax.convert.hf_overrides import OVERRIDES, apply_overrides, leaves, to_json
 
 K3_TYPE, LINEAR_TYPE, K2_TYPES = "kimi_k3", "kimi_linear", ("kimi_k2", "deepseek_v3")
 MODEL_TYPES = (K3_TYPE, LINEAR_TYPE, *K2_TYPES)
-OVERRIDES = "k3jax_overrides"
 _ACTIVATIONS = {"situ": "situ", "silu": "swiglu"}
 
 
@@ -225,68 +221,20 @@ def from_hf_config(config: dict | str | os.PathLike) -> ModelConfig:
         cfg = _k2_config(d, model_type)
     else:
         raise ValueError(f"model_type={model_type!r} must be one of {MODEL_TYPES}")
-    return _apply_overrides(cfg, d.get(OVERRIDES, {}))
+    return apply_overrides(cfg, d.get(OVERRIDES, {}))
 
 
-# --- overrides: settings without a Hugging Face field -------------------------------------------------
-
-
-def _leaves(cfg, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
-        if dataclasses.is_dataclass(value):
-            out.update(_leaves(value, f"{prefix}{field.name}."))
-        else:
-            out[f"{prefix}{field.name}"] = value
-    return out
-
-
-def _to_json(path: str, value):
-    if path.endswith("dtype"):
-        return jnp.dtype(value).name
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return list(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise ValueError(f"{path}={value!r} cannot be written to config.json")
-
-
-def _replace(obj, parts: list[str], value):
-    if len(parts) == 1:
-        old = getattr(obj, parts[0])
-        if parts[0].endswith("dtype"):
-            value = getattr(jnp, value)
-        elif isinstance(old, enum.Enum):
-            value = type(old)(value)
-        elif isinstance(old, tuple) or (old is None and isinstance(value, list)):
-            value = tuple(value)
-        return dataclasses.replace(obj, **{parts[0]: value})
-    child = getattr(obj, parts[0])
-    if not dataclasses.is_dataclass(child):
-        raise ValueError(f"{OVERRIDES} key {'.'.join(parts)!r}: {parts[0]} is not a config section here")
-    return dataclasses.replace(obj, **{parts[0]: _replace(child, parts[1:], value)})
-
-
-def _apply_overrides(cfg: ModelConfig, overrides: dict) -> ModelConfig:
-    known = _leaves(cfg)
-    for path, value in overrides.items():
-        if path not in known:
-            raise ValueError(f"{OVERRIDES} key {path!r} must name a ModelConfig field, e.g. 'kda.chunk_size'")
-        cfg = _replace(cfg, path.split("."), value)
-    return cfg
+# --- overrides: settings without a Hugging Face field (k3jax.convert.hf_overrides) --------------------
 
 
 def overrides_of(cfg: ModelConfig, base: ModelConfig) -> dict[str, Any]:
     """Fields where ``cfg`` differs from ``base`` (the config its HF fields alone give), name aside."""
-    mine, theirs = _leaves(cfg), _leaves(base)
+    mine, theirs = leaves(cfg), leaves(base)
     if set(mine) != set(theirs):
         odd = sorted(set(mine) ^ set(theirs))[0]
         raise ValueError(f"{odd.rsplit('.', 1)[0]}: this section cannot be expressed in the "
                          f"{family(cfg)!r} Hugging Face form")
-    return {p: _to_json(p, v) for p, v in mine.items() if p != "name" and theirs[p] != v}
+    return {p: to_json(p, v) for p, v in mine.items() if p != "name" and theirs[p] != v}
 
 
 def family(cfg: ModelConfig) -> str:
