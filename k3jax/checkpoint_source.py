@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.vision.config import MultimodalConfig
 from k3jax.train.config import from_dict
 
 HF, ORBAX, CONVERTED = "hf", "orbax", "converted"
@@ -57,7 +58,7 @@ def describe_source(path: str | Path) -> tuple[str, Path]:
 
 
 def load_variables(path: str | Path, *, abstract: AbstractFn | None = None,
-                   multimodal: bool = False) -> tuple[ModelConfig, dict]:
+                   multimodal: bool = False) -> tuple[ModelConfig | MultimodalConfig, dict]:
     """``(cfg, {"params", "balance"})`` of the model at ``path`` (any layout of `describe_source`).
 
     A multimodal checkpoint (a K3 HF folder or converted checkpoint with a vision tower) gives its

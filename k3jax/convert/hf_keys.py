@@ -10,6 +10,7 @@ and K2's DeepSeek-V3 MoE names (SPEC §12).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 
 import numpy as np
@@ -56,6 +57,15 @@ LAYOUTS = {layout.name: layout for layout in (
     # Kimi-Linear's A_log [1, 1, H, 1] -> [H].
     Layout("a_log_4d", lambda s: (1, 1, s[0], 1), lambda a, s: a.reshape(s), lambda a: a.reshape(1, 1, -1, 1)),
 )}
+
+
+@typing.runtime_checkable
+class KeyEntry(typing.Protocol):
+    """A checkpoint entry of either table: a text ``Entry`` or a tower / projector
+    ``k3jax.vision.hf_keys.VisionEntry`` (what the conversion's shared code reads of both)."""
+
+    hf: str
+    path: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)

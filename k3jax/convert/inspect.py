@@ -18,7 +18,7 @@ import numpy as np
 from k3jax.config import LayerKind, ModelConfig
 from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
-from k3jax.convert.hf_keys import Entry, entries, ignored_prefixes
+from k3jax.convert.hf_keys import KeyEntry, entries, ignored_prefixes
 from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
 from k3jax.convert.orbax_layout import SCANNED, stored_table, text_config
 from k3jax.layout import scan_plan
@@ -55,7 +55,7 @@ class Report:
         self.vision[part] = self.vision.get(part, 0) + count
         self.vision_bytes[part] = self.vision_bytes.get(part, 0) + nbytes
 
-    def add(self, entry: Entry, count: int, nbytes: int) -> None:
+    def add(self, entry: KeyEntry, count: int, nbytes: int) -> None:
         """``count`` parameters of ``entry`` stored in ``nbytes`` (SPEC §11's active rule: the
         input embedding and the unused share of the routed experts are inactive)."""
         component = _component((entry.collection,) + entry.path, ("experts",) if entry.is_experts else None)
@@ -68,7 +68,7 @@ class Report:
             self.inactive[component] += count * (m.num_experts - m.top_k) / m.num_experts
 
 
-def _hf_entry(report: Report, reader: SafetensorsReader, entry: Entry) -> None:
+def _hf_entry(report: Report, reader: SafetensorsReader, entry: KeyEntry) -> None:
     keys = [entry.expert_key(e) for e in range(entry.shape[0])] if entry.is_experts else [entry.hf]
     count = int(np.prod(entry.shape[1:] if entry.is_experts else entry.shape))
     for key in keys:

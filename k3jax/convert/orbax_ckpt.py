@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from k3jax.config import ModelConfig
-from k3jax.convert.hf_keys import Entry
+from k3jax.convert.hf_keys import KeyEntry
 from k3jax.convert.orbax_layout import (LAYOUTS, PER_LAYER, AnyConfig, StoredLeaf, check_layout, in_layout,
                                         mesh_shardings, model_layout, stored_table)
 
@@ -85,7 +85,7 @@ def checkpoint_config(meta: dict) -> AnyConfig:
     return from_dict(MultimodalConfig, {"text": meta["model"], **meta["vision"]})
 
 
-def leaf_dtype(entry: Entry, dtype) -> np.dtype:
+def leaf_dtype(entry: KeyEntry, dtype) -> np.dtype:
     """The stored dtype of a leaf: ``dtype``, or float32 (or wider) for SPEC §10's fp32 leaves."""
     return np.dtype(jnp.promote_types(dtype, jnp.float32) if entry.wide else dtype)
 

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from typing import Union
 
 from k3jax.config import ModelConfig
-from k3jax.convert.hf_keys import Entry, entries
+from k3jax.convert.hf_keys import Entry, KeyEntry, entries
 from k3jax.layout import STACK, offset_name, scan_plan, to_per_layer, to_scanned, unrolled
 
 PER_LAYER, SCANNED = "per-layer", "scanned"
@@ -50,11 +50,11 @@ def is_multimodal(cfg: AnyConfig) -> bool:
 @dataclasses.dataclass(frozen=True)
 class StoredLeaf:
     path: tuple[str, ...]  # (collection, ...) in the stored tree
-    parts: tuple[Entry, ...]  # the HF entries it holds: one, or one per stacked layer (row order)
+    parts: tuple[KeyEntry, ...]  # the HF entries it holds: one, or one per stacked layer (row order)
     stacked: bool
 
     @property
-    def entry(self) -> Entry:
+    def entry(self) -> KeyEntry:
         """The entry that names its kind (component, experts, fp32): the first layer's."""
         return self.parts[0]
 
@@ -98,7 +98,7 @@ def _scanning(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, scan_layers=True)
 
 
-def _layer_index(entry: Entry) -> int | None:
+def _layer_index(entry: KeyEntry) -> int | None:
     head = entry.path[0]
     return int(head.split("_")[1]) if head.startswith("layers_") and head[7:].isdigit() else None
 

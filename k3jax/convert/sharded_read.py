@@ -28,7 +28,7 @@ from jaxtyping import Array
 from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import from_hf_config
-from k3jax.convert.hf_keys import LAYOUTS, Entry
+from k3jax.convert.hf_keys import LAYOUTS, Entry, KeyEntry
 from k3jax.convert.hf_checks import mxfp4_keys, checked_table
 from k3jax.convert.safetensors_io import SafetensorsReader
 
@@ -102,7 +102,7 @@ class HFSource:
         self.bytes_read += block.nbytes
         return block
 
-    def _expert(self, entry: Entry, e: int, index: Index) -> np.ndarray:
+    def _expert(self, entry: KeyEntry, e: int, index: Index) -> np.ndarray:
         """Tree block ``[in, out][index]`` of expert ``e`` (HF ``[out, in]``, layout ``T``)."""
         key = entry.expert_key(e)
         if key in self.reader:
@@ -113,7 +113,7 @@ class HFSource:
         self.bytes_read += nbytes
         return block.T
 
-    def read(self, entry: Entry, index: Index, dtype) -> np.ndarray:
+    def read(self, entry: KeyEntry, index: Index, dtype) -> np.ndarray:
         """The block ``index`` of ``entry``'s tree leaf, as ``dtype``, reading only its bytes."""
         index = _normalise(index, entry.shape)
         if not entry.is_experts:
@@ -125,7 +125,7 @@ class HFSource:
             out[j] = self._expert(entry, e, index[1:])
         return out
 
-    def leaf(self, entry: Entry, sharding: jax.sharding.Sharding, dtype) -> Array:
+    def leaf(self, entry: KeyEntry, sharding: jax.sharding.Sharding, dtype) -> Array:
         """``entry``'s leaf as a ``jax.Array`` on ``sharding``; only addressable shards are read, each
         distinct block once (replicas on several local devices share one read)."""
         blocks: dict[tuple, np.ndarray] = {}
@@ -171,5 +171,5 @@ class HFSource:
         return leaf
 
 
-def leaf_nbytes(entry: Entry, dtype) -> int:
+def leaf_nbytes(entry: KeyEntry, dtype) -> int:
     return math.prod(entry.shape) * np.dtype(dtype).itemsize

@@ -48,7 +48,7 @@ def make_horizon(cfg: ScheduleConfig, total_steps: int) -> Horizon:
     return Horizon(*(np.asarray(v, np.int32) for v in (warmup, decay_start, total)))
 
 
-def learning_rate(cfg: ScheduleConfig, peak_lr: float, horizon: Horizon, step: jax.Array) -> jax.Array:
+def learning_rate(cfg: ScheduleConfig, peak_lr: float, horizon: Horizon, step: int | jax.Array) -> jax.Array:
     """The learning rate at optimizer step ``step`` (fp32), ending at ``final_lr_ratio · peak_lr``."""
     if peak_lr <= 0:
         raise ValueError(f"peak_lr={peak_lr} must be > 0")
