@@ -7,14 +7,20 @@ named ``layers`` for the sharding rules, and XLA sees the unit once however deep
 AttnRes bookkeeping is traced here: the carry is a ``StackedStream`` (the block sums in one
 ``[N, B, T, D]`` buffer and a traced count), and a layer starts a block where its index, traced
 from the repetition, is a multiple of the block size (static when it is so for every repetition).
-Decode scans the caches of the run too: offset j's caches stacked ``[repeats, …]`` in, the new ones out.
+Decode carries the run's caches (offset j's stacked ``[repeats, …]``) through the scan: repetition r
+reads its slice and writes the new one back in place, so a decode step moves only the rows it
+changes. (As scanned inputs and outputs, XLA wrote every stacked cache out whole on every step: the
+output stack is a new buffer.) ``keep_steps`` returns the per-token KDA states as scanned outputs
+instead, the carried caches untouched (``k3jax.infer.cache.select_step`` then picks one).
 ``remat="layer"`` rematerialises each unit (its input stream is all a repetition saves).
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from k3jax.config import ModelConfig
@@ -36,18 +42,29 @@ def push_flag(cfg: ModelConfig, plan: ScanPlan, offset: int, repeat: Int[Array, 
     return (plan.start + offset + plan.unit * repeat) % size == 0
 
 
+def _slice(tree, repeat: Int[Array, ""]):
+    """Repetition ``repeat``'s slice of a stacked cache."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False), tree)
+
+
+def _write(tree, new, repeat: Int[Array, ""]):
+    """``tree`` with repetition ``repeat``'s slice replaced by ``new`` (in place inside the scan's loop)."""
+    return jax.tree.map(lambda x, y: lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), repeat, 0), tree, new)
+
+
 class LayerUnit(nn.Module):
-    """One repetition of the unit: ``(stream, repeat index, …) -> (stream, new caches or None)``."""
+    """One repetition of the unit: ``((stream, stacked caches or None), repeat index, …) -> (carry, steps)``;
+    ``steps`` is the new caches of ``keep_steps`` (per-token KDA states), else None."""
 
     cfg: ModelConfig
     plan: ScanPlan
     remat_moe: bool = False
 
     @nn.compact
-    def __call__(self, stream: StackedStream | ResidualStream, repeat: Int[Array, ""],
-                 segment_ids: Int[Array, "B T"] | None, valid: Bool[Array, "B T"] | None, caches: tuple | None,
-                 keep_steps: bool = False):
+    def __call__(self, carry: tuple, repeat: Int[Array, ""], segment_ids: Int[Array, "B T"] | None,
+                 valid: Bool[Array, "B T"] | None, keep_steps: bool = False):
         cfg, plan = self.cfg, self.plan
+        stream, caches = carry
         new_caches = []
         for j in range(plan.unit):
             layer = DecoderLayer(cfg, plan.start + j, remat_moe=self.remat_moe, name=offset_name(j))
@@ -55,16 +72,19 @@ class LayerUnit(nn.Module):
             if caches is None:
                 stream = layer(stream, segment_ids, push=push)
             else:
-                stream, cache = layer(stream, cache=caches[j], valid=valid, keep_steps=keep_steps, push=push)
+                stream, cache = layer(stream, cache=_slice(caches[j], repeat), valid=valid, keep_steps=keep_steps,
+                                      push=push)
                 new_caches.append(cache)
-        return stream, None if caches is None else tuple(new_caches)
+        if caches is None or keep_steps:
+            return (stream, caches), None if caches is None else tuple(new_caches)
+        return (stream, tuple(_write(c, n, repeat) for c, n in zip(caches, new_caches))), None
 
 
 def layer_stack(cfg: ModelConfig, plan: ScanPlan, *, remat: str) -> nn.Module:
     """The scanned run as a module (name it ``stack``; call it through `run_stack`)."""
-    unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(6,)) if remat == "layer" else LayerUnit
+    unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(5,)) if remat == "layer" else LayerUnit
     scanned = nn.scan(unit, variable_axes={c: 0 for c in SCANNED_COLLECTIONS}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast), length=plan.repeats,
+                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=plan.repeats,
                       metadata_params={nn.PARTITION_NAME: "layers"})
     return scanned(cfg, plan, remat_moe=remat == "moe")
 
@@ -73,7 +93,8 @@ def run_stack(stack: nn.Module, cfg: ModelConfig, plan: ScanPlan, stream: Residu
               segment_ids=None, valid=None, caches: tuple | None = None, keep_steps: bool = False):
     """Run ``stack`` on a static stream: ``(static stream after the run, new caches or None)``."""
     inner = stream if cfg.attn_res is None else StackedStream.of(stream)
-    inner, caches = stack(inner, jnp.arange(plan.repeats), segment_ids, valid, caches, keep_steps)
+    (inner, carried), steps = stack((inner, caches), jnp.arange(plan.repeats), segment_ids, valid, keep_steps)
+    caches = steps if keep_steps else carried
     if cfg.attn_res is None:
         return inner, caches
     pushed = -(-plan.stop // cfg.attn_res.block_size)  # layers 0, S, 2S, … below stop started blocks

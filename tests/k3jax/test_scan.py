@@ -6,10 +6,11 @@
    float64 logits ≤ 1e-12 apart (default suite), gradients ≤ 1e-10 (slow).
 4. A whole train step (per-head Muon, QK-Clip, Quantile Balancing) of tiny(): same loss and
    parameters to fp32 noise. Decode == forward on the scanned stack: tests/k3jax/infer (tiny()
-   scans by default).
+   scans by default); here, that decode updates the stacked caches in place.
 """
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -19,6 +20,8 @@ import pytest
 
 from k3jax import config
 from k3jax.convert import load_hf
+from k3jax.infer.cache import init_cache
+from k3jax.infer.decode import decode_step
 from k3jax.layout import ScanPlan, scan_plan, to_per_layer, to_scanned, unrolled
 from k3jax.model import Transformer
 from tests.tolerances import F32_RTOL, rel_rmse
@@ -170,3 +173,21 @@ def test_muon_treats_the_layer_axis_as_batch():
     assert (tuple(q.reduction_axis), tuple(q.output_axis)) == ((1,), (3,))  # per layer, per head
     assert (tuple(b.reduction_axis), tuple(b.output_axis)) == ((1,), (2,))  # per layer, [D, H] whole
     assert dims["norm"]["scale"] is None
+
+
+def test_decode_updates_the_stacked_caches_in_place():
+    """A decode step on the scanned stack writes its caches' new rows in place: the compiled step
+    holds no copy of a stacked KDA state or MLA latent (as scanned outputs they were rewritten whole
+    every step). The KDA conv tails (3 rows per sequence, shifted by each step) are still copied."""
+    cfg = config.tiny()
+    plan = scan_plan(cfg)
+    variables = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 2, 64))
+    step = jax.jit(lambda v, t, c: decode_step(v, cfg, t, c), donate_argnums=(2,))
+    hlo = step.lower(variables, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()
+    stacked = jax.tree.leaves(cache.layers, is_leaf=lambda x: hasattr(x, "state") or hasattr(x, "latent"))
+    big = {tuple(x.shape) for c in stacked for x in (getattr(c, "state", None), getattr(c, "latent", None))
+           if x is not None and x.ndim >= 4 and x.shape[0] == plan.repeats}
+    assert big, "the tiny() cache has stacked leaves"
+    copied = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[([0-9,]+)\]\{[^}]*\} copy\(", hlo)}
+    assert not big & copied, f"stacked caches copied whole: {sorted(big & copied)}"
