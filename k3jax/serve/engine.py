@@ -66,8 +66,8 @@ class Engine:
         if ecfg.max_context > cfg.max_position:
             raise ValueError(f"max_context={ecfg.max_context} must be <= the model's max_position={cfg.max_position}")
         if (draft is None) != (ecfg.draft_tokens == 0):
-            raise ValueError(f"draft_tokens={ecfg.draft_tokens} needs draft parameters (draft=...), and a draft "
-                             "needs draft_tokens >= 1")
+            raise ValueError(f"draft_tokens={ecfg.draft_tokens}: speculative decoding needs both draft_tokens >= 1 "
+                             "and draft parameters (Engine(draft=...); on the command line --draft FILE)")
         self.variables, self.cfg, self.ecfg, self.decode = variables, cfg, ecfg, decode
         probe = paged_ops.init_paged(cfg, num_slots=1, num_pages=1, page_size=ecfg.page_size, num_snapshots=1)
         self.page_bytes, self.snapshot_bytes = paged_ops.page_bytes(probe), paged_ops.snapshot_bytes(probe)

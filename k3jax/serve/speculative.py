@@ -39,7 +39,7 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import MLACache, select_step
 from k3jax.infer.decode import forward_cached
-from k3jax.infer.draft import draft_features, init_draft
+from k3jax.infer.draft import check_draft, draft_features
 from k3jax.infer.speculative import draft_call, draft_tokens, fuse, verify
 from k3jax.serve.pages import MLAPages, PagedCache, gather, scatter
 from k3jax.serve.params import MAX_STOP_IDS
@@ -59,19 +59,6 @@ def init_draft_slots(cfg: ModelConfig, num_slots: int, max_len: int, gamma: int)
     return DraftSlots(latent=jnp.zeros((num_slots + 1, max_len, cfg.mla.cache_width), dt),
                       lengths=jnp.zeros((num_slots + 1,), jnp.int32),
                       features=jnp.zeros((num_slots + 1, gamma + 1, 3, cfg.hidden), dt))
-
-
-def check_draft(cfg: ModelConfig, draft: dict) -> None:
-    """``ValueError`` naming ``draft`` unless its parameters have the shapes of a draft for ``cfg``
-    (its hidden width; the vocabulary is the target's own embedding and head)."""
-    want = jax.eval_shape(lambda: init_draft(cfg, jax.random.key(0)))
-    if jax.tree.structure(draft) != jax.tree.structure(want):
-        raise ValueError("draft must be the parameters of k3jax.infer.draft.Draft (init_draft / train_draft) "
-                         f"for this model, got a tree of another structure")
-    for path, got, exp in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(draft), jax.tree.leaves(want)):
-        if tuple(got.shape) != tuple(exp.shape):
-            raise ValueError(f"draft parameter {jax.tree_util.keystr(path[0])} has shape {tuple(got.shape)}, "
-                             f"expected {tuple(exp.shape)} for a model of hidden={cfg.hidden}")
 
 
 def _draft_cache(d: DraftSlots, slot_ids: Int[Array, "B"], width: int, lengths: Int[Array, "B"]) -> MLACache:

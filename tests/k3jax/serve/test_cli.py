@@ -36,6 +36,12 @@ def test_bad_checkpoint(tmp_path, capsys):
     assert_one_error_line(_run(["--checkpoint", str(tmp_path / "nope")], capsys), "nope", "does not exist")
 
 
+@pytest.mark.skipif(not ORACLE.is_dir(), reason="the oracle checkpoint is not on this machine")
+def test_missing_draft(tmp_path, capsys):
+    result = _run(["--checkpoint", str(ORACLE), "--draft", str(tmp_path / "nope.npz")], capsys)
+    assert_one_error_line(result, "nope.npz", "does not exist")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not ORACLE.is_dir(), reason="the oracle checkpoint is not on this machine")
 def test_serves_the_oracle_checkpoint():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from k3jax import config
-from k3jax.infer.draft import init_draft
+from k3jax.infer.draft import init_draft, load_draft, save_draft
 from k3jax.serve import Engine, EngineConfig, SamplingParams, compilations
 
 from .conftest import engine_config
@@ -115,3 +115,16 @@ def test_bad_speculative_settings_are_refused(tiny_model):
     with pytest.raises(ValueError, match="draft parameter"):
         Engine(variables, cfg, engine_config(cfg, draft_tokens=2, max_context=30),
                draft=jax.eval_shape(lambda: init_draft(narrow, jax.random.key(0))))
+
+
+@pytest.mark.unchecked
+def test_draft_file_round_trip(tiny_model, tmp_path):
+    cfg = tiny_model.cfg
+    draft = copy_draft(cfg)
+    save_draft(tmp_path / "draft.npz", draft)
+    loaded = load_draft(tmp_path / "draft.npz", cfg)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), draft, loaded))
+    with pytest.raises(ValueError, match="draft .*draft.npz parameter"):
+        load_draft(tmp_path / "draft.npz", dataclasses.replace(cfg, hidden=32))
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        load_draft(tmp_path / "nope.npz", cfg)
