@@ -178,6 +178,10 @@ def speculative(args, s: dict, variables, record) -> None:
     pages = longest.max_pages  # one page bucket (two programs per engine) holds every request
     ecfg = dataclasses.replace(s["ecfg"], max_context=pages * P - gamma, buckets=(pages,))
     draft, info = trained_draft(cfg, variables, args.draft_minutes, args.tiny)
+    if args.save_draft:
+        from k3jax.infer.draft import save_draft
+
+        save_draft(args.save_draft, draft)  # for python -m k3jax.serve --draft FILE
     record("draft", info)
     t0 = time.perf_counter()
     plain, spec = Engine(variables, cfg, ecfg), Engine(variables, cfg, dataclasses.replace(ecfg, draft_tokens=gamma),
@@ -209,6 +213,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--spec", type=int, default=0, metavar="GAMMA",
                         help="measure speculative decoding with GAMMA draft tokens instead of (a)-(c)")
     parser.add_argument("--draft-minutes", type=float, default=1.0, help="with --spec: draft training time")
+    parser.add_argument("--save-draft", default=None, help="with --spec: write the trained draft here (.npz)")
     args = parser.parse_args(argv)
     s = settings(args.tiny)
     cfg, ecfg = s["cfg"], s["ecfg"]

@@ -9,7 +9,8 @@ Each ``step()``:
 2. Decode: every decoding slot advances, one program over ``[num_slots]`` lanes. While no prompt
    waits, it runs up to ``decode_steps`` tokens in one device loop (rows stop on the device at a
    stop id, their ``max_tokens`` or the next snapshot boundary), else one token, so prefill is
-   never held back by more than a step.
+   never held back by more than a step. With ``draft_tokens`` it is one draft-and-verify step
+   instead (``k3jax.serve.speculative``).
 3. Prefill: the rest of the step's token budget goes to prompt chunks (``prefill_lanes`` lanes
    of ``chunk`` tokens); a chunk that does not finish its prompt ends on a page boundary, so
    snapshots can be taken there. A finished prompt samples its first token.
