@@ -247,8 +247,7 @@ class Engine:
         if self.spec is not None:
             return self.spec.decode(reqs)
         S, K = self.ecfg.num_slots, self.ecfg.decode_steps
-        quiet = not (self.waiting or self.incoming or any(r is not None and r.state is State.PREFILL
-                                                           for r in self.slots))
+        quiet = self.quiet()
         tokens, limit = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
         stop = np.full((S, MAX_STOP_IDS), -1, np.int32)
         for r in reqs:
@@ -268,6 +267,11 @@ class Engine:
                     if self._advance(r, t):
                         break  # a stop string: the device ran past it, the rest is dropped
         return self._call(np.arange(S, dtype=np.int32), tokens, limit, {r.slot: r for r in reqs}, stop), done
+
+    def quiet(self) -> bool:
+        """No prompt waits to be prefilled: decode may run several steps per device call."""
+        return not (self.waiting or self.incoming or any(r is not None and r.state is State.PREFILL
+                                                         for r in self.slots))
 
     def _prefill(self, reqs: list[Request], budget: int):
         """Dispatch the next prompt chunk of each of ``reqs``: ``(tokens on the device, what to do with them)``."""

@@ -106,15 +106,13 @@ def _page_size(paged: PagedCache) -> int:
                 if isinstance(c, MLAPages))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gamma"), donate_argnames=("paged", "drafts"))
-def spec_decode(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSlots, pending: Int[Array, "B G"],
-                num_pending: Int[Array, "B"], limit: Int[Array, "B"], stop_ids: Int[Array, "B S"],
-                slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"], lengths: Int[Array, "B"],
-                sampling: RowSampling, *, cfg: ModelConfig, gamma: int):
-    """One draft-and-verify step (module docstring). ``pending[b, :num_pending[b]]`` are the tokens
-    after the slot's pending features, the last of them ``x``; ``limit[b]`` caps the tokens kept (0:
-    an idle lane, whose slot id is the scratch slot). Returns ``[B, γ + 2]``: the kept tokens (-1
-    past them) and, last, the drafts ``verify`` accepted."""
+def _verify_cycle(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSlots, pending: Int[Array, "B G"],
+                  num_pending: Int[Array, "B"], limit: Int[Array, "B"], stop_ids: Int[Array, "B S"],
+                  slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"], lengths: Int[Array, "B"],
+                  sampling: RowSampling, *, cfg: ModelConfig, gamma: int):
+    """One draft-and-verify cycle (module docstring). ``pending[b, :num_pending[b]]`` are the tokens
+    after the slot's pending features, the last of them ``x``; ``limit[b] >= 1`` caps the tokens
+    kept. Returns ``(kept [B, γ+1] (-1 past them), accepted drafts [B], keep [B], paged, drafts)``."""
     B, G = pending.shape
     u = jnp.maximum(num_pending, 1)
     width = page_table.shape[1] * _page_size(paged)
@@ -144,8 +142,44 @@ def spec_decode(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSl
     paged = scatter(paged, select_step(steps, jnp.maximum(keep, 1)), slot_ids, page_table, lengths, keep, G)
     drafts = _put_draft(drafts, d_cache, slot_ids,
                         drafts.features.at[slot_ids].set(draft_features(cfg, hidden, blocks)))
-    out = jnp.where(at < keep[:, None], emitted, -1)
-    return jnp.concatenate([out, jnp.where(limit > 0, accepted, 0)[:, None]], axis=1), paged, drafts
+    return jnp.where(at < keep[:, None], emitted, -1), accepted, keep, paged, drafts
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gamma", "max_cycles"), donate_argnames=("paged", "drafts"))
+def spec_decode(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSlots, pending: Int[Array, "B G"],
+                num_pending: Int[Array, "B"], budget: Int[Array, "B"], cycles: Int[Array, ""],
+                stop_ids: Int[Array, "B S"], slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"],
+                lengths: Int[Array, "B"], sampling: RowSampling, *, cfg: ModelConfig, gamma: int, max_cycles: int):
+    """Up to ``cycles <= max_cycles`` draft-and-verify cycles in one device loop (as ``decode_block``
+    runs plain steps): lane ``b`` keeps at most ``budget[b]`` tokens in all (0: idle) and stops
+    after a stop id; a stopped lane's slot id becomes the scratch slot. Returns ``[K, B, γ + 2]``:
+    per cycle the kept tokens (-1 past them) and, last, the drafts accepted (-1: the lane was done)."""
+    B, G = pending.shape
+    scratch = drafts.lengths.shape[0] - 1
+
+    def body(carry):
+        i, pending, num_pending, budget, lengths, paged, drafts, out = carry
+        alive = budget > 0
+        kept, accepted, keep, paged, drafts = _verify_cycle(
+            variables, draft, paged, drafts, pending, num_pending, jnp.clip(budget, 1, G), stop_ids,
+            jnp.where(alive, slot_ids, scratch), page_table, lengths, sampling.replace(position=lengths + 1),
+            cfg=cfg, gamma=gamma)
+        keep = jnp.where(alive, keep, 0)
+        kept = jnp.where(alive[:, None], kept, -1)
+        out = out.at[i].set(jnp.concatenate([kept, jnp.where(alive, accepted, -1)[:, None]], axis=1))
+        stopped = jnp.any((kept[..., None] == stop_ids[:, None]) & (kept[..., None] >= 0), axis=(1, 2))
+        budget = jnp.where(stopped, 0, budget - keep)
+        pending = jnp.where(alive[:, None], jnp.maximum(kept, 0), pending)
+        num_pending = jnp.where(alive, keep, num_pending)
+        return i + 1, pending, num_pending, budget, lengths + keep, paged, drafts, out
+
+    def cond(carry):
+        return (carry[0] < cycles) & jnp.any(carry[3] > 0)
+
+    out = jnp.full((max_cycles, B, G + 1), -1, jnp.int32)
+    carry = (jnp.int32(0), pending, num_pending, budget, lengths, paged, drafts, out)
+    _, _, _, _, _, paged, drafts, out = jax.lax.while_loop(cond, body, carry)
+    return out, paged, drafts
 
 
 class Speculator:
@@ -178,34 +212,43 @@ class Speculator:
         return out
 
     def decode(self, reqs: list):
-        """Dispatch one draft-and-verify step for ``reqs``: ``(tokens on the device, what to do with them)``."""
+        """Dispatch draft-and-verify cycles for ``reqs`` (up to ``decode_steps`` of them while no
+        prompt waits, else one): ``(tokens on the device, what to do with them)``."""
         e, G = self.engine, self.gamma + 1
         S, every = e.ecfg.num_slots, e.ecfg.snapshot_every * e.ecfg.page_size
-        slot_ids, limit = np.full((S,), S, np.int32), np.zeros((S,), np.int32)
+        cycles = e.ecfg.decode_steps if e.quiet() else 1
+        slot_ids, budget = np.full((S,), S, np.int32), np.zeros((S,), np.int32)
         pending, num_pending = np.zeros((S, G), np.int32), np.zeros((S,), np.int32)
         stop = np.full((S, MAX_STOP_IDS), -1, np.int32)
         for r in reqs:
             slot_ids[r.slot] = r.slot
-            to_snapshot = (r.length // every + 1) * every - r.length
-            limit[r.slot] = min(G, r.params.max_tokens - len(r.generated), to_snapshot)
+            to_snapshot = (r.length // every + 1) * every - r.length  # runs end where snapshots are taken
+            budget[r.slot] = min(G * cycles, r.params.max_tokens - len(r.generated), to_snapshot)
             u = r.draft_pending
             pending[r.slot, :u], num_pending[r.slot] = r.tokens[r.length - u + 1:r.length + 1], u
             stop[r.slot, :len(r.params.stop_token_ids)] = r.params.stop_token_ids
         lanes = {r.slot: r for r in reqs}
-        lengths, sampling, table = e.lane_rows(slot_ids, np.full((S,), G, np.int32), lanes, decode=True)
+        # the last cycle reads γ+1 positions from at most length + budget - 1
+        lengths, sampling, table = e.lane_rows(slot_ids, budget + G, lanes, decode=True)
         out, e.paged, self.drafts = spec_decode(e.variables, self.draft, e.paged, self.drafts, pending, num_pending,
-                                                limit, stop, slot_ids, table, lengths, sampling, cfg=e.cfg,
-                                                gamma=self.gamma)
+                                                budget, np.int32(cycles), stop, slot_ids, table, lengths, sampling,
+                                                cfg=e.cfg, gamma=self.gamma, max_cycles=e.ecfg.decode_steps)
 
         def done(out):
             for r in reqs:
-                row = out[r.slot]
-                new = [int(t) for t in row[:G] if t >= 0]
-                e.stats["draft_verifies"] += 1
-                e.stats["draft_accepted"] += int(row[G])
-                r.device_length, r.draft_pending = r.length + len(new), len(new)
-                for t in new:
-                    r.length += 1
-                    if e._advance(r, t):
+                for row in out[:, r.slot]:
+                    if row[G] < 0 or self._take(r, [int(t) for t in row[:G] if t >= 0], int(row[G])):
                         break
         return out, done
+
+    def _take(self, r, new: list[int], accepted: int) -> bool:
+        """One cycle's kept tokens into ``r``; True when ``r`` finished (a stop string may end it early)."""
+        e = self.engine
+        e.stats["draft_verifies"] += 1
+        e.stats["draft_accepted"] += accepted
+        r.device_length, r.draft_pending = r.length + len(new), len(new)
+        for t in new:
+            r.length += 1
+            if e._advance(r, t):
+                return True
+        return False
