@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from k3jax import config
+from k3jax.infer.cache import KDACache
 from k3jax.infer.draft import init_draft, load_draft, save_draft
 from k3jax.serve import Engine, EngineConfig, SamplingParams, compilations
+from k3jax.serve.pages import MLAPages
 
 from .conftest import engine_config
 from .test_engine import _pages_accounted
@@ -27,7 +29,7 @@ from .test_engine import _pages_accounted
 GAMMA = 3
 
 
-def bigram(variables: dict, scale: float = 20.0) -> dict:
+def bigram(variables: dict, scale: float = 5.0) -> dict:
     params = dict(variables["params"])
     params["embed"] = {"embedding": params["embed"]["embedding"] * scale}
     return {**variables, "params": params}
@@ -59,29 +61,62 @@ def engines(tiny_model):
     return make
 
 
+def _cached_state(engine) -> dict:
+    """Per index node (keyed by its tokens from the root): its MLA latent rows and KDA snapshot."""
+    pages = [c.pages for c in jax.tree.leaves(engine.paged.layers, is_leaf=lambda c: isinstance(c, MLAPages))
+             if isinstance(c, MLAPages)]
+    snaps = [c.state for c in jax.tree.leaves(engine.paged.snapshots, is_leaf=lambda c: isinstance(c, KDACache))
+             if isinstance(c, KDACache)]
+    out = {}
+    for node in engine.index.nodes():
+        if node.page is None:
+            continue
+        path, n = [], node
+        while n.parent is not None:
+            path[:0], n = n.key, n.parent
+        rows = [np.take(np.asarray(p), node.page, axis=p.ndim - 3)[..., :len(node.key), :] for p in pages]
+        state = None if node.snapshot is None else [np.take(np.asarray(x), node.snapshot, axis=x.ndim - 4)
+                                                     for x in snaps]
+        out[tuple(path)] = (rows, state)
+    return out
+
+
+def _assert_same_cache(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        (rows_a, state_a), (rows_b, state_b) = a[key], b[key]
+        for x, y in zip(rows_a, rows_b):
+            np.testing.assert_allclose(x, y, atol=1e-4, err_msg=f"latent rows of {key}")
+        assert (state_a is None) == (state_b is None), f"snapshot of {key}"
+        for x, y in zip(state_a or [], state_b or []):
+            np.testing.assert_allclose(x, y, atol=1e-4, err_msg=f"KDA snapshot of {key}")
+
+
 def _workload(rng):
     system = list(rng.integers(0, 256, 17))  # a page and a token shared by three of them
     return [system + list(rng.integers(0, 256, n)) for n in (1, 3, 5)] + [list(rng.integers(0, 256, 3))]
 
 
 def test_greedy_speculative_equals_plain(engines):
-    plain, spec = engines(False), engines(True)
+    plain, spec, plain_again = engines(False), engines(True), engines(False)
     before = compilations()
     prompts = _workload(np.random.default_rng(0))
-    lengths = [9, 8, 4, 10]
+    lengths = [9, 8, 4, 20]  # the last one runs several cycles per device call
     reference = plain.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in lengths])
     # a stop id in the middle of request 0's output, and request 1 ending mid-run (max_tokens 5)
     stop = reference[0][5]
     params = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=(stop,) if i == 0 else ())
-              for i, m in enumerate([9, 5, 4, 10])]
-    want = plain.generate(prompts, params)
+              for i, m in enumerate([9, 5, 4, 20])]
+    want = plain_again.generate(prompts, params)
     got = spec.generate(prompts, params)
     assert got == want
+    # the cache the runs leave is the same too: latent rows at their positions, snapshots at boundaries
+    _assert_same_cache(_cached_state(spec), _cached_state(plain_again))
     assert got[0][-1] == stop and len(got[0]) == reference[0].index(stop) + 1 and len(got[1]) == 5
     assert spec.stats["draft_accepted"] > 0 and spec.metrics()["draft_mean_accepted"] > 0.3
     # a second turn resumes from the first one's cached tail (the draft has not seen the prefix)
-    turn = [prompts[3] + got[3] + [7]]
-    assert spec.generate(turn, params[3]) == plain.generate(turn, params[3])
+    turn, short = [prompts[3] + got[3] + [7]], SamplingParams(max_tokens=4, temperature=0.0)
+    assert spec.generate(turn, short) == plain.generate(turn, short)
     assert spec.stats["hit_tokens"] > 0
     assert compilations() == before, "a speculative step compiled after warm_up()"
     _pages_accounted(spec)
