@@ -10,8 +10,19 @@ compilations after warm-up, for small() (random weights, bf16) on one GPU.
     longest output, as one compiled program): useful output tokens per second of each.
 (c) XLA compilations while (a) and (b) run through the engine, after ``warm_up()`` (goal: 0).
 
+``--spec GAMMA`` measures speculative decoding instead: a draft trained for ``--draft-minutes``
+against the target (``k3jax.infer.draft.train_draft`` on the built-in corpus; 0: the untrained
+draft, which accepts nothing and so shows the overhead), then the ``--requests`` mixed requests
+(prompts cut from the corpus) through one engine without and one with ``draft_tokens = GAMMA``,
+greedy and at temperature 1: output tokens/s of each, drafts accepted per verification, the
+speedup, and what one verification step costs in plain decode steps (the acceptance it needs
+to pay). A random-init target's greedy argmax is noise no draft predicts (acceptance ~0); at
+temperature 1 acceptance only needs the distributions to overlap.
+
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --out $OUT/bench_serve.json   # H200
     PYTHONPATH=. python3 benchmarks/bench_serve.py --tiny --out /tmp/bench_serve.json           # CPU
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --spec 4 --out $OUT/spec.json   # H200
+    PYTHONPATH=. python3 benchmarks/bench_serve.py --tiny --spec 3 --draft-minutes 0.2          # CPU
 """
 
 from __future__ import annotations
@@ -78,8 +89,8 @@ def mixed(s: dict, rng) -> tuple[list, list]:
     return prompts, outputs
 
 
-def through_engine(engine: Engine, prompts, outputs) -> dict:
-    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in outputs]
+def through_engine(engine: Engine, prompts, outputs, temperature: float = 0.0) -> dict:
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i) for i, m in enumerate(outputs)]
     start = time.perf_counter()
     reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
     while any(r.finish_reason is None for r in reqs):
@@ -116,17 +127,105 @@ def fixed_batches(variables, cfg, prompts, outputs, batch: int) -> dict:
             "note": "each batch runs to the longest output; only the requested tokens count"}
 
 
+def recorder(results: dict, out: str | None):
+    def record(key, value):  # printed and written at once: a run cut short keeps what it measured
+        results[key] = value
+        print(key, json.dumps(value), flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+    return record
+
+
+def corpus_prompts(s: dict, rng) -> tuple[list, list]:
+    """``mixed``'s lengths, the prompts cut from the built-in corpus (byte tokens) the draft trains on."""
+    from bench_infer import corpus_batches
+
+    lo, hi = s["prompt_range"]
+    windows = corpus_batches(s["requests"], hi, seed=int(rng.integers(2 ** 31)))
+    rows = next(windows)
+    prompts = [list(map(int, row[:n])) for row, n in zip(rows, rng.integers(lo, hi + 1, s["requests"]))]
+    outputs = [int(n) for n in rng.integers(s["output_range"][0], s["output_range"][1] + 1, s["requests"])]
+    return prompts, outputs
+
+
+def trained_draft(cfg, variables, minutes: float, tiny: bool) -> tuple[dict, dict]:
+    """A draft trained for ``minutes`` (at least one step) as ``bench_infer.py`` trains it."""
+    from bench_infer import corpus_batches
+    from k3jax.infer.draft import init_draft, train_draft
+
+    if minutes <= 0:
+        return init_draft(cfg, jax.random.key(0)), {"train_steps": 0}
+    batches, log = corpus_batches(2 if tiny else 4, 64 if tiny else 256), []
+    t0 = time.perf_counter()
+
+    def until_deadline():
+        while time.perf_counter() < t0 + 60 * minutes or not log:
+            yield next(batches)
+
+    draft = train_draft(variables, cfg, until_deadline(), num_steps=None,
+                        log=lambda i, loss, rates: log.append((loss, rates)))
+    return draft, {"train_steps": len(log), "train_seconds": time.perf_counter() - t0, "first_loss": log[0][0],
+                   "last_loss": log[-1][0], "last_step_acceptance_rates": log[-1][1]}
+
+
+def speculative(args, s: dict, variables, record) -> None:
+    """``--spec``: the same requests without and with speculative decoding (module docstring)."""
+    cfg, gamma, rng = s["cfg"], args.spec, np.random.default_rng(args.seed)
+    P = s["ecfg"].page_size
+    longest = dataclasses.replace(s["ecfg"], max_context=s["prompt_range"][1] + s["output_range"][1] + gamma,
+                                  buckets=())
+    pages = longest.max_pages  # one page bucket (two programs per engine) holds every request
+    ecfg = dataclasses.replace(s["ecfg"], max_context=pages * P - gamma, buckets=(pages,))
+    draft, info = trained_draft(cfg, variables, args.draft_minutes, args.tiny)
+    if args.save_draft:
+        from k3jax.infer.draft import save_draft
+
+        save_draft(args.save_draft, draft)  # for python -m k3jax.serve --draft FILE
+    record("draft", info)
+    t0 = time.perf_counter()
+    plain, spec = Engine(variables, cfg, ecfg), Engine(variables, cfg, dataclasses.replace(ecfg, draft_tokens=gamma),
+                                                       draft=draft)
+    plain.warm_up()
+    spec.warm_up()
+    warmed = compilations()
+    record("warm_up_s", time.perf_counter() - t0)
+    prompts, outputs = corpus_prompts(s, rng)
+    for temperature in (1.0, 0.0):  # the one a random-init target can accept first
+        row, before = {}, dict(spec.stats)
+        for name, engine in (("plain", plain), ("speculative", spec)):
+            steps = engine.stats["steps"]
+            row[name] = dict(through_engine(engine, prompts, outputs, temperature), steps=engine.stats["steps"] - steps)
+        verifies = spec.stats["draft_verifies"] - before["draft_verifies"]
+        accepted = (spec.stats["draft_accepted"] - before["draft_accepted"]) / max(verifies, 1)
+        speedup = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        # Tokens a verification emits ~ 1 + accepted; it costs that many plain decode steps / speedup.
+        row.update(gamma=gamma, mean_accepted=accepted, speedup=speedup, verify_cost_in_decode_steps=(1 + accepted) / speedup)
+        record(f"temperature_{temperature:g}", row)
+    record("compilations_after_warm_up", compilations() - warmed)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny() on CPU (a check that the script runs)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spec", type=int, default=0, metavar="GAMMA",
+                        help="measure speculative decoding with GAMMA draft tokens instead of (a)-(c)")
+    parser.add_argument("--draft-minutes", type=float, default=1.0, help="with --spec: draft training time")
+    parser.add_argument("--save-draft", default=None, help="with --spec: write the trained draft here (.npz)")
     args = parser.parse_args(argv)
     s = settings(args.tiny)
     cfg, ecfg = s["cfg"], s["ecfg"]
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     variables = build(cfg, args.seed)
+    if args.spec:
+        results = {"device": jax.devices()[0].device_kind, "model": cfg.name}
+        speculative(args, s, variables, recorder(results, args.out))
+        results["total_s"] = time.perf_counter() - t0
+        print("total_s", results["total_s"], flush=True)
+        return results
     warm, cold = Engine(variables, cfg, ecfg), Engine(variables, cfg, dataclasses.replace(ecfg, prefix_cache=False))
     warm.warm_up()
     cold.warm_up()
@@ -135,13 +234,7 @@ def main(argv=None) -> dict:
     results = {"device": jax.devices()[0].device_kind, "model": cfg.name, "engine": dataclasses.asdict(ecfg),
                "warm_up_s": time.perf_counter() - t0, "compilations_in_warm_up": warmed}
 
-    def record(key, value):  # printed and written at once: a run cut short keeps what it measured
-        results[key] = value
-        print(key, json.dumps(value), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-
+    record = recorder(results, args.out)
     record("warm_up_s", results["warm_up_s"])
     record("second_turn", second_turn(s, warm, cold, rng))
     prompts, outputs = mixed(s, rng)

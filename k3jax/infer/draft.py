@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
@@ -111,6 +114,36 @@ def init_draft(cfg: ModelConfig, key) -> dict:
     h = jnp.zeros((1, 2, D), cfg.compute_dtype)
     head = jnp.zeros((D, cfg.vocab_size), cfg.param_dtype)
     return nn.meta.unbox(Draft(cfg).init(key, h, h, head))["params"]
+
+
+def check_draft(cfg: ModelConfig, params: dict, name: str = "draft") -> None:
+    """``ValueError`` naming ``name`` unless ``params`` have the tree and shapes of a draft for ``cfg``
+    (its hidden width and MLA sizes; the vocabulary is the target's own embedding and head)."""
+    want = jax.eval_shape(lambda: init_draft(cfg, jax.random.key(0)))
+    if jax.tree.structure(params) != jax.tree.structure(want):
+        raise ValueError(f"{name} must be the parameters of k3jax.infer.draft.Draft (init_draft / train_draft) "
+                         "for this model; got a tree of another structure")
+    for (path, exp), got in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(params)):
+        if tuple(got.shape) != tuple(exp.shape):
+            raise ValueError(f"{name} parameter {jax.tree_util.keystr(path)} has shape {tuple(got.shape)}, expected "
+                             f"{tuple(exp.shape)} for the target's hidden={cfg.hidden}")
+
+
+def save_draft(path: str | Path, params: dict) -> None:
+    """Write draft parameters to one ``.npz`` file (keys: the parameter paths joined by ``/``)."""
+    flat = flax.traverse_util.flatten_dict(jax.device_get(params), sep="/")
+    with open(path, "wb") as f:
+        np.savez(f, **{k: np.asarray(v) for k, v in flat.items()})
+
+
+def load_draft(path: str | Path, cfg: ModelConfig) -> dict:
+    """Draft parameters written by ``save_draft``, checked against the target ``cfg``."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--draft {path} does not exist (a .npz written by k3jax.infer.draft.save_draft)")
+    with np.load(path) as f:
+        params = flax.traverse_util.unflatten_dict({k: jnp.asarray(f[k]) for k in f.files}, sep="/")
+    check_draft(cfg, params, name=f"draft {path}")
+    return params
 
 
 def acceptance_loss(p_logits: Float[Array, "*B V"], q_logits: Float[Array, "*B V"]) -> Float[Array, "*B"]:

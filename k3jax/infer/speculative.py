@@ -53,13 +53,13 @@ def verify(key, p_logp, q_logp, drafts):
     return accepted, next_token
 
 
-def _draft_call(draft_params, cfg, h, tokens, target_params, cache, valid=None):
+def draft_call(draft_params, cfg, h, tokens, target_params, cache, valid=None):
     draft = Draft(cfg)
     emb = embed(target_params, tokens, cfg.compute_dtype)
     return draft.apply({"params": draft_params}, h, emb, target_head(cfg, target_params), cache=cache, valid=valid)
 
 
-def _fuse(draft_params, cfg, features):
+def fuse(draft_params, cfg, features):
     return Draft(cfg).apply({"params": draft_params}, features, method=Draft.fuse)
 
 
@@ -78,7 +78,7 @@ def _prefill(variables, draft_params, cfg, tokens, lengths, t_cache, d_cache, ch
                                                       return_hidden=True)
         feats = draft_features(cfg, hidden, blocks)  # [B, C, 3, D]
         valid = jnp.arange(C)[None] < jnp.clip(lengths - 2 - s, 0, C)[:, None]
-        _, _, d_cache = _draft_call(draft_params, cfg, _fuse(draft_params, cfg, feats), nxt, variables["params"],
+        _, _, d_cache = draft_call(draft_params, cfg, fuse(draft_params, cfg, feats), nxt, variables["params"],
                                     d_cache, valid)
         at = jnp.clip(lengths - 2 - s, 0, C - 1)
         here = (lengths - 2 >= s) & (lengths - 2 < s + C)
@@ -90,24 +90,22 @@ def _prefill(variables, draft_params, cfg, tokens, lengths, t_cache, d_cache, ch
     return t_cache, d_cache, pend
 
 
-def _draft_tokens(key, draft_params, cfg, params, d_cache, pend_feat, pend_tok, u, gamma, warp_args):
-    """Catch up on the ``u`` pending positions, then draft ``γ`` tokens: ``(drafts, q_logp, d_cache)``."""
-    B = pend_tok.shape[0]
+def draft_tokens(draw, draft_params, cfg, params, d_cache, pend_feat, pend_tok, u, gamma):
+    """Catch up on the ``u`` pending positions, then draft ``γ`` tokens: ``(drafts, q_logp, d_cache)``;
+    ``draw(j, logits) -> (token, q_logp)`` samples the j-th draft token from the draft's logits."""
     valid = jnp.arange(pend_tok.shape[1])[None] < u[:, None]
     start = d_cache.lengths
-    logits, xs, d_cache = _draft_call(draft_params, cfg, _fuse(draft_params, cfg, pend_feat), pend_tok, params,
+    logits, xs, d_cache = draft_call(draft_params, cfg, fuse(draft_params, cfg, pend_feat), pend_tok, params,
                                       d_cache, valid)
     pick = lambda a: jnp.take_along_axis(a, (u - 1)[:, None, None], 1)[:, 0]
     logit, o = pick(logits), pick(xs)
     drafts, q_logps = [], []
     for j in range(gamma):
-        key, sub = jax.random.split(key)
-        q_logp = warp(logit, *warp_args)
-        d = jax.random.categorical(sub, q_logp, axis=-1).astype(jnp.int32)
+        d, q_logp = draw(j, logit)
         drafts.append(d)
         q_logps.append(q_logp)
         if j + 1 < gamma:
-            logits, xs, d_cache = _draft_call(draft_params, cfg, o[:, None], d[:, None], params, d_cache)
+            logits, xs, d_cache = draft_call(draft_params, cfg, o[:, None], d[:, None], params, d_cache)
             logit, o = logits[:, 0], xs[:, 0]
     return jnp.stack(drafts, 1), jnp.stack(q_logps, 1), d_cache.replace(lengths=start + u)
 
@@ -116,8 +114,17 @@ def _cycle(variables, draft_params, cfg, gamma, warp_args, stop_ids, max_new, ca
     t_cache, d_cache, pend_feat, pend_tok, u, x, out, n_out, alive, key, stats = carry
     B = x.shape[0]
     key, k_draft, k_verify = jax.random.split(key, 3)
-    drafts, q_logp, d_cache = _draft_tokens(k_draft, draft_params, cfg, variables["params"], d_cache, pend_feat,
-                                            pend_tok, u, gamma, warp_args)
+    keys = []
+    for _ in range(gamma):
+        k_draft, sub = jax.random.split(k_draft)
+        keys.append(sub)
+
+    def draw(j, logit):
+        q_logp = warp(logit, *warp_args)
+        return jax.random.categorical(keys[j], q_logp, axis=-1).astype(jnp.int32), q_logp
+
+    drafts, q_logp, d_cache = draft_tokens(draw, draft_params, cfg, variables["params"], d_cache, pend_feat,
+                                            pend_tok, u, gamma)
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, γ+1]
     (logits, hidden, blocks), steps = forward_cached(variables, cfg, tokens, t_cache, return_hidden=True,
                                                      keep_steps=True)

@@ -6,7 +6,9 @@ evictions, pages in use). ``PATH`` is anything ``k3jax.generate`` accepts (a Hug
 a training run, a checkpoints folder, a converted folder). Text goes through the K3 tokenizer
 when ``--tokenizer DIR`` is given (or the HF folder holds ``tiktoken.model``), else bytes.
 ``--set`` sets the engine's sizes (``k3jax.serve.config.EngineConfig``): ``--set num_slots=64
---set max_context=32768 --set cache_bytes=40e9``. Every program is compiled before the server
+--set max_context=32768 --set cache_bytes=40e9``. ``--draft FILE`` (a draft written by
+``k3jax.infer.draft.save_draft``) turns on speculative decoding with ``draft_tokens`` (default 4)
+drafted tokens per slot and step. Every program is compiled before the server
 listens; the line ``serving MODEL on URL`` says it is ready.
 """
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from k3jax import cli
 
+DEFAULT_DRAFT_TOKENS = 4  # with --draft and no --set draft_tokens=K
 PARSER = cli.make_parser("python -m k3jax.serve", __doc__)
 PARSER.add_argument("--checkpoint", required=True,
                     help="a Hugging Face folder, a training run folder, a checkpoints folder or a converted folder")
@@ -26,6 +29,8 @@ PARSER.add_argument("--tokenizer", default=None, help="K3 tokenizer folder (defa
 PARSER.add_argument("--host", default="127.0.0.1", help="address to listen on")
 PARSER.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
 PARSER.add_argument("--model-name", default=None, help="the model id clients send (default: the folder's name)")
+PARSER.add_argument("--draft", default=None,
+                    help="speculative decoding with this draft (.npz from k3jax.infer.draft.save_draft)")
 PARSER.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig field, typed (e.g. num_slots=16)")
 
@@ -44,10 +49,17 @@ def _serve(args) -> int:
 
     enable_compilation_cache()
     cfg, variables, tokenizer = load_with_tokenizer(args.checkpoint, args.tokenizer)
-    explicit = any(a.partition("=")[0].strip() == "max_context" for a in args.assignments)
-    if ecfg.max_context > cfg.max_position and not explicit:  # the default only; a set value is checked
+    explicit = {a.partition("=")[0].strip() for a in args.assignments}
+    if ecfg.max_context > cfg.max_position and "max_context" not in explicit:  # a set value is checked
         ecfg = dataclasses.replace(ecfg, max_context=cfg.max_position)
-    engine = Engine(variables, cfg, ecfg, decode=tokenizer.decode)
+    draft = None
+    if args.draft is not None:
+        from k3jax.infer.draft import load_draft
+
+        draft = load_draft(args.draft, cfg)
+        if "draft_tokens" not in explicit:
+            ecfg = dataclasses.replace(ecfg, draft_tokens=DEFAULT_DRAFT_TOKENS)
+    engine = Engine(variables, cfg, ecfg, decode=tokenizer.decode, draft=draft)
     engine.warm_up()
     name = args.model_name or Path(args.checkpoint).resolve().name
     server = Server(engine, tokenizer, name, args.host, args.port).start()

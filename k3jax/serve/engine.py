@@ -9,7 +9,8 @@ Each ``step()``:
 2. Decode: every decoding slot advances, one program over ``[num_slots]`` lanes. While no prompt
    waits, it runs up to ``decode_steps`` tokens in one device loop (rows stop on the device at a
    stop id, their ``max_tokens`` or the next snapshot boundary), else one token, so prefill is
-   never held back by more than a step.
+   never held back by more than a step. With ``draft_tokens`` it is one draft-and-verify step
+   instead (``k3jax.serve.speculative``).
 3. Prefill: the rest of the step's token budget goes to prompt chunks (``prefill_lanes`` lanes
    of ``chunk`` tokens); a chunk that does not finish its prompt ends on a page boundary, so
    snapshots can be taken there. A finished prompt samples its first token.
@@ -38,6 +39,7 @@ from k3jax.serve.config import EngineConfig
 from k3jax.serve.params import MAX_STOP_IDS, SamplingParams
 from k3jax.serve.radix import Match, PrefixIndex
 from k3jax.serve.request import Request, State
+from k3jax.serve.speculative import Speculator
 from k3jax.serve.step import RowSampling, decode_block, model_step
 
 _COMPILES = [0]
@@ -61,9 +63,12 @@ class Engine:
     (the server's engine thread, or ``generate`` here), ``cancel`` to stop a request early."""
 
     def __init__(self, variables: dict, cfg: ModelConfig, ecfg: EngineConfig = EngineConfig(), *,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, draft: dict | None = None):
         if ecfg.max_context > cfg.max_position:
             raise ValueError(f"max_context={ecfg.max_context} must be <= the model's max_position={cfg.max_position}")
+        if (draft is None) != (ecfg.draft_tokens == 0):
+            raise ValueError(f"draft_tokens={ecfg.draft_tokens}: speculative decoding needs both draft_tokens >= 1 "
+                             "and draft parameters (Engine(draft=...); on the command line --draft FILE)")
         self.variables, self.cfg, self.ecfg, self.decode = variables, cfg, ecfg, decode
         probe = paged_ops.init_paged(cfg, num_slots=1, num_pages=1, page_size=ecfg.page_size, num_snapshots=1)
         self.page_bytes, self.snapshot_bytes = paged_ops.page_bytes(probe), paged_ops.snapshot_bytes(probe)
@@ -73,13 +78,15 @@ class Engine:
         self.budget = Budget.split(int(ecfg.cache_bytes or default), self.page_bytes, self.snapshot_bytes,
                                    ecfg.snapshot_share)
         self.slots: list[Request | None] = [None] * ecfg.num_slots
+        self.spec = None if draft is None else Speculator(self, draft)
         self._reset_cache()
         self.waiting: collections.deque[Request] = collections.deque()
         self.incoming: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
         # every key up front: /health copies the counter from another thread while steps update it
         self.stats = collections.Counter(dict.fromkeys(
-            ("requests", "prompt_tokens", "hit_tokens", "prefill_tokens", "generated_tokens", "steps", "cancelled"), 0))
+            ("requests", "prompt_tokens", "hit_tokens", "prefill_tokens", "generated_tokens", "steps", "cancelled",
+             "draft_verifies", "draft_accepted"), 0))
         self._bucket: int | None = None  # warm_up's forced page bucket
 
     def _reset_cache(self) -> None:
@@ -90,6 +97,8 @@ class Engine:
         self.index = PrefixIndex(ecfg.page_size)
         self.alloc = Allocator(self.budget, self.index)
         self.page_table = np.zeros((ecfg.num_slots + 1, ecfg.max_pages), np.int32)  # last row: scratch slot
+        if self.spec is not None:
+            self.spec.reset()
 
     def fail_all(self, message: str) -> None:
         """End every request with ``error: message`` and start from an empty cache."""
@@ -137,7 +146,9 @@ class Engine:
         return self.stats["hit_tokens"] / max(self.stats["prompt_tokens"], 1)
 
     def metrics(self) -> dict:
-        return {**self.stats, "hit_rate": self.hit_rate(), "evicted_pages": self.alloc.stats.evicted_pages,
+        """Counters and rates (``/health``); ``draft_mean_accepted``: drafts accepted per verification."""
+        spec = {"draft_mean_accepted": self.stats["draft_accepted"] / max(self.stats["draft_verifies"], 1)}
+        return {**self.stats, **spec, "hit_rate": self.hit_rate(), "evicted_pages": self.alloc.stats.evicted_pages,
                 "dropped_snapshots": self.alloc.stats.dropped_snapshots, "pages_in_use": self.alloc.pages_in_use,
                 "num_pages": self.budget.num_pages - 1, "num_snapshots": self.budget.num_snapshots}
 
@@ -156,8 +167,11 @@ class Engine:
         idle = lambda B, T, ids: self._call(ids, np.zeros((B, T), np.int32), np.zeros((B,), np.int32), {})
         for pages in self.ecfg.page_buckets:
             self._bucket = pages
-            self._call(np.arange(S, dtype=np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32), {},
-                       np.full((S, MAX_STOP_IDS), -1, np.int32))
+            if self.spec is not None:
+                self.spec.decode([])
+            else:
+                self._call(np.arange(S, dtype=np.int32), np.zeros((S,), np.int32), np.zeros((S,), np.int32), {},
+                           np.full((S, MAX_STOP_IDS), -1, np.int32))
             idle(L, C, np.full((L,), S, np.int32))
         self._bucket = None
         scratch, spare = np.int32(S), np.int32(0)
@@ -186,7 +200,7 @@ class Engine:
         decoding = [r for r in self.slots if r is not None and r.state is State.DECODE]
         if decoding:
             launched.append(self._decode(decoding))
-        budget = self.ecfg.budget_tokens - len(decoding)
+        budget = self.ecfg.budget_tokens - len(decoding) * (self.ecfg.draft_tokens + 1)
         prefilling = [r for r in self.slots if r is not None and r.state is State.PREFILL]
         prefilling.sort(key=lambda r: r.id)
         if prefilling and budget > 0:
@@ -230,9 +244,10 @@ class Engine:
     def _decode(self, reqs: list[Request]):
         """Dispatch up to ``decode_steps`` tokens for each of ``reqs`` (one while prompts wait to be
         prefilled): ``(tokens [K, slots] on the device, what to do with them)``."""
+        if self.spec is not None:
+            return self.spec.decode(reqs)
         S, K = self.ecfg.num_slots, self.ecfg.decode_steps
-        quiet = not (self.waiting or self.incoming or any(r is not None and r.state is State.PREFILL
-                                                           for r in self.slots))
+        quiet = self.quiet()
         tokens, limit = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
         stop = np.full((S, MAX_STOP_IDS), -1, np.int32)
         for r in reqs:
@@ -252,6 +267,11 @@ class Engine:
                     if self._advance(r, t):
                         break  # a stop string: the device ran past it, the rest is dropped
         return self._call(np.arange(S, dtype=np.int32), tokens, limit, {r.slot: r for r in reqs}, stop), done
+
+    def quiet(self) -> bool:
+        """No prompt waits to be prefilled: decode may run several steps per device call."""
+        return not (self.waiting or self.incoming or any(r is not None and r.state is State.PREFILL
+                                                         for r in self.slots))
 
     def _prefill(self, reqs: list[Request], budget: int):
         """Dispatch the next prompt chunk of each of ``reqs``: ``(tokens on the device, what to do with them)``."""
@@ -285,6 +305,20 @@ class Engine:
         """Dispatch one model program over ``lanes`` (lane -> request): a prefill chunk
         (``tokens [B, C]``), or with ``stop`` a decode block (``tokens [B]``, ``num_new`` the
         lanes' step limits). The sampled tokens, still on the device."""
+        lengths, sampling, table = self.lane_rows(slot_ids, num_new, lanes, decode=stop is not None)
+        if stop is None and self.spec is not None:
+            return self.spec.prefill(tokens, num_new, lanes, slot_ids, table, lengths, sampling)
+        if stop is None:
+            out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
+                                         sampling, cfg=self.cfg)
+        else:
+            out, self.paged = decode_block(self.variables, self.paged, tokens, num_new, stop, slot_ids, table,
+                                           lengths, sampling, cfg=self.cfg, max_steps=self.ecfg.decode_steps)
+        return out
+
+    def lane_rows(self, slot_ids, num_new, lanes: dict, *, decode: bool):
+        """The lanes' cached lengths, sampling rows and page table (its width the page bucket that
+        holds every lane's ``length + num_new`` tokens)."""
         B = len(slot_ids)
         lengths = np.zeros((B,), np.int32)
         temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
@@ -294,17 +328,10 @@ class Engine:
             lengths[lane] = r.length
             q = r.params
             temp[lane], top_p[lane], top_k[lane], seed[lane] = q.temperature, q.top_p, q.k, q.seed
-            pos[lane] = r.length + (1 if stop is not None else num_new[lane])  # the (first) sampled token's position
+            pos[lane] = r.length + (1 if decode else num_new[lane])  # the (first) sampled token's position
             pages = max(pages, -(-(r.length + int(num_new[lane])) // self.ecfg.page_size))
         table = self.page_table[slot_ids, :self._bucket or self.ecfg.bucket(pages)]
-        sampling = RowSampling(temp, top_k, top_p, seed, pos)
-        if stop is None:
-            out, self.paged = model_step(self.variables, self.paged, tokens, num_new, slot_ids, table, lengths,
-                                         sampling, cfg=self.cfg)
-        else:
-            out, self.paged = decode_block(self.variables, self.paged, tokens, num_new, stop, slot_ids, table,
-                                           lengths, sampling, cfg=self.cfg, max_steps=self.ecfg.decode_steps)
-        return out
+        return lengths, RowSampling(temp, top_k, top_p, seed, pos), table
 
     def _advance(self, r: Request, token: int) -> bool:
         """After the cache grew: index the filled pages, then take the sampled token; True when

@@ -51,6 +51,7 @@ class Request:
         self.refs: list[Node] = []  # index nodes pinned while the request runs
         self.node: Node | None = None  # the deepest full-page index node of its cached tokens
         self.hit = 0  # prompt tokens reused from the prefix index
+        self.draft_pending = 0  # speculative decoding: positions the slot's draft has still to read
         self.cancelled = False
         self.finish_reason: str | None = None
         self.events: queue.Queue[Delta] = queue.Queue()

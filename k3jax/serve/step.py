@@ -42,8 +42,19 @@ def sample_rows(logits: Float[Array, "B V"], s: RowSampling) -> Int[Array, "B"]:
     return jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, s, greedy), lambda: greedy)
 
 
-def _draw(logits: Float[Array, "B V"], s: RowSampling, greedy: Int[Array, "B"]) -> Int[Array, "B"]:
-    B, V = logits.shape
+def warp_rows(logits: Float[Array, "B V"], s: RowSampling) -> Float[Array, "B V"]:
+    """Each row's sampling distribution as log-probabilities (a greedy row: one-hot on its argmax),
+    what speculative verification compares (``k3jax.infer.decode.warp`` with per-row parameters)."""
+    logits = logits.astype(jnp.float32)
+    hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=bool)
+    greedy = jnp.where(hot, 0.0, -jnp.inf)
+    sampled = lambda: jnp.where((s.temperature > 0)[:, None], jax.nn.log_softmax(_warped(logits, s), axis=-1), greedy)
+    return jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda: greedy)
+
+
+def _warped(logits: Float[Array, "B V"], s: RowSampling) -> Float[Array, "B V"]:
+    """Tempered logits, -inf outside each row's top-k and nucleus."""
+    V = logits.shape[-1]
     z = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     ranked = -jnp.sort(-z, axis=-1)  # [B, V] descending
     rank = jnp.arange(V)[None]
@@ -53,7 +64,11 @@ def _draw(logits: Float[Array, "B V"], s: RowSampling, greedy: Int[Array, "B"]) 
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each ranked token
     kept = jnp.sum(in_k & (before < s.top_p[:, None]), axis=-1, keepdims=True)  # >= 1: the top token
     threshold = jnp.take_along_axis(ranked, kept - 1, axis=-1)  # [B, 1]
-    z = jnp.where(z >= threshold, z, -jnp.inf)
+    return jnp.where(z >= threshold, z, -jnp.inf)
+
+
+def _draw(logits: Float[Array, "B V"], s: RowSampling, greedy: Int[Array, "B"]) -> Int[Array, "B"]:
+    z = _warped(logits, s)
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, s.position)
     drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
     return jnp.where(s.temperature > 0, drawn, greedy)
@@ -64,13 +79,23 @@ def _model_step(variables: dict, paged: PagedCache, tokens: Int[Array, "B T"], n
                sampling: RowSampling, *, cfg: ModelConfig) -> tuple[Int[Array, "B"], PagedCache]:
     """Feed ``tokens[b, :num_new[b]]`` to slot ``slot_ids[b]`` (``lengths[b]`` tokens cached, in the
     pages ``page_table[b]``); returns the token sampled after each lane's last new token."""
+    sampled, paged, _ = lanes_forward(variables, paged, tokens, num_new, slot_ids, page_table, lengths, sampling,
+                                      cfg=cfg)
+    return sampled, paged
+
+
+def lanes_forward(variables: dict, paged: PagedCache, tokens: Int[Array, "B T"], num_new: Int[Array, "B"],
+                  slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"], lengths: Int[Array, "B"],
+                  sampling: RowSampling, *, cfg: ModelConfig):
+    """``_model_step``'s body, also returning ``(hidden, blocks)`` of every new position (the
+    speculative draft reads them as its features; unused, XLA drops them)."""
     cache = gather(paged, slot_ids, page_table, lengths)
-    (_, hidden, _), cache = forward_cached(variables, cfg, tokens, cache, num_new=num_new, return_hidden=True)
+    (_, hidden, blocks), cache = forward_cached(variables, cfg, tokens, cache, num_new=num_new, return_hidden=True)
     # Only each lane's last position needs the output head (the [B, T, V] logits are dead code).
     at = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
     logits = head(variables, cfg, at)[:, 0]  # [B, V]
     paged = scatter(paged, cache, slot_ids, page_table, lengths, num_new, tokens.shape[1])
-    return sample_rows(logits, sampling), paged
+    return sample_rows(logits, sampling), paged, (hidden, blocks)
 
 
 model_step = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("paged",))(_model_step)
