@@ -147,7 +147,9 @@ class Engine:
 
     def metrics(self) -> dict:
         """Counters and rates (``/health``); ``draft_mean_accepted``: drafts accepted per verification."""
-        spec = {"draft_mean_accepted": self.stats["draft_accepted"] / max(self.stats["draft_verifies"], 1)}
+        verifies, accepted = max(self.stats["draft_verifies"], 1), self.stats["draft_accepted"]
+        spec = {"draft_mean_accepted": accepted / verifies,
+                "draft_acceptance_rate": accepted / (verifies * max(self.ecfg.draft_tokens, 1))}
         return {**self.stats, **spec, "hit_rate": self.hit_rate(), "evicted_pages": self.alloc.stats.evicted_pages,
                 "dropped_snapshots": self.alloc.stats.dropped_snapshots, "pages_in_use": self.alloc.pages_in_use,
                 "num_pages": self.budget.num_pages - 1, "num_snapshots": self.budget.num_snapshots}

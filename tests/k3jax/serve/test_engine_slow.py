@@ -1,6 +1,6 @@
 """Slow engine checks (``-m slow``): the engine against ``k3jax.generate`` token for token, the
 power-of-two page buckets (several programs) with no compilation after warm-up, and the
-benchmark's ``--tiny`` run."""
+benchmark's ``--tiny`` runs (plain and ``--spec``)."""
 
 import sys
 
@@ -40,3 +40,14 @@ def test_bench_serve_runs_tiny(tmp_path):
     assert out["compilations_after_warm_up"] == 0
     assert out["second_turn"]["reused_tokens"] > 0
     assert (tmp_path / "b.json").is_file()
+
+
+def test_bench_serve_spec_runs_tiny(tmp_path):
+    sys.path.insert(0, "benchmarks")
+    import bench_serve
+
+    out = bench_serve.main(["--tiny", "--spec", "2", "--draft-minutes", "0", "--out", str(tmp_path / "s.json")])
+    assert out["compilations_after_warm_up"] == 0
+    for row in (out["temperature_1"], out["temperature_0"]):
+        assert row["plain"]["output_tokens"] == row["speculative"]["output_tokens"] > 0
+        assert 0 <= row["mean_accepted"] <= 2
