@@ -56,6 +56,20 @@ def test_params_and_activations_share_one_table():
     assert to_mesh("vocab", "embed") == PartitionSpec("tensor", "fsdp")
 
 
+@pytest.mark.parametrize("rules", [EXPERT, SEQUENCE])
+def test_training_tables_shard_dense_weights_over_every_batch_axis(rules):
+    """The expert axis carries batch outside the MoE: the dense weights shard over it as well as
+    fsdp (K3's dense state 16× smaller on fsdp=64, expert=16); expert stacks keep their experts on
+    it and their width on fsdp; activations are unchanged."""
+    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)
+    assert to_mesh("embed", "heads", "head_dim") == PartitionSpec(("fsdp", "expert"), None, None)
+    assert to_mesh("layers", "q_lora", "heads") == PartitionSpec(None, ("fsdp", "expert"), None)
+    assert to_mesh("vocab", "embed") == PartitionSpec(None, ("fsdp", "expert"))
+    assert to_mesh("layers", "experts", "latent", "expert_mlp") == PartitionSpec(None, "expert", "fsdp", None)
+    assert to_mesh("embed", "experts") == PartitionSpec("fsdp", "expert")  # the router
+    assert to_mesh("batch", "embed")[1] is None
+
+
 def test_context_is_scoped():
     mesh = make_mesh(devices=jax.devices()[:1])
     assert current() is None
