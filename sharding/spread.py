@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sharding.context import current
-from sharding.init import _fit
+from sharding.init import fitted_spec
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -46,7 +46,7 @@ def map_matrices(fn: Callable[[jax.Array], jax.Array], x: jax.Array,
     if len(names) != x.ndim or x.ndim < 3:
         raise ValueError(f"names={names} must name the {x.ndim} dims of x {x.shape} ([*batch, r, o], batch ≥ 1)")
     mesh = ctx.mesh
-    entries = (tuple(_fit(ctx.spec(*names), x.shape, mesh)) + (None,) * x.ndim)[:x.ndim]
+    entries = (tuple(fitted_spec(names, x.shape, mesh, ctx.rules)) + (None,) * x.ndim)[:x.ndim]
     used = {a for e in entries for a in _axes(e)}
     # minor axis first: device (f, e) of r split over (fsdp, expert) holds slice f·E + e
     rows, cols = _axes(entries[-2])[::-1], _axes(entries[-1])[::-1]

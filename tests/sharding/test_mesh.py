@@ -80,3 +80,16 @@ def test_context_is_scoped():
     with pytest.raises(ValueError, match="ep_strategy"):
         with use_mesh(mesh, ep_strategy="ring"):
             pass
+
+
+def test_an_axis_that_does_not_divide_its_dim_moves_to_another():
+    """K3 on fsdp=64, expert=32: ``embed`` = 7168 = 7·1024 takes fsdp but not fsdp × expert; expert
+    goes to the weight's widest other dim it divides instead of leaving 32 copies, never to the
+    scanned stack's ``layers``; with nowhere to go it is dropped (replicated)."""
+    from sharding.init import fitted_spec
+
+    mesh = _abstract(fsdp=64, expert=32, sequence=2)
+    assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), mesh, SEQUENCE) == PartitionSpec(
+        "fsdp", None, "expert")
+    assert fitted_spec(("layers", "embed", "mlp"), (32, 7168, 100), mesh, SEQUENCE) == PartitionSpec(None, "fsdp", None)
+    assert fitted_spec(("embed", "heads"), (2048, 96), mesh, SEQUENCE) == PartitionSpec(("fsdp", "expert"), None)
