@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import Rules, rules_for_mesh
 
@@ -34,7 +34,8 @@ def logical_axes(boxed_tree: Any) -> Any:
     return nn.get_partition_spec(boxed_tree)
 
 
-def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, fixed: tuple[int, ...] = ()) -> PartitionSpec:
+def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
+         fixed: tuple[int, ...] = ()) -> PartitionSpec:
     """Keep only mesh axes whose product divides the dimension. An axis left out moves to the largest
     other dimension that is still unsharded, not in ``fixed``, and divisible by it (else the array is
     replicated over it): K3's ``embed`` = 7168 = 7·1024 takes fsdp=64 of fsdp × expert = 64 × 32,
@@ -59,7 +60,8 @@ def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, fixed: tu
     return PartitionSpec(*out)
 
 
-def fitted_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> PartitionSpec:
+def fitted_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
+                rules: Rules) -> PartitionSpec:
     """The ``PartitionSpec`` an array with these logical dim names gets on ``mesh`` (`_fit` of the
     rules' spec; dims whose name the rules pin to None, e.g. the scanned stack's layers, never take
     a left-over axis)."""
