@@ -193,8 +193,9 @@ def test_muon_orthogonalizes_each_expert_matrix_once_across_fsdp():
     x = jax.ShapeDtypeStruct((2, 8, 256, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "expert", "fsdp")))
     dims = MuonDimensionNumbers(reduction_axis=(2,), output_axis=(3,))
     names = ("layers", "experts", "latent", "expert_mlp")
+    coeffs = jnp.array([3.4445, -4.7750, 2.0315])
     with sharding.use_mesh(mesh, sharding.EXPERT):
-        fn = jax.jit(lambda x: _orthogonalize(x, jnp.array([3.4445, -4.7750, 2.0315]), 5, 1e-7, dims, "bfloat16", names))
+        fn = jax.jit(lambda x: _orthogonalize(x, coeffs, 5, 1e-7, dims, "bfloat16", names))
         compiled = fn.lower(x).compile()
     text = compiled.as_text()
     assert "all-to-all" in text and "all-reduce" not in text and "all-gather" not in text
