@@ -62,6 +62,19 @@ def test_report_names_memory_comm_and_fit():
     assert "FITS" in text and "arguments" in text and "temporaries" in text
 
 
+def test_decode_lowers_for_the_scanned_stack():
+    """The scanned stack's caches are a tuple of stacked caches (leading ``layers`` axis): the plan's
+    cache shardings followed only the per-layer form (full-depth K3 decode failed with a pytree error)."""
+    from k3jax.layout import scan_plan
+
+    cfg = dataclasses.replace(config.tiny(), vocab_size=512)
+    assert scan_plan(cfg) is not None
+    topo = get_topology("v5p:2x2x1")
+    lowered, _ = lower("decode", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices, Shape(batch=4, seq=256))
+    stacked = [a for a in lowered.args_info[0][2].layers if isinstance(a, tuple)]
+    assert stacked and stacked[0][0].state.shape[:2] == (scan_plan(cfg).repeats, 4)
+
+
 @pytest.mark.slow
 def test_prefill_runs_the_kda_kernel_per_shard():
     """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
@@ -70,6 +83,12 @@ def test_prefill_runs_the_kda_kernel_per_shard():
     lowered, _ = lower("prefill", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices,
                        Shape(batch=4, seq=128, chunk=64))
     assert "kda_chunk_fwd_tpu" in lowered.compile().as_text()
+
+
+def test_v5p_hbm_is_what_its_compiler_allows():
+    """Google lists v5p's HBM as 95 GiB (user-allocatable of 96 GiB); the compiler's limit in its
+    out-of-memory messages is 95.73 GiB. 95e9 bytes called a program that passed it "does not fit"."""
+    assert CHIPS["v5p"].hbm == 95 * 2**30 < 95.73 * 2**30
 
 
 def test_unknown_topology():
