@@ -4,7 +4,8 @@ Initialising a 2.8 T-parameter model on one device is impossible, so ``sharded_i
 materialises the whole tree anywhere (flax examples/lm1b ``setup_initial_state`` pattern):
 
 1. ``jax.eval_shape(init)`` gives the abstract tree with every leaf's logical axis names;
-2. the rules turn names into ``PartitionSpec``s (dropping mesh axes that do not divide a dim);
+2. the rules turn names into ``PartitionSpec``s (a mesh axis that does not divide its dim moves to
+   another dim it divides, or is dropped);
 3. ``jax.jit(init, out_shardings=…)`` creates each shard directly on its device.
 
 ``shard_params`` places an existing (e.g. loaded from safetensors) tree the same way.
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import Rules, rules_for_mesh
 
@@ -33,9 +34,13 @@ def logical_axes(boxed_tree: Any) -> Any:
     return nn.get_partition_spec(boxed_tree)
 
 
-def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """Keep only mesh axes whose product divides the dimension (else that dim is replicated)."""
-    out = []
+def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
+         fixed: tuple[int, ...] = ()) -> PartitionSpec:
+    """Keep only mesh axes whose product divides the dimension. An axis left out moves to the largest
+    other dimension that is still unsharded, not in ``fixed``, and divisible by it (else the array is
+    replicated over it): K3's ``embed`` = 7168 = 7·1024 takes fsdp=64 of fsdp × expert = 64 × 32,
+    and expert=32 goes to the weight's head or MLP width instead of holding 32 copies."""
+    out, left = [], []
     for dim, axes in zip(shape, tuple(mesh_spec) + (None,) * (len(shape) - len(mesh_spec))):
         names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
         kept, size = [], 1
@@ -43,10 +48,26 @@ def _fit(mesh_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
             if dim % (size * mesh.shape[name]) == 0:
                 kept.append(name)
                 size *= mesh.shape[name]
-        if len(kept) < len(names):
-            logger.debug("dim %d does not split over %s; sharding it over %s", dim, names, kept)
+            else:
+                left.append(name)
         out.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
+    for name in left:
+        free = [i for i, d in enumerate(shape) if out[i] is None and i not in fixed and d % mesh.shape[name] == 0]
+        to = max(free, key=lambda i: shape[i]) if free else None
+        if to is not None:
+            out[to] = name
+        logger.debug("a dim of %s does not split over %s; it goes to dim %s", shape, name, to)
     return PartitionSpec(*out)
+
+
+def fitted_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh | AbstractMesh,
+                rules: Rules) -> PartitionSpec:
+    """The ``PartitionSpec`` an array with these logical dim names gets on ``mesh`` (`_fit` of the
+    rules' spec; dims whose name the rules pin to None, e.g. the scanned stack's layers, never take
+    a left-over axis)."""
+    pinned = {n for n, axes in rules if axes is None}
+    fixed = tuple(i for i, n in enumerate(names) if n in pinned)
+    return _fit(nn.logical_to_mesh_axes(tuple(names), rules), tuple(shape), mesh, fixed)
 
 
 def shardings_for(abstract: Any, logical: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
@@ -54,8 +75,7 @@ def shardings_for(abstract: Any, logical: Any, mesh: Mesh, rules: Rules | None =
     rules = rules_for_mesh(mesh) if rules is None else rules
 
     def one(names: PartitionSpec, leaf) -> NamedSharding:
-        mesh_spec = nn.logical_to_mesh_axes(tuple(names), rules)
-        return NamedSharding(mesh, _fit(mesh_spec, tuple(leaf.shape), mesh))
+        return NamedSharding(mesh, fitted_spec(tuple(names), tuple(leaf.shape), mesh, rules))
 
     return jax.tree.map(one, logical, abstract, is_leaf=_is_spec)
 

@@ -71,14 +71,17 @@ def _variables(cfg: ModelConfig, mesh, rules):
 
 
 def _cache_shardings(cache, mesh, rules):
-    """Cache rows split like the activations: batch, and the KDA state's heads."""
+    """Cache rows split like the activations: batch, and the KDA state's heads. The scanned stack's
+    caches (a tuple, one per layer of its unit) carry a leading ``layers`` axis, kept whole."""
     import sharding
 
-    def names(leaf_cache):
-        if isinstance(leaf_cache, KDACache):
-            return KDACache(state=PartitionSpec("batch", "heads", None, None),
-                            conv=PartitionSpec(None, "batch", None, "heads"))
-        return MLACache(latent=PartitionSpec("batch", None, None), lengths=PartitionSpec("batch"))
+    def names(layer_cache, *lead):
+        if isinstance(layer_cache, tuple):  # the scanned unit's layers, stacked over its repeats
+            return tuple(names(c, "layers") for c in layer_cache)
+        if isinstance(layer_cache, KDACache):
+            return KDACache(state=PartitionSpec(*lead, "batch", "heads", None, None),
+                            conv=PartitionSpec(*lead, None, "batch", None, "heads"))
+        return MLACache(latent=PartitionSpec(*lead, "batch", None, None), lengths=PartitionSpec(*lead, "batch"))
 
     logical = cache.replace(layers=tuple(names(c) for c in cache.layers), lengths=PartitionSpec("batch"))
     return sharding.shardings_for(cache, logical, mesh, rules)

@@ -33,9 +33,10 @@ class Chip:
 
 # Vendor datasheets (Google Cloud TPU system architecture pages, NVIDIA H200 datasheet). A TPU7x
 # device is one of the chip's two TensorCore dies (libtpu lists 2 devices per chip): half its
-# 192 GB, 2,307 dense bf16 TFLOP/s and 7.37 TB/s.
+# 192 GB, 2,307 dense bf16 TFLOP/s and 7.37 TB/s. v5p's 95 is GiB (96 GiB physical, 1 GiB kept by the
+# runtime: the page's own footnote); its compiler refuses programs above 95.73 GiB.
 CHIPS: dict[str, Chip] = {
-    "v5p": Chip("TPU v5p", 95e9, 459e12, 2.765e12, 4800e9 / 8 / 2),
+    "v5p": Chip("TPU v5p", 95 * 2**30, 459e12, 2.765e12, 4800e9 / 8 / 2),
     "v5e": Chip("TPU v5e", 16e9, 197e12, 0.819e12, 1600e9 / 8 / 2),
     "v6e": Chip("TPU v6e", 32e9, 918e12, 1.64e12, 3584e9 / 8 / 2),
     "tpu7x": Chip("TPU7x (one die)", 96e9, 1153.5e12, 3.685e12, 1.2e12 / 2 / 2),

@@ -146,24 +146,30 @@ def newton_schulz(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, dt
 
 
 def _orthogonalize(x: jax.Array, coeffs: jax.Array, ns_steps: int, eps: float, dims: MuonDimensionNumbers,
-                   ns_dtype: str | None) -> jax.Array:
+                   ns_dtype: str | None, names: tuple[str | None, ...] | None = None) -> jax.Array:
     """Per-head Newton–Schulz of ``x`` with products stored in ``ns_dtype``: optax's own when that is
-    ``x``'s dtype or None (bit for bit; float64 runs keep float64), else ``newton_schulz``."""
+    ``x``'s dtype or None (bit for bit; float64 runs keep float64), else ``newton_schulz``.
+    ``names``: ``x``'s logical axis names; on a mesh they let each device orthogonalise its own
+    matrices (`_per_matrix`)."""
     if ns_dtype is None or x.dtype == jnp.float64 or x.dtype == jnp.dtype(ns_dtype):
         return _muon.orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps, dims)
     if dims is None or x.ndim == 2:
         dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
     one = lambda m: newton_schulz(m, coeffs, ns_steps, eps, jnp.dtype(ns_dtype))
-    return _per_matrix(one, x, dims).astype(x.dtype)
+    return _per_matrix(one, x, dims, names).astype(x.dtype)
 
 
-def _per_matrix(fn, x: jax.Array, dims: MuonDimensionNumbers) -> jax.Array:
+def _per_matrix(fn, x: jax.Array, dims: MuonDimensionNumbers, names: tuple[str | None, ...] | None = None
+                ) -> jax.Array:
     """``fn`` on every ``[reduction, output]`` matrix of ``x``, one ``vmap`` per batch axis.
 
     optax merges the batch axes into one (a reshape): a scanned stack's expert leaf ``[layers,
     experts, L, F]`` then becomes ``[layers·experts, …]``, which cannot keep the ``experts`` axis's
     sharding, so XLA gathers every expert of every layer onto every device for Newton–Schulz (K3:
     34 GB per device per expert leaf). Separate vmaps keep each batch axis, and its sharding.
+    On a mesh, with ``names``, ``sharding.map_matrices`` hands each device whole matrices of its
+    own: stored, an expert's width is split over fsdp, and every fsdp rank would repeat its
+    Newton–Schulz (K3 on fsdp=64: 64 times, with an all-reduce of the Gram product each iteration).
     """
     reduction, output = _muon._normalize_axes(x, dims)
     batch = tuple(a for a in range(x.ndim) if a not in reduction + output)
@@ -171,21 +177,31 @@ def _per_matrix(fn, x: jax.Array, dims: MuonDimensionNumbers) -> jax.Array:
     y = x.transpose(order)
     lead = y.shape[:len(batch)]
     y = y.reshape(lead + (math.prod(x.shape[a] for a in reduction), math.prod(x.shape[a] for a in output)))
-    for _ in batch[1:]:
-        fn = jax.vmap(fn)
-    # The leading batch axis (a scanned stack's layers) one slice at a time: Newton–Schulz's Gram
-    # products of all K3's stacked experts at once were 23 GB per device.
-    y = (jax.lax.map(fn, y) if len(batch) > 1 else jax.vmap(fn)(y) if batch else fn(y))
+    spread = None
+    if names is not None and batch:
+        import sharding
+
+        one = lambda axes: names[axes[0]] if len(axes) == 1 else None
+        spread = sharding.map_matrices(fn, y, tuple(names[a] for a in batch) + (one(reduction), one(output)))
+    if spread is not None:
+        y = spread
+    else:
+        for _ in batch[1:]:
+            fn = jax.vmap(fn)
+        # The leading batch axis (a scanned stack's layers) one slice at a time: Newton–Schulz's Gram
+        # products of all K3's stacked experts at once were 23 GB per device.
+        y = (jax.lax.map(fn, y) if len(batch) > 1 else jax.vmap(fn)(y) if batch else fn(y))
     y = y.reshape(lead + tuple(x.shape[a] for a in reduction + output))
     return y.transpose(tuple(sorted(range(x.ndim), key=lambda i: order[i])))
 
 
 def _scale_by_muon(ns_steps: int, beta: float, eps: float, dims: Any,
-                   ns_dtype: str | None) -> optax.GradientTransformation:
+                   ns_dtype: str | None, names: Any = None) -> optax.GradientTransformation:
     """``optax.contrib.scale_by_muon`` (Nesterov, Frobenius preconditioning, momentum in the params'
     dtype) with the Newton–Schulz iterate stored in ``ns_dtype``; its init, state and momentum formula
     are optax 0.2.8's, so ``ns_dtype=None`` gives optax's update bit for bit. ``dims``: the masked
-    dimension numbers (`MaskedNode` on AdamW leaves)."""
+    dimension numbers (`MaskedNode` on AdamW leaves); ``names``: the Muon leaves' logical axis names
+    (same masking; None: none known)."""
     init = optax.contrib.scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps).init
 
     def update(updates, state, params=None):
@@ -195,21 +211,24 @@ def _scale_by_muon(ns_steps: int, beta: float, eps: float, dims: Any,
         mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
                               optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                               optax.tree.bias_correction(updates, beta, count))
-        updates = jax.tree.map(lambda x, d: _orthogonalize(x, state.ns_coeffs, ns_steps, eps, d, ns_dtype),
-                               mu_hat, dims, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        named = jax.tree.map(lambda d: None, dims, is_leaf=_is_dims) if names is None else names
+        updates = jax.tree.map(lambda x, d, n: _orthogonalize(x, state.ns_coeffs, ns_steps, eps, d, ns_dtype, n),
+                               mu_hat, dims, named, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
         return updates, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
     return optax.GradientTransformation(init, update)
 
 
 def _muon_and_adamw(cfg: OptimizerConfig, schedule: optax.Schedule, adam_schedule: optax.Schedule,
-                    dims: Any) -> optax.GradientTransformation:
+                    dims: Any, axes: Any) -> optax.GradientTransformation:
     """``optax.contrib.muon`` with these arguments (same partition, chain and state tree, so old
     checkpoints restore), its ``scale_by_muon`` swapped for `_scale_by_muon`."""
     labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=_is_dims)
     masked = jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=_is_dims)
+    names = jax.tree.map(lambda d, n: optax.MaskedNode() if d is None else tuple(n), dims, axes,
+                         is_leaf=_is_dims)
     muon = optax.chain(
-        _scale_by_muon(cfg.ns_steps, cfg.muon_beta, cfg.eps, masked, cfg.ns_dtype),
+        _scale_by_muon(cfg.ns_steps, cfg.muon_beta, cfg.eps, masked, cfg.ns_dtype, names),
         _muon.scale_by_shape(weight_dimension_numbers=masked, consistent_rms=cfg.consistent_rms),
         optax.add_decayed_weights(cfg.weight_decay, None),
         optax.scale_by_learning_rate(schedule))
@@ -234,7 +253,7 @@ def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule, params: Any,
                               is_leaf=lambda x: isinstance(x, tuple))
     if cfg.muon:
         dims = muon_dimension_numbers(params, axes)
-        main = _muon_and_adamw(cfg, schedule, adam_schedule, dims)
+        main = _muon_and_adamw(cfg, schedule, adam_schedule, dims, axes)
         tail = [_decoupled_decay(adam_schedule, cfg.weight_decay, decay_mask)]
     else:
         matrices = jax.tree.map(lambda d: d is not None, muon_dimension_numbers(params, axes),

@@ -56,6 +56,20 @@ def test_params_and_activations_share_one_table():
     assert to_mesh("vocab", "embed") == PartitionSpec("tensor", "fsdp")
 
 
+@pytest.mark.parametrize("rules", [EXPERT, SEQUENCE])
+def test_training_tables_shard_dense_weights_over_every_batch_axis(rules):
+    """The expert axis carries batch outside the MoE: the dense weights shard over it as well as
+    fsdp (K3's dense state 16× smaller on fsdp=64, expert=16); expert stacks keep their experts on
+    it and their width on fsdp; activations are unchanged."""
+    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)
+    assert to_mesh("embed", "heads", "head_dim") == PartitionSpec(("fsdp", "expert"), None, None)
+    assert to_mesh("layers", "q_lora", "heads") == PartitionSpec(None, ("fsdp", "expert"), None)
+    assert to_mesh("vocab", "embed") == PartitionSpec(None, ("fsdp", "expert"))
+    assert to_mesh("layers", "experts", "latent", "expert_mlp") == PartitionSpec(None, "expert", "fsdp", None)
+    assert to_mesh("embed", "experts") == PartitionSpec("fsdp", "expert")  # the router
+    assert to_mesh("batch", "embed")[1] is None
+
+
 def test_context_is_scoped():
     mesh = make_mesh(devices=jax.devices()[:1])
     assert current() is None
@@ -66,3 +80,16 @@ def test_context_is_scoped():
     with pytest.raises(ValueError, match="ep_strategy"):
         with use_mesh(mesh, ep_strategy="ring"):
             pass
+
+
+def test_an_axis_that_does_not_divide_its_dim_moves_to_another():
+    """K3 on fsdp=64, expert=32: ``embed`` = 7168 = 7·1024 takes fsdp but not fsdp × expert; expert
+    goes to the weight's widest other dim it divides instead of leaving 32 copies, never to the
+    scanned stack's ``layers``; with nowhere to go it is dropped (replicated)."""
+    from sharding.init import fitted_spec
+
+    mesh = _abstract(fsdp=64, expert=32, sequence=2)
+    assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), mesh, SEQUENCE) == PartitionSpec(
+        "fsdp", None, "expert")
+    assert fitted_spec(("layers", "embed", "mlp"), (32, 7168, 100), mesh, SEQUENCE) == PartitionSpec(None, "fsdp", None)
+    assert fitted_spec(("embed", "heads"), (2048, 96), mesh, SEQUENCE) == PartitionSpec(("fsdp", "expert"), None)
