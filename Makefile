@@ -15,8 +15,10 @@ PYTEST_ARGS ?=
 demo: venv
 	$(PY) -m k3jax.train.demo
 
+# --dist loadscope: a module's tests stay on one worker, so a module-scoped fixture (an 8-device worker
+# process, a compiled model) runs once, not once per worker that xdist's default spreading reaches.
 test: venv refvenv
-	$(PY) -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15 $(PYTEST_ARGS)
 
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

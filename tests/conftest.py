@@ -16,6 +16,16 @@ os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# One persistent compilation cache for the test processes and every process they start (the 8-device
+# workers, the notebook's kernel, the command-line tools), set through JAX's environment variables
+# before anything imports JAX: a second `make test` loads most executables instead of compiling them.
+# The command-line tools' own cache (K3JAX_COMPILE_CACHE) points at it too, so tests leave
+# ~/.cache/k3jax/jax_cache alone. K3JAX_TEST_JAX_CACHE names the folder; an empty one times a cold run.
+TEST_JAX_CACHE = os.environ.setdefault("K3JAX_TEST_JAX_CACHE", "/tmp/k3jax_test_jax_cache")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = TEST_JAX_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["K3JAX_COMPILE_CACHE"] = TEST_JAX_CACHE
+
 # The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time under pytest
 # (shapes, dtypes, the argument's name in the error): the import hook instruments these packages as
 # they are first imported (after this file), so a wrongly shaped argument fails at the call instead of

@@ -57,7 +57,7 @@ def test_readme_commands_run_as_written(tmp_path):
     readme = Path(os.environ.get("K3JAX_README", ROOT / "README.md"))
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")
     for args in readme_commands(readme.read_text()):
-        proc = run_cli(_tiny(args), cwd=tmp_path, env={"K3JAX_COMPILE_CACHE": "/tmp/k3jax_test_jax_cache"})
+        proc = run_cli(_tiny(args), cwd=tmp_path)  # the suite's compilation cache (tests/conftest.py)
         shown = "python " + shlex.join(args)
         assert proc.returncode == 0, f"{shown}\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr, f"{shown}\n{proc.stderr[-3000:]}"

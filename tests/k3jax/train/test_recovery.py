@@ -18,8 +18,7 @@ MICRO = ["model.num_layers=2", "batch_size=4", "seq_len=32", "log_every=1", "che
 
 def _train(run, *extra):
     sets = [f"--set={a}" for a in MICRO + [f"checkpoint.dir={run / 'checkpoints'}", f"log_dir={run}", *extra]]
-    return run_cli(["-m", "k3jax.train", "--config", "experiments/demo_recall.py", "--no-progress", *sets],
-                   env={"K3JAX_COMPILE_CACHE": "/tmp/k3jax_test_jax_cache"})
+    return run_cli(["-m", "k3jax.train", "--config", "experiments/demo_recall.py", "--no-progress", *sets])
 
 
 def _warnings(stderr: str) -> list[str]:
