@@ -3,7 +3,8 @@
 8 fake devices in one process (mesh data=2 x expert=4): every block is read once (replicas share
 the read), the restore equals ``load_hf`` bit for bit with the model's shardings, and (slow) the
 sharded forward gives identical logits. Two processes under ``jax.distributed`` (4 devices each,
-mesh expert=8): each reads exactly the replicated tensors plus its half of the experts.
+mesh expert=8): each reads at most the replicated tensors plus its half of the experts (the
+dense weights are split over ``expert`` too where they divide), and together they read everything.
 """
 
 import json
@@ -79,6 +80,12 @@ def test_two_processes_convert_and_restore_reading_only_their_part(tmp_path):
         results.append(json.loads(lines[-1][len("RESULT "):]))
     assert sorted(r["process"] for r in results) == [0, 1] and all(r["processes"] == 2 for r in results)
     for variant in VARIANTS:
+        whole = _share(variant, 1)  # the checkpoint's bytes less A_log's padding
         for r in results:
             assert r[variant]["shards_match"], (variant, r)
-            assert r[variant]["bytes_read"] == _share(variant, 2), (variant, r, _share(variant, 2))
+            # The training tables split the experts and, where a dim divides, the dense weights over
+            # `expert` (sharding/rules.py): each process reads at most the replicated tensors plus its
+            # half of the experts, and less than the whole checkpoint.
+            assert r[variant]["bytes_read"] <= _share(variant, 2) < whole, (variant, r, _share(variant, 2))
+        # Every byte is read by some process (the exact once-per-block count is the 8-device test's).
+        assert sum(r[variant]["bytes_read"] for r in results) >= whole, (variant, results)
