@@ -77,6 +77,10 @@ class LayerUnit(nn.Module):
                 new_caches.append(cache)
         if caches is None or keep_steps:
             return (stream, caches), None if caches is None else tuple(new_caches)
+        # Every read of the old slices feeds the barrier, so the writes below follow all of them and
+        # XLA updates the stacked caches in place (without it, fusions that re-read an old slice stay
+        # unordered against the write and copy insertion copies each stacked cache every repetition).
+        stream, new_caches = lax.optimization_barrier((stream, new_caches))
         return (stream, tuple(_write(c, n, repeat) for c, n in zip(caches, new_caches))), None
 
 

@@ -176,18 +176,25 @@ def test_muon_treats_the_layer_axis_as_batch():
 
 
 def test_decode_updates_the_stacked_caches_in_place():
-    """A decode step on the scanned stack writes its caches' new rows in place: the compiled step
-    holds no copy of a stacked KDA state or MLA latent (as scanned outputs they were rewritten whole
-    every step). The KDA conv tails (3 rows per sequence, shifted by each step) are still copied."""
+    """Decode steps on the scanned stack write their caches' new rows in place: a compiled loop of
+    steps (as `generate` runs them) holds no copy of a stacked KDA state, conv tail or MLA latent.
+    As scanned outputs they were rewritten whole every step; carried without the stack's barrier,
+    fusions re-reading an old slice stayed unordered against its write and every stacked cache was
+    copied twice per repetition (the H200 decode profile's `memcpy` kernels)."""
     cfg = config.tiny()
     plan = scan_plan(cfg)
     variables = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     cache = jax.eval_shape(lambda: init_cache(cfg, 2, 64))
-    step = jax.jit(lambda v, t, c: decode_step(v, cfg, t, c), donate_argnums=(2,))
-    hlo = step.lower(variables, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()
-    stacked = jax.tree.leaves(cache.layers, is_leaf=lambda x: hasattr(x, "state") or hasattr(x, "latent"))
-    big = {tuple(x.shape) for c in stacked for x in (getattr(c, "state", None), getattr(c, "latent", None))
-           if x is not None and x.ndim >= 4 and x.shape[0] == plan.repeats}
+
+    def steps(v, tok, c):
+        def body(_, carry):
+            logits, c = decode_step(v, cfg, carry[0], carry[1])
+            return jnp.argmax(logits, -1).astype(jnp.int32), c
+        return jax.lax.fori_loop(0, 2, body, (tok, c))
+
+    hlo = jax.jit(steps, donate_argnums=(2,)).lower(
+        variables, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()
+    big = {tuple(x.shape) for x in jax.tree.leaves(cache.layers) if x.ndim >= 3 and x.shape[0] == plan.repeats}
     assert big, "the tiny() cache has stacked leaves"
     copied = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[([0-9,]+)\]\{[^}]*\} copy\(", hlo)}
     assert not big & copied, f"stacked caches copied whole: {sorted(big & copied)}"
