@@ -288,3 +288,22 @@ def test_decode_updates_the_stacked_caches_in_place():
     assert len(big) == 3, "the stacked KDA states (2 and 3 repeats) and MLA latents"
     copied = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[([0-9,]+)\]\{[^}]*\} copy\(", hlo)}
     assert not big & copied, f"stacked caches copied whole: {sorted(big & copied)}"
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_stacked_mix_equals_the_mix_of_its_used_slots_fp64(count):
+    """The scanned stream's mix (each term one op on the whole ``[N, B, T, D]`` buffer, unused slots
+    masked) against the unrolled mix of the first ``count`` blocks: values and VJP in float64; the
+    unused slots get a zero cotangent."""
+    from k3jax.layers.attn_res import _mix_stacked, attn_res_mix
+
+    rng = np.random.default_rng(count)
+    with jax.enable_x64(True):
+        buffer, partial, d, dh = (jnp.asarray(rng.normal(size=s)) for s in ((4, 2, 3, 8), (2, 3, 8), (8,), (2, 3, 8)))
+        got, vjp = jax.vjp(lambda b, p, d: _mix_stacked(b, jnp.int32(count), p, d, 1e-5, jnp.float64), buffer, partial, d)
+        want, vjp_want = jax.vjp(lambda b, p, d: attn_res_mix(b, count, p, d, 1e-5, jnp.float64), buffer, partial, d)
+        grads, grads_want = vjp(dh), vjp_want(dh)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-13
+    for a, b in zip(grads, grads_want):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-12
+    assert not jnp.any(grads[0][count:])
