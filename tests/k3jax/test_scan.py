@@ -307,3 +307,13 @@ def test_stacked_mix_equals_the_mix_of_its_used_slots_fp64(count):
     for a, b in zip(grads, grads_want):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-12
     assert not jnp.any(grads[0][count:])
+
+
+def test_first_layers_keeps_the_pattern():
+    """``config.first_layers`` (bench_compile / plan ``--layers``): K3's first 11 layers keep their kinds,
+    so they scan as K3 does (a unit-of-4 run, then a run of one KDA layer)."""
+    cfg = config.first_layers(config.kimi_k3(), 11)
+    assert cfg.layer_kinds == config.kimi_k3().layer_kinds[:11] and cfg.hidden == config.kimi_k3().hidden
+    assert scan_plan(cfg).runs == (ScanRun(1, 4, 2), ScanRun(9, 1, 2))
+    with pytest.raises(ValueError, match=r"n=94 layers must be an int in \[1, num_layers=93\]"):
+        config.first_layers(config.kimi_k3(), 94)
