@@ -128,8 +128,8 @@ def plan_runs(kinds: tuple) -> tuple[ScanRun, ...]:
     kinds = tuple(kinds)
     best: list = [None] * len(kinds) + [(0, ())]  # best[i]: (unrolled, runs) of layers i..L-1
     for i in reversed(range(len(kinds))):
-        unrolled, runs = best[i + 1]
-        options = [(unrolled + 1, runs)]
+        loose, runs = best[i + 1]  # layer i unrolled
+        options = [(loose + 1, runs)]
         options += [(best[run.stop][0], (run,) + best[run.stop][1]) for run in _runs_at(kinds, i)]
         best[i] = min(options, key=lambda option: _key(*option))
     return best[0][1]

@@ -133,8 +133,9 @@ class Transformer(nn.Module):
                return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None):
         """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
 
-        ``caches`` holds one mixer cache per layer (each scanned run's as one entry, ``k3jax.infer.cache``). ``num_new`` (default T) is how many of each row's
-        tokens are real (a ragged prefill; the rest are padding that leaves the caches as if unseen).
+        ``caches`` holds one mixer cache per layer (each scanned run's as one entry, ``k3jax.infer.cache``).
+        ``num_new`` (default T) is how many of each row's tokens are real (a ragged prefill; the rest
+        are padding that leaves the caches as if unseen).
         With ``return_hidden`` the first result is ``(logits, hidden, blocks)``: the final-norm input
         and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes). With ``keep_steps`` each
         KDA layer's new cache is a ``KDASteps`` (its state after every one of the T tokens: T times

@@ -60,7 +60,8 @@ def _check_runs(kinds, runs):
     for run in runs:
         assert run.repeats >= 2 and run.unit >= 1 and 0 <= run.start and run.stop <= len(kinds)
         for r in range(1, run.repeats):
-            assert kinds[run.start + r * run.unit:run.start + (r + 1) * run.unit] == kinds[run.start:run.start + run.unit]
+            unit = kinds[run.start:run.start + run.unit]
+            assert kinds[run.start + r * run.unit:run.start + (r + 1) * run.unit] == unit
     assert all(a.stop <= b.start for a, b in zip(runs, runs[1:]))
 
 
@@ -256,7 +257,8 @@ def test_three_runs_decode_equals_unrolled_fp64():
     with jax.enable_x64(True):
         cfg, per_layer, tokens = _three_runs_fp64()
         decode = lambda c, v: decode_step(v, c, tokens, init_cache(c, 2, 16))
-        (got, scanned_cache), (want, flat_cache) = decode(cfg, to_scanned(per_layer, cfg)), decode(unrolled(cfg), per_layer)
+        got, scanned_cache = decode(cfg, to_scanned(per_layer, cfg))
+        want, flat_cache = decode(unrolled(cfg), per_layer)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-12
     assert len(scanned_cache.layers) == 5  # layers 0 and 3, three runs
     layers = []
@@ -300,7 +302,8 @@ def test_stacked_mix_equals_the_mix_of_its_used_slots_fp64(count):
     rng = np.random.default_rng(count)
     with jax.enable_x64(True):
         buffer, partial, d, dh = (jnp.asarray(rng.normal(size=s)) for s in ((4, 2, 3, 8), (2, 3, 8), (8,), (2, 3, 8)))
-        got, vjp = jax.vjp(lambda b, p, d: _mix_stacked(b, jnp.int32(count), p, d, 1e-5, jnp.float64), buffer, partial, d)
+        stacked = lambda b, p, d: _mix_stacked(b, jnp.int32(count), p, d, 1e-5, jnp.float64)
+        got, vjp = jax.vjp(stacked, buffer, partial, d)
         want, vjp_want = jax.vjp(lambda b, p, d: attn_res_mix(b, count, p, d, 1e-5, jnp.float64), buffer, partial, d)
         grads, grads_want = vjp(dh), vjp_want(dh)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-13
