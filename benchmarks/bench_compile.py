@@ -9,6 +9,8 @@ results, so ``kimi_k3()`` (2.78 T parameters) is measured on a CPU host without 
     # this 2-core CPU: the kimi_k3() train step, scanned and unrolled forward (issue 19)
     PYTHONPATH=$PWD python3 benchmarks/bench_compile.py --model kimi_k3 --step train --layout scanned
     PYTHONPATH=$PWD python3 benchmarks/bench_compile.py --model kimi_k3 --step forward --layout both
+    # where the HLO goes: the first N layers of the pattern at real widths (N=1: layer 0 and the rest)
+    PYTHONPATH=$PWD python3 benchmarks/bench_compile.py --model kimi_k3 --step train --layout scanned --layers 9
     # H200: small()'s train step compile, scanned vs unrolled (bench_train.py's step settings)
     PYTHONPATH=. python3 benchmarks/bench_compile.py --model small --step train --batch 8 --seq 4096 \\
         --remat layer --layout both --compile --out $OUT/compile_small.json
@@ -25,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import preset
+from k3jax.config import first_layers, preset
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_step
 from k3jax.layout import scan_plan, unrolled
@@ -77,7 +79,8 @@ def measure(cfg, a) -> dict:
     lowered = lower()
     t2 = time.perf_counter()
     out = {"abstract_s": round(t1 - t0, 1), "trace_lower_s": round(t2 - t1, 1),
-           "hlo_chars": len(lowered.as_text()), "plan": str(scan_plan(cfg))}
+           "hlo_chars": len(lowered.as_text()),
+           "plan": None if scan_plan(cfg) is None else scan_plan(cfg).describe()}
     if a.compile:
         lowered.compile()
         out["compile_s"] = round(time.perf_counter() - t2, 1)
@@ -94,12 +97,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--remat", default="layer", choices=("none", "layer", "moe"))
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (real widths)")
     p.add_argument("--compile", action="store_true", help="also compile (XLA) and time it")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    cfg = preset(a.model)
+    cfg = preset(a.model) if a.layers is None else first_layers(preset(a.model), a.layers)
     layouts = {"scanned": [cfg], "unrolled": [unrolled(cfg)], "both": [cfg, unrolled(cfg)]}[a.layout]
-    results = {"model": a.model, "step": a.step, "batch": a.batch, "seq": a.seq, "remat": a.remat,
+    results = {"model": a.model, "layers": cfg.num_layers, "step": a.step, "batch": a.batch, "seq": a.seq, "remat": a.remat,
                "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
                "cpus": os.cpu_count(), "load_before": [round(x, 1) for x in os.getloadavg()]}
     for c in layouts:

@@ -158,10 +158,10 @@ def _load_orbax(folder: Path, abstract: AbstractFn) -> tuple[ModelConfig, dict]:
 
 
 def _layout_of(variables: dict) -> str:
-    """``"scanned"`` when the tree holds the scanned stack's stacked entry, else ``"per-layer"``."""
-    from k3jax.layout import STACK
+    """``"scanned"`` when the tree holds scanned runs' stacked entries, else ``"per-layer"``."""
+    from k3jax.layout import is_scanned
 
-    return "scanned" if STACK in variables["params"] else "per-layer"
+    return "scanned" if is_scanned(variables["params"]) else "per-layer"
 
 
 def _check_layout(variables: dict, want: dict, folder: Path) -> None:

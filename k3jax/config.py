@@ -224,6 +224,14 @@ def to_float64(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, dtype=jnp.float64, param_dtype=jnp.float64)
 
 
+def first_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The first ``n`` layers of ``cfg``'s pattern at its real widths (quick compile and memory probes)."""
+    if not isinstance(n, int) or not 1 <= n <= cfg.num_layers:
+        raise ValueError(f"n={n!r} layers must be an int in [1, num_layers={cfg.num_layers}]")
+    mla = tuple(i for i, k in enumerate(cfg.layer_kinds[:n]) if k is LayerKind.MLA)
+    return dataclasses.replace(cfg, num_layers=n, mla_layers=mla)
+
+
 def from_hf_config(config: dict | str) -> ModelConfig:
     """A ``ModelConfig`` from a Hugging Face ``config.json`` (dict, file or folder) of either family."""
     from k3jax.convert.hf_config import from_hf_config as _from_hf

@@ -11,8 +11,8 @@ Decode: ``Transformer(cfg).apply(variables, tokens, caches, method=Transformer.d
 per-layer caches (``k3jax.infer.cache``; prefill is the same call on a fresh cache) and returns
 ``(logits, new_caches)``; the cache-free ``__call__`` is the full forward.
 
-Where the layer pattern repeats (``cfg.scan_layers``, ``k3jax.layout``), the repeating run of layers
-is one ``nn.scan`` (``k3jax.layers.stack``); the layers before and after it run one by one.
+Where the layer pattern repeats (``cfg.scan_layers``, ``k3jax.layout``), each run of the scan plan
+is one ``nn.scan`` (``k3jax.layers.stack``, module ``stack_{start}``); the other layers run one by one.
 
 ``variables = {"params": …, "balance": …}`` (docs/params.md); run with ``mutable=["stats"]`` to
 collect router loads, QB histograms and MLA max logits. ``remat`` ("none" | "layer" | "moe") is a
@@ -91,9 +91,10 @@ class Transformer(nn.Module):
         )
         layer_cls = nn.remat(DecoderLayer) if self.remat == "layer" else DecoderLayer
         plan = scan_plan(cfg)
-        before, after = plan.unrolled(cfg.num_layers) if plan else (range(cfg.num_layers), range(0))
-        self.layers = {i: layer_cls(cfg, i, remat_moe=self.remat == "moe") for i in (*before, *after)}
-        self.stack = None if plan is None else layer_stack(cfg, plan, remat=self.remat)
+        self.layers = {i: layer_cls(cfg, i, remat_moe=self.remat == "moe")
+                       for i in (range(cfg.num_layers) if plan is None else plan.unrolled)}
+        # Flax names the entries stack_{start}: the runs' entries in the variable tree (k3jax.layout).
+        self.stack = {} if plan is None else {run.start: layer_stack(cfg, run, remat=self.remat) for run in plan.runs}
         self.final_norm = norm(cfg, None)
         self.out_res = attn_res(cfg, None) if cfg.attn_res is not None else None
         if not cfg.tie_embeddings:
@@ -132,8 +133,9 @@ class Transformer(nn.Module):
                return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None):
         """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
 
-        ``caches`` holds one mixer cache per layer (the scanned run's as one entry, ``k3jax.infer.cache``). ``num_new`` (default T) is how many of each row's
-        tokens are real (a ragged prefill; the rest are padding that leaves the caches as if unseen).
+        ``caches`` holds one mixer cache per layer (each scanned run's as one entry, ``k3jax.infer.cache``).
+        ``num_new`` (default T) is how many of each row's tokens are real (a ragged prefill; the rest
+        are padding that leaves the caches as if unseen).
         With ``return_hidden`` the first result is ``(logits, hidden, blocks)``: the final-norm input
         and the stored AttnRes block sums ``[N,B,T,D]`` (None without AttnRes). With ``keep_steps`` each
         KDA layer's new cache is a ``KDASteps`` (its state after every one of the T tokens: T times
@@ -143,9 +145,9 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         validate_inputs(cfg, tokens, None)
-        entries = len(self.layers) + (self.stack is not None)
+        entries = len(self.layers) + len(self.stack)
         if len(caches) != entries:
-            raise ValueError(f"caches must hold one cache per layer, the scanned run's as one entry ({entries}), "
+            raise ValueError(f"caches must hold one cache per layer, each scanned run's as one entry ({entries}), "
                              f"got {len(caches)}")
         valid = None if num_new is None else jnp.arange(tokens.shape[1])[None] < num_new[:, None]  # [B, T]
         x = self.embed(tokens) if embeddings is None else embeddings
@@ -160,16 +162,17 @@ class Transformer(nn.Module):
 
     def _layers(self, stream: ResidualStream, *, segment_ids=None, caches: tuple | None = None, valid=None,
                 keep_steps: bool = False):
-        """The decoder layers in order (the scanned run as one step): ``(stream, new caches or None)``.
+        """The decoder layers in order (each scanned run as one step): ``(stream, new caches or None)``.
 
-        ``caches``: one entry per unrolled layer, the scanned run's (a tuple of one stacked cache per
+        ``caches``: one entry per unrolled layer, each scanned run's (a tuple of one stacked cache per
         offset of its unit) in its place."""
         plan, new_caches = scan_plan(self.cfg), []
-        entries = sorted(self.layers) if plan is None else sorted([*self.layers, plan.start])
+        entries = range(self.cfg.num_layers) if plan is None else plan.entries
         for n, i in enumerate(entries):
             cache = None if caches is None else caches[n]
-            if plan is not None and i == plan.start:
-                stream, cache = run_stack(self.stack, self.cfg, plan, stream, segment_ids, valid, cache, keep_steps)
+            if not isinstance(i, int):  # a scanned run
+                stream, cache = run_stack(self.stack[i.start], self.cfg, i, stream, segment_ids, valid, cache,
+                                          keep_steps)
             elif cache is None:
                 stream = self.layers[i](stream, segment_ids)
             else:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig, ParamCount
-from k3jax.layout import STACK
+from k3jax.layout import is_stack_name
 from k3jax.model import Transformer
 
 # A short sequence is enough: parameter shapes do not depend on T.
@@ -49,7 +49,7 @@ def _is_routed_expert(path: tuple[str, ...], axes) -> bool:
 
 
 def _component(path: tuple[str, ...], axes) -> str:
-    if len(path) > 2 and path[1] == STACK:  # params/stack/offset_j/…: a stacked layer, as layers_i/…
+    if len(path) > 2 and is_stack_name(path[1]):  # params/stack_s/offset_j/…: a stacked layer, as layers_i/…
         path = path[:1] + path[2:]
     if path[0] == "balance":
         return "MoE non-expert"

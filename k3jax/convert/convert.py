@@ -40,7 +40,7 @@ from k3jax.convert.orbax_layout import (PER_LAYER, TEXT, check_layout, is_multim
                                         text_config)
 from k3jax.convert.save import save_hf
 from k3jax.convert.sharded_read import HFSource, leaf_nbytes
-from k3jax.layout import STACK
+from k3jax.layout import is_stack_name
 
 Progress = Callable[[int, int], None]  # called with (tensors, bytes) as they are finished
 INCOMPLETE = ".incomplete"
@@ -102,7 +102,7 @@ def _one_chunk_per_layer(key_path, value):
     """Storage of a stacked leaf: chunked along its layers axis, so one layer is read on its own."""
     from orbax.checkpoint.experimental import v1 as ocp1
 
-    if any(getattr(k, "key", None) == STACK for k in key_path):
+    if any(is_stack_name(getattr(k, "key", None)) for k in key_path):
         return ocp1.options.ArrayOptions.Saving.StorageOptions(shard_axes=(0,))
     return None
 
@@ -252,7 +252,7 @@ def _per_layer_leaves(src: Path, stored, dtype, progress: Progress | None) -> di
         if not leaf.stacked:
             out[leaf.path] = _StoredLeaf(src, leaf.path, leaf.shape, oc.leaf_dtype(leaf.entry, dtype), progress)
             continue
-        where = leaf.path[:leaf.path.index(STACK)]  # (collection,) or (collection, "language_model")
+        where = leaf.path[:next(n for n, k in enumerate(leaf.path) if is_stack_name(k))]  # (collection[, TEXT])
         for row, part in enumerate(leaf.parts):
             out[where + part.path] = _StoredLeaf(src, leaf.path, part.shape, oc.leaf_dtype(part, dtype), progress, row)
     return out

@@ -20,7 +20,7 @@ from k3jax.convert import orbax_ckpt as oc
 from k3jax.convert.hf_config import family, from_hf_config
 from k3jax.convert.hf_keys import KeyEntry, entries, ignored_prefixes
 from k3jax.convert.hf_checks import check_tensor, expected_keys, mxfp4_keys, resolve
-from k3jax.convert.orbax_layout import SCANNED, stored_table, text_config
+from k3jax.convert.orbax_layout import SCANNED, legacy_problem, stored_table, text_config
 from k3jax.layout import scan_plan
 from k3jax.convert.safetensors_io import SafetensorsReader
 from k3jax.params import COMPONENTS, _component
@@ -134,6 +134,8 @@ def inspect_orbax(path: str) -> Report:
     cfg = oc.checkpoint_config(meta)
     report = Report(path, "k3jax orbax", text_config(cfg), layout=meta["layout"])
     stored = oc.stored_leaves(Path(path))
+    legacy = legacy_problem(stored, cfg, f"{path}/{oc.STATE}")
+    report.problems += [legacy] if legacy else []
     want = {leaf.path: leaf for leaf in stored_table(cfg, meta["layout"])}
     report.problems += [f"missing: {'/'.join(p)}" for p in sorted(set(want) - set(stored))]
     report.problems += [f"unexpected: {'/'.join(p)}" for p in sorted(set(stored) - set(want))]
@@ -176,9 +178,7 @@ def _config_lines(cfg: ModelConfig) -> list[str]:
 def _layout_line(r: Report) -> str:
     if r.layout != SCANNED:
         return f"layout: {r.layout} (one entry per layer)"
-    plan = scan_plan(dataclasses.replace(r.cfg, scan_layers=True))
-    return (f"layout: scanned (layers {plan.start}-{plan.stop - 1} stacked as {plan.repeats} units of {plan.unit}, "
-            f"stack/offset_0..{plan.unit - 1})")
+    return f"layout: scanned ({scan_plan(dataclasses.replace(r.cfg, scan_layers=True)).describe()})"
 
 
 def format_report(r: Report) -> str:

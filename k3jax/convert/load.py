@@ -37,7 +37,7 @@ def _check_dtype(name: str, dtype) -> None:
 def load_hf(path: str, *, dtype: Any = None, param_dtype: Any = None) -> tuple[ModelConfig, dict]:
     """``(cfg, {"params": ..., "balance": ...})`` from a Hugging Face folder of any Kimi family.
 
-    The variables are in ``cfg``'s layout: the scanned run of layers stacked (``k3jax.layout``; pass
+    The variables are in ``cfg``'s layout: each scanned run of layers stacked (``k3jax.layout``; pass
     ``cfg`` through ``k3jax.layout.unrolled`` and ``to_per_layer`` for one entry per layer).
     ``dtype`` / ``param_dtype`` override the config's compute / parameter dtypes (default bfloat16 /
     float32); the SPEC §10 fp32 parameters (convs, gate biases, ``A_log``, router, QB bias) are kept in

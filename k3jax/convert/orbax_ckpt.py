@@ -8,7 +8,7 @@ Layout of ``DST`` (format version 1)::
                         "vision": {"vision", "media_token_id", "frames_per_chunk"} (multimodal only)}
     DST/state/         an orbax PyTree checkpoint of {"params": ..., "balance": ...} in that layout
                        (``k3jax.convert.orbax_layout``: one ``layers_{i}`` subtree per layer, or the
-                       scanned stack's ``stack/offset_{j}`` leaves; docs/params.md)
+                       scanned runs' ``stack_{start}/offset_{j}`` leaves; docs/params.md)
     DST/_CHECKPOINT_METADATA, DST/orbax.checkpoint   orbax's own markers
 
 ``k3jax.json`` is written last and the folder is renamed into place after it, so a folder that
@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_keys import KeyEntry
 from k3jax.convert.orbax_layout import (LAYOUTS, PER_LAYER, AnyConfig, StoredLeaf, check_layout, in_layout,
-                                        mesh_shardings, model_layout, stored_table)
+                                        legacy_problem, mesh_shardings, model_layout, stored_table)
 
 FORMAT, VERSION = "k3jax-orbax", 1
 METADATA, STATE = "k3jax.json", "state"
@@ -112,9 +112,12 @@ def check_stored(path: str | os.PathLike, cfg: AnyConfig, dtype, layout: str = P
     """``{path: StoredLeaf}`` of ``cfg`` in ``layout``, checked against the stored leaves (missing,
     unexpected, shape, dtype)."""
     stored = stored_leaves(Path(path))
+    where = Path(path) / STATE
+    legacy = legacy_problem(stored, cfg, str(where))
+    if legacy:
+        raise ValueError(legacy)
     want = {leaf.path: leaf for leaf in stored_table(cfg, layout)}
     missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
-    where = Path(path) / STATE
     if missing or extra:
         raise ValueError(f"{where}: leaves missing {['/'.join(p) for p in missing[:3]]} / unexpected "
                          f"{['/'.join(p) for p in extra[:3]]} for the model config and layout {layout!r} in {METADATA}")

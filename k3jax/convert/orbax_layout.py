@@ -2,9 +2,10 @@
 
 - ``per-layer``: one leaf per HF entry, every layer its own ``layers_{i}`` subtree (the unrolled
   model's tree).
-- ``scanned``: the scanned stack's tree (``k3jax.layout``): the layers of the scanned run stored as
-  ``stack/offset_{j}/…`` leaves of shape ``[repeats, *per-layer shape]`` (layer ``start + j + unit·r``
-  at row ``r``), the unrolled layers and the rest as in ``per-layer``. A scanned model restores these
+- ``scanned``: the scanned stack's tree (``k3jax.layout``): the layers of each scanned run stored as
+  ``stack_{start}/offset_{j}/…`` leaves of shape ``[repeats, *per-layer shape]`` (layer
+  ``start + j + unit·r`` at row ``r``), the unrolled layers and the rest as in ``per-layer``. (The
+  one-run layout of earlier k3jax, ``stack/offset_{j}``, is refused by name.) A scanned model restores these
   stacked arrays directly. The stacked ``layers`` axis is never sharded (``sharding.rules``), so a
   shard of a stacked leaf is the same block of each of its layers: a process still reads only its
   own blocks of each HF tensor.
@@ -30,7 +31,8 @@ from typing import Union
 
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_keys import Entry, KeyEntry, entries
-from k3jax.layout import STACK, offset_name, scan_plan, to_per_layer, to_scanned, unrolled
+from k3jax.layout import (LEGACY_STACK, is_scanned, legacy_layout_error, offset_name, scan_plan, to_per_layer,
+                          to_scanned, unrolled)
 
 PER_LAYER, SCANNED = "per-layer", "scanned"
 LAYOUTS = (PER_LAYER, SCANNED)
@@ -90,7 +92,7 @@ def in_layout(variables: dict, cfg: AnyConfig, layout: str) -> dict:
         text = in_layout({name: tree[TEXT] for name, tree in variables.items()}, cfg.text, layout)
         return {name: {**tree, TEXT: text[name]} for name, tree in variables.items()}
     if layout == SCANNED:
-        return variables if STACK in variables["params"] else to_scanned(variables, _scanning(cfg))
+        return variables if is_scanned(variables["params"]) else to_scanned(variables, _scanning(cfg))
     return to_per_layer(variables, _scanning(cfg))
 
 
@@ -118,19 +120,27 @@ def _text_table(cfg: ModelConfig, layout: str) -> list[StoredLeaf]:
     table = entries(cfg)
     if layout == PER_LAYER:
         return [StoredLeaf((e.collection,) + e.path, (e,), False) for e in table]
-    plan = scan_plan(_scanning(cfg))
-    run = range(plan.start, plan.stop)
+    runs = scan_plan(_scanning(cfg)).runs
+    run_of = {l: run for run in runs for l in range(run.start, run.stop)}
     by_path = {(e.collection,) + e.path: e for e in table}
     out = []
     for e in table:
         layer = _layer_index(e)
-        if layer not in run:
+        run = run_of.get(layer)
+        if run is None:
             out.append(StoredLeaf((e.collection,) + e.path, (e,), False))
-        elif layer < plan.start + plan.unit:  # the first unit names the stacked leaves
-            j, rest = layer - plan.start, e.path[1:]
-            parts = tuple(by_path[(e.collection, f"layers_{l}") + rest] for l in plan.layers(j))
-            out.append(StoredLeaf((e.collection, STACK, offset_name(j)) + rest, parts, True))
+        elif layer < run.start + run.unit:  # the run's first unit names its stacked leaves
+            j, rest = layer - run.start, e.path[1:]
+            parts = tuple(by_path[(e.collection, f"layers_{l}") + rest] for l in run.layers(j))
+            out.append(StoredLeaf((e.collection, run.name, offset_name(j)) + rest, parts, True))
     return out
+
+
+def legacy_problem(paths, cfg: AnyConfig, where: str) -> str | None:
+    """The problem, naming the expected runs, when stored leaf ``paths`` are in the one-run layout."""
+    if any(LEGACY_STACK in path for path in paths):
+        return legacy_layout_error(where, scan_plan(_scanning(text_config(cfg))))
+    return None
 
 
 def mesh_shardings(cfg: AnyConfig, mesh: Mesh, layout: str = PER_LAYER

@@ -39,7 +39,7 @@ from k3jax.layout import scan_plan
 @typing.no_type_check
 @flax.struct.dataclass
 class KDACache:
-    # A leading [repeats] axis (``*layers``) where the cache belongs to the scanned run of layers.
+    # A leading [repeats] axis (``*layers``) where the cache belongs to a scanned run of layers.
     state: Float[Array, "*layers B H K V"]  # fp32 recurrent state
     conv: Float[Array, "*layers 3 B Wm1 C"]  # last W-1 short-conv inputs of q, k, v (oldest first), C = H·K
 
@@ -54,7 +54,7 @@ class MLACache:
 @typing.no_type_check
 @flax.struct.dataclass
 class Cache:
-    # One KDACache / MLACache per decoder layer; the scanned run of layers (``k3jax.layout``) is one
+    # One KDACache / MLACache per decoder layer; each scanned run of layers (``k3jax.layout``) is one
     # entry in its place: a tuple with one cache per offset of its unit, stacked [repeats, ...].
     layers: tuple
     lengths: Int[Array, "B"]  # tokens consumed per sequence (all layers agree)
@@ -87,7 +87,7 @@ def select_step(steps: StepCache, n: Int[Array, "B"]) -> Cache:
     n = jnp.asarray(n, jnp.int32)
     layers = []
     for c in steps.layers:
-        if isinstance(c, tuple):  # the scanned run: each offset's caches stacked on a leading axis
+        if isinstance(c, tuple):  # a scanned run: each offset's caches stacked on a leading axis
             layers.append(tuple(jax.vmap(lambda one: _select_one(one, n, steps.start))(o) for o in c))
         else:
             layers.append(_select_one(c, n, steps.start))
@@ -122,10 +122,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, *, dtype=None) -> Cac
     plan = scan_plan(cfg)
     if plan is None:
         return Cache(layers=tuple(one(l) for l in range(cfg.num_layers)), lengths=lengths)
-    before, after = plan.unrolled(cfg.num_layers)
-    stack = lambda c: jax.tree.map(lambda x: jnp.zeros((plan.repeats,) + x.shape, x.dtype), c)
-    stacked = tuple(stack(one(plan.start + j)) for j in range(plan.unit))
-    return Cache(layers=(*map(one, before), stacked, *map(one, after)), lengths=lengths)
+    stack = lambda run, c: jax.tree.map(lambda x: jnp.zeros((run.repeats,) + x.shape, x.dtype), c)
+    stacked = lambda run: tuple(stack(run, one(run.start + j)) for j in range(run.unit))
+    return Cache(layers=tuple(one(e) if isinstance(e, int) else stacked(e) for e in plan.entries), lengths=lengths)
 
 
 def _empty(cfg: ModelConfig, kind: LayerKind, batch: int, max_len: int, dtype):

@@ -186,32 +186,45 @@ def _mix_grads(sources, d, s, r, p, dh, wide):
 _mix.defvjp(_mix_fwd, _mix_bwd)
 
 
-def _slots(buffer, count, partial):
-    """The sources of a stacked mix and which of them are used: the ``N`` slots, then the partial sum."""
-    used = jnp.arange(buffer.shape[0] + 1) < count
-    return tuple(buffer[n] for n in range(buffer.shape[0])) + (partial,), used.at[-1].set(True)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _mix_stacked(buffer, count, partial, d, eps: float, wide) -> Float[Array, "B T D"]:
     """`_mix` of the first ``count`` slots of ``buffer [N, B, T, D]`` and ``partial``; the unused
     slots are masked out. The backward saves the buffer itself, once per mix (a scanned stack saves
-    a layer's residuals per repetition: N slices saved separately would be N copies of it)."""
+    a layer's residuals per repetition: N slices saved separately would be N copies of it).
+
+    Each term is one operation on the whole buffer (and one on ``partial``), not one per slot: the
+    scanned unit's program does not grow with the number of blocks (K3: 8 slots in each of a traced
+    layer's two mixes, forward and backward)."""
     return _mix_stacked_fwd(buffer, count, partial, d, eps, wide)[0]
 
 
+def _stacked_sources(buffer, partial, wide) -> tuple:
+    """The slots ``[N, B, T, D]`` and the partial sum ``[1, B, T, D]``, widened where they are read."""
+    return buffer.astype(wide), partial.astype(wide)[None]
+
+
 def _mix_stacked_fwd(buffer, count, partial, d, eps, wide):
-    sources, used = _slots(buffer, count, partial)
-    s, r, p = _mix_terms(sources, d, eps, wide, used)
-    h = sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources))
+    sources, N = _stacked_sources(buffer, partial, wide), buffer.shape[0]
+    s = jnp.concatenate([jnp.sum(v * d, axis=-1) for v in sources])  # [N+1, B, T]
+    r = jnp.concatenate([jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps) for v in sources])
+    used = (jnp.arange(N + 1) < count).at[-1].set(True)
+    p = jax.nn.softmax(jnp.where(used[:, None, None], s * r, -jnp.inf), axis=0)
+    h = jnp.sum(p[:N, ..., None] * sources[0], axis=0) + p[N][..., None] * sources[1][0]
     return h, (buffer, count, partial, d, s, r, p)
 
 
 def _mix_stacked_bwd(eps, wide, res, dh):
-    buffer, count, partial, d, s, r, p = res
-    sources, _ = _slots(buffer, count, partial)
-    dsources, dd = _mix_grads(sources, d, s, r, p, dh, wide)
-    return jnp.stack(dsources[:-1]), None, dsources[-1], dd
+    """`_mix_grads` with the slots as one array."""
+    buffer, _, partial, d, s, r, p = res
+    sources, N, D = _stacked_sources(buffer, partial, wide), buffer.shape[0], buffer.shape[-1]
+    dh = dh.astype(wide)
+    g = jnp.concatenate([jnp.sum(dh * v, axis=-1) for v in sources])
+    dlogit = p * (g - jnp.sum(p * g, axis=0))
+    on_d, on_v = dlogit * r, dlogit * s * r ** 3 / D
+    rows = (slice(0, N), slice(N, N + 1))
+    dsources = [p[k][..., None] * dh + on_d[k][..., None] * d - on_v[k][..., None] * v for k, v in zip(rows, sources)]
+    dd = sum(jnp.dot(on_d[k].reshape(-1), v.reshape(-1, D)) for k, v in zip(rows, sources))
+    return dsources[0].astype(buffer.dtype), None, dsources[1][0].astype(partial.dtype), dd
 
 
 _mix_stacked.defvjp(_mix_stacked_fwd, _mix_stacked_bwd)

@@ -1,6 +1,7 @@
-"""The scanned run of decoder layers (``k3jax.layout.scan_plan``): one traced unit, ``nn.scan`` over its repeats.
+"""A scanned run of decoder layers (``k3jax.layout.ScanRun``): one traced unit, ``nn.scan`` over its repeats.
 
-The unit is ``plan.unit`` consecutive ``DecoderLayer``s, one per offset; ``nn.scan`` stacks each
+The model holds one such module per run of its ``scan_plan`` (named ``stack_{start}``). The unit is
+``run.unit`` consecutive ``DecoderLayer``s, one per offset; ``nn.scan`` stacks each
 offset's variables (params, balance biases, the stats it sows) on a leading axis of ``repeats``,
 named ``layers`` for the sharding rules, and XLA sees the unit once however deep the stack.
 
@@ -26,20 +27,20 @@ from jaxtyping import Array, Bool, Int
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, StackedStream
 from k3jax.layers.block import DecoderLayer
-from k3jax.layout import ScanPlan, offset_name
+from k3jax.layout import ScanRun, offset_name
 
 SCANNED_COLLECTIONS = ("params", "balance", "stats", "intermediates", "mxfp4")
 
 
-def push_flag(cfg: ModelConfig, plan: ScanPlan, offset: int, repeat: Int[Array, ""]) -> bool | Bool[Array, ""]:
+def push_flag(cfg: ModelConfig, run: ScanRun, offset: int, repeat: Int[Array, ""]) -> bool | Bool[Array, ""]:
     """Whether repetition ``repeat``'s layer at ``offset`` starts an AttnRes block."""
     if cfg.attn_res is None:
         return False
     size = cfg.attn_res.block_size
-    starts = [l % size == 0 for l in plan.layers(offset)]
+    starts = [l % size == 0 for l in run.layers(offset)]
     if all(starts) or not any(starts):
         return starts[0]
-    return (plan.start + offset + plan.unit * repeat) % size == 0
+    return (run.start + offset + run.unit * repeat) % size == 0
 
 
 def _slice(tree, repeat: Int[Array, ""]):
@@ -57,18 +58,18 @@ class LayerUnit(nn.Module):
     ``steps`` is the new caches of ``keep_steps`` (per-token KDA states), else None."""
 
     cfg: ModelConfig
-    plan: ScanPlan
+    run: ScanRun
     remat_moe: bool = False
 
     @nn.compact
     def __call__(self, carry: tuple, repeat: Int[Array, ""], segment_ids: Int[Array, "B T"] | None,
                  valid: Bool[Array, "B T"] | None, keep_steps: bool = False):
-        cfg, plan = self.cfg, self.plan
+        cfg, run = self.cfg, self.run
         stream, caches = carry
         new_caches = []
-        for j in range(plan.unit):
-            layer = DecoderLayer(cfg, plan.start + j, remat_moe=self.remat_moe, name=offset_name(j))
-            push = push_flag(cfg, plan, j, repeat)
+        for j in range(run.unit):
+            layer = DecoderLayer(cfg, run.start + j, remat_moe=self.remat_moe, name=offset_name(j))
+            push = push_flag(cfg, run, j, repeat)
             if caches is None:
                 stream = layer(stream, segment_ids, push=push)
             else:
@@ -84,22 +85,22 @@ class LayerUnit(nn.Module):
         return (stream, tuple(_write(c, n, repeat) for c, n in zip(caches, new_caches))), None
 
 
-def layer_stack(cfg: ModelConfig, plan: ScanPlan, *, remat: str) -> nn.Module:
-    """The scanned run as a module (name it ``stack``; call it through `run_stack`)."""
+def layer_stack(cfg: ModelConfig, run: ScanRun, *, remat: str) -> nn.Module:
+    """The scanned run as a module (name it ``run.name``; call it through `run_stack`)."""
     unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(5,)) if remat == "layer" else LayerUnit
     scanned = nn.scan(unit, variable_axes={c: 0 for c in SCANNED_COLLECTIONS}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=plan.repeats,
+                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=run.repeats,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-    return scanned(cfg, plan, remat_moe=remat == "moe")
+    return scanned(cfg, run, remat_moe=remat == "moe")
 
 
-def run_stack(stack: nn.Module, cfg: ModelConfig, plan: ScanPlan, stream: ResidualStream,
+def run_stack(stack: nn.Module, cfg: ModelConfig, run: ScanRun, stream: ResidualStream,
               segment_ids=None, valid=None, caches: tuple | None = None, keep_steps: bool = False):
     """Run ``stack`` on a static stream: ``(static stream after the run, new caches or None)``."""
     inner = stream if cfg.attn_res is None else StackedStream.of(stream)
-    (inner, carried), steps = stack((inner, caches), jnp.arange(plan.repeats), segment_ids, valid, keep_steps)
+    (inner, carried), steps = stack((inner, caches), jnp.arange(run.repeats), segment_ids, valid, keep_steps)
     caches = steps if keep_steps else carried
     if cfg.attn_res is None:
         return inner, caches
-    pushed = -(-plan.stop // cfg.attn_res.block_size)  # layers 0, S, 2S, … below stop started blocks
+    pushed = -(-run.stop // cfg.attn_res.block_size)  # layers 0, S, 2S, … below stop started blocks
     return inner.unstack(pushed), caches

@@ -55,15 +55,14 @@ def parse_mesh(text: str, num_devices: int, topology: str) -> tuple[tuple[str, i
 
 
 def build_config(args):
-    from k3jax.config import preset
+    from k3jax.config import first_layers, preset
 
     cfg = preset(args.preset)
     changes = {}
     if args.layers:
         if not 1 <= args.layers <= cfg.num_layers:
             raise ValueError(f"--layers={args.layers} must lie in [1, {cfg.num_layers}] for {args.preset}")
-        kinds = cfg.layer_kinds[:args.layers]
-        changes.update(num_layers=args.layers, mla_layers=tuple(i for i, k in enumerate(kinds) if k.name == "MLA"))
+        cfg = first_layers(cfg, args.layers)
     if args.param_dtype:
         changes["param_dtype"] = jnp.dtype(args.param_dtype)
     cfg = dataclasses.replace(cfg, **changes)

@@ -1,6 +1,6 @@
 """The device side of the serving cache: MLA latent pages, live KDA states per slot, KDA snapshots.
 
-One ``PagedCache`` mirrors ``k3jax.infer.cache.Cache.layers`` (the scanned run's entry a tuple of
+One ``PagedCache`` mirrors ``k3jax.infer.cache.Cache.layers`` (each scanned run's entry a tuple of
 stacked caches, leading ``[repeats]`` axis), with per layer kind:
 
 - MLA: ``MLAPages.pages [*layers, P, page, C]``: one pool of fixed-size pages of latent rows

@@ -87,7 +87,7 @@ def _scanned(mesh) -> dict:
     _, loaded = load_hf(path, param_dtype=jnp.bfloat16)
     want = mesh_shardings(cfg, mesh, "scanned")
     r, l = _flat(restored), _flat(loaded)
-    w1 = restored["params"]["stack"]["offset_0"]["moe"]["w1"]
+    w1 = restored["params"]["stack_1"]["offset_0"]["moe"]["w1"]
     return {"bytes_read": source.bytes_read,
             "bitwise": r.keys() == l.keys() and all(np.asarray(r[k]).tobytes() == np.asarray(l[k]).tobytes() for k in l),
             "shardings": all(r[k].sharding.is_equivalent_to(want[k], r[k].ndim) for k in r),

@@ -1,7 +1,8 @@
-"""``hf-to-orbax --layout per-layer|scanned`` on the real tiny K3 (layers 1-8 scan as 2 units of 4):
-both stored layouts restore bit for bit into both model layouts, inspect reports the layout,
-orbax -> HF is byte-identical from a scanned store, train/generate's loader takes both, and bad
-combinations are refused before anything is written. (8 fake devices: test_convert_sharded.py.)"""
+"""``hf-to-orbax --layout per-layer|scanned`` on the real tiny K3 (layers 1-8 scan as 2 units of 4,
+``stack_1``): both stored layouts restore bit for bit into both model layouts, inspect reports the
+layout, orbax -> HF is byte-identical from a scanned store, train/generate's loader takes both, and bad
+combinations are refused before anything is written, a store of the earlier one-run layout
+(``stack/offset_{j}``) by name. (8 fake devices: test_convert_sharded.py.)"""
 
 import dataclasses
 import json
@@ -53,7 +54,7 @@ def test_both_layouts_restore_bitwise_into_both_model_layouts(stored, loaded, st
     for layout in LAYOUTS:
         got_cfg, got = restore_orbax(stored[stored_layout], layout=layout)
         assert got_cfg == cfg
-        assert ("stack" in got["params"]) == (layout == "scanned")
+        assert ("stack_1" in got["params"]) == (layout == "scanned")
         assert _bits(got) == _bits(in_layout(want, cfg, layout)), (stored_layout, layout)
     _, default = restore_orbax(stored[stored_layout])  # the config's own layout: it scans
     assert _bits(default) == _bits(want)
@@ -61,8 +62,8 @@ def test_both_layouts_restore_bitwise_into_both_model_layouts(stored, loaded, st
 
 def test_scanned_store_holds_stacked_leaves_one_chunk_per_layer(stored, loaded):
     cfg, want = loaded
-    w1 = ("params", "stack", "offset_1", "moe", "w1")
-    stacked = np.asarray(want["params"]["stack"]["offset_1"]["moe"]["w1"])
+    w1 = ("params", "stack_1", "offset_1", "moe", "w1")
+    stacked = np.asarray(want["params"]["stack_1"]["offset_1"]["moe"]["w1"])
     assert stacked.shape[0] == 2  # layers 2 and 6
     for row in range(2):
         assert restore_row(stored["scanned"], w1, row).tobytes() == stacked[row].tobytes()
@@ -72,7 +73,7 @@ def test_inspect_reports_the_layout_and_the_same_counts(stored, loaded):
     cfg, _ = loaded
     reports = {layout: inspect(str(stored[layout])) for layout in LAYOUTS}
     text = format_report(reports["scanned"])
-    assert "layout: scanned (layers 1-8 stacked as 2 units of 4" in text
+    assert "layout: scanned (layers 1-8 stacked as 2 units of 4, stack_1/offset_0..3; 6 of 10 layers traced)" in text
     assert "layout: per-layer" in format_report(reports["per-layer"])
     count = count_params(cfg)
     for r in reports.values():
@@ -121,3 +122,21 @@ def test_bad_layouts_are_refused(stored, loaded, tmp_path, capsys):
     (lying / METADATA).write_text(json.dumps({**meta, "layout": "diagonal"}))
     with pytest.raises(ValueError, match="layout='diagonal', this k3jax reads one of"):
         restore_orbax(lying)
+
+
+def test_a_store_of_the_one_run_layout_is_refused_by_name(stored, loaded, tmp_path):
+    """A scanned store written before several runs (one ``stack`` entry): restore and inspect name the
+    layout and the runs this k3jax expects instead of a missing-leaf list."""
+    import orbax.checkpoint as ocp
+
+    cfg, want = loaded
+    scanned = in_layout(want, cfg, "scanned")
+    old = {name: {("stack" if k == "stack_1" else k): v for k, v in tree.items()} for name, tree in scanned.items()}
+    folder = tmp_path / "old"
+    ocp.PyTreeCheckpointer().save(folder / "state", jax.tree.map(np.asarray, old))
+    shutil.copy(stored["scanned"] / METADATA, folder / METADATA)
+    message = r"holds 'stack'/offset_\{j\}: the one-run scanned layout of earlier k3jax.*\(this model: stack_1\)"
+    for layout in LAYOUTS:
+        with pytest.raises(ValueError, match=message):
+            restore_orbax(folder, layout=layout)
+    assert any("one-run scanned layout" in p for p in inspect(str(folder)).problems)

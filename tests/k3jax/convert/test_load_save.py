@@ -97,7 +97,7 @@ def test_mxfp4_experts_bit_exact(oracle):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
-    assert v["params"]["stack"]["offset_0"]["moe"]["w2"].shape == (2, 16, 32, 32)  # layers 1 and 5
+    assert v["params"]["stack_1"]["offset_0"]["moe"]["w2"].shape == (2, 16, 32, 32)  # layers 1 and 5
     assert to_per_layer(v, cfg)["params"]["layers_1"]["moe"]["w2"].shape == (16, 32, 32)
 
 

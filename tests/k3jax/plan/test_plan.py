@@ -72,7 +72,7 @@ def test_decode_lowers_for_the_scanned_stack():
     topo = get_topology("v5p:2x2x1")
     lowered, _ = lower("decode", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices, Shape(batch=4, seq=256))
     stacked = [a for a in lowered.args_info[0][2].layers if isinstance(a, tuple)]
-    assert stacked and stacked[0][0].state.shape[:2] == (scan_plan(cfg).repeats, 4)
+    assert stacked and stacked[0][0].state.shape[:2] == (scan_plan(cfg).runs[0].repeats, 4)
 
 
 @pytest.mark.slow
