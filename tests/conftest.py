@@ -26,6 +26,15 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = TEST_JAX_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["K3JAX_COMPILE_CACHE"] = TEST_JAX_CACHE
 
+# XLA:CPU's LLVM at -O0 for the test processes and every process they start: compiling is most of a
+# cold run (a micro train step: 30 s of compiling at the default -O2, 14 s at -O0), and the test
+# programs are small, so the unoptimised machine code costs little at run time. Without fast-math
+# (XLA:CPU's default) LLVM's optimisation level changes no floating-point result, so tolerances
+# stay as they are. An explicit --xla_backend_optimization_level in XLA_FLAGS wins.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+
 # The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time under pytest
 # (shapes, dtypes, the argument's name in the error): the import hook instruments these packages as
 # they are first imported (after this file), so a wrongly shaped argument fails at the call instead of
