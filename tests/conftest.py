@@ -23,7 +23,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # ~/.cache/k3jax/jax_cache alone. K3JAX_TEST_JAX_CACHE names the folder; an empty one times a cold run.
 TEST_JAX_CACHE = os.environ.setdefault("K3JAX_TEST_JAX_CACHE", "/tmp/k3jax_test_jax_cache")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = TEST_JAX_CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every compile; see docs/testing.md
 os.environ["K3JAX_COMPILE_CACHE"] = TEST_JAX_CACHE
 
 # XLA:CPU's LLVM at -O0 for the test processes and every process they start: compiling is most of a
