@@ -23,8 +23,18 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # ~/.cache/k3jax/jax_cache alone. K3JAX_TEST_JAX_CACHE names the folder; an empty one times a cold run.
 TEST_JAX_CACHE = os.environ.setdefault("K3JAX_TEST_JAX_CACHE", "/tmp/k3jax_test_jax_cache")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = TEST_JAX_CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every compile; see docs/testing.md
 os.environ["K3JAX_COMPILE_CACHE"] = TEST_JAX_CACHE
+
+# XLA:CPU's LLVM at -O0 for the test processes and every process they start: compiling is most of a
+# cold run (a micro train step: 30 s of compiling at the default -O2, 14 s at -O0; cold `make test`
+# 23.9 -> 13.5 min), and the test programs are small, so the unoptimised machine code costs little
+# at run time. Results move by a few ulps against -O2 (LLVM fuses and vectorises differently: the
+# micro step's float32 gradients, |g| <= 0.22, by <= 8e-8), far inside every tolerance; a bitwise
+# test compares two programs compiled alike. An explicit --xla_backend_optimization_level wins.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
 
 # The jaxtyping annotations of k3jax, pallas_kernels and sharding are checked at run time under pytest
 # (shapes, dtypes, the argument's name in the error): the import hook instruments these packages as

@@ -35,8 +35,8 @@ def run_worker(module: str, timeout: float = 600.0, args: tuple[str, ...] = ()) 
 
 def _run(module: str, timeout: float, args: tuple[str, ...]) -> dict:
     env = dict(os.environ)
-    # Cheaper LLVM passes: compiling these tiny programs is most of the tests' time. (Not
-    # --xla_backend_optimization_level=0: XLA 0.11.2's CPU TopkDecomposer aborts under it.)
+    # Cheaper LLVM passes: compiling these tiny programs is most of the tests' time. XLA_FLAGS
+    # carries tests/conftest.py's --xla_backend_optimization_level=0 here too.
     fast_compile = "--xla_llvm_disable_expensive_passes=true"
     env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES} "
                         f"{fast_compile}").strip()
