@@ -81,7 +81,7 @@ def main():
             "grad": worst[1],
             "worst_grad_leaf": jax.tree_util.keystr(worst[0]),
             "loads_equal": all(bool(jnp.all(loads[k] == loads_ref[k])) for k in loads_ref),
-            "ep_dropped": sum(int(v) for k, v in jax.tree_util.tree_flatten_with_path(stats)[0]
+            "ep_dropped": sum(int(jnp.sum(v)) for k, v in jax.tree_util.tree_flatten_with_path(stats)[0]
                               if "ep_dropped" in jax.tree_util.keystr(k)),
             "seconds": round(time.time() - start, 1),
         }
