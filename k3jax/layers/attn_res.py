@@ -138,25 +138,46 @@ def attn_res_mix(blocks, count: int, partial: Float[Array, "B T D"],
     return _mix(sources, direction.astype(wide_dtype), eps, jnp.dtype(wide_dtype))
 
 
-def _mix_terms(sources, d, eps, wide, used=None):
-    """Per source ``[N, B, T]``: ``s = v·d``, ``r = 1/rms(v)``, and the softmax weights of ``s·r``
-    (sources where ``used [N]`` is False get weight exactly 0)."""
-    s = jnp.stack([jnp.sum(v.astype(wide) * d, axis=-1) for v in sources])
-    r = jnp.stack([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(wide)), axis=-1) + eps) for v in sources])
+# The mix's math works on *groups* of sources: arrays whose leading axis holds one or more slots
+# ([k, B, T, D]). The unrolled mix passes each source as a group of one; the scanned stream's passes
+# its whole block buffer and the partial sum, so its program does not grow with the number of blocks.
+
+
+def _rows(groups) -> list[slice]:
+    """Each group's slots in the concatenated ``[K, …]`` terms."""
+    rows, start = [], 0
+    for v in groups:
+        rows.append(slice(start, start + v.shape[0]))
+        start += v.shape[0]
+    return rows
+
+
+def _mix_terms(groups, d, eps, wide, used=None):
+    """Per slot ``[K, B, T]``: ``s = v·d``, ``r = 1/rms(v)``, and the softmax weights of ``s·r``
+    (slots where ``used [K]`` is False get weight exactly 0)."""
+    s = jnp.concatenate([jnp.sum(v.astype(wide) * d, axis=-1) for v in groups])
+    r = jnp.concatenate([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(wide)), axis=-1) + eps) for v in groups])
     logits = s * r if used is None else jnp.where(used[:, None, None], s * r, -jnp.inf)
     return s, r, jax.nn.softmax(logits, axis=0)
+
+
+def _mix_sum(groups, p, wide):
+    return sum(jnp.sum(p[k][..., None] * v.astype(wide), axis=0) for k, v in zip(_rows(groups), groups))
+
+
+def _one(sources) -> tuple:
+    return tuple(v[None] for v in sources)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _mix(sources: tuple, d: Float[Array, "D"], eps: float, wide) -> Float[Array, "B T D"]:
     """``Σ_n softmax_n(logit)·v_n`` with ``logit_n = (v_n·d)/rms(v_n)``, in ``wide``."""
-    p = _mix_terms(sources, d, eps, wide)[2]
-    return sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources))
+    return _mix_fwd(sources, d, eps, wide)[0]
 
 
 def _mix_fwd(sources, d, eps, wide):
-    s, r, p = _mix_terms(sources, d, eps, wide)
-    return sum(p[n][..., None] * v.astype(wide) for n, v in enumerate(sources)), (sources, d, s, r, p)
+    s, r, p = _mix_terms(_one(sources), d, eps, wide)
+    return _mix_sum(_one(sources), p, wide), (sources, d, s, r, p)
 
 
 def _mix_bwd(eps, wide, res, dh):
@@ -168,19 +189,21 @@ def _mix_bwd(eps, wide, res, dh):
     that ran at a fifth of the H200's bandwidth (9.3 ms per small() step in three such fusions).
     Here ``dd`` is a matrix product of its own, so the cotangents stay elementwise (loop fusions)."""
     sources, d, s, r, p = res
-    return _mix_grads(sources, d, s, r, p, dh, wide)
+    dgroups, dd = _mix_grads(_one(sources), d, s, r, p, dh, wide)
+    return tuple(g[0] for g in dgroups), dd
 
 
-def _mix_grads(sources, d, s, r, p, dh, wide):
+def _mix_grads(groups, d, s, r, p, dh, wide):
+    """Each group's cotangent (in its dtype) and ``dd``, by `_mix_bwd`'s formulas."""
     dh = dh.astype(wide)
-    D = dh.shape[-1]
-    g = jnp.stack([jnp.sum(dh * v.astype(wide), axis=-1) for v in sources])
+    D, rows = dh.shape[-1], _rows(groups)
+    g = jnp.concatenate([jnp.sum(dh * v.astype(wide), axis=-1) for v in groups])
     dlogit = p * (g - jnp.sum(p * g, axis=0))
     on_d, on_v = dlogit * r, dlogit * s * r ** 3 / D
-    dsources = tuple((p[n][..., None] * dh + on_d[n][..., None] * d - on_v[n][..., None] * v.astype(wide)).astype(v.dtype)
-                     for n, v in enumerate(sources))
-    dd = sum(jnp.dot(on_d[n].reshape(-1), v.reshape(-1, D).astype(wide)) for n, v in enumerate(sources))
-    return dsources, dd
+    dgroups = tuple((p[k][..., None] * dh + on_d[k][..., None] * d - on_v[k][..., None] * v.astype(wide)).astype(v.dtype)
+                    for k, v in zip(rows, groups))
+    dd = sum(jnp.dot(on_d[k].reshape(-1), v.reshape(-1, D).astype(wide)) for k, v in zip(rows, groups))
+    return dgroups, dd
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
@@ -190,41 +213,22 @@ _mix.defvjp(_mix_fwd, _mix_bwd)
 def _mix_stacked(buffer, count, partial, d, eps: float, wide) -> Float[Array, "B T D"]:
     """`_mix` of the first ``count`` slots of ``buffer [N, B, T, D]`` and ``partial``; the unused
     slots are masked out. The backward saves the buffer itself, once per mix (a scanned stack saves
-    a layer's residuals per repetition: N slices saved separately would be N copies of it).
-
-    Each term is one operation on the whole buffer (and one on ``partial``), not one per slot: the
-    scanned unit's program does not grow with the number of blocks (K3: 8 slots in each of a traced
-    layer's two mixes, forward and backward)."""
+    a layer's residuals per repetition: N slices saved separately would be N copies of it). The
+    buffer is one group of the mix's math: one operation per term on the whole buffer."""
     return _mix_stacked_fwd(buffer, count, partial, d, eps, wide)[0]
 
 
-def _stacked_sources(buffer, partial, wide) -> tuple:
-    """The slots ``[N, B, T, D]`` and the partial sum ``[1, B, T, D]``, widened where they are read."""
-    return buffer.astype(wide), partial.astype(wide)[None]
-
-
 def _mix_stacked_fwd(buffer, count, partial, d, eps, wide):
-    sources, N = _stacked_sources(buffer, partial, wide), buffer.shape[0]
-    s = jnp.concatenate([jnp.sum(v * d, axis=-1) for v in sources])  # [N+1, B, T]
-    r = jnp.concatenate([jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps) for v in sources])
-    used = (jnp.arange(N + 1) < count).at[-1].set(True)
-    p = jax.nn.softmax(jnp.where(used[:, None, None], s * r, -jnp.inf), axis=0)
-    h = jnp.sum(p[:N, ..., None] * sources[0], axis=0) + p[N][..., None] * sources[1][0]
-    return h, (buffer, count, partial, d, s, r, p)
+    groups = (buffer, partial[None])
+    used = (jnp.arange(buffer.shape[0] + 1) < count).at[-1].set(True)
+    s, r, p = _mix_terms(groups, d, eps, wide, used)
+    return _mix_sum(groups, p, wide), (buffer, count, partial, d, s, r, p)
 
 
 def _mix_stacked_bwd(eps, wide, res, dh):
-    """`_mix_grads` with the slots as one array."""
     buffer, _, partial, d, s, r, p = res
-    sources, N, D = _stacked_sources(buffer, partial, wide), buffer.shape[0], buffer.shape[-1]
-    dh = dh.astype(wide)
-    g = jnp.concatenate([jnp.sum(dh * v, axis=-1) for v in sources])
-    dlogit = p * (g - jnp.sum(p * g, axis=0))
-    on_d, on_v = dlogit * r, dlogit * s * r ** 3 / D
-    rows = (slice(0, N), slice(N, N + 1))
-    dsources = [p[k][..., None] * dh + on_d[k][..., None] * d - on_v[k][..., None] * v for k, v in zip(rows, sources)]
-    dd = sum(jnp.dot(on_d[k].reshape(-1), v.reshape(-1, D)) for k, v in zip(rows, sources))
-    return dsources[0].astype(buffer.dtype), None, dsources[1][0].astype(partial.dtype), dd
+    (dbuffer, dpartial), dd = _mix_grads((buffer, partial[None]), d, s, r, p, dh, wide)
+    return dbuffer, None, dpartial[0], dd
 
 
 _mix_stacked.defvjp(_mix_stacked_fwd, _mix_stacked_bwd)
