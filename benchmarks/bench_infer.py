@@ -6,8 +6,9 @@ and the mean accepted length of a briefly trained speculative draft.
    roofline (``--hbm-tbps``): "all weights" (every parameter but the embedding table, plus the KDA
    states and the MLA latents up to the current length) and "needed weights" (the same less the
    experts no token of this batch was routed to, counted from the router's loads of one step).
-   Steps run as one device-side loop (as ``generate`` runs them); with ``--host-loop`` the step
-   time of a Python loop of jitted ``decode_step`` calls is printed beside it.
+   Steps run as one device-side loop on per-layer weights (as ``generate`` and the serving engine
+   run them, ``k3jax.infer.decode.decode_layout``); with ``--host-loop`` the step time of a Python
+   loop of jitted ``decode_step`` calls is printed beside it.
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
    causal attention; ``k3jax.train.metrics``) and their rate against a bf16 matmul measured in the
    same process, peak device memory, and the memory split (KDA states, MLA latents, weights)
@@ -37,7 +38,7 @@ import numpy as np
 from k3jax import config
 from k3jax.data import ByteTokenizer, stdlib_corpus
 from k3jax.infer.cache import KDACache, MLACache, init_cache, tree_bytes
-from k3jax.infer.decode import decode_step, prefill_jit
+from k3jax.infer.decode import decode_layout, decode_step, prefill_jit
 from k3jax.infer.draft import train_draft
 from k3jax.infer.speculative import speculative_generate
 from k3jax.layers import mxfp4
@@ -262,6 +263,7 @@ def main():
         cfg, variables = load_variables(args.target)
     else:
         variables = build(cfg)
+    variables, cfg = decode_layout(variables, cfg)  # as generate and the serving engine decode
     results = {"device": jax.devices()[0].device_kind, "config": cfg.name, "hbm_tbps": args.hbm_tbps,
                "target": args.target or "random init", "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"{cfg.name} built on {results['device']}; timing decode at batches {batches}", flush=True)

@@ -15,7 +15,24 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, StepCache
+from k3jax.layout import scan_plan, to_per_layer, unrolled
 from k3jax.model import Transformer
+
+
+def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights.
+
+    Inside a scanned run each repetition's weights are a dynamic slice of the stacked leaf, and XLA
+    on the GPU copies such a slice out of the stack before every matmul it feeds: at batch 64,
+    ``small()``'s decode step made 106 such copies (21 % of it; 3.46 ms scanned against 2.51 ms per
+    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). The
+    serving engine and ``generate`` decode through this layout; converting costs one copy of the
+    stacked weights, so callers that decode often convert once and pass the result (a per-layer
+    tree with an unrolled ``cfg`` passes through unchanged).
+    """
+    if scan_plan(cfg) is None:
+        return variables, cfg
+    return to_per_layer(variables, cfg), unrolled(cfg)
 
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, init_cache
-from k3jax.infer.decode import check_sampling, forward_cached, prefill, sample
+from k3jax.infer.decode import check_sampling, decode_layout, forward_cached, prefill, sample
 from k3jax.model import Transformer
 
 DONE = -1  # output slot of a row that has already stopped
@@ -129,6 +129,8 @@ def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequ
     running before it (rows that had stopped earlier are not alive). ``embeddings`` ``[B, T, D]``
     (T the longest prompt, rows right-padded) replace the prompts' token embeddings at prefill: the
     prompts with their images' features spliced in (``MultimodalTransformer.embed``).
+    Decoding runs on per-layer weights (``decode_layout``): a scanned tree is converted on every
+    call, one copy of its stacked weights; callers that generate often pass the converted pair.
     """
     rows = check_prompts(cfg, prompts, max_new_tokens, max_len)
     check_sampling(temperature, top_k, top_p)
@@ -143,10 +145,11 @@ def generate(params_or_variables: dict, cfg: ModelConfig, prompts: Sequence[Sequ
     if embeddings is not None and tuple(embeddings.shape) != (B, longest, cfg.hidden):
         raise ValueError(f"embeddings must have shape [B, T, D] = {(B, longest, cfg.hidden)} (T the longest "
                          f"prompt), got {tuple(embeddings.shape)}")
+    variables, cfg = decode_layout(as_variables(params_or_variables, cfg), cfg)
     cache = init_cache(cfg, B, max_len or longest + max_new_tokens)
     _STREAM[0] = stream
     try:
-        out = _run(as_variables(params_or_variables, cfg), jnp.asarray(tokens), lengths, cache,
+        out = _run(variables, jnp.asarray(tokens), lengths, cache,
                    jax.random.key(seed), embeddings, cfg=cfg, max_new=max_new_tokens, temperature=float(temperature),
                    top_k=top_k, top_p=float(top_p), stop=stop, streaming=stream is not None,
                    chunk=min(prefill_chunk, longest))

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.infer.decode import decode_layout
 from k3jax.serve import pages as paged_ops
 from k3jax.serve.allocator import Allocator, Budget
 from k3jax.serve.config import EngineConfig
@@ -69,6 +70,8 @@ class Engine:
         if (draft is None) != (ecfg.draft_tokens == 0):
             raise ValueError(f"draft_tokens={ecfg.draft_tokens}: speculative decoding needs both draft_tokens >= 1 "
                              "and draft parameters (Engine(draft=...); on the command line --draft FILE)")
+        # decode reads per-layer weights (a scanned stack's slices are copied before each matmul)
+        variables, cfg = decode_layout(variables, cfg)
         self.variables, self.cfg, self.ecfg, self.decode = variables, cfg, ecfg, decode
         probe = paged_ops.init_paged(cfg, num_slots=1, num_pages=1, page_size=ecfg.page_size, num_snapshots=1)
         self.page_bytes, self.snapshot_bytes = paged_ops.page_bytes(probe), paged_ops.snapshot_bytes(probe)

@@ -123,3 +123,31 @@ def test_cli_loads_an_orbax_run(tiny_model, tmp_path):
         got_cfg, got = load_variables(path)
         assert got_cfg == cfg
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), got, v))
+
+
+def test_decoding_runs_on_per_layer_weights(tiny_model, monkeypatch):
+    """generate (and the serving engine) decode with every layer's own weights: the scanned stack's
+    per-repetition slices are copied before each matmul on the GPU (benchmarks/RESULTS.md, stop 31)."""
+    import chex
+
+    from k3jax.infer.decode import decode_layout
+    from k3jax.layout import is_scanned, scan_plan, to_per_layer
+
+    cfg, variables = tiny_model.cfg, tiny_model.variables
+    assert scan_plan(cfg) is not None and is_scanned(variables["params"])
+    per_layer, dcfg = decode_layout(variables, cfg)
+    assert not dcfg.scan_layers and dataclasses.replace(dcfg, scan_layers=True) == cfg
+    assert not any(map(is_scanned, per_layer.values()))
+    chex.assert_trees_all_equal(per_layer, to_per_layer(variables, cfg))
+    assert decode_layout(per_layer, dcfg) == (per_layer, dcfg)  # already per layer: unchanged
+    seen = []
+    gen = importlib.import_module("k3jax.infer.generate")
+    run = gen._run
+    monkeypatch.setattr(gen, "_run", lambda v, *a, cfg, **k: seen.append((v, cfg)) or run(v, *a, cfg=cfg, **k))
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+    with jax.default_matmul_precision("highest"):
+        out = generate(variables, cfg, prompts, max_new_tokens=3, temperature=0.0)
+        again = generate(per_layer, dcfg, prompts, max_new_tokens=3, temperature=0.0)
+    assert out == again
+    assert [c.scan_layers for _, c in seen] == [False, False]
+    assert not is_scanned(seen[0][0]["params"])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from k3jax.layout import is_scanned
 from k3jax.serve import SamplingParams, compilations
 from k3jax.serve.request import State
 
@@ -54,6 +55,8 @@ def test_hits_shorter_than_a_page_and_mid_page(make_engine):
 
 def test_nothing_compiles_after_warm_up(make_engine):
     engine = make_engine()
+    # built from the scanned tiny() tree, it decodes on per-layer weights (k3jax.infer.decode.decode_layout)
+    assert not engine.cfg.scan_layers and not any(map(is_scanned, engine.variables.values()))
     before = compilations()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 256, n)) for n in (1, 15, 16, 17, 24, 28)]
