@@ -94,3 +94,10 @@ def test_mxfp4_decode_step_equals_dequantised(tiny_model):
 def test_quantize_needs_experts():
     with pytest.raises(ValueError, match="no MoE expert weights"):
         mxfp4.quantize_experts({"params": {"dense": {"kernel": jnp.zeros((32, 32))}}})
+
+
+def test_e2m1_arithmetic_is_the_code_table():
+    """The decoder computes each code's value (no table gather): bit for bit the codec's table, -0.0 too."""
+    got = np.asarray(mxfp4._e2m1(jnp.arange(16, dtype=jnp.uint8)))
+    np.testing.assert_array_equal(got, codec.CODE_VALUES)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(codec.CODE_VALUES))
