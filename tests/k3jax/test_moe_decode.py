@@ -101,3 +101,17 @@ def test_e2m1_arithmetic_is_the_code_table():
     got = np.asarray(mxfp4._e2m1(jnp.arange(16, dtype=jnp.uint8)))
     np.testing.assert_array_equal(got, codec.CODE_VALUES)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(codec.CODE_VALUES))
+
+
+def test_quantized_shapes_and_axes_match_quantize_experts():
+    """The abstract twin (plans) gives quantize_experts' tree, shapes and dtypes; the names swap to [out, in]."""
+    cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    x = jnp.zeros((1, 4, cfg.hidden), jnp.float32)
+    boxed = jax.eval_shape(MoE(cfg).init, jax.random.key(0), x)
+    real = jax.eval_shape(lambda: mxfp4.quantize_experts(_moe_variables(cfg)))
+    abstract = mxfp4.quantized_shapes(nn.meta.unbox(boxed))
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), real)
+    axes = mxfp4.quantized_axes(nn.get_partition_spec(boxed))
+    assert tuple(axes["mxfp4"]["w2"].scale) == ("experts", "latent", "expert_mlp")
+    assert tuple(axes["mxfp4"]["w1"].packed) == ("experts", "expert_mlp", "latent")
