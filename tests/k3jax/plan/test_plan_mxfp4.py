@@ -57,7 +57,8 @@ def test_mxfp4_decode_reads_the_encoded_experts():
 
 def test_mxfp4_collection_is_placed_like_the_experts():
     """E on the expert axis; an expert's width on tensor where the rules split it. Tiny widths (32): w2's
-    scale has F / 32 = 1 exponent per row, so tensor moves to its L rows and its bytes follow."""
+    scale has F / 32 = 1 exponent per row, which tensor=2 cannot split (and its L rows hold fsdp), so
+    it is replicated over tensor, and so are its packed bytes, though their F / 2 = 16 would split."""
     import sharding
     from k3jax.train.config import MeshConfig, TrainConfig
     from k3jax.train.parallel import make_train_mesh, train_rules
@@ -75,7 +76,7 @@ def test_mxfp4_collection_is_placed_like_the_experts():
         assert moe[name].packed.shape == (E, F, L // 2) and moe[name].packed.dtype == jnp.uint8
         assert spec(moe[name].packed)[:2] == spec(moe[name].scale)[:2] == ("expert", "tensor")
     assert moe["w2"].scale.shape == (E, L, F // 32) == (E, L, 1)
-    assert spec(moe["w2"].scale) == spec(moe["w2"].packed) == ("expert", "tensor", None)
+    assert spec(moe["w2"].scale) == spec(moe["w2"].packed) == ("expert", "fsdp", None)
     assert sharding.TENSOR == train_rules(tcfg, mesh)
 
 
