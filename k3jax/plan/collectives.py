@@ -31,7 +31,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 _CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
-_LESS_THAN = re.compile(r"ROOT .*compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
+_LESS_THAN = re.compile(r"ROOT .*compare\(%[\w.\-#]+, %([\w.\-]+)\), direction=LT")  # x#0: a tuple element
 
 
 def _shape_bytes(text: str) -> int:

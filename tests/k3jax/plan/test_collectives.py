@@ -25,6 +25,11 @@ def test_a_scan_loop_counts_each_iteration():
             "  %gte.2 = s32[]{:T(128)} get-tuple-element(%param.1), index=0\n"
             "  ROOT %lt.3 = pred[]{:T(512)} compare(%gte.2, %constant.7.clone.1), direction=LT\n")
     assert volume_per_axis(_loop_program(cond), MESH) == {"tensor": 22 * once}
+    # the compiled form names the counter as a tuple element of the parameter (K3's full decode)
+    element = ("  %constant.3911.clone.1 = s32[]{:T(128)} constant(22)\n"
+               "  %wide.param.73 = (s32[]{:T(128)}, bf16[1,1024]{1,0}) parameter(0)\n"
+               "  ROOT %lt.3120 = pred[]{:T(512)} compare(%wide.param.73#0, %constant.3911.clone.1), direction=LT\n")
+    assert volume_per_axis(_loop_program(element), MESH) == {"tensor": 22 * once}
     known = ', backend_config={"known_trip_count":{"n":"5"}}'
     assert volume_per_axis(_loop_program(cond, known), MESH) == {"tensor": 5 * once}
     # a data-dependent bound (expert parallel's overflow rounds): one iteration
