@@ -59,10 +59,12 @@ def _e2m1(codes: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
     """The E2M1 value of each 4-bit code, by arithmetic: |value| = (2·[e > 0] + m) · 2^(max(e, 1) - 2)
     for the exponent bits e and the mantissa bit m, bit 3 the sign. Exactly ``codec.CODE_VALUES``
     (tested, signed zero included). A lookup in that table is a gather, which XLA:TPU did not fuse:
-    the decode of K3's expert stacks on a TPU mesh kept fp32 and int32 copies of them alive."""
+    on a TPU mesh it kept fp32 and int32 copies of every decoded expert stack alive (4.5 GB of
+    temporaries where bf16 experts need 0.2 GB, ``tests/k3jax/plan/test_plan_mxfp4.py``)."""
     c = codes.astype(jnp.int32)
     e, m = (c >> 1) & 3, c & 1
-    magnitude = ((2 * (e > 0) + m) << (jnp.maximum(e, 1) - 1)).astype(jnp.float32) * 0.5  # twice it: 0, 1, 2, 3, 4, 6, 8, 12
+    twice = (2 * (e > 0) + m) << (jnp.maximum(e, 1) - 1)  # 2·|value|: 0, 1, 2, 3, 4, 6, 8, 12
+    magnitude = twice.astype(jnp.float32) * 0.5
     return jnp.where(c & 8, -magnitude, magnitude)  # code 8 is -0.0, as in the table
 
 

@@ -3,13 +3,14 @@
 from k3jax.plan.collectives import volume_per_axis
 
 MESH = {"data": 1, "fsdp": 1, "expert": 2, "sequence": 1, "tensor": 4}
-GATHER = ("  %all-gather.1 = bf16[4,1024]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=1, "
-          "replica_groups=mesh['data'=1,'fsdp'=1,'expert'=2,'sequence'=1,'tensor'=4] {'tensor'}, dimensions={0}\n")
+GATHER = ("  %all-gather.1 = bf16[4,1024]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=1, replica_groups="
+          "mesh['data'=1,'fsdp'=1,'expert'=2,'sequence'=1,'tensor'=4] {'tensor'}, dimensions={0}\n")
 
 
 def _loop_program(condition: str, while_config: str = "") -> str:
     return ("%body (param: (s32[], bf16[1,1024])) -> (s32[], bf16[1,1024]) {\n"
-            "  %p = bf16[1,1024]{1,0} parameter(0)\n" + GATHER + "  ROOT %t = (s32[], bf16[1,1024]) tuple(%i, %p)\n}\n\n"
+            "  %p = bf16[1,1024]{1,0} parameter(0)\n" + GATHER
+            + "  ROOT %t = (s32[], bf16[1,1024]) tuple(%i, %p)\n}\n\n"
             "%cond (param.1: (s32[], bf16[1,1024])) -> pred[] {\n" + condition + "}\n\n"
             "ENTRY %main (a: bf16[1,1024]) -> bf16[1,1024] {\n"
             "  %w = (s32[], bf16[1,1024]) while(%init), condition=%cond, body=%body" + while_config + "\n"
