@@ -92,3 +92,13 @@ def test_mxfp4_is_for_inference_only(capsys):
     assert main(["--preset", "tiny", "--topology", TOPOLOGY, "--step", "train", "--experts", "mxfp4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "experts='mxfp4' is an inference format" in err
+
+
+def test_mxfp4_prefill_lowers_with_the_encoded_experts():
+    """Prefill takes the same variables: its arguments hold the uint8 stacks, not the bf16 experts."""
+    topo = get_topology(TOPOLOGY)
+    lowered, _ = lower("prefill", _one_moe_layer(), parse_mesh(MESH, 4, TOPOLOGY), topo.devices,
+                       Shape(batch=4, seq=64, chunk=32), experts="mxfp4")
+    variables = lowered.args_info[0][0]
+    assert "w1" not in variables["params"]["layers_0"]["moe"]
+    assert {a.dtype for a in jax.tree.leaves(variables["mxfp4"])} == {jnp.dtype(jnp.uint8)}
