@@ -119,13 +119,13 @@ def _multipliers(hlo: str) -> tuple[dict[str, int], dict[str, list[str]]]:
     entry, current = None, None
     for line in hlo.splitlines():
         # A computation starts at column 0 ("%name (params) -> shape {" or "ENTRY %name …{") and
-        # ends with a "}" at column 0; its instructions are indented.
+        # ends with a "}" at column 0 (TPU7x: "}, execution_thread=…"); its instructions are indented.
         if current is None and not line.startswith(" ") and line.rstrip().endswith("{") and (
                 m := _COMP.match(line)):
             current = m.group(1)
             lines[current] = []
             entry = current if line.startswith("ENTRY") else entry
-        elif current is not None and line.rstrip() == "}":
+        elif current is not None and line.startswith("}"):  # "}" or "}, execution_thread=…"
             current = None
         elif current is not None:
             lines[current].append(line)

@@ -39,3 +39,21 @@ def test_a_scan_loop_counts_each_iteration():
                "  %gte.4 = s32[]{:T(128)} get-tuple-element(%param.1), index=2\n"
                "  ROOT %lt.3 = pred[]{:T(512)} compare(%gte.2, %gte.4), direction=LT\n")
     assert volume_per_axis(_loop_program(dynamic), MESH) == {"tensor": once}
+
+
+def test_a_collective_in_an_async_sparsecore_computation_counts():
+    """TPU7x runs some gathers on its SparseCores: the computation holding the all-gather ends with
+    ``}, execution_thread="sparsecore"``, which ended no computation in the readout, so everything
+    after it was lost (K3's TPU7x decode showed no ``tensor`` traffic; it sends 37 GB a step)."""
+    hlo = ("%called (p: bf16[1,1024]) -> bf16[4,1024] {\n" + GATHER.replace("ROOT", "") + "}\n\n"
+           "%async (p.1: bf16[1,1024]) -> bf16[4,1024] {\n"
+           "  %p.1 = bf16[1,1024]{1,0} parameter(0)\n"
+           "  ROOT %c = bf16[4,1024]{1,0} call(%p.1), to_apply=%called\n"
+           "}, execution_thread=\"sparsecore\"\n\n"
+           "%after (p.2: bf16[1,1024]) -> bf16[4,1024] {\n" + GATHER + "}\n\n"
+           "ENTRY %main (a: bf16[1,1024]) -> bf16[4,1024] {\n"
+           "  %s = ((bf16[1,1024]), bf16[4,1024], u32[]) async-start(%a), async_execution_thread=\"sparsecore\", "
+           "calls=%async\n"
+           "  %d = bf16[4,1024]{1,0} async-done(%s)\n"
+           "  ROOT %f = bf16[4,1024]{1,0} fusion(%d), kind=kLoop, calls=%after\n}\n")
+    assert volume_per_axis(hlo, MESH) == {"tensor": 2 * 3 / 4 * 4 * 1024 * 2}
