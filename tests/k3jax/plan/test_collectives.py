@@ -55,5 +55,6 @@ def test_a_collective_in_an_async_sparsecore_computation_counts():
            "  %s = ((bf16[1,1024]), bf16[4,1024], u32[]) async-start(%a), async_execution_thread=\"sparsecore\", "
            "calls=%async\n"
            "  %d = bf16[4,1024]{1,0} async-done(%s)\n"
-           "  ROOT %f = bf16[4,1024]{1,0} fusion(%d), kind=kLoop, calls=%after\n}\n")
-    assert volume_per_axis(hlo, MESH) == {"tensor": 2 * 3 / 4 * 4 * 1024 * 2}
+           "  ROOT %w = (s32[], bf16[1,1024]) while(%init), condition=%cond, body=%after, "
+           'backend_config={"known_trip_count":{"n":"3"}}\n}\n')
+    assert volume_per_axis(hlo, MESH) == {"tensor": (1 + 3) * 3 / 4 * 4 * 1024 * 2}  # the loop body 3 times
