@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--remat", choices=("none", "layer", "moe"), default="layer")
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers (real widths)")
     ap.add_argument("--param-dtype", default=None, help="e.g. bfloat16 for serving (default: the preset's fp32)")
+    ap.add_argument("--experts", choices=("param", "mxfp4"), default="param",
+                    help="prefill / decode: the routed experts in --param-dtype (param) or as MXFP4, the "
+                         "release's 4.25 bits a weight, decoded per layer in the program (mxfp4)")
     ap.add_argument("--kernels", choices=("auto", "pallas", "xla"), default="auto",
                     help="KDA scan and grouped matmul: the target's Pallas kernels where they support the "
                          "shapes (auto), always (pallas), or the XLA paths")
@@ -131,7 +134,7 @@ def run(args):
     shape = Shape(batch=args.batch or len(topo.devices), seq=args.seq, micro=args.micro, chunk=args.chunk,
                   remat=args.remat)
     t0 = time.perf_counter()
-    lowered, mesh = lower(args.step, cfg, axes, topo.devices, shape)
+    lowered, mesh = lower(args.step, cfg, axes, topo.devices, shape, experts=args.experts)
     print(f"traced and lowered in {time.perf_counter() - t0:.0f} s; compiling for {args.topology} …", flush=True)
     with compile_for(topo.devices[0]):  # counting parameters traces the model's init
         flops = model_flops(cfg, args.step, shape.batch, shape.seq)

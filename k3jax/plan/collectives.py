@@ -6,7 +6,8 @@ devices differ in the mesh coordinates of the axes it communicates over. The byt
 sends are the ring-algorithm volumes of its operand ``S`` in a group of ``n``:
 all-reduce ``2(n-1)/n·S``, all-gather ``(n-1)·S``, reduce-scatter and all-to-all ``(n-1)/n·S``,
 collective-permute ``S`` (from the result's size: compiled HLO prints operands without shapes). A collective inside a loop counts once per iteration: the layer scan,
-the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count. A loop
+the micro-batch scan and the prefill chunks are ``while`` loops with a known trip count (XLA's
+``known_trip_count``, or, where XLA:TPU drops it, a condition ``counter < constant``). A loop
 of unknown trip count counts once (expert parallel's overflow rounds: none when nothing overflows,
 so one round there is an upper bound); both branches of a conditional count.
 """
@@ -28,6 +29,9 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"ROOT .*compare\(%[\w.\-#]+, %([\w.\-]+)\), direction=LT")  # x#0: a tuple element
 
 
 def _shape_bytes(text: str) -> int:
@@ -95,19 +99,33 @@ def _sent(kind: str, out_bytes: int, n: int) -> float:
     return (n - 1) / n * out_bytes  # all-gather (result = n inputs), all-to-all
 
 
+def _trip_count(line: str, lines: dict[str, list[str]]) -> int:
+    """Iterations of the ``while`` on ``line``: XLA's ``known_trip_count``, else the bound of a
+    condition ``counter < constant`` (a scan counts from 0; the TPU compiler's loops carry no
+    trip count: the scanned stack's layers counted once each), else 1 (a data-dependent loop)."""
+    if m := _TRIPS.search(line):
+        return int(m.group(1))
+    condition = lines.get(m.group(1), []) if (m := _CONDITION.search(line)) else []
+    constants = dict(_CONSTANT.findall("\n".join(condition)))
+    for cond_line in condition:
+        if (m := _LESS_THAN.search(cond_line)) and m.group(1) in constants:
+            return int(constants[m.group(1)])
+    return 1
+
+
 def _multipliers(hlo: str) -> tuple[dict[str, int], dict[str, list[str]]]:
     """Times each computation runs per call of the entry, and each computation's lines."""
     lines: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
         # A computation starts at column 0 ("%name (params) -> shape {" or "ENTRY %name …{") and
-        # ends with a "}" at column 0; its instructions are indented.
+        # ends with a "}" at column 0 (TPU7x: "}, execution_thread=…"); its instructions are indented.
         if current is None and not line.startswith(" ") and line.rstrip().endswith("{") and (
                 m := _COMP.match(line)):
             current = m.group(1)
             lines[current] = []
             entry = current if line.startswith("ENTRY") else entry
-        elif current is not None and line.rstrip() == "}":
+        elif current is not None and line.startswith("}"):  # "}" or "}, execution_thread=…"
             current = None
         elif current is not None:
             lines[current].append(line)
@@ -116,7 +134,7 @@ def _multipliers(hlo: str) -> tuple[dict[str, int], dict[str, list[str]]]:
     def visit(comp: str, mult: int, depth: int = 0) -> None:
         times[comp] += mult
         for line in lines.get(comp, ()):
-            trips = int(m.group(1)) if (m := _TRIPS.search(line)) and " while(" in line else 1
+            trips = _trip_count(line, lines) if " while(" in line else 1
             callees = _CALLS.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line)
                                               for c in b.split(",")]
             for callee in callees:

@@ -6,7 +6,9 @@
 - ``decode``: ``k3jax.infer.decode.forward_cached`` for one new token per sequence.
 
 Inference parameters are stored in ``param_dtype`` of the config (``--param-dtype bfloat16`` for
-serving); the cache rows are batch-sharded like the activations. Everything is traced inside
+serving), or with the routed experts as MXFP4 (``experts="mxfp4"``: the ``mxfp4`` collection of
+``k3jax.layers.mxfp4``, placed like the experts it encodes); the cache rows are batch-sharded like
+the activations. Everything is traced inside
 ``sharding.use_mesh`` on the topology's devices, so the kernel ops pick the target's kernels.
 """
 
@@ -22,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import KDACache, MLACache, init_cache
+from k3jax.layers import mxfp4
 from k3jax.model import Transformer
 from k3jax.train.config import MeshConfig, TrainConfig
 
@@ -58,16 +61,34 @@ def lower_train(cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
         return trainer._jit_step.lower(state, batch, trainer.horizon), mesh
 
 
-def _variables(cfg: ModelConfig, mesh, rules):
-    """Abstract ``{"params", "balance"}`` placed by their logical names."""
+EXPERTS = ("param", "mxfp4")  # the routed experts in the config's param_dtype, or as MXFP4
+
+
+def _variables(cfg: ModelConfig, mesh, rules, experts: str = "param"):
+    """Abstract ``{"params", "balance"}`` placed by their logical names; ``experts="mxfp4"``: the
+    routed experts moved to the ``mxfp4`` collection as the uint8 pairs ``quantize_experts`` makes."""
     import sharding
 
     from pallas_kernels.target import compile_for
 
     with compile_for(mesh.devices.flat[0]):  # traced outside the mesh context (one short row)
         boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    abstract = nn.unbox(boxed)
-    return _abstract(abstract, sharding.shardings_for(abstract, sharding.logical_axes(boxed), mesh, rules))
+    abstract, logical = nn.unbox(boxed), sharding.logical_axes(boxed)
+    if experts == "mxfp4":
+        abstract, logical = mxfp4.quantized_shapes(abstract), mxfp4.quantized_axes(logical)
+    shardings = sharding.shardings_for(abstract, logical, mesh, rules)
+    return _abstract(abstract, jax.tree.map(_one_split, shardings, is_leaf=_is_mxfp4))
+
+
+def _is_mxfp4(x) -> bool:
+    return isinstance(x, mxfp4.Mxfp4)
+
+
+def _one_split(s):
+    """An encoded matrix's bytes and exponents split alike: both take the scale's placement (fitted to
+    its 32× shorter ``in`` axis; every split of it divides the packed bytes' ``in`` axis, 16× longer),
+    so a shard decodes its own columns."""
+    return mxfp4.Mxfp4(packed=s.scale, scale=s.scale) if _is_mxfp4(s) else s
 
 
 def _cache_shardings(cache, mesh, rules):
@@ -87,9 +108,10 @@ def _cache_shardings(cache, mesh, rules):
     return sharding.shardings_for(cache, logical, mesh, rules)
 
 
-def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
+def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape, experts: str = "param"):
     """``(lowered, mesh)`` of ``prefill`` (a ``shape.seq``-token prompt) or ``decode`` (one token
-    per sequence against a cache of ``shape.seq``)."""
+    per sequence against a cache of ``shape.seq``); ``experts`` (``EXPERTS``): the routed experts'
+    format, ``"mxfp4"`` the release's 4.25 bits a weight (``k3jax.layers.mxfp4``)."""
     import sharding
     from k3jax.infer.decode import forward_cached, prefill
     from k3jax.train.parallel import make_train_mesh, train_rules
@@ -98,7 +120,7 @@ def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: S
                        mesh=MeshConfig(axes=mesh_axes))
     mesh = make_train_mesh(tcfg, devices)
     rules = train_rules(tcfg, mesh)
-    variables = _variables(cfg, mesh, rules)
+    variables = _variables(cfg, mesh, rules, experts)
     cache = jax.eval_shape(lambda: init_cache(cfg, shape.batch, shape.seq))
     cache = _abstract(cache, _cache_shardings(cache, mesh, rules))
     batch = NamedSharding(mesh, sharding.rules.spec(rules, "batch", None))
@@ -115,10 +137,15 @@ def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: S
         return fn.lower(*args), mesh
 
 
-def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
-    """Lower one program ("train", "prefill" or "decode")."""
+def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape, experts: str = "param"):
+    """Lower one program ("train", "prefill" or "decode"); ``experts="mxfp4"`` for inference only."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts={experts!r} must be one of {', '.join(EXPERTS)}")
     if step == "train":
+        if experts != "param":
+            raise ValueError(f"experts={experts!r} is an inference format (--step prefill or decode): the "
+                             "train step updates the experts in param_dtype (experts='param')")
         return lower_train(cfg, mesh_axes, devices, shape)
     if step in ("prefill", "decode"):
-        return lower_infer(step, cfg, mesh_axes, devices, shape)
+        return lower_infer(step, cfg, mesh_axes, devices, shape, experts)
     raise ValueError(f"step={step!r} must be 'train', 'prefill' or 'decode'")

@@ -94,3 +94,24 @@ def test_mxfp4_decode_step_equals_dequantised(tiny_model):
 def test_quantize_needs_experts():
     with pytest.raises(ValueError, match="no MoE expert weights"):
         mxfp4.quantize_experts({"params": {"dense": {"kernel": jnp.zeros((32, 32))}}})
+
+
+def test_e2m1_arithmetic_is_the_code_table():
+    """The decoder computes each code's value (no table gather): bit for bit the codec's table, -0.0 too."""
+    got = np.asarray(mxfp4._e2m1(jnp.arange(16, dtype=jnp.uint8)))
+    np.testing.assert_array_equal(got, codec.CODE_VALUES)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(codec.CODE_VALUES))
+
+
+def test_quantized_shapes_and_axes_match_quantize_experts():
+    """The abstract twin (plans) gives quantize_experts' tree, shapes and dtypes; the names swap to [out, in]."""
+    cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    x = jnp.zeros((1, 4, cfg.hidden), jnp.float32)
+    boxed = jax.eval_shape(MoE(cfg).init, jax.random.key(0), x)
+    real = mxfp4.quantize_experts(_moe_variables(cfg))
+    abstract = mxfp4.quantized_shapes(nn.meta.unbox(boxed))
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), real)
+    axes = mxfp4.quantized_axes(nn.get_partition_spec(boxed))
+    assert tuple(axes["mxfp4"]["w2"].scale) == ("experts", "latent", "expert_mlp")
+    assert tuple(axes["mxfp4"]["w1"].packed) == ("experts", "expert_mlp", "latent")
