@@ -14,14 +14,6 @@ changes. (As scanned inputs and outputs, XLA wrote every stacked cache out whole
 output stack is a new buffer.) ``keep_steps`` returns the per-token KDA states as scanned outputs
 instead, the carried caches untouched (``k3jax.infer.cache.select_step`` then picks one).
 ``remat="layer"`` rematerialises each unit (its input stream is all a repetition saves).
-
-Without ``remat`` the unit still runs under a checkpoint, whose policy (`saved_in_scan`) keeps every
-value but elementwise ones: a scan saves each residual JAX's autodiff names as a stacked loop output,
-so the fp32 casts, products and activations that the unrolled program's backward fusions recompute
-from their bf16 sources were written out whole, per repetition (small()'s H200 step: 99 GB of stacked
-residuals, 119 GB of temporaries against the unrolled step's 57, over the memory limit, so XLA's
-rematerialisation pass recomputed the head's logits three times per chunk; 0.361 s against the
-unrolled 0.280 s). Here the backward recomputes them, as XLA does unrolled (55 GB saved, 73 GB).
 """
 
 from __future__ import annotations
@@ -38,20 +30,6 @@ from k3jax.layers.block import DecoderLayer
 from k3jax.layout import ScanRun, offset_name
 
 SCANNED_COLLECTIONS = ("params", "balance", "stats", "intermediates", "mxfp4")
-
-# Elementwise and layout primitives: cheap to recompute in the backward's fusions, costly to save
-# per repetition (their results are mostly fp32 copies of bf16 values the scan saves anyway).
-RECOMPUTED = frozenset((
-    "convert_element_type", "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign",
-    "exp", "exp2", "log", "log1p", "logistic", "tanh", "erf", "sqrt", "rsqrt", "integer_pow", "square",
-    "pow", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "iota",
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
-))
-
-
-def saved_in_scan(prim, *_, **__) -> bool:
-    """The scanned unit's checkpoint policy: save a value unless an elementwise or layout op made it."""
-    return prim.name not in RECOMPUTED
 
 
 def push_flag(cfg: ModelConfig, run: ScanRun, offset: int, repeat: Int[Array, ""]) -> bool | Bool[Array, ""]:
@@ -109,8 +87,7 @@ class LayerUnit(nn.Module):
 
 def layer_stack(cfg: ModelConfig, run: ScanRun, *, remat: str) -> nn.Module:
     """The scanned run as a module (name it ``run.name``; call it through `run_stack`)."""
-    policy = None if remat == "layer" else saved_in_scan  # None: nothing saved but the unit's input
-    unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(5,), policy=policy)
+    unit = nn.remat(LayerUnit, prevent_cse=False, static_argnums=(5,)) if remat == "layer" else LayerUnit
     scanned = nn.scan(unit, variable_axes={c: 0 for c in SCANNED_COLLECTIONS}, split_rngs={"params": True},
                       in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=run.repeats,
                       metadata_params={nn.PARTITION_NAME: "layers"})

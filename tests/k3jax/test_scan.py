@@ -8,8 +8,7 @@
    float64 logits ≤ 1e-12 apart (default suite), gradients ≤ 1e-10 (slow). A 9-layer tiny() of three
    runs (K3's tail pattern): float64 logits ≤ 1e-12 apart, cached decode and its caches equal (slow).
 4. A whole train step (per-head Muon, QK-Clip, Quantile Balancing) of tiny(): same loss and
-   parameters to fp32 noise. What a scanned run saves for its backward (``saved_in_scan``): no value an
-   elementwise op made, at most two thirds of the bytes plain autodiff saves, the same gradients. Decode == forward on the scanned stack: tests/k3jax/infer (tiny()
+   parameters to fp32 noise. Decode == forward on the scanned stack: tests/k3jax/infer (tiny()
    scans by default); here, that decode updates the stacked caches in place.
 """
 
@@ -28,7 +27,6 @@ from k3jax import config
 from k3jax.convert import load_hf
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_step
-from k3jax.layers import stack
 from k3jax.layout import ScanPlan, ScanRun, plan_runs, scan_plan, to_per_layer, to_scanned, unrolled
 from k3jax.model import Transformer
 from tests.tolerances import F32_RTOL, rel_rmse
@@ -329,68 +327,3 @@ def test_first_layers_keeps_the_pattern():
     assert scan_plan(cfg).runs == (ScanRun(1, 4, 2), ScanRun(9, 1, 2))
     with pytest.raises(ValueError, match=r"n=94 layers must be an int in \[1, num_layers=93\]"):
         config.first_layers(config.kimi_k3(), 94)
-
-
-def _forward_scans(jaxpr) -> list:
-    """The forward (non-reverse) scans of a grad's jaxpr, looking through calls but not into scans."""
-    found = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            found += [] if e.params["reverse"] else [e]
-            continue
-        for key in ("jaxpr", "call_jaxpr"):
-            if key in e.params:
-                found += _forward_scans(getattr(e.params[key], "jaxpr", e.params[key]))
-    return found
-
-
-def _saved(cfg, policy, monkeypatch):
-    """``(bytes of the scanned runs' saved values, their producing primitives)`` of tiny()'s loss
-    gradient (bf16 compute) with the scanned unit's checkpoint policy ``policy``: the stacked outputs of
-    the runs' forward scans."""
-    monkeypatch.setattr(stack, "saved_in_scan", policy)
-    variables = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    loss = lambda p, v, t: jnp.sum(Transformer(cfg).apply({**v, "params": p}, t).astype(jnp.float32))
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"], variables,
-                                           jax.ShapeDtypeStruct((2, 64), jnp.int32)).jaxpr
-    scans = [e for e in _forward_scans(jaxpr) if str(e.source_info.name_stack).endswith("Transformer._layers")]
-    assert len(scans) == len(scan_plan(cfg).runs)
-    made_by, size = set(), 0
-    for e in scans:
-        body = e.params["jaxpr"].jaxpr
-        producer = {v: q.primitive.name for q in body.eqns for v in q.outvars}
-        for out, inner in zip(e.outvars, body.outvars):
-            if out.aval.ndim == inner.aval.ndim + 1:  # stacked per repetition (not the carry)
-                size += int(np.prod(out.aval.shape)) * out.aval.dtype.itemsize
-                made_by |= {producer[inner]} if inner in producer else set()
-    return size, made_by
-
-
-def test_scanned_runs_save_no_elementwise_values(monkeypatch):
-    """Without remat a scan writes out every residual autodiff names, per repetition, where the unrolled
-    program's backward fusions recompute the fp32 casts and activations (small() on the H200: 99 GB of
-    stacked residuals, a step over the memory limit that XLA's rematerialisation then recomputed).
-    With ``saved_in_scan`` no saved value is an elementwise op's and the saved bytes drop by a third."""
-    cfg = THREE_RUNS
-    size, made_by = _saved(cfg, stack.saved_in_scan, monkeypatch)
-    plain, plain_made_by = _saved(cfg, jax.checkpoint_policies.everything_saveable, monkeypatch)
-    assert plain_made_by & stack.RECOMPUTED, "plain autodiff saves elementwise values (the test's premise)"
-    assert not made_by & stack.RECOMPUTED, sorted(made_by & stack.RECOMPUTED)
-    assert size <= 2 / 3 * plain, (size, plain)
-
-
-def test_scanned_gradients_do_not_depend_on_what_is_saved_fp64(monkeypatch):
-    """Recomputing instead of saving changes no gradient: float64 gradients of three runs with
-    ``saved_in_scan`` against plain autodiff's (everything saved), ≤ 1e-13 relative per leaf."""
-    with jax.enable_x64(True):
-        cfg, per_layer, tokens = _three_runs_fp64()
-        variables = to_scanned(per_layer, cfg)
-
-        def grads(policy):
-            monkeypatch.setattr(stack, "saved_in_scan", policy)
-            loss = lambda p: jnp.sum(jnp.sin(Transformer(cfg).apply({**variables, "params": p}, tokens)))
-            return jax.jit(jax.grad(loss))(variables["params"])
-
-        got, want = grads(stack.saved_in_scan), grads(jax.checkpoint_policies.everything_saveable)
-    gaps = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b)) / max(float(jnp.max(jnp.abs(b))), 1e-30)), got, want)
-    assert max(jax.tree.leaves(gaps)) <= 1e-13, gaps
