@@ -46,12 +46,20 @@ EXPERT: Rules = (
     ("experts", "expert"),
 ) + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
 
-# Context parallel: the tokens of a row are split over the sequence axis.
+# Context parallel: the tokens of a row are split over the sequence axis. Its ranks hold different
+# tokens, so for the weights they are data ranks too: ZeRO-3 over fsdp × expert × sequence (expert
+# stacks: their widths over fsdp × sequence). Without it the weights and optimizer state shard only
+# over the batch axes, and a long context, which wants few sequences and many sequence ranks, leaves
+# too few of those: K3 at 1 M tokens on 4096 chips as expert=32, sequence=128 would hold 1/32 of
+# its 33 TB of training state per chip instead of 1/4096.
+_FSDP_EXPERT_SEQUENCE_PARAMS: Rules = (
+    tuple((name, ("fsdp", "expert", "sequence")) for name, axes in _FSDP_PARAMS if axes == "fsdp")
+    + tuple((name, ("fsdp", "sequence")) for name, axes in _FSDP_PARAMS if axes == "fsdp"))
 SEQUENCE: Rules = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", "sequence"),
     ("experts", "expert"),
-) + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
+) + _FSDP_EXPERT_SEQUENCE_PARAMS + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
 
 # Megatron-style tensor parallel over heads and MLP widths, on top of everything above. The dense
 # weights stay off the expert axis: this is the serving table, where they should stay resident

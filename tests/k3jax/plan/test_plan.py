@@ -6,6 +6,7 @@ real-width version is ``slow``. Bad input (topology, mesh, fit) must read as one
 """
 
 import dataclasses
+import re
 
 import pytest
 
@@ -73,6 +74,23 @@ def test_decode_lowers_for_the_scanned_stack():
     lowered, _ = lower("decode", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices, Shape(batch=4, seq=256))
     stacked = [a for a in lowered.args_info[0][2].layers if isinstance(a, tuple)]
     assert stacked and stacked[0][0].state.shape[:2] == (scan_plan(cfg).runs[0].repeats, 4)
+
+
+def test_forward_splits_each_row_over_the_sequence_axis():
+    """``--step forward`` (a long prompt's prefill without its cache): the rows' tokens are split over
+    ``sequence``, so KDA hands its state across shards and MLA gathers the latent over that axis; the
+    program returns the last token's logits per row."""
+    cfg = dataclasses.replace(config.first_layers(dataclasses.replace(config.tiny(), vocab_size=512), 4),
+                              kda=dataclasses.replace(config.tiny().kda, implementation="pallas"))
+    topo = get_topology("v5p:2x2x1")
+    lowered, _ = lower("forward", cfg, parse_mesh("expert=2,sequence=2", 4, "v5p"), topo.devices,
+                          Shape(batch=2, seq=256))
+    assert lowered.out_info.shape == (2, 512)
+    text = lowered.compile().as_text()
+    assert "kda_chunk_fwd_tpu" in text and "kda_chunk_bwd_tpu" not in text  # no backward
+    # MLA's latent (16) and rope key (8) of one whole row, gathered over the sequence axis
+    whole_rows = re.findall(r"= bf16\[1,256,(\d+)\].* all-gather\(.*\{'sequence'\}, dimensions=\{1\}", text)
+    assert sorted(set(whole_rows)) == ["16", "8"], whole_rows
 
 
 @pytest.mark.slow
