@@ -93,6 +93,25 @@ def test_forward_splits_each_row_over_the_sequence_axis():
     assert sorted(set(whole_rows)) == ["16", "8"], whole_rows
 
 
+def test_attn_res_block_buffer_keeps_the_token_split_between_runs():
+    """The scanned runs hand their ``[N, B, T, D]`` block buffer on through the static stream; left to
+    XLA's propagation the restacked buffer lost its split over ``sequence`` (K3 at 1 M tokens on
+    sequence=256: whole-length bf16[8,1,1048576,7168] buffers, 1.4 TiB per device in all)."""
+    import jax
+    import jax.numpy as jnp
+
+    import sharding
+    from k3jax.layers.attn_res import ResidualStream, StackedStream
+
+    mesh = sharding.make_mesh(expert=2, sequence=2, devices=get_topology("v5p:2x2x1").devices)
+    handoff = lambda x: StackedStream.of(ResidualStream(x, (x,), 4)).push_if(True).unstack(2).blocks
+    with sharding.use_mesh(mesh):
+        text = jax.jit(handoff).lower(jax.ShapeDtypeStruct((2, 64, 8), jnp.bfloat16)).as_text()
+    split = re.findall(r'sharding_constraint .*\[\{\}, \{"data", "fsdp", "expert"\}, \{"sequence"\}, \{\}\]> : '
+                       r"tensor<4x2x64x8xbf16>", text)
+    assert len(split) == 3, text  # restacked (of), written (push_if), restacked again (blocks)
+
+
 @pytest.mark.slow
 def test_prefill_runs_the_kda_kernel_per_shard():
     """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
