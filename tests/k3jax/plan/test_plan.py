@@ -112,6 +112,31 @@ def test_attn_res_block_buffer_keeps_the_token_split_between_runs():
     assert len(split) == 3, text  # restacked (of), written (push_if), restacked again (blocks)
 
 
+def test_attn_res_mix_backward_keeps_the_buffer_split_over_tokens():
+    """The stacked mix's ``dd = Σ (ℓ r)ᵀ v`` flattened the ``[N, B, T, D]`` buffer into rows, merging
+    the token axis split over ``sequence`` with the others: XLA gathered the buffer (K3 at 1 M tokens:
+    whole-length fp32 copies, 240 GB per device). Contracted in place, only ``dd`` is all-reduced."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import sharding
+    from k3jax.layers.attn_res import _mix_stacked
+
+    mesh = sharding.make_mesh(expert=2, sequence=2, devices=get_topology("v5p:2x2x1").devices)
+    N, B, T, D = 4, 2, 1024, 512
+    batch = ("data", "fsdp", "expert")
+    placed = lambda shape, *spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16 if spec else jnp.float32,
+                                                       sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+    mix = lambda buf, partial, d: jnp.sum(_mix_stacked(buf, jnp.int32(3), partial, d, 1e-6, jnp.dtype(jnp.float32)))
+    with sharding.use_mesh(mesh):
+        text = jax.jit(jax.grad(mix, argnums=(0, 2))).lower(
+            placed((N, B, T, D), None, batch, "sequence", None), placed((B, T, D), batch, "sequence", None),
+            placed((D,))).compile().as_text()
+    collectives = set(re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute)\(", text))
+    assert collectives == {("f32", "512", "all-reduce")}, collectives
+
+
 @pytest.mark.slow
 def test_prefill_runs_the_kda_kernel_per_shard():
     """The cached prefill's chunked KDA scan runs inside shard_map (XLA cannot partition a kernel)."""
