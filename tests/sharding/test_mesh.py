@@ -57,7 +57,7 @@ def test_params_and_activations_share_one_table():
 
 
 @pytest.mark.parametrize("rules,dense,stack", [(EXPERT, ("fsdp", "expert"), "fsdp"),
-                                               (SEQUENCE, ("fsdp", "expert", "sequence"), ("fsdp", "sequence"))])
+                                               (SEQUENCE, ("fsdp", "sequence", "expert"), ("fsdp", "sequence"))])
 def test_training_tables_shard_dense_weights_over_every_batch_axis(rules, dense, stack):
     """The expert axis carries batch outside the MoE: the dense weights shard over it as well as
     fsdp (K3's dense state 16× smaller on fsdp=64, expert=16); expert stacks keep their experts on
@@ -96,10 +96,10 @@ def test_an_axis_that_does_not_divide_its_dim_moves_to_another():
         "fsdp", None, "expert")
     assert fitted_spec(("layers", "embed", "mlp"), (32, 7168, 100), mesh, EXPERT) == PartitionSpec(None, "fsdp", None)
     assert fitted_spec(("embed", "heads"), (2048, 96), mesh, EXPERT) == PartitionSpec(("fsdp", "expert"), None)
-    # K3 at a 1 M-token context (expert=32, sequence=128): sequence does not fit embed after expert
-    # and moves to head_dim; kv_b's kv_lora = 512 takes expert only.
-    long = _abstract(expert=32, sequence=128)
+    # K3 at a 1 M-token context (expert=16, sequence=256): embed = 7168 takes sequence, and expert,
+    # which no longer divides it, moves to head_dim; kv_b's kv_lora = 512 likewise.
+    long = _abstract(expert=16, sequence=256)
     assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), long, SEQUENCE) == PartitionSpec(
-        ("fsdp", "expert"), None, "sequence")
+        ("fsdp", "sequence"), None, "expert")
     assert fitted_spec(("kv_lora", "heads", "head_dim"), (512, 96, 256), long, SEQUENCE) == PartitionSpec(
-        ("fsdp", "expert"), None, "sequence")
+        ("fsdp", "sequence"), None, "expert")
