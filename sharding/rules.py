@@ -47,7 +47,7 @@ EXPERT: Rules = (
 ) + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
 
 # Context parallel: the tokens of a row are split over the sequence axis. Its ranks hold different
-# tokens, so for the weights they are data ranks too: ZeRO-3 over fsdp × expert × sequence (expert
+# tokens, so for the weights they are data ranks too: ZeRO-3 over fsdp × sequence × expert (expert
 # stacks: their widths over fsdp × sequence). Without it the weights and optimizer state shard only
 # over the batch axes, and a long context, which wants few sequences and many sequence ranks, leaves
 # too few of those: K3 at 1 M tokens on 4096 chips as expert=32, sequence=128 would hold 1/32 of

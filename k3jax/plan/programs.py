@@ -136,7 +136,7 @@ def lower_forward(cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
     model = Transformer(cfg)
 
     def forward(v, t):
-        features, _ = model.apply(v, t, method="features")  # the MLA sows no statistics: not mutable
+        features, _ = model.apply(v, t, method="features")  # "stats" not mutable: max_logit is not sown
         return model.apply(v, features[:, -1:], method="logits")[:, 0]
 
     with sharding.use_mesh(mesh, rules):
