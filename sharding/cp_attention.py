@@ -14,14 +14,15 @@ chunks ``r`` and ``2R-1-r``, whose reach sums to the same ``2R+1`` chunks on eve
 half of the local queries goes to its computing shard by one ``ppermute`` and its output comes
 back by the inverse one; outputs are exactly the unsharded attention's rows.
 
-XLA path (other dtypes or devices): dense masked attention of the shard's queries over all keys,
-``attend(q, k, v, mask, scale)`` if given (the model's), else the fp32 reference.
+XLA path (other dtypes or devices, TPU among them): the shard's queries over all keys key block by
+key block, each block's per-head keys expanded from the gathered latent (:mod:`sharding.latent_attention`),
+so neither the expanded keys nor the logits of all keys exist at once (K3 at a 1 M-token context:
+100 GB and 3 TB per sequence, dense).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.mla_attention import BlockSizes, mla_attention, resolve_implementation
 from sharding.context import ParallelConfig
 from sharding.cp import _check_batch, _check_length, _require_ctx, _segments
+from sharding.latent_attention import latent_attention
 
 
 def zigzag_routes(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -43,10 +45,15 @@ def zigzag_routes(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, i
     return tuple([(s, dest(2 * s + h)) for s in range(shards)] for h in (0, 1))
 
 
+def _gather(c, k_rope, seg, *, axis):
+    """The row's whole latent, rope key and segment ids: the only activations that move."""
+    gather = functools.partial(lax.all_gather, axis_name=axis, axis=1, tiled=True)
+    return gather(c), gather(k_rope), gather(seg)
+
+
 def _gather_keys(c, k_rope, kv_b, seg, *, axis, nope_dim):
     """All-gather the latent, rope key and segment ids; expand per-head ``k_nope, v`` locally."""
-    gather = functools.partial(lax.all_gather, axis_name=axis, axis=1, tiled=True)
-    c_all, kr_all, seg_all = gather(c), gather(k_rope), gather(seg)  # the only activations that move
+    c_all, kr_all, seg_all = _gather(c, k_rope, seg, axis=axis)
     kv = jnp.einsum("BSR,RHK->BSHK", c_all, kv_b.astype(c.dtype))  # [B, S, H, dn+dv]
     return kv[..., :nope_dim], kr_all, kv[..., nope_dim:], seg_all
 
@@ -82,23 +89,12 @@ def _flash_body(q, c, k_rope, kv_b, seg, *, axis, shards, batch_axes, scale, nop
     return o, lax.pmax(max_logit, batch_axes + (axis,))
 
 
-def _xla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim, attend):
-    Tl = q.shape[1]
-    k_nope, k_r, v, seg_all = _gather_keys(c, k_rope, kv_b, seg, axis=axis, nope_dim=nope_dim)
-    start = lax.axis_index(axis) * Tl
-    wide = q.dtype
-    if attend is None:
-        o, max_logit = mla_attention(q[..., :nope_dim], q[..., nope_dim:], k_nope.astype(wide), k_r.astype(wide),
-                                     v.astype(wide), seg, scale=scale, implementation="xla", q_start=start,
-                                     key_segment_ids=seg_all)
-    else:
-        k_r = jnp.broadcast_to(k_r[:, :, None, :].astype(wide), k_nope.shape[:3] + k_r.shape[-1:])
-        k = jnp.concatenate([k_nope.astype(wide), k_r], axis=-1)
-        causal = (start + jnp.arange(Tl))[:, None] >= jnp.arange(seg_all.shape[1])[None]  # [Tl, S]
-        mask = causal[None] & (seg[:, :, None] == seg_all[:, None, :])  # [B, Tl, S]
-        o, max_logit = attend(q, k, v.astype(wide), mask, scale)
+def _xla_body(q, c, k_rope, kv_b, seg, *, axis, batch_axes, scale, nope_dim):
+    c_all, kr_all, seg_all = _gather(c, k_rope, seg, axis=axis)
+    start = lax.axis_index(axis) * q.shape[1]
+    o, max_logit = latent_attention(q, c_all, kr_all, kv_b, seg, seg_all, start, scale=scale, nope_dim=nope_dim)
     # pmax has no differentiation rule, and the statistic takes no gradient anyway.
-    return o, lax.pmax(lax.stop_gradient(max_logit), batch_axes + (axis,))
+    return o, lax.pmax(max_logit, batch_axes + (axis,))
 
 
 def _use_balanced(balanced: bool | None, length: int, shards: int) -> bool:
@@ -120,7 +116,6 @@ def mla_attention_cp(
     scale: float,
     nope_dim: int,
     segment_ids: Int[Array, "B T"] | None = None,
-    attend: Callable | None = None,
     implementation: str | None = None,
     balanced: bool | None = None,
     interpret: bool = False,
@@ -134,8 +129,8 @@ def mla_attention_cp(
     ``[R, H, dn+dv]``. Only ``[c_kv, k_rope]`` and the segment ids cross shards (and, balanced,
     half of the queries and of the outputs). ``implementation`` as in
     ``pallas_kernels.mla_attention`` for ``c_kv``'s dtype: ``None`` runs the flash kernel on a CUDA
-    GPU for bf16/f16 (``interpret=True``: under the CPU interpreter), ``"xla"`` the dense path with
-    ``attend(q, k, v, mask [B,Tq,S] bool, scale)`` (default: the fp32 reference). ``balanced``:
+    GPU for bf16/f16 (``interpret=True``: under the CPU interpreter), ``"xla"`` the key-blocked path of
+    :mod:`sharding.latent_attention` in ``q``'s dtype. ``balanced``:
     the flash path's zig-zag schedule; ``None`` runs it whenever T divides by 2 × shards.
     """
     ctx = _require_ctx(ctx, "mla_attention_cp")
@@ -150,7 +145,7 @@ def mla_attention_cp(
         body = functools.partial(_flash_body, **common, shards=ctx.sequence_size, interpret=interpret,
                                  blocks=blocks, balanced=_use_balanced(balanced, T, ctx.sequence_size))
     else:
-        body = functools.partial(_xla_body, **common, attend=attend)
+        body = functools.partial(_xla_body, **common)
     args = (q, c_kv, k_rope, kv_b, _segments(segment_ids, B, T))
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=(heads, P()),
                        in_specs=ctx.in_specs((heads, seq3, seq3, P(), ctx.spec("batch", "length")), *args))

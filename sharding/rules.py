@@ -46,12 +46,25 @@ EXPERT: Rules = (
     ("experts", "expert"),
 ) + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
 
-# Context parallel: the tokens of a row are split over the sequence axis.
+# Context parallel: the tokens of a row are split over the sequence axis. Its ranks hold different
+# tokens, so for the weights they are data ranks too: ZeRO-3 over fsdp × sequence × expert (expert
+# stacks: their widths over fsdp × sequence). Without it the weights and optimizer state shard only
+# over the batch axes, and a long context, which wants few sequences and many sequence ranks, leaves
+# too few of those: K3 at 1 M tokens on 4096 chips as expert=32, sequence=128 would hold 1/32 of
+# its 33 TB of training state per chip instead of 1/4096.
+# Sequence before expert: a long context's sequence axis (256) is the larger, and where the product
+# does not divide a width (K3's embed = 7168 = 7·1024) the axis left over moves to another dim
+# (`sharding.init.fitted_spec`): expert=16 finds one (head_dim = 128), sequence=256 would not and
+# was dropped, which replicated K3's attention weights 256 times (24.3 GB of arguments per chip
+# instead of ~8 on expert=16, sequence=256).
+_FSDP_EXPERT_SEQUENCE_PARAMS: Rules = (
+    tuple((name, ("fsdp", "sequence", "expert")) for name, axes in _FSDP_PARAMS if axes == "fsdp")
+    + tuple((name, ("fsdp", "sequence")) for name, axes in _FSDP_PARAMS if axes == "fsdp"))
 SEQUENCE: Rules = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", "sequence"),
     ("experts", "expert"),
-) + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
+) + _FSDP_EXPERT_SEQUENCE_PARAMS + _FSDP_EXPERT_PARAMS + _FSDP_PARAMS
 
 # Megatron-style tensor parallel over heads and MLP widths, on top of everything above. The dense
 # weights stay off the expert axis: this is the serving table, where they should stay resident

@@ -30,6 +30,10 @@ from jaxtyping import Array, Float, Int
 from k3jax.layers.linear import constrain, param
 
 HIDDEN_AXES = ("batch", "length", "embed")
+# The [N, B, T, D] block buffer, split like the hidden states. Left to sharding propagation, the
+# buffer restacked between scanned runs lost its split over the tokens: K3 at a 1 M-token context on
+# sequence=256 held whole-length bf16[8,1,1048576,7168] buffers (120 GB) per device.
+BLOCKS_AXES = (None,) + HIDDEN_AXES
 
 
 # A pytree JAX rebuilds with other leaves (ShapeDtypeStructs under eval_shape, shardings), so the
@@ -57,7 +61,7 @@ class ResidualStream:
         if self.max_blocks == 0:
             return None
         unused = [jnp.zeros_like(self.partial)] * (self.max_blocks - self.count)
-        return jnp.stack(list(self.stored) + unused)
+        return constrain(jnp.stack(list(self.stored) + unused), BLOCKS_AXES)
 
     def push(self) -> "ResidualStream":
         """Store the partial sum as a finished block and start a new, empty one."""
@@ -98,7 +102,7 @@ class StackedStream:
 
     def unstack(self, count: int) -> ResidualStream:
         """Back to the static form, ``count`` (known from the layer index) blocks stored."""
-        stored = tuple(self.buffer[n] for n in range(count))
+        stored = tuple(constrain(self.buffer[n], HIDDEN_AXES) for n in range(count))
         return ResidualStream(partial=self.partial, stored=stored, max_blocks=self.buffer.shape[0])
 
     @property
@@ -112,6 +116,7 @@ class StackedStream:
         slot = jnp.minimum(self.count, self.buffer.shape[0] - 1)  # the plan never pushes past N
         kept = jax.lax.dynamic_index_in_dim(self.buffer, slot, keepdims=False)
         buffer = jax.lax.dynamic_update_index_in_dim(self.buffer, jnp.where(flag, self.partial, kept), slot, 0)
+        buffer = constrain(buffer, BLOCKS_AXES)
         partial = jnp.where(flag, jnp.zeros_like(self.partial), self.partial)
         return self.replace(partial=partial, buffer=buffer, count=self.count + flag.astype(jnp.int32))
 
@@ -202,7 +207,10 @@ def _mix_grads(groups, d, s, r, p, dh, wide):
     on_d, on_v = dlogit * r, dlogit * s * r ** 3 / D
     dgroups = tuple((p[k][..., None] * dh + on_d[k][..., None] * d - on_v[k][..., None] * v.astype(wide)).astype(v.dtype)
                     for k, v in zip(rows, groups))
-    dd = sum(jnp.dot(on_d[k].reshape(-1), v.reshape(-1, D).astype(wide)) for k, v in zip(rows, groups))
+    # Contracted without flattening [k, B, T] into rows: a reshape that merges the token axis split
+    # over `sequence` with the others made XLA gather whole-length fp32 copies of the buffer
+    # (K3 at 1 M tokens: f32[8·1·1048576, 7168], 240 GB per device).
+    dd = sum(jnp.einsum("kbt,kbtd->d", on_d[k], v.astype(wide)) for k, v in zip(rows, groups))
     return dgroups, dd
 
 

@@ -172,8 +172,7 @@ class MLA(nn.Module):
         kv_b(c[:, :0])  # creates or binds the kernel; each shard expands the gathered latent itself
         kernel = nn.unbox(kv_b.variables["params"]["kernel"]).astype(dt)
         return mla_attention_cp(q, c.astype(dt), k_rope[:, :, 0], kernel, scale=scale, nope_dim=m.qk_nope_head_dim,
-                                segment_ids=segment_ids, attend=causal_attention,
-                                implementation="pallas" if flash else "xla")
+                                segment_ids=segment_ids, implementation="pallas" if flash else "xla")
 
     def _attend_cached(self, q, c, k_rope, kv_b, cache, scale):
         """Absorbed decode attention (SPEC §3): write ``[c, k_r]`` at each row's length, then

@@ -76,7 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="kimi_k3")
     ap.add_argument("--topology", required=True, help="v5p:16x16x1, v5e:16x16, v6e:16x16, tpu7x:4x4x4, h200:32x8, …")
     ap.add_argument("--mesh", default="data=-1", help="data=…,fsdp=…,expert=…,sequence=…,tensor=… (one may be -1)")
-    ap.add_argument("--step", choices=("train", "prefill", "decode"), default="train")
+    ap.add_argument("--step", choices=("train", "prefill", "decode", "forward"), default="train",
+                    help="forward: the training model's forward over whole rows (context parallel with a "
+                         "sequence axis) and the last token's logits: a long prompt's prefill without its cache")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: one per device)")
     ap.add_argument("--seq", type=int, default=8192, help="tokens per sequence (decode: the cache length)")
     ap.add_argument("--micro", type=int, default=1, help="train: micro-batches per step")

@@ -4,6 +4,11 @@
   Quantile Balancing) on its own state and batch shardings.
 - ``prefill``: ``k3jax.infer.decode.prefill`` (the prompt in chunks into the cache).
 - ``decode``: ``k3jax.infer.decode.forward_cached`` for one new token per sequence.
+- ``forward``: the training model's forward over whole rows with the training layout, context
+  parallel (KDA and MLA) when the mesh has a sequence axis, and the head on each row's last token:
+  what a prefill of one long prompt computes, without writing a cache. The cached prefill splits
+  the batch, not the tokens, so a prompt longer than one device holds (K3 at 1 M tokens) is planned
+  with this program.
 
 Inference parameters are stored in ``param_dtype`` of the config (``--param-dtype bfloat16`` for
 serving), or with the routed experts as MXFP4 (``experts="mxfp4"``: the ``mxfp4`` collection of
@@ -137,8 +142,32 @@ def lower_infer(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: S
         return fn.lower(*args), mesh
 
 
+def lower_forward(cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape):
+    """``(lowered, mesh)`` of the forward over ``shape.batch`` rows of ``shape.seq`` tokens, split
+    like training's batch (rows over the batch axes, tokens over ``sequence``); it returns each
+    row's next-token logits ``[B, V]``."""
+    import sharding
+    from k3jax.train.parallel import make_train_mesh, train_rules
+
+    tcfg = TrainConfig(model=cfg, batch_size=shape.batch, seq_len=shape.seq, mesh=MeshConfig(axes=mesh_axes))
+    mesh = make_train_mesh(tcfg, devices)  # checks that the batch and the tokens divide their axes
+    rules = train_rules(tcfg, mesh)
+    variables = _variables(cfg, mesh, rules)
+    tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32,
+                                  sharding=NamedSharding(mesh, sharding.rules.spec(rules, "batch", "length")))
+    model = Transformer(cfg)
+
+    def forward(v, t):
+        features, _ = model.apply(v, t, method="features")  # "stats" not mutable: max_logit is not sown
+        return model.apply(v, features[:, -1:], method="logits")[:, 0]
+
+    with sharding.use_mesh(mesh, rules):
+        return jax.jit(forward).lower(variables, tokens), mesh
+
+
 def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape, experts: str = "param"):
-    """Lower one program ("train", "prefill" or "decode"); ``experts="mxfp4"`` for inference only."""
+    """Lower one program ("train", "prefill", "decode" or "forward"); ``experts="mxfp4"`` for the
+    cached inference steps only."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r} must be one of {', '.join(EXPERTS)}")
     if step == "train":
@@ -148,4 +177,9 @@ def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape, 
         return lower_train(cfg, mesh_axes, devices, shape)
     if step in ("prefill", "decode"):
         return lower_infer(step, cfg, mesh_axes, devices, shape, experts)
-    raise ValueError(f"step={step!r} must be 'train', 'prefill' or 'decode'")
+    if step == "forward":
+        if experts != "param":
+            raise ValueError(f"experts={experts!r} is a format of the cached inference steps (--step prefill or "
+                             "decode): the forward runs the experts in param_dtype (experts='param')")
+        return lower_forward(cfg, mesh_axes, devices, shape)
+    raise ValueError(f"step={step!r} must be 'train', 'prefill', 'decode' or 'forward'")

@@ -72,7 +72,7 @@ def model_flops(cfg: ModelConfig, step: str, batch: int, seq: int) -> float:
 
     if step == "train":
         return flops_per_token(cfg, seq) * batch * seq
-    if step == "prefill":
+    if step in ("prefill", "forward"):
         return flops_per_token(cfg, seq) / 3 * batch * seq
     # decode: one token per sequence against `seq` cached tokens: every MLA layer reads them all
     mla = sum(k is LayerKind.MLA for k in cfg.layer_kinds)

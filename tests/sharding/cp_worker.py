@@ -18,6 +18,7 @@ COLLECTIVE = re.compile(
     r"=\s*(.+?)\s+(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(.*?"
     r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}"
 )
+PERMUTE = re.compile(r"=\s*(\S+)\s+collective-permute(?:-start)?\(")
 
 
 def _segments(T):
@@ -63,7 +64,8 @@ def kda_collectives(mesh, T):
         shardings = (spec,) * 4 + (ctx.sharding("batch", "length", "heads"),)
         fn = lambda *a: _fwd_grad(lambda *b: chunk_kda_cp(*b, segment_ids=seg, chunk_size=C), a)
         text = jax.jit(fn, in_shardings=shardings).lower(*args).compile().as_text()
-    shapes = []
+    # the state pass's exchanges with neighbour shards (their HLO names pairs, not a mesh group)
+    shapes = [f"{re.sub(r'{[^}]*}', '', shape)} collective-permute" for shape in PERMUTE.findall(text)]
     for m in COLLECTIVE.finditer(text):
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(3)))
         axes = re.findall(r"'(\w+)'", m.group(4))

@@ -56,17 +56,20 @@ def test_params_and_activations_share_one_table():
     assert to_mesh("vocab", "embed") == PartitionSpec("tensor", "fsdp")
 
 
-@pytest.mark.parametrize("rules", [EXPERT, SEQUENCE])
-def test_training_tables_shard_dense_weights_over_every_batch_axis(rules):
+@pytest.mark.parametrize("rules,dense,stack", [(EXPERT, ("fsdp", "expert"), "fsdp"),
+                                               (SEQUENCE, ("fsdp", "sequence", "expert"), ("fsdp", "sequence"))])
+def test_training_tables_shard_dense_weights_over_every_batch_axis(rules, dense, stack):
     """The expert axis carries batch outside the MoE: the dense weights shard over it as well as
     fsdp (K3's dense state 16× smaller on fsdp=64, expert=16); expert stacks keep their experts on
-    it and their width on fsdp; activations are unchanged."""
+    it and their width on fsdp; activations are unchanged. The sequence axis's ranks hold other
+    tokens of the same rows: under context parallel they shard every weight too (a 1 M-token context
+    wants sequence=128 and few sequences, which leave the batch axes too small for K3's state)."""
     to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)
-    assert to_mesh("embed", "heads", "head_dim") == PartitionSpec(("fsdp", "expert"), None, None)
-    assert to_mesh("layers", "q_lora", "heads") == PartitionSpec(None, ("fsdp", "expert"), None)
-    assert to_mesh("vocab", "embed") == PartitionSpec(None, ("fsdp", "expert"))
-    assert to_mesh("layers", "experts", "latent", "expert_mlp") == PartitionSpec(None, "expert", "fsdp", None)
-    assert to_mesh("embed", "experts") == PartitionSpec("fsdp", "expert")  # the router
+    assert to_mesh("embed", "heads", "head_dim") == PartitionSpec(dense, None, None)
+    assert to_mesh("layers", "q_lora", "heads") == PartitionSpec(None, dense, None)
+    assert to_mesh("vocab", "embed") == PartitionSpec(None, dense)
+    assert to_mesh("layers", "experts", "latent", "expert_mlp") == PartitionSpec(None, "expert", stack, None)
+    assert to_mesh("embed", "experts") == PartitionSpec(stack, "expert")  # the router
     assert to_mesh("batch", "embed")[1] is None
 
 
@@ -88,8 +91,15 @@ def test_an_axis_that_does_not_divide_its_dim_moves_to_another():
     scanned stack's ``layers``; with nowhere to go it is dropped (replicated)."""
     from sharding.init import fitted_spec
 
-    mesh = _abstract(fsdp=64, expert=32, sequence=2)
-    assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), mesh, SEQUENCE) == PartitionSpec(
+    mesh = _abstract(fsdp=64, expert=32)
+    assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), mesh, EXPERT) == PartitionSpec(
         "fsdp", None, "expert")
-    assert fitted_spec(("layers", "embed", "mlp"), (32, 7168, 100), mesh, SEQUENCE) == PartitionSpec(None, "fsdp", None)
-    assert fitted_spec(("embed", "heads"), (2048, 96), mesh, SEQUENCE) == PartitionSpec(("fsdp", "expert"), None)
+    assert fitted_spec(("layers", "embed", "mlp"), (32, 7168, 100), mesh, EXPERT) == PartitionSpec(None, "fsdp", None)
+    assert fitted_spec(("embed", "heads"), (2048, 96), mesh, EXPERT) == PartitionSpec(("fsdp", "expert"), None)
+    # K3 at a 1 M-token context (expert=16, sequence=256): embed = 7168 takes sequence, and expert,
+    # which no longer divides it, moves to head_dim; kv_b's kv_lora = 512 likewise.
+    long = _abstract(expert=16, sequence=256)
+    assert fitted_spec(("embed", "heads", "head_dim"), (7168, 96, 128), long, SEQUENCE) == PartitionSpec(
+        ("fsdp", "sequence"), None, "expert")
+    assert fitted_spec(("kv_lora", "heads", "head_dim"), (512, 96, 256), long, SEQUENCE) == PartitionSpec(
+        ("fsdp", "sequence"), None, "expert")

@@ -6,6 +6,7 @@ real-width version is ``slow``. Bad input (topology, mesh, fit) must read as one
 """
 
 import dataclasses
+import re
 
 import pytest
 
@@ -73,6 +74,67 @@ def test_decode_lowers_for_the_scanned_stack():
     lowered, _ = lower("decode", cfg, parse_mesh("data=2,expert=2", 4, "v5p"), topo.devices, Shape(batch=4, seq=256))
     stacked = [a for a in lowered.args_info[0][2].layers if isinstance(a, tuple)]
     assert stacked and stacked[0][0].state.shape[:2] == (scan_plan(cfg).runs[0].repeats, 4)
+
+
+def test_forward_splits_each_row_over_the_sequence_axis():
+    """``--step forward`` (a long prompt's prefill without its cache): the rows' tokens are split over
+    ``sequence``, so KDA hands its state across shards and MLA gathers the latent over that axis; the
+    program returns the last token's logits per row."""
+    cfg = dataclasses.replace(config.first_layers(dataclasses.replace(config.tiny(), vocab_size=512), 4),
+                              kda=dataclasses.replace(config.tiny().kda, implementation="pallas"))
+    topo = get_topology("v5p:2x2x1")
+    lowered, _ = lower("forward", cfg, parse_mesh("expert=2,sequence=2", 4, "v5p"), topo.devices,
+                          Shape(batch=2, seq=256))
+    assert lowered.out_info.shape == (2, 512)
+    text = lowered.compile().as_text()
+    assert "kda_chunk_fwd_tpu" in text and "kda_chunk_bwd_tpu" not in text  # no backward
+    # MLA's latent (16) and rope key (8) of one whole row, gathered over the sequence axis
+    whole_rows = re.findall(r"= bf16\[1,256,(\d+)\].* all-gather\(.*\{'sequence'\}, dimensions=\{1\}", text)
+    assert sorted(set(whole_rows)) == ["16", "8"], whole_rows
+
+
+def test_attn_res_block_buffer_keeps_the_token_split_between_runs():
+    """The scanned runs hand their ``[N, B, T, D]`` block buffer on through the static stream; left to
+    XLA's propagation the restacked buffer lost its split over ``sequence`` (K3 at 1 M tokens on
+    sequence=256: whole-length bf16[8,1,1048576,7168] buffers, 1.4 TiB per device in all)."""
+    import jax
+    import jax.numpy as jnp
+
+    import sharding
+    from k3jax.layers.attn_res import ResidualStream, StackedStream
+
+    mesh = sharding.make_mesh(expert=2, sequence=2, devices=get_topology("v5p:2x2x1").devices)
+    handoff = lambda x: StackedStream.of(ResidualStream(x, (x,), 4)).push_if(True).unstack(2).blocks
+    with sharding.use_mesh(mesh):
+        text = jax.jit(handoff).lower(jax.ShapeDtypeStruct((2, 64, 8), jnp.bfloat16)).as_text()
+    split = re.findall(r'sharding_constraint .*\[\{\}, \{"data", "fsdp", "expert"\}, \{"sequence"\}, \{\}\]> : '
+                       r"tensor<4x2x64x8xbf16>", text)
+    assert len(split) == 3, text  # restacked (of), written (push_if), restacked again (blocks)
+
+
+def test_attn_res_mix_backward_keeps_the_buffer_split_over_tokens():
+    """The stacked mix's ``dd = Σ (ℓ r)ᵀ v`` flattened the ``[N, B, T, D]`` buffer into rows, merging
+    the token axis split over ``sequence`` with the others: XLA gathered the buffer (K3 at 1 M tokens:
+    whole-length fp32 copies, 240 GB per device). Contracted in place, only ``dd`` is all-reduced."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import sharding
+    from k3jax.layers.attn_res import _mix_stacked
+
+    mesh = sharding.make_mesh(expert=2, sequence=2, devices=get_topology("v5p:2x2x1").devices)
+    N, B, T, D = 4, 2, 1024, 512
+    batch = ("data", "fsdp", "expert")
+    placed = lambda shape, *spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16 if spec else jnp.float32,
+                                                       sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+    mix = lambda buf, partial, d: jnp.sum(_mix_stacked(buf, jnp.int32(3), partial, d, 1e-6, jnp.dtype(jnp.float32)))
+    with sharding.use_mesh(mesh):
+        text = jax.jit(jax.grad(mix, argnums=(0, 2))).lower(
+            placed((N, B, T, D), None, batch, "sequence", None), placed((B, T, D), batch, "sequence", None),
+            placed((D,))).compile().as_text()
+    collectives = set(re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute)\(", text))
+    assert collectives == {("f32", "512", "all-reduce")}, collectives
 
 
 @pytest.mark.slow
