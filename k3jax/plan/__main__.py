@@ -131,6 +131,10 @@ def run(args):
     from pallas_kernels.target import compile_for
 
     topo = get_topology(args.topology)
+    if topo.needs_buffer_readout and not args.memory_only:
+        print(f"{args.topology}: several hosts, so memory comes from the buffer assignment (--memory-only; "
+              "jax's memory_analysis() counts a multi-host GPU program's arguments unsharded)", flush=True)
+        args.memory_only = True
     axes = parse_mesh(args.mesh, len(topo.devices), args.topology)
     cfg = build_config(args)
     shape = Shape(batch=args.batch or len(topo.devices), seq=args.seq, micro=args.micro, chunk=args.chunk,

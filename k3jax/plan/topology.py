@@ -61,6 +61,13 @@ class Topology:
     name: str
     chip: Chip
     devices: tuple
+    gpu_hosts: int = 0  # H200 hosts; 0 for a TPU slice
+
+    @property
+    def needs_buffer_readout(self) -> bool:
+        """Whether only the buffer assignment gives per-device memory: jax 0.11.2's
+        ``memory_analysis()`` of a multi-host GPU program counts its arguments unsharded."""
+        return self.gpu_hosts > 1
 
 
 def _bad_name(name: str) -> ValueError:
@@ -112,5 +119,5 @@ def get_topology(name: str) -> Topology:
         hosts, per_host = int(m.group(1)), int(m.group(2))
         if not (hosts >= 1 and 1 <= per_host <= 8):
             raise ValueError(f"topology={name!r}: an H200 host has 1 to 8 GPUs and there must be >= 1 host")
-        return Topology(name, CHIPS["h200"], _gpu_devices(name, hosts, per_host))
+        return Topology(name, CHIPS["h200"], _gpu_devices(name, hosts, per_host), gpu_hosts=hosts)
     raise _bad_name(name)

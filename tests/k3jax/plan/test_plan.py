@@ -301,3 +301,28 @@ def test_tpu_grouped_matmul_schedule_fits_smem_at_4m_rows():
     sizes = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=at)
     jax.jit(kernel_tpu.gmm).lower(lhs, rhs, sizes).compile()
     jax.jit(lambda a, d, g: kernel_tpu.tgmm(a, d, g, num_groups=e)).lower(lhs, lhs, sizes).compile()
+
+
+def test_multi_host_gpu_plans_read_memory_from_the_buffer_assignment(monkeypatch, capsys):
+    """jax 0.11.2's memory_analysis() counts a multi-host GPU program's arguments unsharded, so an
+    H200 cluster plan always reads the buffer assignment (a one-host plan and TPU slices need not)."""
+    from k3jax.plan import report, topology
+
+    tpu = get_topology("v5p:2x2x1")
+    assert not tpu.needs_buffer_readout
+    assert not dataclasses.replace(tpu, gpu_hosts=1).needs_buffer_readout
+    cluster = dataclasses.replace(tpu, name="h200:2x2", chip=CHIPS["h200"], gpu_hosts=2)
+    assert cluster.needs_buffer_readout
+
+    class Readout(Exception):
+        pass
+
+    def buffers_plan(*args, **kwargs):
+        raise Readout
+
+    monkeypatch.setattr(topology, "get_topology", lambda name: cluster)
+    monkeypatch.setattr(report, "buffers_plan", buffers_plan)
+    with pytest.raises(Readout):
+        main(["--preset", "tiny", "--topology", "h200:2x2", "--mesh", "data=4", "--step", "decode",
+              "--batch", "4", "--seq", "64", "--layers", "2"])
+    assert "buffer assignment" in capsys.readouterr().out
