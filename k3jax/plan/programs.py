@@ -170,16 +170,13 @@ def lower(step: str, cfg: ModelConfig, mesh_axes: tuple, devices, shape: Shape, 
     cached inference steps only."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r} must be one of {', '.join(EXPERTS)}")
+    if experts != "param" and step in ("train", "forward"):
+        raise ValueError(f"experts={experts!r} is an inference format (--step prefill or decode): the {step} "
+                         "step runs the experts in param_dtype (experts='param')")
     if step == "train":
-        if experts != "param":
-            raise ValueError(f"experts={experts!r} is an inference format (--step prefill or decode): the "
-                             "train step updates the experts in param_dtype (experts='param')")
         return lower_train(cfg, mesh_axes, devices, shape)
     if step in ("prefill", "decode"):
         return lower_infer(step, cfg, mesh_axes, devices, shape, experts)
     if step == "forward":
-        if experts != "param":
-            raise ValueError(f"experts={experts!r} is a format of the cached inference steps (--step prefill or "
-                             "decode): the forward runs the experts in param_dtype (experts='param')")
         return lower_forward(cfg, mesh_axes, devices, shape)
     raise ValueError(f"step={step!r} must be 'train', 'prefill', 'decode' or 'forward'")
