@@ -1,18 +1,20 @@
 """Context-parallel MLA attention (SPEC §3): the tokens of each row split over the ``sequence`` axis.
 
 Each shard all-gathers only the compressed latent ``[c_kv, k_rope]`` (576 values/token for K3)
-and the segment ids, expands ``[k_nope, v]`` for every head locally and attends with its own
-queries at their absolute positions. Backward, the all-gather transposes into a reduce-scatter of
-the latent's gradient: per-head keys never cross devices.
+and the segment ids and attends with its own queries at their absolute positions, expanding
+``[k_nope, v]`` for every head locally, a block of keys at a time. Backward, the all-gather
+transposes into a reduce-scatter of the latent's gradient: per-head keys never cross devices.
 
-Flash path (:mod:`pallas_kernels.mla_attention`, on a CUDA GPU for bf16/f16 latents or under the
-interpreter): the kernel takes the shard's query offset and skips the key blocks its queries
-cannot reach, so shard ``r`` of ``R`` works on ``r + 1`` of ``R`` key blocks. The zig-zag schedule
+Flash path (on a CUDA GPU for bf16/f16 latents, or under the interpreter): the Pallas flash
+kernels over the gathered latent a key chunk at a time, combined by log-sum-exp
+(:mod:`sharding.latent_flash`); chunks past the shard's last query are not visited, so shard ``r``
+of ``R`` works on ``r + 1`` of ``R`` shards' keys. The zig-zag schedule
 (``balanced``; Llama 3, arXiv:2407.21783 §3.3.2, which also all-gathers keys) evens that
 out: the sequence is cut into ``2R`` chunks, shard ``r`` holds chunks ``2r, 2r+1`` and computes
 chunks ``r`` and ``2R-1-r``, whose reach sums to the same ``2R+1`` chunks on every shard. Each
 half of the local queries goes to its computing shard by one ``ppermute`` and its output comes
-back by the inverse one; outputs are exactly the unsharded attention's rows.
+back by the inverse one; outputs are the unsharded attention's rows (to the rounding of the
+kernel's bf16 probabilities, which are scaled per chunk).
 
 XLA path (other dtypes or devices, TPU among them): the shard's queries over all keys key block by
 key block, each block's per-head keys expanded from the gathered latent (:mod:`sharding.latent_attention`),
@@ -30,10 +32,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.mla_attention import BlockSizes, mla_attention, resolve_implementation
+from pallas_kernels.mla_attention import BlockSizes, resolve_implementation
 from sharding.context import ParallelConfig
 from sharding.cp import _check_batch, _check_length, _require_ctx, _segments
 from sharding.latent_attention import latent_attention
+from sharding.latent_flash import latent_flash
 
 
 def zigzag_routes(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -51,25 +54,17 @@ def _gather(c, k_rope, seg, *, axis):
     return gather(c), gather(k_rope), gather(seg)
 
 
-def _gather_keys(c, k_rope, kv_b, seg, *, axis, nope_dim):
-    """All-gather the latent, rope key and segment ids; expand per-head ``k_nope, v`` locally."""
-    c_all, kr_all, seg_all = _gather(c, k_rope, seg, axis=axis)
-    kv = jnp.einsum("BSR,RHK->BSHK", c_all, kv_b.astype(c.dtype))  # [B, S, H, dn+dv]
-    return kv[..., :nope_dim], kr_all, kv[..., nope_dim:], seg_all
-
-
 def _flash_body(q, c, k_rope, kv_b, seg, *, axis, shards, batch_axes, scale, nope_dim, balanced, interpret,
                 blocks):
     Tl = q.shape[1]
-    dt = c.dtype  # the kernel's operand dtype (bf16/f16)
-    k_nope, k_r, v, seg_all = _gather_keys(c, k_rope.astype(dt), kv_b, seg, axis=axis, nope_dim=nope_dim)
+    dt = c.dtype  # the kernels' operand dtype (bf16/f16)
+    c_all, kr_all, seg_all = _gather(c, k_rope.astype(dt), seg, axis=axis)
     q = q.astype(dt)
 
     def attend(rows, start):
         q_seg = lax.dynamic_slice_in_dim(seg_all, start, rows.shape[1], axis=1)
-        return mla_attention(rows[..., :nope_dim], rows[..., nope_dim:], k_nope, k_r, v, q_seg,
-                             scale=scale, implementation="pallas", interpret=interpret, blocks=blocks,
-                             q_start=start, key_segment_ids=seg_all)
+        return latent_flash(rows, c_all, kr_all, kv_b.astype(dt), q_seg, seg_all, start, scale=scale,
+                            nope_dim=nope_dim, blocks=blocks, interpret=interpret)
 
     r = lax.axis_index(axis)
     if not balanced:

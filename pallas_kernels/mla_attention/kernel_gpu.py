@@ -236,8 +236,9 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
 
 def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B T H V"],
                    lse: Float[Array, "B H T"], delta: Float[Array, "B H T"], *, scale: float, blocks: BlockSizes,
-                   interpret: bool = False):
-    """``(dqn, dqr, dkn, dkr per head [B,S,H,R] f32, dv)``: the caller sums ``dkr`` over heads."""
+                   interpret: bool = False, dq_dtype=None):
+    """``(dqn, dqr, dkn, dkr per head [B,S,H,R] f32, dv)``: the caller sums ``dkr`` over heads.
+    ``dq_dtype`` (default ``qn``'s): ``float32`` for a caller that sums ``dq`` over several calls."""
     B, T, H, N = qn.shape
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
@@ -265,7 +266,8 @@ def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
                   whole["heads"](V), _whole(T)["seg"], whole["seg"], tile["heads"](V), tile["rows"], tile["rows"]],
         out_specs=[tile["heads"](N), tile["heads"](R)],
-        out_shape=[jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(qn.shape, dq_dtype or qn.dtype),
+                   jax.ShapeDtypeStruct(qr.shape, dq_dtype or qr.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dq",
     )(*operands)
     return dqn, dqr, dkn, dkr, dv

@@ -56,11 +56,13 @@ def resolve_implementation(implementation: str | None, dtype, interpret: bool = 
     return "xla"
 
 
-def _pow2_width(d: int) -> int:
+def pow2_width(d: int) -> int:
+    """The kernels' head width for ``d``: a power of two, at least 16."""
     return max(16, 1 << max(d - 1, 0).bit_length())
 
 
-def _pad(x, axis: int, size: int):
+def pad_axis(x, axis: int, size: int):
+    """``x`` zero-padded at the end of ``axis`` to ``size``."""
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
@@ -156,10 +158,10 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
     q_seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     k_seg = jnp.zeros((B, S), jnp.int32) if key_seg is None else key_seg.astype(jnp.int32)
     start = jnp.zeros((B,), jnp.int32) if q_start is None else jnp.broadcast_to(q_start, (B,)).astype(jnp.int32)
-    pad = lambda x, width, length: _pad(_pad(x, x.ndim - 1, width), 1, length)
-    o, row_max = _flash(pad(q_nope, _pow2_width(N), Tp), pad(q_rope, _pow2_width(R), Tp),
-                        pad(k_nope, _pow2_width(N), Sp), pad(k_rope, _pow2_width(R), Sp),
-                        pad(v, _pow2_width(V), Sp), _pad(q_seg, 1, Tp), _pad(k_seg, 1, Sp), start,
+    pad = lambda x, width, length: pad_axis(pad_axis(x, x.ndim - 1, width), 1, length)
+    o, row_max = _flash(pad(q_nope, pow2_width(N), Tp), pad(q_rope, pow2_width(R), Tp),
+                        pad(k_nope, pow2_width(N), Sp), pad(k_rope, pow2_width(R), Sp),
+                        pad(v, pow2_width(V), Sp), pad_axis(q_seg, 1, Tp), pad_axis(k_seg, 1, Sp), start,
                         float(scale), blocks, interpret)
     max_logit = jnp.max(jax.lax.stop_gradient(row_max)[:, :, :T], axis=(0, 2))
     return o[:, :T, :, :V], max_logit

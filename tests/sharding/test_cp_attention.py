@@ -1,8 +1,9 @@
 """Context-parallel MLA attention (sharding/cp_attention.py) on 8 fake CPU devices equals the unsharded op.
 
-The flash path (interpreted) must reproduce the unsharded flash kernel's rows exactly (same
-kernels, same key blocks per row) with and without the zig-zag schedule, and both the fp32
-reference within bf16 tolerances; the XLA path the reference to fp32 rounding. Lowered for CUDA,
+The flash path (interpreted) must reproduce the unsharded flash kernel's rows with and without the
+zig-zag schedule — its row maxima exactly (same tiles), its outputs to the rounding of the bf16
+probabilities, which the key-chunk loop scales by each chunk's maximum instead of the row's — and
+both the fp32 reference within bf16 tolerances; the XLA path the reference to fp32 rounding. Lowered for CUDA,
 the flash path runs the Triton kernels (two of each when balanced) and moves only the gathered
 latent, the query/output halves and their gradients. The MLA layer under a sequence mesh takes the
 flash path and reproduces the unsharded layer's output.
@@ -25,7 +26,7 @@ def results():
 @pytest.mark.parametrize("case", FLASH_CASES)
 def test_flash_path_equals_unsharded(results, case):
     r = results[case]
-    assert r["o_vs_flash"] <= F32_RTOL and r["max_logit_vs_flash"] <= F32_RTOL, r
+    assert r["o_vs_flash"] <= BF16_FWD_RTOL and r["max_logit_vs_flash"] <= F32_RTOL, r
     assert r["o_vs_ref"] <= BF16_FWD_RTOL and r["max_logit_vs_ref"] <= BF16_FWD_RTOL, r
     assert r["grad_vs_ref"] <= BF16_GRAD_RTOL, r
 
@@ -37,7 +38,7 @@ def test_xla_path_equals_reference(results):
 def test_mla_layer_runs_flash_under_context_parallel(results):
     r = results["mla_layer_seq4"]
     assert r["paths"] == ["pallas"], r
-    assert r["y"] <= F32_RTOL and r["max_logit"] <= F32_RTOL, r
+    assert r["y"] <= BF16_FWD_RTOL and r["max_logit"] <= F32_RTOL, r  # bf16 probabilities per key chunk
     # Parameter gradients also sum bf16 partials over the 8 token shards outside attention: the same
     # layer on a data × tensor mesh (no CP) differs from one device by 1.8e-2 too (q_a, kv_a).
     assert r["grads"] <= BF16_MODEL_RTOL, r

@@ -1,0 +1,84 @@
+"""Context parallel's flash path over the latent (sharding/latent_flash.py), interpreted, on one device.
+
+A shard's queries at an offset against all keys given as the latent, key chunk by key chunk:
+outputs, max_logit and the gradients of the queries, the latent, the rope key and ``kv_b``
+against the fp32 dense reference on the same bf16 operands, and against the single flash call on
+keys expanded whole. Cases: a chunk as long as the queries (context parallel's default), chunks
+shorter than the queries (query blocks lying wholly before a chunk run no key block there and must
+not poison the sum), rows padded up to the kernel's blocks, documents changing mid-chunk, and keys
+past the last query taking no gradient.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.mla_attention import mla_attention
+from pallas_kernels.mla_attention.reference import mla_attention_reference
+from sharding.latent_flash import key_chunk_for, latent_flash
+from tests.pallas_kernels.mla_attention.test_ops import SMALL_BLOCKS
+from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
+
+B, S, H, R, DR, DN, DV, SCALE = 2, 96, 2, 16, 8, 16, 16, 0.3
+
+
+def _inputs(T):
+    ks = jax.random.split(jax.random.PRNGKey(11), 4)
+    q = jax.random.normal(ks[0], (B, T, H, DN + DR)).astype(jnp.bfloat16)
+    c = jax.random.normal(ks[1], (B, S, R)).astype(jnp.bfloat16)
+    kr = jax.random.normal(ks[2], (B, S, DR)).astype(jnp.bfloat16)
+    kv_b = (0.3 * jax.random.normal(ks[3], (R, H, DN + DV))).astype(jnp.bfloat16)
+    s = jnp.arange(S)
+    seg = jnp.stack([(s >= 21) + (s >= 50) + (s >= 70), (s // 9) % 2]).astype(jnp.int32)
+    return (q, c, kr, kv_b), seg
+
+
+def _expanded(q_start, T, seg, implementation, dt):
+    def fn(q, c, kr, kv_b):
+        kv = jnp.einsum("BSR,RHK->BSHK", c.astype(dt), kv_b.astype(dt))
+        return mla_attention(q[..., :DN].astype(dt), q[..., DN:].astype(dt), kv[..., :DN], kr.astype(dt),
+                             kv[..., DN:], seg[:, q_start:q_start + T], scale=SCALE, implementation=implementation,
+                             interpret=True, blocks=SMALL_BLOCKS, q_start=q_start, key_segment_ids=seg)
+    return fn
+
+
+def _fwd_grad(fn, args):
+    (o, m), vjp = jax.vjp(fn, *args)
+    return (o, m), vjp((jnp.cos(3 * o.astype(jnp.float32)).astype(o.dtype), jnp.zeros_like(m)))
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("q_start,T,key_chunk", [(32, 32, 32), (64, 32, 8), (0, 24, 24), (48, 48, 16)])
+def test_chunked_flash_equals_the_reference(q_start, T, key_chunk):
+    args, seg = _inputs(T)
+    chunked = lambda *a: latent_flash(*a, seg[:, q_start:q_start + T], seg, jnp.int32(q_start), scale=SCALE,
+                                      nope_dim=DN, key_chunk=key_chunk, blocks=SMALL_BLOCKS, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        (o, m), grads = _fwd_grad(jax.jit(chunked), args)
+        (o_ref, m_ref), grads_ref = _fwd_grad(_expanded(q_start, T, seg, "xla", jnp.float32), [_f32(a) for a in args])
+        (o_one, m_one), _ = _fwd_grad(_expanded(q_start, T, seg, "pallas", jnp.bfloat16), args)
+    assert bool(jnp.all(jnp.isfinite(o))) and o.dtype == jnp.float32
+    assert rel_rmse(o, o_ref) <= BF16_FWD_RTOL and rel_rmse(m, m_ref) <= BF16_FWD_RTOL  # keys expanded in bf16
+    # The single call over whole expanded keys: the same tiles, bf16 probabilities scaled per chunk.
+    assert rel_rmse(o, o_one) <= BF16_FWD_RTOL and rel_rmse(m, m_one) <= F32_RTOL
+    for name, g, g_ref in zip(("q", "c", "k_rope", "kv_b"), grads, grads_ref):
+        assert g.dtype == args[("q", "c", "k_rope", "kv_b").index(name)].dtype
+        assert rel_rmse(_f32(g), g_ref) <= BF16_GRAD_RTOL, name
+    # keys past the last query take no gradient: their chunks are never visited
+    assert float(jnp.abs(_f32(grads[1][:, q_start + T:])).max(initial=0.0)) == 0.0
+
+
+def test_key_chunk_is_the_queries_up_to_the_cap():
+    assert key_chunk_for(4096) == 4096 and key_chunk_for(2048) == 2048  # K3 at 1 M tokens on 256 shards
+    assert key_chunk_for(65536) == 8192 and key_chunk_for(3 * 4096) == 4096
+    assert key_chunk_for(8193 * 2) == 16386  # no power-of-two divisor >= 128: one chunk
+
+
+@pytest.mark.unchecked
+def test_key_chunk_must_divide_the_queries_and_keys():
+    args, seg = _inputs(24)
+    with pytest.raises(ValueError, match="key_chunk=16 must divide the T=24 queries and the S=96 keys"):
+        latent_flash(*args, seg[:, :24], seg, 0, scale=SCALE, nope_dim=DN, key_chunk=16, interpret=True)
