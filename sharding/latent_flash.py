@@ -15,10 +15,12 @@ combined log-sum-exp and ``D = rowsum(dO ⊙ O)`` of the whole row — exactly t
 the gradients — re-expands each chunk, and takes the latent's and ``kv_b``'s gradients through the
 expansion; ``dq`` sums over chunks in fp32. Nothing of size ``S × H`` is saved or built.
 
-Chunks: ``key_chunk`` divides the queries' count ``T`` and their start ``q_start`` (context parallel:
-a multiple of ``T``) and the keys ``S``; a query block lying wholly before a chunk (``key_chunk <
-T``) runs no key block there and is dropped from that chunk's sum. Padded keys carry the segment
-id ``PAD_SEGMENT``, which no real token may use.
+Chunks: ``key_chunk`` divides the keys ``S`` and is a multiple of the queries' count ``T`` or a
+divisor of it, and the queries' start ``q_start`` is a multiple of the smaller of the two (context
+parallel: of ``T``), so no chunk starts inside the queries unless it is shorter than them. Then a
+query block lying wholly before a chunk runs no key block there and is dropped from that chunk's
+sum; keys of the last chunk past the last query are skipped by the kernel's causal loop bounds.
+Padded keys carry the segment id ``PAD_SEGMENT``, which no real token may use.
 
 :mod:`sharding.latent_attention` is the same computation in XLA (the TPU path) and this one's
 reference in the tests.
@@ -38,18 +40,23 @@ from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
 from pallas_kernels.mla_attention.ops import pad_axis, pow2_width
 
 PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)  # padded keys' document: no query's
-KEY_CHUNK_CAP = 8192  # keys per chunk: bf16[8192, 96, 256] expanded = 0.4 GB for K3
+KEY_CHUNK_CAP = 16384  # keys per chunk: bf16[16384, 96, 256] expanded = 0.8 GB for K3
 
 
-def key_chunk_for(queries: int) -> int:
-    """All ``queries`` up to ``KEY_CHUNK_CAP``; else their largest power-of-two divisor under the cap
-    (at least 128), else all of them."""
-    if queries <= KEY_CHUNK_CAP:
-        return queries
-    chunk = KEY_CHUNK_CAP
-    while chunk >= 128 and queries % chunk:
-        chunk //= 2
-    return chunk if chunk >= 128 else queries
+def key_chunk_for(queries: int, keys: int) -> int:
+    """Keys per kernel call: the largest multiple of ``queries`` up to ``KEY_CHUNK_CAP`` that divides
+    ``keys``; for more queries than the cap, their largest power-of-two divisor under it (at least
+    128), else all of them. Longer chunks mean fewer, fuller kernel calls (H200, K3 width, 2048
+    queries over 64 K keys: see benchmarks/RESULTS.md)."""
+    if queries > KEY_CHUNK_CAP:
+        chunk = KEY_CHUNK_CAP
+        while chunk >= 128 and queries % chunk:
+            chunk //= 2
+        return chunk if chunk >= 128 else queries
+    multiple = KEY_CHUNK_CAP // queries
+    while multiple > 1 and keys % (multiple * queries):
+        multiple -= 1
+    return multiple * queries
 
 
 def _padded(blocks: BlockSizes, n: int, keys: bool) -> int:
@@ -79,7 +86,8 @@ def _chunk(c, k_rope, kv_b, k_seg, j, *, key_chunk, nope_dim, blocks):
 
 
 def _trip_count(q_start, queries: int, key_chunk: int):
-    return (q_start + queries) // key_chunk
+    """Chunks up to the one holding the last query (``q_start`` is a multiple of ``key_chunk`` or of ``queries``)."""
+    return (q_start + queries + key_chunk - 1) // key_chunk
 
 
 def _forward(args, statics):
@@ -166,14 +174,16 @@ def latent_flash(q: Float[Array, "B T H Dq"], c: Float[Array, "B S R"], k_rope: 
     kernels; returns ``(o [B,T,H,dv] fp32, max_logit [H])``, ``max_logit`` under ``stop_gradient``.
 
     ``q = [q_nope, q_rope]``, ``c``, ``k_rope`` and ``kv_b`` in the kernels' dtype (bf16/f16);
-    ``key_chunk`` (default :func:`key_chunk_for`) must divide ``T`` and ``S``, and ``q_start`` must be a
-    multiple of it; every query must see at least itself (``q_segment_ids[t] == key_segment_ids[q_start + t]``).
+    ``key_chunk`` (default :func:`key_chunk_for`) must divide ``S`` and divide ``T`` or be a multiple of
+    it; ``q_start`` must be a multiple of ``min(key_chunk, T)``; every query must see at least itself
+    (``q_segment_ids[t] == key_segment_ids[q_start + t]``).
     """
     B, T, H, _ = q.shape
     S = c.shape[1]
-    key_chunk = key_chunk_for(T) if key_chunk is None else key_chunk
-    if T % key_chunk or S % key_chunk:
-        raise ValueError(f"latent_flash: key_chunk={key_chunk} must divide the T={T} queries and the S={S} keys")
+    key_chunk = key_chunk_for(T, S) if key_chunk is None else key_chunk
+    if S % key_chunk or (T % key_chunk and key_chunk % T):
+        raise ValueError(f"latent_flash: key_chunk={key_chunk} must divide the S={S} keys and divide the T={T} "
+                         "queries or be a multiple of them")
     blocks = (blocks or BlockSizes()).clipped(T, key_chunk)
     statics = (key_chunk, nope_dim, float(scale), blocks, interpret)
     o, row_max = _attention(q, c, k_rope, kv_b, q_segment_ids.astype(jnp.int32), key_segment_ids.astype(jnp.int32),

@@ -3,8 +3,8 @@
 A shard's queries at an offset against all keys given as the latent, key chunk by key chunk:
 outputs, max_logit and the gradients of the queries, the latent, the rope key and ``kv_b``
 against the fp32 dense reference on the same bf16 operands, and against the single flash call on
-keys expanded whole. Cases: a chunk as long as the queries (context parallel's default), chunks
-shorter than the queries (query blocks lying wholly before a chunk run no key block there and must
+keys expanded whole. Cases: a chunk as long as the queries, chunks several times as long (context
+parallel's default; the last one reaching past the queries), chunks shorter than the queries (query blocks lying wholly before a chunk run no key block there and must
 not poison the sum), rows padded up to the kernel's blocks, documents changing mid-chunk, and keys
 past the last query taking no gradient.
 """
@@ -51,7 +51,8 @@ def _f32(x):
     return x.astype(jnp.float32)
 
 
-@pytest.mark.parametrize("q_start,T,key_chunk", [(32, 32, 32), (64, 32, 8), (0, 24, 24), (48, 48, 16)])
+@pytest.mark.parametrize("q_start,T,key_chunk", [(32, 32, 32), (64, 32, 8), (0, 24, 24), (48, 48, 16), (32, 16, 48),
+                                                 (64, 32, 96)])
 def test_chunked_flash_equals_the_reference(q_start, T, key_chunk):
     args, seg = _inputs(T)
     chunked = lambda *a: latent_flash(*a, seg[:, q_start:q_start + T], seg, jnp.int32(q_start), scale=SCALE,
@@ -71,14 +72,16 @@ def test_chunked_flash_equals_the_reference(q_start, T, key_chunk):
     assert float(jnp.abs(_f32(grads[1][:, q_start + T:])).max(initial=0.0)) == 0.0
 
 
-def test_key_chunk_is_the_queries_up_to_the_cap():
-    assert key_chunk_for(4096) == 4096 and key_chunk_for(2048) == 2048  # K3 at 1 M tokens on 256 shards
-    assert key_chunk_for(65536) == 8192 and key_chunk_for(3 * 4096) == 4096
-    assert key_chunk_for(8193 * 2) == 16386  # no power-of-two divisor >= 128: one chunk
+def test_key_chunk_is_the_longest_multiple_of_the_queries_under_the_cap():
+    assert key_chunk_for(2048, 1 << 20) == 16384 and key_chunk_for(4096, 1 << 20) == 16384  # K3, 1 M tokens
+    assert key_chunk_for(3072, 3 * 4096) == 12288 and key_chunk_for(3000, 9000) == 9000
+    assert key_chunk_for(3000, 3000 * 7) == 3000 and key_chunk_for(12288, 1 << 20) == 12288  # caller's check
+    assert key_chunk_for(65536, 1 << 20) == 16384 and key_chunk_for(3 * 8192, 1 << 20) == 8192
+    assert key_chunk_for(16386, 16386 * 2) == 16386  # no power-of-two divisor >= 128: one chunk
 
 
 @pytest.mark.unchecked
 def test_key_chunk_must_divide_the_queries_and_keys():
     args, seg = _inputs(24)
-    with pytest.raises(ValueError, match="key_chunk=16 must divide the T=24 queries and the S=96 keys"):
+    with pytest.raises(ValueError, match="key_chunk=16 must divide the S=96 keys and divide the T=24 queries or"):
         latent_flash(*args, seg[:, :24], seg, 0, scale=SCALE, nope_dim=DN, key_chunk=16, interpret=True)
