@@ -3,8 +3,8 @@ whole expanded keys.
 
 A shard of context parallel's flash path (``sharding.cp_attention``) holds ``--queries`` queries
 at the end of a row of ``S`` keys (the last shard: the most keys to reach) and the row's gathered
-latent ``[c, k_rope]`` (``--key-chunks``: also other chunk lengths). Two ways to attend (K3: 96 heads, latent 512, nope 128, rope 64, v 128,
-bf16):
+latent ``[c, k_rope]``. Two ways to attend (K3: 96 heads, latent 512, nope 128, rope 64, v 128,
+bf16; ``--key-chunks`` also times the chunked path at other chunk lengths):
 
 - ``chunked`` (the path): ``sharding.latent_flash.latent_flash``, the flash kernels over key
   chunks expanded one at a time, combined by log-sum-exp;
@@ -98,7 +98,8 @@ def main():
         pairs = T * (S - T) + T * (T + 1) / 2
         flops = {"fwd": 2 * pairs * H * (DN + DR + DV), "fwd_bwd": 2 * pairs * H * (DN + DR + DV) * 3.5}
         ways = {"chunked": chunked} | ({"whole": whole} if S <= a.whole_max else {})
-        ways |= {f"chunked{k}": functools.partial(chunked, key_chunk=int(k)) for k in filter(None, a.key_chunks.split(","))}
+        for k in filter(None, a.key_chunks.split(",")):
+            ways[f"chunked{k}"] = functools.partial(chunked, key_chunk=int(k))
         row = {"S": S, "T": T}
         outs = {}
         for name, fn in ways.items():

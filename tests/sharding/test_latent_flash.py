@@ -4,9 +4,10 @@ A shard's queries at an offset against all keys given as the latent, key chunk b
 outputs, max_logit and the gradients of the queries, the latent, the rope key and ``kv_b``
 against the fp32 dense reference on the same bf16 operands, and against the single flash call on
 keys expanded whole. Cases: a chunk as long as the queries, chunks several times as long (context
-parallel's default; the last one reaching past the queries), chunks shorter than the queries (query blocks lying wholly before a chunk run no key block there and must
-not poison the sum), rows padded up to the kernel's blocks, documents changing mid-chunk, and keys
-past the last query taking no gradient.
+parallel's default; the last one reaching past the queries), chunks shorter than the queries
+(query blocks lying wholly before a chunk run no key block there and must not poison the sum),
+rows padded up to the kernel's blocks, documents changing mid-chunk, and keys past the last query
+taking no gradient.
 """
 
 import jax
