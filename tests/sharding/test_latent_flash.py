@@ -86,3 +86,32 @@ def test_key_chunk_must_divide_the_queries_and_keys():
     args, seg = _inputs(24)
     with pytest.raises(ValueError, match="key_chunk=16 must divide the S=96 keys and divide the T=24 queries or"):
         latent_flash(*args, seg[:, :24], seg, 0, scale=SCALE, nope_dim=DN, key_chunk=16, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_chunk", [None, 128])
+def test_chunked_flash_on_the_gpu_equals_one_call_over_whole_keys(key_chunk):
+    """Compiled Triton kernels (no interpreter): 8 heads, 256 queries at the end of 2048 keys."""
+    T, S_, heads = 256, 2048, 8
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    bf = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)
+    q, c, kr = bf(ks[0], (1, T, heads, 192)), bf(ks[1], (1, S_, 512)), bf(ks[2], (1, S_, 64))
+    kv_b = bf(ks[3], (512, heads, 256), 512 ** -0.5)
+    seg = (jnp.arange(S_)[None] >= 700).astype(jnp.int32)
+    scale = 192 ** -0.5
+
+    def chunked(q, c, kr, kv_b):
+        return latent_flash(q, c, kr, kv_b, seg[:, S_ - T:], seg, S_ - T, scale=scale, nope_dim=128,
+                            key_chunk=key_chunk)
+
+    def whole(q, c, kr, kv_b):
+        kv = jnp.einsum("BSR,RHK->BSHK", c, kv_b)
+        return mla_attention(q[..., :128], q[..., 128:], kv[..., :128], kr, kv[..., 128:], seg[:, S_ - T:],
+                             scale=scale, implementation="pallas", q_start=S_ - T, key_segment_ids=seg)
+
+    args = (q, c, kr, kv_b)
+    (o, m), g = _fwd_grad(jax.jit(chunked), args)
+    (o_w, m_w), g_w = _fwd_grad(jax.jit(whole), args)
+    assert rel_rmse(o, o_w) <= BF16_FWD_RTOL and rel_rmse(m, m_w) <= F32_RTOL
+    for a, b in zip(g, g_w):
+        assert rel_rmse(_f32(a), _f32(b)) <= BF16_GRAD_RTOL
