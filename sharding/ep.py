@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.activations import split_gated_activation
 from pallas_kernels.moe.dispatch import invert_permutation, permute
 from pallas_kernels.moe.ops import grouped_matmul
 from pallas_kernels.moe.reference import accum_dtype
@@ -121,7 +121,10 @@ def _local_experts(x, ids, w1, w3, w2, *, act, gmm):
     return y.reshape(m, kk, -1), jnp.sum(group_sizes)
 
 
+@jax.checkpoint
 def _weighted_sum(y, weights):
+    """``Σ_k weights · y`` in the accumulation dtype; the backward recomputes the wide copy of ``y``
+    from ``y`` itself (autodiff saved it: an fp32 ``[N, k, L]`` per layer, per repetition when scanned)."""
     dt = accum_dtype(y.dtype)
     return jnp.einsum("NkL,Nk->NL", y.astype(dt), weights.astype(dt))
 
@@ -339,7 +342,7 @@ STATS = ("ep_overflow", "ep_dropped", "ep_received_max_mean")
 
 def expert_fns(activation: str, situ_beta: float, situ_linear_beta: float, implementation: str | None):
     """``(act, gmm)``: the gated activation and the grouped matmul the local experts run."""
-    act = functools.partial(gated_activation, activation=activation, situ_beta=situ_beta,
+    act = functools.partial(split_gated_activation, activation=activation, situ_beta=situ_beta,
                             situ_linear_beta=situ_linear_beta)
     return act, functools.partial(grouped_matmul, implementation=implementation)
 

@@ -192,7 +192,9 @@ class KDA(nn.Module):
         H, K = c.num_heads, c.head_dim
         head_proj = lambda name: proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), name)
         xs = [head_proj(f"{n}_proj")(x) for n in "qkv"]
-        if cache is None and parallel_context() is None:
+        # training without a split sequence, on a mesh or not: the custom VJP that saves only the bf16 inputs
+        # (autodiff of the conv path keeps fp32 shifted inputs and SiLU terms: stacked per repetition when scanned)
+        if cache is None and (parallel_context() is None or not parallel_context().sequence_parallel):
             ws = [self._conv_weight(f"{n}_conv") for n in "qkv"]
             q, k, v = short_conv_qkv(xs, ws, segment_ids, wide_dtype=cfg.fp32_dtype,
                                      out_dtype=cfg.compute_dtype)

@@ -2,7 +2,8 @@
 
 By default a 3-layer cut of tiny() (KDA + dense, KDA + MoE, MLA + MoE: every layer kind, two
 AttnRes blocks) on the two meshes that shard all of data, expert and sequence (one with 4 sequence
-shards: the KDA state hops across several). ``--all``: the 6-layer tiny() on all four meshes.
+shards: the KDA state hops across several), and on data2_expert4 (no sequence split: KDA's short conv
+takes ``short_convs``, partitioned by XLA). ``--all``: the 6-layer tiny() on all four meshes.
 """
 
 import dataclasses
@@ -22,7 +23,7 @@ from tests.sharding.multidevice import emit  # noqa: E402
 from tests.tolerances import rel_rmse  # noqa: E402
 
 B, T = 8, 64
-FAST_MESHES = ("data2_expert2_seq2", "seq4_expert2")
+FAST_MESHES = ("data2_expert2_seq2", "seq4_expert2", "data2_expert4")
 MESHES = {
     "data8": dict(data=8),
     "data2_expert4": dict(data=2, expert=4),

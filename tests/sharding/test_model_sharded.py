@@ -2,10 +2,11 @@
 single-device result; sharded init equals plain init.
 
 The default run takes a 3-layer cut of tiny() on the two meshes that shard every axis
-(data2_expert2_seq2, seq4_expert2; every layer kind, two AttnRes blocks); ``-m slow`` runs the
-6-layer tiny() on all four meshes. What only the slow run adds: pure data parallelism over 8 (data8,
-a special case of the data axis both fast meshes shard) and 4 expert shards (data2_expert4; the fast
-meshes have 2). Sharded init on data2_expert4 stays in the default run.
+(data2_expert2_seq2, seq4_expert2; every layer kind, two AttnRes blocks) and on data2_expert4 (4
+expert shards, and no sequence split, where KDA's short conv takes ``short_convs`` instead of the
+context-parallel conv); ``-m slow`` runs the 6-layer tiny() on all four meshes. What only the slow
+run adds: pure data parallelism over 8 (data8, a special case of the data axis the fast meshes shard).
+Sharded init on data2_expert4 stays in the default run.
 """
 
 import pytest
@@ -13,8 +14,8 @@ import pytest
 from tests.sharding.multidevice import run_worker
 from tests.tolerances import F32_RTOL
 
-FAST_MESHES = ["data2_expert2_seq2", "seq4_expert2"]
-ALL_MESHES = ["data8", "data2_expert4", *FAST_MESHES]
+FAST_MESHES = ["data2_expert2_seq2", "seq4_expert2", "data2_expert4"]
+ALL_MESHES = ["data8", *FAST_MESHES]
 
 
 @pytest.fixture(scope="module")
