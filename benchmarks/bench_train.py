@@ -37,17 +37,6 @@ def _staged(name, jitted, *args):
     return compiled, t3 - t0
 
 
-def _uninitialised_scan_outputs() -> None:
-    """Measurement switch: ``lax.scan`` allocates its stacked outputs uninitialised (``lax.empty``,
-    XLA's ``AllocateBuffer`` on a GPU) instead of zero-filling them first. jax 0.11.2's
-    ``loops._empty_array`` broadcasts a zero (its own TODO names ``lax.empty``); every repetition
-    overwrites its row, so the zeros are never read. small()'s H200 step zero-fills 45.8 GB this way
-    (the scanned runs' saved residuals); with the switch, 3.5 GB."""
-    from jax._src.lax.control_flow import loops
-
-    loops._empty_array = lambda prefix, length_spec, aval: jax.lax.empty((*prefix, *aval.shape), aval.dtype)
-
-
 def _print_profile(directory: str, top: int = 40, by_op: bool = False) -> None:
     """The traced steps' time per kernel on the device (all threads on a CPU), largest first; with
     ``by_op`` also per JAX name-stack prefix (``tf_op``), which says which layer and op a fusion is."""
@@ -80,13 +69,9 @@ def main() -> None:
     p.add_argument("--profile-ops", action="store_true",
                    help="with --profile: turn off XLA's CUDA command buffers so every kernel carries its HLO "
                         "op and JAX name stack, and also print the time per name-stack prefix")
-    p.add_argument("--uninitialised-scan-outputs", action="store_true",
-                   help="an experiment: scans allocate their stacked outputs without zero-filling them")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig override, e.g. model.moe.implementation=xla")
     a = p.parse_args()
-    if a.uninitialised_scan_outputs:
-        _uninitialised_scan_outputs()
     if a.profile_ops:  # read when the backend starts, i.e. before the first computation below
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     cfg = TrainConfig(model=preset(a.model), batch_size=a.batch, seq_len=a.seq, micro_batches=a.micro,
