@@ -4,10 +4,11 @@ A scan writes every residual autodiff names as a stacked loop output, one copy p
 unrolled program's backward fusions recompute cheap fp32 terms from their bf16 sources instead. On a
 mesh the MoE runs through ``sharding.ep`` and the KDA short conv through its context-parallel path,
 whose plain autodiff kept fp32 terms (SiTU-GLU's seven ``[T·k, F]`` intermediates, the conv's shifted
-inputs, sums and SiLU pieces): small()'s H200 step stacked 99 GB of residuals, over the memory limit,
-so XLA's rematerialisation recomputed the head. The mesh paths now take the custom VJPs of the
-one-device paths (``split_gated_activation``; ``short_convs`` when the sequence is not split), so a
-one-device mesh saves what no mesh saves, with no fp32 value of either op among the stacked residuals.
+inputs, sums and SiLU pieces, ``ep._weighted_sum``'s fp32 copy of y): small()'s H200 step stacked
+99 GB of residuals, over the memory limit, so XLA's rematerialisation recomputed the head (38.7 GB
+now, nothing recomputed). The mesh paths now take the custom VJPs of the one-device paths
+(``split_gated_activation``; ``short_convs`` when the sequence is not split), so a one-device mesh
+saves what no mesh saves, with no fp32 value of either op among the stacked residuals.
 """
 
 import flax.linen as nn
