@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.bench_attention import time_ms
 from pallas_kernels.mla_attention import mla_attention
 from sharding.latent_flash import latent_flash
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
@@ -67,16 +66,6 @@ def programs(fn, w):
     fwd = jax.jit(lambda *a: fn(*a)[0])
     loss = lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * w)
     return fwd, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-
-
-def time_ms(fn, args, iters):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def temp_gb(fn, args):
