@@ -37,9 +37,17 @@ RENORM_EPS = 1e-20
 
 
 def route(scores: Float[Array, "T E"], bias: Float[Array, "E"], top_k: int, *, renormalize: bool,
-          scaling: float) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
-    """Expert ids by the biased scores; weights from the unbiased ones (DeepSeek-V3 noaux_tc)."""
-    ids, _ = balance.biased_topk(scores, jax.lax.stop_gradient(bias), top_k)  # [T, k]
+          scaling: float, with_stats: bool = True) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    """Expert ids by the biased scores; weights from the unbiased ones (DeepSeek-V3 noaux_tc).
+
+    ``with_stats``: the balance statistics are computed beside the route, so the ids come from their
+    top-(k+1) call (one TopK for both); without them (a decode step) from a top-k of their own, with
+    no barrier to copy the ids out of it."""
+    bias = jax.lax.stop_gradient(bias)
+    if with_stats:
+        ids, _ = balance.biased_topk(scores, bias, top_k)  # [T, k]
+    else:
+        ids = jax.lax.top_k(scores + bias, top_k)[1]
     weights = jnp.take_along_axis(scores, ids, axis=-1)  # [T, k]
     if renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + RENORM_EPS)
@@ -53,7 +61,8 @@ def _route_and_stats(cfg: ModelConfig, scores, bias, with_stats: bool, token_axe
         stats = balance.step_statistics(cfg.balance, jax.lax.stop_gradient(scores), bias, m.top_k)
         if token_axes:  # counts add over the devices' tokens; margins stay per token
             stats = {n: v if n == "margins" else jax.lax.psum(v, token_axes) for n, v in stats.items()}
-    ids, weights = route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+    ids, weights = route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor,
+                         with_stats=with_stats)
     return ids, weights, stats
 
 
@@ -105,7 +114,9 @@ class MoE(nn.Module):
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
-        with_stats = not self.is_initializing()  # variables hold params and balance only
+        # variables hold params and balance only; sown into an immutable collection (decode), the
+        # statistics would be computed and dropped
+        with_stats = not self.is_initializing() and self.is_mutable_collection("stats")
         ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
         for name, value in stats.items():
             self.sow("stats", name, value)
