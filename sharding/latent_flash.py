@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.mla_attention import kernel_gpu
 from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
-from pallas_kernels.mla_attention.ops import pad_axis, pow2_width
+from pallas_kernels.mla_attention.ops import pad_axis, padded_length, pow2_width
 
 PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)  # padded keys' document: no query's
 KEY_CHUNK_CAP = 16384  # keys per chunk: bf16[16384, 96, 256] expanded = 0.8 GB for K3
@@ -59,14 +59,9 @@ def key_chunk_for(queries: int, keys: int) -> int:
     return multiple * queries
 
 
-def _padded(blocks: BlockSizes, n: int, keys: bool) -> int:
-    step = max(blocks.key_blocks if keys else blocks.query_blocks)
-    return -(-n // step) * step
-
-
 def _queries(q, q_seg, nope_dim, blocks):
     """``q_nope, q_rope`` and segment ids padded for the kernels: power-of-two widths, block rows."""
-    Tp = _padded(blocks, q.shape[1], keys=False)
+    Tp = padded_length(blocks, q.shape[1], keys=False)
     pad = lambda x, width: pad_axis(pad_axis(x, 3, width), 1, Tp)
     qn, qr = q[..., :nope_dim], q[..., nope_dim:]
     return pad(qn, pow2_width(qn.shape[-1])), pad(qr, pow2_width(qr.shape[-1])), pad_axis(q_seg, 1, Tp)
@@ -77,7 +72,7 @@ def _chunk(c, k_rope, kv_b, k_seg, j, *, key_chunk, nope_dim, blocks):
     sl = lambda x: lax.dynamic_slice_in_dim(x, j * key_chunk, key_chunk, axis=1)
     c_j, kr_j, seg_j = sl(c), sl(k_rope), sl(k_seg)
     kv = jnp.einsum("BSR,RHK->BSHK", c_j, kv_b.astype(c.dtype))
-    Kp = _padded(blocks, key_chunk, keys=True)
+    Kp = padded_length(blocks, key_chunk, keys=True)
     pad = lambda x, width: pad_axis(pad_axis(x, x.ndim - 1, width), 1, Kp)
     kn, v = kv[..., :nope_dim], kv[..., nope_dim:]
     seg_p = jnp.pad(seg_j, ((0, 0), (0, Kp - key_chunk)), constant_values=PAD_SEGMENT)

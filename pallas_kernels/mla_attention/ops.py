@@ -61,6 +61,12 @@ def pow2_width(d: int) -> int:
     return max(16, 1 << max(d - 1, 0).bit_length())
 
 
+def padded_length(blocks: BlockSizes, n: int, *, keys: bool) -> int:
+    """``n`` query (or key) rows rounded up to a multiple of every kernel's query (key) block."""
+    step = max(blocks.key_blocks if keys else blocks.query_blocks)
+    return -(-n // step) * step
+
+
 def pad_axis(x, axis: int, size: int):
     """``x`` zero-padded at the end of ``axis`` to ``size``."""
     if x.shape[axis] == size:
@@ -151,8 +157,7 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
                                                key_segment_ids=key_seg)
         return o, jax.lax.stop_gradient(max_logit)
     blocks = (blocks or BlockSizes()).clipped(T, S)
-    Tp = -(-T // max(blocks.query_blocks)) * max(blocks.query_blocks)
-    Sp = -(-S // max(blocks.key_blocks)) * max(blocks.key_blocks)
+    Tp, Sp = padded_length(blocks, T, keys=False), padded_length(blocks, S, keys=True)
     if q_start is None:  # self-attention: one padded length for both
         Tp = Sp = max(Tp, Sp)
     q_seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
