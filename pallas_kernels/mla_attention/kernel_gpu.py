@@ -59,7 +59,7 @@ class BlockSizes:
     num_warps: int = 8
     num_stages: int = 3
     num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
+    num_stages_bwd: int = 3  # 2 is 7-10 % slower fwd+bwd on the H200 (RESULTS.md, stop 34)
 
     @property
     def blocks(self) -> tuple[int, ...]:

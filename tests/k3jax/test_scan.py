@@ -42,7 +42,7 @@ THREE_RUNS = dataclasses.replace(config.tiny(), num_layers=9, mla_layers=(3, 7, 
     ("kimi_k3", [(1, 4, 22), (89, 1, 2), (91, 1, 2)], 7), ("kimi_k2", [(1, 1, 60)], 2),
     ("kimi_linear_48b", [(1, 4, 6)], 7), ("small", [(1, 4, 2), (9, 1, 2)], 7), ("tiny", [(2, 2, 2)], 4)])
 def test_preset_plans(name, runs, traced):
-    cfg = config.preset(name)
+    cfg = dataclasses.replace(config.preset(name), scan_layers=True)  # small() is unrolled by default
     plan = scan_plan(cfg)
     assert plan == ScanPlan(tuple(ScanRun(*r) for r in runs), cfg.num_layers) and plan.traced == traced
     assert scan_plan(unrolled(cfg)) is None
