@@ -93,7 +93,8 @@ def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
                               inputs)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        return step.lower(*inputs).compile().as_text()
+        with jax.default_device(device):  # Pallas-Triton kernels (MLA flash) read their target from it
+            return step.lower(*inputs).compile().as_text()
 
 
 def report(rows: list[dict], bandwidth: float, top: int) -> None:
