@@ -6,9 +6,11 @@ the time that traffic takes at ``--bandwidth`` bytes/s, largest first.
     PYTHONPATH=$PWD:/path/to/cuda/plugin JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \\
         python3 benchmarks/layer_glue.py --kinds kda,mla --tokens 8192 --top 40 --hlo /tmp/layer
 
-Bytes are an upper bound on the traffic (a broadcast operand is counted once at its own size, a
-fusion that reads a slice of an operand is counted at the operand's full size), so the table ranks
-the glue; the profile's device time is the measurement. ``--from-hlo`` re-reads a written HLO file.
+Bytes are the operands' and outputs' sizes: an upper bound on the traffic where a fusion reads only
+part of an operand (a plain slice fusion is counted at the bytes it writes, twice), so the table
+ranks the glue; the profile's device time is the measurement. GEMMs are cuBLAS calls only under
+``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (the H200 profile's choice: nvjet kernels); the
+device-less default keeps them as Triton fusions that absorb their elementwise neighbours. ``--from-hlo`` re-reads a written HLO file.
 """
 
 from __future__ import annotations
@@ -66,10 +68,13 @@ def glue(text: str) -> list[dict]:
                 continue
             else:
                 kind = _kind(op, rest, comps)
-                if kind == "gemm" or kind.startswith("custom-call"):
-                    continue
+                body = comps.get(m.group(1), []) if (m := re.search(r"calls=%([\w.-]+)", rest)) else []
+                if kind == "gemm" or kind.startswith("custom-call") or any(o == "custom-call" for _, o, _, _ in body):
+                    continue  # GEMMs, kernels, and fusions around them (a cuBLAS call in a dynamic-slice fusion)
                 operands = re.findall(r"%([\w.-]+)", _operands(rest))
                 out_b, in_b = shape_bytes(shape), sum(shape_bytes(shapes.get(o, "")) for o in operands)
+                if body and {o for _, o, _, _ in body} <= {"parameter", "slice", "bitcast"}:
+                    in_b = out_b  # a slice reads only what it writes
                 op_name = re.search(r'op_name="([^"]*)"', rest)
                 rows.append({"name": inst, "kind": kind, "count": weight, "out": shape, "bytes": weight * (out_b + in_b),
                              "operands": ", ".join(shapes.get(o, "?") for o in operands), "op_name": op_name.group(1) if op_name else ""})
