@@ -115,7 +115,7 @@ packed_gated_activation.defvjp(_packed_fwd, _packed_bwd)
 
 def split_gated_activation(
     g: Float[Array, "*B F"],
-    u: Float[Array, "*B F"],
+    u: Float[Array, "..."],  # g's shape: checked below, with the ValueError the other activations raise
     activation: str,
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
