@@ -212,7 +212,8 @@ def moe_ffn(
     fuses into a cast of wider stored weights) and splits the weight gradient; "split" (Pallas
     paths) runs the two products apart and gives the backward the packed operands only where it
     needs them (``_gate_up_pallas``): for weights already in the compute dtype, one stack-sized
-    copy per fwd+bwd instead of three, none in a forward alone. Same values either way.
+    copy per fwd+bwd instead of two (three when the forward is rematerialised), none in a forward
+    alone. Same values either way (``tests/pallas_kernels/moe/test_gate_up.py``).
     """
     if gate_up not in ("packed", "split"):
         raise ValueError(f"gate_up must be 'packed' or 'split', got {gate_up!r}")
@@ -223,8 +224,8 @@ def moe_ffn(
     with jax.named_scope("moe_permute"):
         xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
     with jax.named_scope("moe_experts"):
-        # gate and up as one product of width 2F: one kernel each way, and the backward's two
-        # input gradients come out of one dlhs product already summed
+        # packed: gate and up as one product of width 2F, one kernel each way; split: two forward
+        # products; either way the backward's two input gradients come out of one dlhs product
         path = resolve_implementation(implementation, interpret, kernel_backend, xs.dtype)
         if gate_up == "split" and path in ("gpu", "tpu"):
             g, u = _gate_up_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
