@@ -1,16 +1,19 @@
 """The XLA glue of ``bench_layer.py``'s fwd+bwd step, read from the optimized HLO of a device-less H200
 compile (no GPU): every fusion / copy / reduction that is neither a GEMM nor a custom call (cuBLAS,
-the Pallas kernels), with the bytes it reads and writes (its operands' and its output's shapes, operands named by instruction) and
-the time that traffic takes at ``--bandwidth`` bytes/s, largest first.
+the Pallas kernels), with the bytes it reads and writes (its operands' shapes, looked up by
+instruction name, and its output's) and the time that traffic takes at ``--bandwidth`` bytes/s,
+largest first.
 
-    PYTHONPATH=$PWD:/path/to/cuda/plugin JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \\
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=$PWD:/path/to/cuda/plugin \\
+        JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \\
         python3 benchmarks/layer_glue.py --kinds kda,mla --tokens 8192 --top 40 --hlo /tmp/layer
 
 Bytes are the operands' and outputs' sizes: an upper bound on the traffic where a fusion reads only
 part of an operand (a plain slice fusion is counted at the bytes it writes, twice), so the table
 ranks the glue; the profile's device time is the measurement. GEMMs are cuBLAS calls only under
 ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (the H200 profile's choice: nvjet kernels); the
-device-less default keeps them as Triton fusions that absorb their elementwise neighbours. ``--from-hlo`` re-reads a written HLO file.
+device-less default keeps them as Triton fusions that absorb their elementwise neighbours.
+``--from-hlo`` re-reads HLO files written by ``--hlo``.
 """
 
 from __future__ import annotations
