@@ -146,12 +146,15 @@ class MoE(nn.Module):
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
             run = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
             return run(u.astype(dt), ids, weights, *ws, **act)
+        # stacks stored in the compute dtype (bf16 working copies, serving): nothing to fuse a
+        # [W1 | W3] concatenation into, so the gate and up products run apart (moe_ffn's gate_up)
+        stored_narrow = all(not isinstance(w, mxfp4.Mxfp4) and w.dtype == dt for w in ws)
         ws = tuple(_decoded(w, dt, parallel_context() is not None) for w in ws)
         args = (u.astype(dt), ids, weights, *ws)
         kwargs = dict(act, implementation=m.implementation)
         placement = self._placement() if m.redundant_experts else None
         if parallel_context() is None:
-            return moe_ffn(*args, **kwargs)
+            return moe_ffn(*args, **kwargs, gate_up="split" if stored_narrow else "packed")
         # On a mesh: experts sharded over the expert axis, tokens travel by all-to-all (sharding/ep.py),
         # hot experts' tokens spread over their redundant copies (sharding/moonep.py).
         if placement is None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from pallas_kernels.moe import validate
-from pallas_kernels.moe.activations import packed_gated_activation
+from pallas_kernels.moe.activations import packed_gated_activation, split_gated_activation
 from pallas_kernels.moe.dispatch import combine, permute
 from pallas_kernels.moe.reference import grouped_matmul_ragged
 from pallas_kernels.moe.tiled import grouped_matmul_tiled
@@ -128,6 +128,34 @@ def _gmm_pallas_bwd(path, interpret, tgmm_tiling, res, g):
 _gmm_pallas.defvjp(_gmm_pallas_fwd, _gmm_pallas_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gate_up_pallas(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
+    """``(lhs·W1, lhs·W3)`` per group as two products: no ``[W1 | W3]`` copy in the forward. The
+    backward is the packed product's, value for value: ``dlhs`` one product of ``[dg | du]`` with
+    ``[W1 | W3]ᵀ`` (the contraction over 2F in one float32 accumulator), ``dW1``, ``dW3`` one
+    ``tgmm`` each (each element's sum over its group's rows as the packed ``tgmm`` makes it), so
+    no ``[E, L, 2F]`` gradient is split."""
+    gmm, _ = _kernels(path, interpret, tgmm_tiling)
+    return gmm(lhs, w1, group_sizes), gmm(lhs, w3, group_sizes)
+
+
+def _gate_up_pallas_fwd(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
+    return _gate_up_pallas(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling), (lhs, w1, w3, group_sizes)
+
+
+def _gate_up_pallas_bwd(path, interpret, tgmm_tiling, res, cts):
+    lhs, w1, w3, group_sizes = res
+    gmm, tgmm = _kernels(path, interpret, tgmm_tiling)
+    dg, du = (c.astype(lhs.dtype) for c in cts)
+    dlhs = gmm(jnp.concatenate([dg, du], axis=1), jnp.concatenate([w1, w3], axis=2), group_sizes, transpose_rhs=True)
+    dw1 = tgmm(lhs, dg, group_sizes, w1.shape[0])
+    dw3 = tgmm(lhs, du, group_sizes, w3.shape[0])
+    return dlhs, dw1.astype(w1.dtype), dw3.astype(w3.dtype), None
+
+
+_gate_up_pallas.defvjp(_gate_up_pallas_fwd, _gate_up_pallas_bwd)
+
+
 def grouped_matmul(
     lhs: Float[Array, "M K"],
     rhs: Float[Array, "E K N"],
@@ -171,6 +199,7 @@ def moe_ffn(
     interpret: bool = False,
     kernel_backend: str | None = None,
     checked: bool = False,
+    gate_up: str = "packed",
 ) -> Float[Array, "T L"]:
     """Routed expert FFN of SPEC §4: ``Σ_s w_ts · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids_ts``.
 
@@ -178,7 +207,16 @@ def moe_ffn(
     matmul with ``[W1 | W3]``; 3. activation in >= float32 (SiTU-GLU or SwiGLU), cast to
     ``x.dtype``; 4. down grouped matmul; 5. router-weighted combine summed in float32. Output in
     ``x.dtype``; float64 inputs stay float64 throughout.
+
+    ``gate_up``: "packed" concatenates ``[W1 | W3]`` (a copy of both stacks each call, free when it
+    fuses into a cast of wider stored weights) and splits the weight gradient; "split" (Pallas
+    paths) runs the two products apart and gives the backward the packed operands only where it
+    needs them (``_gate_up_pallas``): for weights already in the compute dtype, one stack-sized
+    copy per fwd+bwd instead of two (three when the forward is rematerialised), none in a forward
+    alone. Same values either way (``tests/pallas_kernels/moe/test_gate_up.py``).
     """
+    if gate_up not in ("packed", "split"):
+        raise ValueError(f"gate_up must be 'packed' or 'split', got {gate_up!r}")
     validate.check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, checked=checked)
     gmm = functools.partial(
         grouped_matmul, implementation=implementation, interpret=interpret, kernel_backend=kernel_backend
@@ -186,10 +224,15 @@ def moe_ffn(
     with jax.named_scope("moe_permute"):
         xs, group_sizes, inverse = permute(x, topk_ids, w1.shape[0])  # [T·k, L]
     with jax.named_scope("moe_experts"):
-        # gate and up as one product of width 2F: one kernel each way, and the backward's two
-        # input gradients come out of one dlhs product already summed
-        gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
-        a = packed_gated_activation(gu, activation, situ_beta, situ_linear_beta, x.dtype)
+        # packed: gate and up as one product of width 2F, one kernel each way; split: two forward
+        # products; either way the backward's two input gradients come out of one dlhs product
+        path = resolve_implementation(implementation, interpret, kernel_backend, xs.dtype)
+        if gate_up == "split" and path in ("gpu", "tpu"):
+            g, u = _gate_up_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
+            a = split_gated_activation(g, u, activation, situ_beta, situ_linear_beta, x.dtype)
+        else:
+            gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
+            a = packed_gated_activation(gu, activation, situ_beta, situ_linear_beta, x.dtype)
         y = gmm(a, w2, group_sizes)  # [T·k, L]
     with jax.named_scope("moe_combine"):
         return combine(y, inverse, topk_weights)

@@ -1,0 +1,143 @@
+"""The XLA glue of ``bench_layer.py``'s fwd+bwd step, read from the optimized HLO of a device-less H200
+compile (no GPU): every fusion / copy / reduction that is neither a GEMM nor a custom call (cuBLAS,
+the Pallas kernels), with the bytes it reads and writes (its operands' shapes, looked up by
+instruction name, and its output's) and the time that traffic takes at ``--bandwidth`` bytes/s,
+largest first.
+
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=$PWD:/path/to/cuda/plugin \\
+        JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \\
+        python3 benchmarks/layer_glue.py --kinds kda,mla --tokens 8192 --top 40 --hlo /tmp/layer
+
+Bytes are the operands' and outputs' sizes: an upper bound on the traffic where a fusion reads only
+part of an operand (a plain slice fusion is counted at the bytes it writes, twice), so the table
+ranks the glue; the profile's device time is the measurement. GEMMs are cuBLAS calls only under
+``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (the H200 profile's choice: nvjet kernels); the
+device-less default keeps them as Triton fusions that absorb their elementwise neighbours.
+``--from-hlo`` re-reads HLO files written by ``--hlo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_kernels import FREE, _kind, computations  # noqa: E402
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f4e2m1fn": 1}
+SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|f4e2m1fn)\[([\d,]*)\]")
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in ``text`` (a shape, a tuple of shapes, an operand list)."""
+    total = 0
+    for dtype, dims in SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def _operands(rest: str) -> str:
+    """The operand list of an instruction line (the text up to its matching closing parenthesis)."""
+    depth = 1
+    for i, c in enumerate(rest):
+        depth += c == "("
+        depth -= c == ")"
+        if depth == 0:
+            return rest[:i]
+    return rest
+
+
+def glue(text: str) -> list[dict]:
+    """The non-GEMM, non-custom-call kernels of ENTRY and the loops it runs, with bytes, largest first."""
+    comps, entry = computations(text)
+    shapes = {inst: shape for body in comps.values() for inst, _, _, shape in body}
+    rows = []
+
+    def walk(name: str, weight: int) -> None:
+        for inst, op, rest, shape in comps[name]:
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                walk(re.search(r"body=%([\w.-]+)", rest).group(1), weight * (int(trips.group(1)) if trips else 1))
+            elif op in ("call", "conditional"):
+                for sub in re.findall(r"(?:to_apply|branch_computations)=\{?%([\w.-]+)", rest):
+                    walk(sub, weight)
+            elif op in FREE or op.endswith("-done") or op == "async-update":
+                continue
+            else:
+                kind = _kind(op, rest, comps)
+                body = comps.get(m.group(1), []) if (m := re.search(r"calls=%([\w.-]+)", rest)) else []
+                if kind == "gemm" or kind.startswith("custom-call") or any(o == "custom-call" for _, o, _, _ in body):
+                    continue  # GEMMs, kernels, and fusions around them (a cuBLAS call in a dynamic-slice fusion)
+                operands = re.findall(r"%([\w.-]+)", _operands(rest))
+                out_b, in_b = shape_bytes(shape), sum(shape_bytes(shapes.get(o, "")) for o in operands)
+                if body and {o for _, o, _, _ in body} <= {"parameter", "slice", "bitcast"}:
+                    in_b = out_b  # a slice reads only what it writes
+                op_name = re.search(r'op_name="([^"]*)"', rest)
+                rows.append({"name": inst, "kind": kind, "count": weight, "out": shape, "bytes": weight * (out_b + in_b),
+                             "operands": ", ".join(shapes.get(o, "?") for o in operands), "op_name": op_name.group(1) if op_name else ""})
+    walk(entry, 1)
+    return sorted(rows, key=lambda r: -r["bytes"])
+
+
+def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_dtype: str, remat: str) -> str:
+    """Optimized HLO of bench_layer's ``value_and_grad`` step for a device-less H200."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from bench_layer import layer_config, make_case
+    from k3jax.plan.topology import get_topology
+    from pallas_kernels.target import compile_for
+
+    device = get_topology("h200:1x1").devices[0]
+    cfg = layer_config("kimi_k3", local_experts, top_k, param_dtype)
+    with compile_for(device):
+        loss, inputs, _ = make_case(cfg, kind, tokens, remat, jax.random.key(0), abstract=True)
+        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
+                              inputs)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        with jax.default_device(device):  # Pallas-Triton kernels (MLA flash) read their target from it
+            return step.lower(*inputs).compile().as_text()
+
+
+def report(rows: list[dict], bandwidth: float, top: int) -> None:
+    total = sum(r["bytes"] for r in rows)
+    print(f"{len(rows)} glue kernels, {total / 1e9:.2f} GB, {total / bandwidth * 1e3:.2f} ms at {bandwidth / 1e12:.1f} TB/s")
+    for r in rows[:top]:
+        where = re.sub(r"^.*?(jvp\(|transpose\()", r"\1", r["op_name"])[-90:]
+        print(f"{r['bytes'] / 1e6:9.1f} MB {r['bytes'] / bandwidth * 1e3:6.3f} ms  {r['kind']:13s} "
+              f"{r['out'][:44]:44s} {where}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="kda,mla")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--local-experts", type=int, default=56)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--param-dtype", default="bfloat16")
+    p.add_argument("--remat", default="none")
+    p.add_argument("--bandwidth", type=float, default=3e12, help="bytes/s the glue reaches (H200: ~3 of 4.8 TB/s)")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--hlo", default=None, help="write the optimized HLO to PREFIX_<kind>.txt")
+    p.add_argument("--from-hlo", default=None, help="read PREFIX_<kind>.txt written before (no compile)")
+    a = p.parse_args(argv)
+    for kind in a.kinds.split(","):
+        if a.from_hlo:
+            text = Path(f"{a.from_hlo}_{kind}.txt").read_text()
+        else:
+            text = compile_layer(kind, a.tokens, a.local_experts, a.top_k, a.param_dtype, a.remat)
+            if a.hlo:
+                Path(f"{a.hlo}_{kind}.txt").write_text(text)
+        print(f"== {kind} layer, T={a.tokens}, {a.local_experts} experts top-{a.top_k}, {a.param_dtype} weights")
+        report(glue(text), a.bandwidth, a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
