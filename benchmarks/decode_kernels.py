@@ -135,6 +135,7 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
 
     from k3jax import config
     from k3jax.infer.cache import init_cache
+    from k3jax.infer.decode import decode_layout
     from k3jax.layout import unrolled
     from k3jax.model import Transformer
     from k3jax.plan.topology import get_topology
@@ -149,8 +150,9 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
     # decode_layout's result (per-layer weights, bf16 as bench_infer builds them), abstract
     cfg = unrolled(dataclasses.replace(config.small(), param_dtype=jnp.bfloat16))
     with compile_for(device):
-        variables = place(nn.meta.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                                                       jnp.zeros((1, 8), jnp.int32))))
+        init = lambda: decode_layout(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))),
+                                     cfg)[0]
+        variables = place(jax.eval_shape(init))
         cache = place(jax.eval_shape(lambda: init_cache(cfg, batch, prompt + steps + 1)))
         tok = place(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
         loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))

@@ -8,6 +8,7 @@ whatever the prompt length; decode feeds one (or a few) tokens per sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -15,24 +16,56 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, StepCache
+from k3jax.layers import kda
 from k3jax.layout import scan_plan, to_per_layer, unrolled
 from k3jax.model import Transformer
 
 
 def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
-    """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights.
+    """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights,
+    and each KDA layer's input projections as one kernel.
 
     Inside a scanned run each repetition's weights are a dynamic slice of the stacked leaf, and XLA
     on the GPU copies such a slice out of the stack before every matmul it feeds: at batch 64,
     ``small()``'s decode step made 106 such copies (21 % of it; 3.46 ms scanned against 2.51 ms per
-    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). The
-    serving engine and ``generate`` decode through this layout; converting costs one copy of the
-    stacked weights, so callers that decode often convert once and pass the result (a per-layer
-    tree with an unrolled ``cfg`` passes through unchanged).
+    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). KDA decodes
+    its six input projections as one product over their concatenated kernels
+    (``k3jax.layers.kda.pack_input_kernels``); ``pack_kda_inputs`` concatenates them here once, where
+    made inside the decode program XLA would write the concatenation every step at batch 64.
+    The serving engine and ``generate`` decode through this layout; converting costs one copy of the
+    stacked weights, so callers that decode often convert once and pass the result (a result passes
+    through unchanged). The result is for ``Transformer.decode`` only (the training forward needs
+    the separate projections).
     """
-    if scan_plan(cfg) is None:
-        return variables, cfg
-    return to_per_layer(variables, cfg), unrolled(cfg)
+    if scan_plan(cfg) is not None:
+        variables, cfg = to_per_layer(variables, cfg), unrolled(cfg)
+    return pack_kda_inputs(variables, cfg), cfg
+
+
+def pack_kda_inputs(variables: dict, cfg: ModelConfig) -> dict:
+    """``variables`` with every KDA layer's input projection kernels (``kda.input_projections``)
+    moved out of ``params`` into one concatenated ``decode`` collection entry (``kda.PACKED``) at
+    the same module path; layers already packed are left as they are."""
+    names = [name for name, _, _ in kda.input_projections(cfg)]
+    packed = {}
+
+    def walk(node: dict, path: tuple[str, ...]) -> dict:
+        if all(name in node for name in names):
+            packed[path] = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
+            return {k: v for k, v in node.items() if k not in names}
+        return {k: walk(v, path + (k,)) if isinstance(v, Mapping) else v
+                for k, v in node.items()}
+
+    params = walk(variables["params"], ())
+    if not packed:
+        return variables
+    decode = dict(variables.get("decode", {}))
+    for path, w in packed.items():
+        node = decode
+        for k in path:
+            node = node.setdefault(k, {})
+        node[kda.PACKED] = w
+    return {**variables, "params": params, "decode": decode}
 
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,

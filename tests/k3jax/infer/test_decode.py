@@ -110,3 +110,39 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
         logits, cache = decode_step(variables, cfg, tokens[:, t:t + 1], cache)
         outs.append(np.asarray(logits))
     assert rel_rmse(np.concatenate(outs, 1), ref[:, 15:T - 1]) <= BF16_MODEL_RTOL
+
+
+
+def test_packed_kda_inputs_decode_as_the_plain_layout(model):
+    """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
+    entry (one matrix-vector kernel a step at batch 1): prefill and decode on it give the logits of the
+    plain per-layer tree (which concatenates them in the program) bit for bit, and the forward's."""
+    from k3jax.infer.decode import decode_layout
+    from k3jax.layers import kda
+    from k3jax.layout import scan_plan, to_per_layer
+
+    cfg, variables = model
+    packed, dcfg = decode_layout(variables, cfg)
+    plain = variables if scan_plan(cfg) is None else to_per_layer(variables, cfg)
+    names = [name for name, _, _ in kda.input_projections(cfg)]
+    kda_layers = [name for name, node in plain["params"].items() if "kda" in node]
+    assert kda_layers and sorted(packed["decode"]) == kda_layers
+    for name in kda_layers:
+        assert not set(names) & set(packed["params"][name]["kda"])
+        width = sum(np.prod(np.shape(plain["params"][name]["kda"][n]["kernel"])[1:]) for n in names)
+        assert packed["decode"][name]["kda"][kda.PACKED].shape == (cfg.hidden, width)
+    assert decode_layout(packed, dcfg)[0] is packed  # packed once
+    tokens = _tokens(4)
+    ref = np.asarray(_forward(cfg, variables, tokens))
+    outs = {}
+    with jax.default_matmul_precision("highest"):
+        for key, v in (("packed", packed), ("plain", plain)):
+            cache = init_cache(dcfg, 2, T + 4)
+            last, cache = prefill_jit(v, dcfg, tokens[:, :13], jnp.full((2,), 13, jnp.int32), cache)
+            outs[key] = [np.asarray(last)]
+            for t in range(13, T):
+                logits, cache = decode_step(v, dcfg, tokens[:, t:t + 1], cache)
+                outs[key].append(np.asarray(logits[:, 0]))
+    for a, b in zip(outs["packed"], outs["plain"]):
+        np.testing.assert_array_equal(a, b)
+    assert rel_rmse(np.stack(outs["packed"][1:], axis=1), ref[:, 13:]) <= F32_RTOL
