@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -17,54 +18,68 @@ from jaxtyping import Array, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, StepCache
 from k3jax.layers import kda
+from k3jax.layers.linear import OUTPUT_FIRST
 from k3jax.layout import scan_plan, to_per_layer, unrolled
 from k3jax.model import Transformer
 
 
 def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
     """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights,
-    and each KDA layer's input projections as one kernel.
+    each KDA layer's input projections as one kernel, and the output projections output axis first.
 
     Inside a scanned run each repetition's weights are a dynamic slice of the stacked leaf, and XLA
     on the GPU copies such a slice out of the stack before every matmul it feeds: at batch 64,
     ``small()``'s decode step made 106 such copies (21 % of it; 3.46 ms scanned against 2.51 ms per
-    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). KDA decodes
-    its six input projections as one product over their concatenated kernels
-    (``k3jax.layers.kda.pack_input_kernels``); ``pack_kda_inputs`` concatenates them here once, where
-    made inside the decode program XLA would write the concatenation every step at batch 64.
+    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). Then the
+    ``decode`` collection takes over kernels from ``params``, laid out for batch-1 products
+    (``benchmarks/decode_kernels.py``, ``small()`` on the H200 compiler):
+
+    - KDA decodes its six input projections as one product over their concatenated kernels
+      (``k3jax.layers.kda.pack_input_kernels``): one matrix-vector kernel a step instead of four
+      (384 -> 355 kernels a step at batch 1). Packed here once: made in the decode program, XLA
+      writes the concatenation every step at batch 64.
+    - ``linear.OUTPUT_FIRST`` kernels are stored output axis first (``Proj``): XLA then sums each
+      product in one pass instead of writing the weight-sized product first (batch 1: 100 -> 32 MB
+      written a step).
+
     The serving engine and ``generate`` decode through this layout; converting costs one copy of the
-    stacked weights, so callers that decode often convert once and pass the result (a result passes
-    through unchanged). The result is for ``Transformer.decode`` only (the training forward needs
-    the separate projections).
+    weights it changes, so callers that decode often convert once and pass the result (a result
+    passes through unchanged). The result is for ``Transformer.decode`` only: the training forward
+    reads the kernels it moved from ``params``.
     """
     if scan_plan(cfg) is not None:
         variables, cfg = to_per_layer(variables, cfg), unrolled(cfg)
-    return pack_kda_inputs(variables, cfg), cfg
+    return _to_decode_collection(variables, cfg), cfg
 
 
-def pack_kda_inputs(variables: dict, cfg: ModelConfig) -> dict:
-    """``variables`` with every KDA layer's input projection kernels (``kda.input_projections``)
-    moved out of ``params`` into one concatenated ``decode`` collection entry (``kda.PACKED``) at
-    the same module path; layers already packed are left as they are."""
+def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
+    """Move KDA input kernels (packed, ``kda.PACKED``) and ``OUTPUT_FIRST`` kernels (as ``kernel_t``)
+    from ``params`` to the ``decode`` collection at the same module paths; what is moved already stays."""
     names = [name for name, _, _ in kda.input_projections(cfg)]
-    packed = {}
+    moved: dict[tuple[str, ...], Array] = {}
 
-    def walk(node: dict, path: tuple[str, ...]) -> dict:
+    def walk(node: Mapping, path: tuple[str, ...]) -> dict:
         if all(name in node for name in names):
-            packed[path] = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
-            return {k: v for k, v in node.items() if k not in names}
-        return {k: walk(v, path + (k,)) if isinstance(v, Mapping) else v
-                for k, v in node.items()}
+            moved[path + (kda.PACKED,)] = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
+            node = {k: v for k, v in node.items() if k not in names}
+        out = {}
+        for k, v in node.items():
+            if k in OUTPUT_FIRST and isinstance(v, Mapping) and set(v) == {"kernel"}:
+                moved[path + (k, "kernel_t")] = jnp.moveaxis(nn.meta.unbox(v["kernel"]), -1, 0)
+            else:
+                out[k] = walk(v, path + (k,)) if isinstance(v, Mapping) else v
+        return out
 
     params = walk(variables["params"], ())
-    if not packed:
+    if not moved:
         return variables
-    decode = dict(variables.get("decode", {}))
-    for path, w in packed.items():
+    nested_copy = lambda n: {k: nested_copy(v) if isinstance(v, Mapping) else v for k, v in n.items()}
+    decode = nested_copy(variables.get("decode", {}))
+    for path, w in moved.items():
         node = decode
-        for k in path:
+        for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[kda.PACKED] = w
+        node[path[-1]] = w
     return {**variables, "params": params, "decode": decode}
 
 

@@ -22,7 +22,8 @@ tokens without running the layer again (speculative verification; ``k3jax.infer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -157,7 +158,7 @@ def input_projections(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tupl
         ("b_proj", (H,), ("heads",)), ("f_a", (c.decay_rank,), ("decay_rank",)), gate]
 
 
-def pack_input_kernels(kernels: dict[str, Array], cfg: ModelConfig) -> Float[Array, "*L D N"]:
+def pack_input_kernels(kernels: Mapping[str, Any], cfg: ModelConfig) -> Float[Array, "*L D N"]:
     """The input projections' kernels (``{name: [*L, D, *out]}``, boxed or not) concatenated along
     their flattened outputs in ``input_projections`` order: ``[*L, D, N]``."""
     kernels = {name: nn.meta.unbox(k) for name, k in kernels.items()}
