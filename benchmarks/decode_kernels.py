@@ -1,12 +1,13 @@
 """GPU kernels per decode step, counted in the optimized HLO of a device-less H200 compile (no GPU).
 
 Compiles what ``bench_infer.py`` times — ``--steps`` greedy steps of ``decode_step`` in one
-``fori_loop`` on per-layer weights (``decode_layout``), random-init bf16 ``small()`` after a
-``--prompt``-token cache — for ``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin,
-no driver), then counts the kernels one step launches: every instruction of ENTRY and of the
+``fori_loop`` on ``decode_layout``'s weights (per layer, KDA inputs packed, output projections
+output axis first), random-init bf16 ``small()`` after a ``--prompt``-token cache — for
+``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin, no driver), then counts the kernels one step launches: every instruction of ENTRY and of the
 loop bodies / conditions it reaches, weighted by the loops' known trip counts, that is not free
 (parameters, tuples, get-tuple-element, bitcasts, constants, control flow and ``*-done`` halves
-are not counted; fusions, custom calls, copies and ``*-start`` halves are). Printed by layer kind
+are not counted; fusions, custom calls, copies and ``*-start`` halves are), and the bytes their
+outputs take (written, and read back by their consumers). Printed by layer kind
 and module (from each kernel's ``op_name``) and by kernel kind; ``--list PATTERN`` prints the
 kernels whose ``op_name`` matches, ``--hlo FILE`` keeps the optimized HLO text.
 
@@ -166,7 +167,7 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
     device = get_topology("h200:1x1").devices[0]
     place = lambda tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)), tree)
-    # decode_layout's result (per-layer weights, bf16 as bench_infer builds them), abstract
+    # decode_layout's result (bf16 as bench_infer builds it), abstract
     cfg = unrolled(dataclasses.replace(config.small(), param_dtype=jnp.bfloat16))
     with compile_for(device):
         init = lambda: decode_layout(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))),
