@@ -130,7 +130,7 @@ def test_decoding_runs_on_per_layer_weights(tiny_model, monkeypatch):
     per-repetition slices are copied before each matmul on the GPU (benchmarks/RESULTS.md, stop 31)."""
     import chex
 
-    from k3jax.infer.decode import decode_layout, pack_kda_inputs
+    from k3jax.infer.decode import decode_layout
     from k3jax.layout import is_scanned, scan_plan, to_per_layer
 
     cfg, variables = tiny_model.cfg, tiny_model.variables
@@ -138,7 +138,8 @@ def test_decoding_runs_on_per_layer_weights(tiny_model, monkeypatch):
     per_layer, dcfg = decode_layout(variables, cfg)
     assert not dcfg.scan_layers and dataclasses.replace(dcfg, scan_layers=True) == cfg
     assert not any(map(is_scanned, per_layer.values()))
-    chex.assert_trees_all_equal(per_layer, pack_kda_inputs(to_per_layer(variables, cfg), dcfg))
+    # the decode collection's kernels (test_decode.py) moved alike from the scanned and the per-layer tree
+    chex.assert_trees_all_equal(per_layer, decode_layout(to_per_layer(variables, cfg), dcfg)[0])
     assert decode_layout(per_layer, dcfg) == (per_layer, dcfg)  # already per layer: unchanged
     seen = []
     gen = importlib.import_module("k3jax.infer.generate")
