@@ -55,10 +55,11 @@ def build(cfg, seed=0):
 
 
 def weight_bytes(variables) -> int:
-    """Weights a step may read: every parameter (MXFP4 experts at their packed size) but the
-    embedding table, of which a step reads only its tokens' rows."""
+    """Weights a step may read: every parameter (MXFP4 experts at their packed size; the kernels
+    ``decode_layout`` moved to its ``decode`` collection) but the embedding table, of which a step
+    reads only its tokens' rows."""
     return (tree_bytes(variables["params"]) - tree_bytes(variables["params"]["embed"])
-            + tree_bytes(variables.get(mxfp4.COLLECTION, {})))
+            + tree_bytes(variables.get(mxfp4.COLLECTION, {})) + tree_bytes(variables.get("decode", {})))
 
 
 def expert_bytes(variables) -> int:
@@ -190,7 +191,8 @@ def bench_prefill(cfg, variables, n_tokens, chunk, ceiling_n=8192):
             "pct_of_matmul_ceiling": 100 * flops / seconds / ceiling,
             "peak_device_bytes": peak_bytes(),
             "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
-            "kda_state_bytes": kda, "mla_latent_bytes": mla, "weight_bytes": tree_bytes(variables["params"]),
+            "kda_state_bytes": kda, "mla_latent_bytes": mla,
+            "weight_bytes": tree_bytes((variables["params"], variables.get("decode", {}))),
             "full_attention_kv_bytes": full_kv, "cache_vs_full_attention": (kda + mla) / full_kv,
             "finite": bool(np.isfinite(np.asarray(last)).all())}
 

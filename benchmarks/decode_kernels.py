@@ -1,12 +1,13 @@
 """GPU kernels per decode step, counted in the optimized HLO of a device-less H200 compile (no GPU).
 
 Compiles what ``bench_infer.py`` times — ``--steps`` greedy steps of ``decode_step`` in one
-``fori_loop`` on per-layer weights (``decode_layout``), random-init bf16 ``small()`` after a
-``--prompt``-token cache — for ``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin,
-no driver), then counts the kernels one step launches: every instruction of ENTRY and of the
+``fori_loop`` on ``decode_layout``'s weights (per layer, KDA inputs packed, output projections
+output axis first), random-init bf16 ``small()`` after a ``--prompt``-token cache — for
+``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin, no driver), then counts the kernels one step launches: every instruction of ENTRY and of the
 loop bodies / conditions it reaches, weighted by the loops' known trip counts, that is not free
 (parameters, tuples, get-tuple-element, bitcasts, constants, control flow and ``*-done`` halves
-are not counted; fusions, custom calls, copies and ``*-start`` halves are). Printed by layer kind
+are not counted; fusions, custom calls, copies and ``*-start`` halves are), and the bytes their
+outputs take (written, and read back by their consumers). Printed by layer kind
 and module (from each kernel's ``op_name``) and by kernel kind; ``--list PATTERN`` prints the
 kernels whose ``op_name`` matches, ``--hlo FILE`` keeps the optimized HLO text.
 
@@ -93,6 +94,21 @@ def kernels(comps: dict, name: str, weight: float = 1) -> list[Kernel]:
     return out
 
 
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+               "f64": 8, "s64": 8, "u64": 8}
+
+
+def bytes_written(shape: str) -> int:
+    """Bytes of a kernel's output(s), from its HLO shape (``bf16[8,128]{1,0}`` or a tuple of them)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
 def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
     """``"kda:moe"``-style group of a kernel: the layer's mixer kind and the module under the layer."""
     if m := re.search(r"/layers_(\d+)/(\w+)", op_name):
@@ -114,7 +130,11 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
         layer = re.search(r"/layers_(\d+)/", k.op_name)
         by_layer[f"{int(layer.group(1)):2d} {layer_kinds.get(int(layer.group(1)))}" if layer else "top"] += k.count / steps
     total = sum(k.count for k in ks) / steps
+    written = sum(k.count * bytes_written(k.shape) for k in ks) / steps
     print(f"kernels per step: {total:.1f}")
+    print(f"bytes written per step: {written / 1e6:.1f} MB (all kernels' outputs; "
+          f"{sum(k.count * bytes_written(k.shape) for k in ks if bytes_written(k.shape) >= 5e5) / steps / 1e6:.1f} MB "
+          "by kernels writing >= 0.5 MB)")
     for title, counter in (("by layer", by_layer), ("by layer kind : module", by_module), ("by kernel kind", by_kind)):
         print(f"{title}:")
         for key, n in sorted(counter.items()):
@@ -135,6 +155,7 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
 
     from k3jax import config
     from k3jax.infer.cache import init_cache
+    from k3jax.infer.decode import decode_layout
     from k3jax.layout import unrolled
     from k3jax.model import Transformer
     from k3jax.plan.topology import get_topology
@@ -146,11 +167,12 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
     device = get_topology("h200:1x1").devices[0]
     place = lambda tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)), tree)
-    # decode_layout's result (per-layer weights, bf16 as bench_infer builds them), abstract
+    # decode_layout's result (bf16 as bench_infer builds it), abstract
     cfg = unrolled(dataclasses.replace(config.small(), param_dtype=jnp.bfloat16))
     with compile_for(device):
-        variables = place(nn.meta.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                                                       jnp.zeros((1, 8), jnp.int32))))
+        init = lambda: decode_layout(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))),
+                                     cfg)[0]
+        variables = place(jax.eval_shape(init))
         cache = place(jax.eval_shape(lambda: init_cache(cfg, batch, prompt + steps + 1)))
         tok = place(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
         loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))

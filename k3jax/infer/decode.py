@@ -8,31 +8,79 @@ whatever the prompt length; decode feeds one (or a few) tokens per sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, StepCache
+from k3jax.layers import kda
+from k3jax.layers.linear import OUTPUT_FIRST
 from k3jax.layout import scan_plan, to_per_layer, unrolled
 from k3jax.model import Transformer
 
 
 def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
-    """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights.
+    """``(variables, cfg)`` in the layout decoding runs fastest in: every layer with its own weights,
+    each KDA layer's input projections as one kernel, and the output projections output axis first.
 
     Inside a scanned run each repetition's weights are a dynamic slice of the stacked leaf, and XLA
     on the GPU copies such a slice out of the stack before every matmul it feeds: at batch 64,
     ``small()``'s decode step made 106 such copies (21 % of it; 3.46 ms scanned against 2.51 ms per
-    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). The
-    serving engine and ``generate`` decode through this layout; converting costs one copy of the
-    stacked weights, so callers that decode often convert once and pass the result (a per-layer
-    tree with an unrolled ``cfg`` passes through unchanged).
+    layer on the H200, batch 1 1.62 against 1.50 ms; ``benchmarks/RESULTS.md``, stop 31). Then the
+    ``decode`` collection takes over kernels from ``params``, laid out for batch-1 products
+    (``benchmarks/decode_kernels.py``, ``small()`` on the H200 compiler):
+
+    - KDA decodes its six input projections as one product over their concatenated kernels
+      (``k3jax.layers.kda.pack_input_kernels``): one matrix-vector kernel a step instead of four
+      (384 -> 355 kernels a step at batch 1). Packed here once: made in the decode program, XLA
+      writes the concatenation every step at batch 64.
+    - ``linear.OUTPUT_FIRST`` kernels are stored output axis first (``Proj``): XLA then sums each
+      product in one pass instead of writing the weight-sized product first (batch 1: 100 -> 32 MB
+      written a step).
+
+    The serving engine and ``generate`` decode through this layout; converting costs one copy of the
+    weights it changes, so callers that decode often convert once and pass the result (a result
+    passes through unchanged). The result is for ``Transformer.decode`` only: the training forward
+    reads the kernels it moved from ``params``.
     """
-    if scan_plan(cfg) is None:
-        return variables, cfg
-    return to_per_layer(variables, cfg), unrolled(cfg)
+    if scan_plan(cfg) is not None:
+        variables, cfg = to_per_layer(variables, cfg), unrolled(cfg)
+    return _to_decode_collection(variables, cfg), cfg
+
+
+def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
+    """Move KDA input kernels (packed, ``kda.PACKED``) and ``OUTPUT_FIRST`` kernels (as ``kernel_t``)
+    from ``params`` to the ``decode`` collection at the same module paths; what is moved already stays."""
+    names = [name for name, _, _ in kda.input_projections(cfg)]
+    moved: dict[tuple[str, ...], Array] = {}
+
+    def walk(node: Mapping, path: tuple[str, ...]) -> dict:
+        if all(name in node for name in names):
+            moved[path + (kda.PACKED,)] = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
+            node = {k: v for k, v in node.items() if k not in names}
+        out = {}
+        for k, v in node.items():
+            if k in OUTPUT_FIRST and isinstance(v, Mapping) and set(v) == {"kernel"}:
+                moved[path + (k, "kernel_t")] = jnp.moveaxis(nn.meta.unbox(v["kernel"]), -1, 0)
+            else:
+                out[k] = walk(v, path + (k,)) if isinstance(v, Mapping) else v
+        return out
+
+    params = walk(variables["params"], ())
+    if not moved:
+        return variables
+    nested_copy = lambda n: {k: nested_copy(v) if isinstance(v, Mapping) else v for k, v in n.items()}
+    decode = nested_copy(variables.get("decode", {}))
+    for path, w in moved.items():
+        node = decode
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = w
+    return {**variables, "params": params, "decode": decode}
 
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,

@@ -22,7 +22,8 @@ tokens without running the layer again (speculative verification; ``k3jax.infer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -33,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.gates import sigmoid_gate
-from k3jax.layers.linear import param, proj, wide_param_dtype
+from k3jax.layers.linear import einsum, param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
 from pallas_kernels.kda.conv import same_document_taps, short_convs
@@ -142,6 +143,29 @@ def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs)
     return fn(*args)
 
 
+PACKED = "in_proj"  # decode_layout's concatenated input kernel, in the ``decode`` collection
+
+
+def input_projections(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """``(name, output shape, output axes)`` of every projection of the KDA layer's input, in the
+    order ``pack_input_kernels`` concatenates them: q, k, v, β logits, the decay's first factor
+    ``f_a`` and the output gate (``g_proj``, or its first factor ``g_a`` when low rank)."""
+    c = cfg.kda
+    H, K = c.num_heads, c.head_dim
+    gate = (("g_proj", (H, K), ("heads", "head_dim")) if c.output_gate_rank is None
+            else ("g_a", (c.output_gate_rank,), ("gate_rank",)))
+    return [(f"{n}_proj", (H, K), ("heads", "head_dim")) for n in "qkv"] + [
+        ("b_proj", (H,), ("heads",)), ("f_a", (c.decay_rank,), ("decay_rank",)), gate]
+
+
+def pack_input_kernels(kernels: Mapping[str, Any], cfg: ModelConfig) -> Float[Array, "*L D N"]:
+    """The input projections' kernels (``{name: [*L, D, *out]}``, boxed or not) concatenated along
+    their flattened outputs in ``input_projections`` order: ``[*L, D, N]``."""
+    kernels = {name: nn.meta.unbox(k) for name, k in kernels.items()}
+    flat = [kernels[name].reshape(kernels[name].shape[:-len(out)] + (-1,)) for name, out, _ in input_projections(cfg)]
+    return jnp.concatenate(flat, axis=-1)
+
+
 class KDA(nn.Module):
     """One KDA token mixer; ``segment_ids`` resets the state and the conv history per document."""
 
@@ -167,22 +191,45 @@ class KDA(nn.Module):
         y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
-    def _log_decay(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
+    def _input_projections(self, x: Float[Array, "B T D"], *, fused: bool) -> dict[str, Array]:
+        """Every projection of the layer input ``x`` by parameter name (``input_projections``).
+
+        ``fused`` (decode and prefill on a cache) computes them as one product with the kernels
+        concatenated along their outputs (``pack_input_kernels``): at batch 1 one matrix-vector
+        kernel instead of one per projection, each recomputing the AttnRes mix and the norm of ``x``.
+        The concatenated kernel is ``decode_layout``'s (the ``decode`` collection, packed once) or
+        made here from the parameters. Each output is the same sum over ``D`` as unfused.
+        """
+        cfg = self.cfg
+        specs = input_projections(cfg)
+        letters = lambda out: "HK" if len(out) == 2 else "R"
+        projs = {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
+                            name) for name, out, axes in specs}
+        if not fused:
+            return {name: p(x) for name, p in projs.items()}
+        if self.has_variable("decode", PACKED):
+            w = self.get_variable("decode", PACKED)
+        else:
+            w = pack_input_kernels({name: p.variables["params"]["kernel"] for name, p in projs.items()}, cfg)
+        y = einsum("BTD,DN->BTN", x.astype(cfg.compute_dtype), w.astype(cfg.compute_dtype))
+        ends = np.cumsum([int(np.prod(out)) for _, out, _ in specs])
+        return {name: part.reshape(x.shape[:2] + out)
+                for (name, out, _), part in zip(specs, jnp.split(y, ends[:-1], axis=-1))}
+
+    def _log_decay(self, z: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
         cfg, c = self.cfg, self.cfg.kda
-        D, H, K, R = cfg.hidden, c.num_heads, c.head_dim, c.decay_rank
-        z = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "decay_rank"), "f_a")(x)
+        H, K, R = c.num_heads, c.head_dim, c.decay_rank
         z = proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(z)
         dt_bias = param(self, "dt_bias", nn.initializers.zeros, (H, K), ("heads", "head_dim"), wide_param_dtype(cfg))
         a_log = param(self, "A_log", _a_log_init, (H,), ("heads",), wide_param_dtype(cfg))
         return _biased_decay_gate(z, dt_bias, a_log, c.gate_lower_bound, cfg.fp32_dtype)
 
-    def _output_gate(self, x: Float[Array, "B T D"]) -> Float[Array, "B T H K"]:
-        cfg, c = self.cfg, self.cfg.kda
-        D, H, K, R = cfg.hidden, c.num_heads, c.head_dim, c.output_gate_rank
+    def _output_gate(self, xs: dict[str, Array]) -> Float[Array, "B T H K"]:
+        c = self.cfg.kda
+        H, K, R = c.num_heads, c.head_dim, c.output_gate_rank
         if R is None:
-            return proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), "g_proj")(x)
-        r = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "gate_rank"), "g_a")(x)
-        return proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("gate_rank", "heads", "head_dim"), "g_b")(r)
+            return xs["g_proj"]
+        return proj(self.cfg, "BTR,RHK->BTHK", (R, H, K), ("gate_rank", "heads", "head_dim"), "g_b")(xs["g_a"])
 
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
@@ -190,8 +237,8 @@ class KDA(nn.Module):
         cfg, c = self.cfg, self.cfg.kda
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
-        head_proj = lambda name: proj(cfg, "BTD,DHK->BTHK", (D, H, K), ("embed", "heads", "head_dim"), name)
-        xs = [head_proj(f"{n}_proj")(x) for n in "qkv"]
+        projected = self._input_projections(x, fused=cache is not None)
+        xs = [projected[f"{n}_proj"] for n in "qkv"]
         # training without a split sequence, on a mesh or not: the custom VJP that saves only the bf16 inputs
         # (autodiff of the conv path keeps fp32 shifted inputs and SiLU terms: stacked per repetition when scanned)
         if cache is None and (parallel_context() is None or not parallel_context().sequence_parallel):
@@ -204,9 +251,8 @@ class KDA(nn.Module):
             if cache is not None:
                 ys, windows = zip(*ys)
             q, k, v = l2_normalize(ys[0], QK_L2_EPS), l2_normalize(ys[1], QK_L2_EPS), ys[2]
-        beta = proj(cfg, "BTD,DH->BTH", (D, H), ("embed", "heads"), "b_proj")(x)
-        beta = jax.nn.sigmoid(beta.astype(cfg.fp32_dtype))  # [B, T, H]
-        g = self._log_decay(x)  # [B, T, H, K]
+        beta = jax.nn.sigmoid(projected["b_proj"].astype(cfg.fp32_dtype))  # [B, T, H]
+        g = self._log_decay(projected["f_a"])  # [B, T, H, K]
         dt = cfg.compute_dtype
         kda_args = (q.astype(dt), k.astype(dt), v.astype(dt), g, beta)
         kda_kwargs = dict(scale=K ** -0.5, segment_ids=segment_ids, implementation=c.scan_implementation,
@@ -218,7 +264,7 @@ class KDA(nn.Module):
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
-        o = sigmoid_gate(o, self._output_gate(x), cfg.fp32_dtype, dt)  # [B, T, H, K]
+        o = sigmoid_gate(o, self._output_gate(projected), cfg.fp32_dtype, dt)  # [B, T, H, K]
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 

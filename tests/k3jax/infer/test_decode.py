@@ -110,3 +110,49 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
         logits, cache = decode_step(variables, cfg, tokens[:, t:t + 1], cache)
         outs.append(np.asarray(logits))
     assert rel_rmse(np.concatenate(outs, 1), ref[:, 15:T - 1]) <= BF16_MODEL_RTOL
+
+
+
+
+def test_decode_layout_decodes_as_the_plain_layout(model):
+    """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
+    entry and the output projections' kernels output axis first (``kernel_t``): prefill and decode on
+    it give the logits of the plain per-layer tree bit for bit, and the forward's."""
+    from k3jax.infer.decode import decode_layout
+    from k3jax.layers import kda
+    from k3jax.layers.linear import OUTPUT_FIRST
+    from k3jax.layout import scan_plan, to_per_layer
+
+    cfg, variables = model
+    packed, dcfg = decode_layout(variables, cfg)
+    plain = variables if scan_plan(cfg) is None else to_per_layer(variables, cfg)
+    names = [name for name, _, _ in kda.input_projections(cfg)]
+    kda_layers = [name for name, node in plain["params"].items() if "kda" in node]
+    for name in kda_layers:
+        assert not set(names) & set(packed["params"][name]["kda"])
+        width = sum(np.prod(np.shape(plain["params"][name]["kda"][n]["kernel"])[1:]) for n in names)
+        assert packed["decode"][name]["kda"][kda.PACKED].shape == (cfg.hidden, width)
+    moved = [path for path, _ in jax.tree_util.tree_flatten_with_path(packed["decode"])[0]
+             if path[-1].key == "kernel_t"]
+    # o_proj (KDA and MLA), MLP down; MoE up_proj where the experts run in a latent (tiny(), not Kimi-Linear)
+    assert {"o_proj", "down"} <= {path[-2].key for path in moved} <= set(OUTPUT_FIRST)
+    at = lambda tree, keys: tree if not keys else at(tree[keys[0]], keys[1:])
+    for path in moved:
+        keys = [k.key for k in path]
+        np.testing.assert_array_equal(at(packed["decode"], keys),
+                                      jnp.moveaxis(at(plain["params"], keys[:-1])["kernel"], -1, 0))
+    assert decode_layout(packed, dcfg)[0] is packed  # converted once
+    tokens = _tokens(4)
+    ref = np.asarray(_forward(cfg, variables, tokens))
+    outs = {}
+    with jax.default_matmul_precision("highest"):
+        for key, v in (("packed", packed), ("plain", plain)):
+            cache = init_cache(dcfg, 2, T + 4)
+            last, cache = prefill_jit(v, dcfg, tokens[:, :13], jnp.full((2,), 13, jnp.int32), cache)
+            outs[key] = [np.asarray(last)]
+            for t in range(13, T):
+                logits, cache = decode_step(v, dcfg, tokens[:, t:t + 1], cache)
+                outs[key].append(np.asarray(logits[:, 0]))
+    for a, b in zip(outs["packed"], outs["plain"]):
+        np.testing.assert_array_equal(a, b)
+    assert rel_rmse(np.stack(outs["packed"][1:], axis=1), ref[:, 13:]) <= F32_RTOL
