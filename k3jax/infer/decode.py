@@ -37,7 +37,8 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
     - KDA decodes its six input projections as one product over their concatenated kernels
       (``k3jax.layers.kda.pack_input_kernels``): one matrix-vector kernel a step instead of four
       (384 -> 355 kernels a step at batch 1). Packed here once: made in the decode program, XLA
-      writes the concatenation every step at batch 64.
+      would write the concatenation every step at batch 64, so a tree not converted here decodes
+      with one product per projection.
     - ``linear.OUTPUT_FIRST`` kernels are stored output axis first (``Proj``): XLA then sums each
       product in one pass instead of writing the weight-sized product first (batch 1: 100 -> 32 MB
       written a step).

@@ -191,26 +191,23 @@ class KDA(nn.Module):
         y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
-    def _input_projections(self, x: Float[Array, "B T D"], *, fused: bool) -> dict[str, Array]:
+    def _input_projections(self, x: Float[Array, "B T D"]) -> dict[str, Array]:
         """Every projection of the layer input ``x`` by parameter name (``input_projections``).
 
-        ``fused`` (decode and prefill on a cache) computes them as one product with the kernels
-        concatenated along their outputs (``pack_input_kernels``): at batch 1 one matrix-vector
-        kernel instead of one per projection, each recomputing the AttnRes mix and the norm of ``x``.
-        The concatenated kernel is ``decode_layout``'s (the ``decode`` collection, packed once) or
-        made here from the parameters. Each output is the same sum over ``D`` as unfused.
+        On ``decode_layout``'s tree (the ``decode`` collection holds the kernels concatenated along
+        their outputs, ``pack_input_kernels``, packed once) they are one product: at batch 1 one
+        matrix-vector kernel instead of one per projection, each recomputing the AttnRes mix and the
+        norm of ``x``. Each output is the same sum over ``D`` either way. Without it (training, or a
+        caller that decodes the parameters as they are) each projection is its own product:
+        concatenating the kernels inside the program would copy them on every call.
         """
         cfg = self.cfg
         specs = input_projections(cfg)
-        letters = lambda out: "HK" if len(out) == 2 else "R"
-        projs = {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
-                            name) for name, out, axes in specs}
-        if not fused:
-            return {name: p(x) for name, p in projs.items()}
-        if self.has_variable("decode", PACKED):
-            w = self.get_variable("decode", PACKED)
-        else:
-            w = pack_input_kernels({name: p.variables["params"]["kernel"] for name, p in projs.items()}, cfg)
+        if not self.has_variable("decode", PACKED):
+            letters = lambda out: "HK" if len(out) == 2 else "R"
+            return {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
+                               name)(x) for name, out, axes in specs}
+        w = self.get_variable("decode", PACKED)
         y = einsum("BTD,DN->BTN", x.astype(cfg.compute_dtype), w.astype(cfg.compute_dtype))
         ends = np.cumsum([int(np.prod(out)) for _, out, _ in specs])
         return {name: part.reshape(x.shape[:2] + out)
@@ -237,7 +234,7 @@ class KDA(nn.Module):
         cfg, c = self.cfg, self.cfg.kda
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
-        projected = self._input_projections(x, fused=cache is not None)
+        projected = self._input_projections(x)
         xs = [projected[f"{n}_proj"] for n in "qkv"]
         # training without a split sequence, on a mesh or not: the custom VJP that saves only the bf16 inputs
         # (autodiff of the conv path keeps fp32 shifted inputs and SiLU terms: stacked per repetition when scanned)

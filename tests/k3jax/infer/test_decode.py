@@ -112,12 +112,10 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
     assert rel_rmse(np.concatenate(outs, 1), ref[:, 15:T - 1]) <= BF16_MODEL_RTOL
 
 
-
-
 def test_decode_layout_decodes_as_the_plain_layout(model):
     """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
     entry and the output projections' kernels output axis first (``kernel_t``): prefill and decode on
-    it give the logits of the plain per-layer tree bit for bit, and the forward's."""
+    it give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
     from k3jax.layers import kda
     from k3jax.layers.linear import OUTPUT_FIRST
@@ -153,6 +151,6 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
             for t in range(13, T):
                 logits, cache = decode_step(v, dcfg, tokens[:, t:t + 1], cache)
                 outs[key].append(np.asarray(logits[:, 0]))
-    for a, b in zip(outs["packed"], outs["plain"]):
-        np.testing.assert_array_equal(a, b)
+    for a, b in zip(outs["packed"], outs["plain"]):  # one product over the packed kernels: fp32 order
+        assert rel_rmse(a, b) <= F32_RTOL
     assert rel_rmse(np.stack(outs["packed"][1:], axis=1), ref[:, 13:]) <= F32_RTOL
