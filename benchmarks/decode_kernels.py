@@ -28,6 +28,8 @@ import re
 import sys
 from pathlib import Path
 
+from k3jax.plan.collectives import shape_bytes
+
 FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "conditional", "call",
         "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"}
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
@@ -94,21 +96,6 @@ def kernels(comps: dict, name: str, weight: float = 1) -> list[Kernel]:
     return out
 
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-               "f64": 8, "s64": 8, "u64": 8}
-
-
-def bytes_written(shape: str) -> int:
-    """Bytes of a kernel's output(s), from its HLO shape (``bf16[8,128]{1,0}`` or a tuple of them)."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
 def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
     """``"kda:moe"``-style group of a kernel: the layer's mixer kind and the module under the layer."""
     if m := re.search(r"/layers_(\d+)/(\w+)", op_name):
@@ -130,10 +117,10 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
         layer = re.search(r"/layers_(\d+)/", k.op_name)
         by_layer[f"{int(layer.group(1)):2d} {layer_kinds.get(int(layer.group(1)))}" if layer else "top"] += k.count / steps
     total = sum(k.count for k in ks) / steps
-    written = sum(k.count * bytes_written(k.shape) for k in ks) / steps
+    written = sum(k.count * shape_bytes(k.shape) for k in ks) / steps
     print(f"kernels per step: {total:.1f}")
     print(f"bytes written per step: {written / 1e6:.1f} MB (all kernels' outputs; "
-          f"{sum(k.count * bytes_written(k.shape) for k in ks if bytes_written(k.shape) >= 5e5) / steps / 1e6:.1f} MB "
+          f"{sum(k.count * shape_bytes(k.shape) for k in ks if shape_bytes(k.shape) >= 5e5) / steps / 1e6:.1f} MB "
           "by kernels writing >= 0.5 MB)")
     for title, counter in (("by layer", by_layer), ("by layer kind : module", by_module), ("by kernel kind", by_kind)):
         print(f"{title}:")

@@ -23,23 +23,10 @@ import re
 import sys
 from pathlib import Path
 
+from k3jax.plan.collectives import shape_bytes
+
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_kernels import FREE, _kind, computations  # noqa: E402
-
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f4e2m1fn": 1}
-SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|f4e2m1fn)\[([\d,]*)\]")
-
-
-def shape_bytes(text: str) -> int:
-    """Bytes of every array shape written in ``text`` (a shape, a tuple of shapes, an operand list)."""
-    total = 0
-    for dtype, dims in SHAPE.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES.get(dtype, 4)
-    return total
 
 
 def _operands(rest: str) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
@@ -74,13 +75,7 @@ def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
     params = walk(variables["params"], ())
     if not moved:
         return variables
-    nested_copy = lambda n: {k: nested_copy(v) if isinstance(v, Mapping) else v for k, v in n.items()}
-    decode = nested_copy(variables.get("decode", {}))
-    for path, w in moved.items():
-        node = decode
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = w
+    decode = traverse_util.unflatten_dict({**traverse_util.flatten_dict(variables.get("decode", {})), **moved})
     return {**variables, "params": params, "decode": decode}
 
 

@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "f4e2m1fn": 1}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"\s(" + "|".join(_KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]")
@@ -34,7 +34,8 @@ _CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
 _LESS_THAN = re.compile(r"ROOT .*compare\(%[\w.\-#]+, %([\w.\-]+)\), direction=LT")  # x#0: a tuple element
 
 
-def _shape_bytes(text: str) -> int:
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in ``text`` (``bf16[8,128]{1,0}``, a tuple, an operand list)."""
     return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
                for dt, dims in _SHAPE.findall(text))
 
@@ -43,8 +44,8 @@ def _result_bytes(kind: str, result: str) -> int:
     """Bytes of the collective's result (compiled HLO prints operands without shapes). The async
     ``-start`` forms return tuples: all-gather's output is its largest element, a permute's first."""
     if not result.startswith("("):
-        return _shape_bytes(result)
-    sizes = [_shape_bytes(f"{dt}[{dims}]") for dt, dims in _SHAPE.findall(result)]
+        return shape_bytes(result)
+    sizes = [shape_bytes(f"{dt}[{dims}]") for dt, dims in _SHAPE.findall(result)]
     sizes = [b for b in sizes if b > 4]  # drop the u32[] / s32[] sync flags
     if not sizes:
         return 0
