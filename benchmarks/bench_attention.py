@@ -73,7 +73,8 @@ def cudnn_attention(qn, qr, kn, kr, v, seg, scale):
 def mgpu_attention(block_q, block_kv):
     """Peer, forward only: JAX's Mosaic GPU flash attention (``attention_mgpu``, warp-specialised
     wgmma; plain causal, equal q/k/v widths so v is zero-padded to 192; its backward has no causal
-    mask yet). It measures what a Mosaic GPU port of our forward could reach."""
+    mask yet; its shared-memory buffers are float16, so it runs on float16 copies of the operands).
+    It measures what a Mosaic GPU port of our forward could reach."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     config = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=True)
@@ -84,7 +85,7 @@ def mgpu_attention(block_q, block_kv):
         q = jnp.concatenate([qn, qr], axis=-1) * jnp.asarray(scale, qn.dtype)
         k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
         vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
-        o = attention_mgpu.attention(q, k, vp, config)
+        o = attention_mgpu.attention(*(x.astype(jnp.float16) for x in (q, k, vp)), config)
         return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
 
     return attend
