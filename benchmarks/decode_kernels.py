@@ -163,7 +163,8 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
         cache = place(jax.eval_shape(lambda: init_cache(cfg, batch, prompt + steps + 1)))
         tok = place(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
         loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))
-        return loop.lower(variables, tok, cache).compile().as_text()
+        with jax.default_device(device):  # Pallas-Triton kernels (KDA decode) read their target from it
+            return loop.lower(variables, tok, cache).compile().as_text()
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kda import kernel_gpu_decode
 from pallas_kernels.kda.reference import chunk_kda_reference, compute_dtype, naive_recurrent_kda
 from pallas_kernels.target import current_target
 
@@ -238,12 +239,33 @@ def recurrent_kda_step(
     state: Float[Array, "B H K V"],
     *,
     scale: float | None = None,
+    implementation: Implementation = None,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "B Tn H V"], Float[Array, "B H K V"]]:
     """Decode: advance ``state`` over a few new tokens per sequence; returns ``(o, new_state)``.
 
     Same recurrence as :func:`naive_recurrent_kda`; the state stays fp32 (float64 for f64 inputs).
+    ``implementation``: ``"xla"`` is that recurrence; ``"pallas"`` the GPU kernel
+    (``kernel_gpu_decode``: each state read and written once; ``interpret=True`` runs it in the CPU
+    interpreter); None takes the kernel when compiling for a CUDA GPU, it supports the inputs and there
+    are at least ``kernel_gpu_decode.MIN_STATES`` (sequence, head) states.
     """
+    if implementation not in (None, "xla", "pallas"):
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
     _validate(q, k, v, g, beta, state, None)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    target = current_target()
+    fits = kernel_gpu_decode.supports(q, k, v, g, beta, state)
+    if implementation == "pallas" and not fits:
+        raise ValueError("implementation='pallas': the decode kernel needs an fp32 state, no float64 input and "
+                         f"power-of-two head widths >= 16, got K={q.shape[-1]}, V={v.shape[-1]}, state {state.dtype}")
+    if implementation == "pallas" and not (interpret or (target.platform == "gpu" and target.cuda)):
+        raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
+                         "use implementation='xla' or interpret=True")
+    large = q.shape[0] * q.shape[2] >= kernel_gpu_decode.MIN_STATES
+    if implementation == "pallas" or (implementation is None and fits and large and target.platform == "gpu"
+                                      and target.cuda):
+        return kernel_gpu_decode.recurrent_step_pallas(q, k, v, g, beta, state, scale=scale, interpret=bool(interpret))
     dt = compute_dtype(q, k, v, g, beta, state)
     return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state.astype(dt))
 
