@@ -19,6 +19,7 @@ chunk. Here the matmul's epilogue computes them from the accumulator while it is
 of the fp32 logits' bytes at tile_n = 128).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -28,13 +29,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe.kernel_gpu import _gmm_pipeline
+from pallas_kernels.moe.kernel_gpu import _chain_state, _gmm_pipeline
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, GpuTiling, _swizzled, persistent_kernel
 
-# Of GpuTiling only tile_m, tile_n, tile_k and stages apply here. SMEM at this tiling:
-# 3 × (128 × 64 + 64 × 256) × 2 B = 144 KB of operand slots + 2 × 2 × 64 × 64 × 4 B = 64 KB of
-# logits slots (fp32) + 2 KB of partials, under the H200's 227 KB.
+# Of GpuTiling only tile_m, tile_n, tile_k, stages, chain_tiles and overlap_wgmma apply here.
+# chain_tiles: one pipeline across a CTA's tiles, as in the MoE gmm, so the next tile's loads
+# overlap the epilogue. overlap_wgmma: a step waits for the previous step's wgmma, not its own,
+# and its slots are released one step late (``delay_release``; not with chain_tiles).
+# SMEM at this tiling: 3 × (128 × 64 + 64 × 256) × 2 B = 144 KB of operand slots + 2 × 2 × 64 × 64
+# × 4 B = 64 KB of logits slots (fp32) + 2 KB of partials, under the H200's 227 KB.
 HEAD_TILING = GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3)
+# Candidates for bench_loss.py --tilings (the kernel alone, bf16 logits); Mosaic GPU's SMEM count at
+# bf16 / fp32 logits, of the 232448 B a CTA may take (4 stages of 128 × 64 + 64 × 256 do not fit).
+HEAD_CANDIDATES = {
+    "default": HEAD_TILING,  # 182 / 215 KB
+    "overlap": dataclasses.replace(HEAD_TILING, overlap_wgmma=True),
+    "chain2": dataclasses.replace(HEAD_TILING, stages=2, chain_tiles=True),  # 133 / 166 KB
+    "n64_chain4": dataclasses.replace(HEAD_TILING, tile_n=64, stages=4, chain_tiles=True),  # 166 / 199 KB
+    "n64_overlap4": dataclasses.replace(HEAD_TILING, tile_n=64, stages=4, overlap_wgmma=True),
+}
 _EPI = 64  # the logits leave through SMEM in _EPI × _EPI sub-tiles
 _LOG2E = math.log2(math.e)
 
@@ -66,7 +79,8 @@ def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem):
 def _body(f_gmem, w_gmem, out_gmem, pmax_gmem, psum_gmem, *, cfg, c, d, v):
     tm, tn, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_n()
     grid_m, grid_n = c // tm, v // cta_n
-    pipeline = functools.partial(_gmm_pipeline, cfg, d, f_gmem.dtype, False)
+    delay = 1 if cfg.overlap_wgmma else 0  # wgmmas left in flight when a step returns
+    pipeline = functools.partial(_gmm_pipeline, cfg, d, f_gmem.dtype, False, delay_release=delay)
     ignore = lambda *_, **__: None
     em, en = min(_EPI, tm), min(_EPI, tn)
 
@@ -96,11 +110,19 @@ def _body(f_gmem, w_gmem, out_gmem, pmax_gmem, psum_gmem, *, cfg, c, d, v):
 
             def mma(_, a_smem, b_smem, acc):
                 plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * tn, tn)])
-                plgpu.wgmma_wait(0)  # the slot is released when the body returns (see moe gmm)
+                # the step's slots are released when the body returns (delay: that many steps later)
+                plgpu.wgmma_wait(delay)
                 return acc
 
-            pipeline(mma, compute_context)(f_gmem.at[rows], w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
-                                           allocations=allocs)
+            def run(state):
+                pipeline(mma, compute_context, state=state)(
+                    f_gmem.at[rows], w_gmem.at[:, pl.ds(ni * cta_n, cta_n)], allocations=allocs)
+
+            if cfg.chain_tiles:  # the next tile's loads overlap this tile's epilogue
+                pl.when(info.num_local_steps == 1)(lambda: run(None))
+                pl.when(info.num_local_steps > 1)(lambda: run(_chain_state(info)))
+            else:
+                run(None)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -113,7 +135,14 @@ def check_shapes(c: int, d: int, v: int, tiling: GpuTiling = HEAD_TILING) -> str
         return f"D={d} must be a multiple of tile_k={tiling.tile_k}"
     if v % tiling.cta_n():
         return f"V={v} must be a multiple of 2·tile_n={tiling.cta_n()}"
+    if tiling.chain_tiles and tiling.overlap_wgmma:
+        return "tiling.chain_tiles and tiling.overlap_wgmma exclude each other (a chain of pipelines has no delayed release)"
+    if tiling.overlap_wgmma and tiling.stages < 2:
+        return f"tiling.overlap_wgmma needs stages >= 2, got {tiling.stages}"
+    if tiling.chain_tiles and (d // tiling.tile_k) % tiling.stages:
+        return f"tiling.chain_tiles needs D/tile_k a multiple of stages, got {d}/{tiling.tile_k} and stages={tiling.stages}"
     return None
+
 
 
 # Jitted so that every chunk (and every call with the same shapes) reuses one Mosaic GPU kernel.

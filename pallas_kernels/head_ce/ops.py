@@ -37,7 +37,7 @@ def resolve_implementation(implementation, interpret: bool, dtype, d: int, v: in
     elif jnp.dtype(dtype) not in _KERNEL_DTYPES:
         why = f"needs bfloat16 or float16 features, got {jnp.dtype(dtype)}"
     else:
-        why = _kernel().check_shapes(_kernel().HEAD_TILING.tile_m, d, v)
+        why = _kernel().check_shapes(_kernel().HEAD_TILING.tile_m, d, v, _kernel().HEAD_TILING)
     if why and implementation == "pallas":
         raise ValueError(f"implementation='pallas': the head logits kernel {why}")
     return "xla" if why else "pallas"
@@ -56,7 +56,7 @@ def chunk_logits_lse(f: Float[Array, "C D"], w: Float[Array, "D V"], logits_dtyp
     pad = -c % k.HEAD_TILING.tile_m
     fp = jnp.pad(f, ((0, pad), (0, 0))) if pad else f
     logits, pmax, psum = k.logits_partials(fp, w.astype(f.dtype), logits_dtype=jnp.dtype(logits_dtype or jnp.float32),
-                                           interpret=interpret)
+                                           tiling=k.HEAD_TILING, interpret=interpret)
     lse = reference.combine_partials(pmax, psum)
     return (logits[:c], lse[:c]) if pad else (logits, lse)
 

@@ -7,6 +7,8 @@ difference can move a logit across a bf16 rounding boundary (one bf16 ulp, 2^-8 
 few logits), the error of any bf16 storage: the bf16 kernel tolerances apply.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -89,6 +91,20 @@ class KernelCase:
 
 class TestGpuInterpret(KernelCase):
     pass
+
+
+@pytest.mark.parametrize("option", ["chain_tiles", "overlap_wgmma"])
+@pytest.mark.parametrize("c, v", [(128, 384), (64, 256)])  # 3 tiles per SM (chained); 1 (unchained)
+def test_tiling_options_equal_reference(option, c, v):
+    tiling = dataclasses.replace(SMALL, **{option: True})
+    f, w = _features_head(c, 128, v)
+    got = kernel_gpu.logits_partials(f, w, logits_dtype=jnp.bfloat16, tiling=tiling, interpret=True)
+    want = reference.logits_partials(f, w, tiling.tile_n, jnp.bfloat16)
+    for a, b in zip(got, want):
+        assert rel_rmse(a.astype(jnp.float32), b.astype(jnp.float32)) < BF16_FWD_RTOL
+    if option == "chain_tiles":
+        with pytest.raises(ValueError, match="chain_tiles needs D/tile_k a multiple of stages"):
+            kernel_gpu.logits_partials(f, w, tiling=dataclasses.replace(tiling, stages=3), interpret=True)
 
 
 def test_bad_arguments_are_named():
