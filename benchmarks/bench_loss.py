@@ -19,7 +19,8 @@ Pallas: one read and the write; the matmul's wider fp32 write hides under its co
 extra time. Before timing, each variant's loss and gradients are compared with ``fp32``'s
 (``pallas_bf16``'s also with ``bf16``'s, the same arithmetic up to the order of fp32 sums).
 
-Run on the H200 from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_loss.py``
+Run on the H200 from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_loss.py --tilings all``
+(``--head-tiling NAME`` runs the pallas_* variants at another of ``kernel_gpu.HEAD_CANDIDATES``)
 (on a CPU: ``--interpret --tokens 512 --hidden 128 --vocab 1024 --chunk 256``, a smoke test).
 """
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_moe import rel, timeit_interleaved
 from k3jax.train import loss
-from pallas_kernels.head_ce import chunk_logits_lse
+from pallas_kernels.head_ce import chunk_logits_lse, kernel_gpu
 
 
 def matmuls_only(features, head, labels, mask, chunk):
@@ -50,29 +51,34 @@ def matmuls_only(features, head, labels, mask, chunk):
     return s.sum() + d_head.sum()
 
 
-def logits_loop(features, head, chunk, implementation, interpret):
+def logits_loop(features, head, chunk, implementation, interpret, tiling=None):
     """The chunk loop's logits (bf16) and logsumexp alone; a slice keeps each chunk's logits live."""
     fs = features.reshape(-1, chunk, features.shape[-1])
     w = head.astype(features.dtype)
 
     def one(f):
-        logits, lse = chunk_logits_lse(f, w, "bfloat16", implementation=implementation, interpret=interpret)
+        logits, lse = chunk_logits_lse(f, w, "bfloat16", implementation=implementation, interpret=interpret,
+                                       tiling=tiling)
         return jnp.sum(lse) + logits[0, 0].astype(jnp.float32)
 
     return jnp.sum(jax.lax.map(one, fs))
 
 
-def variants(chunk, interpret=False):
-    """name -> jitted (features, head, labels, mask) -> output."""
+def variants(chunk, interpret=False, tilings=()):
+    """name -> jitted (features, head, labels, mask) -> output; ``logits_pallas:NAME`` times the
+    kernel alone at ``kernel_gpu.HEAD_CANDIDATES[NAME]`` for each name in ``tilings``."""
     def grad(logits_dtype, implementation="xla"):
         fn = lambda f, w, y, m: loss.head_cross_entropy(f, w, y, m, chunk, logits_dtype, implementation, interpret)
         return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
 
-    logits = lambda impl: jax.jit(lambda f, w, y, m: logits_loop(f, w, chunk, impl, interpret))
-    return {"fp32": grad(None), "bf16": grad("bfloat16"), "pallas_fp32": grad(None, "pallas"),
-            "pallas_bf16": grad("bfloat16", "pallas"),
-            "matmuls": jax.jit(lambda f, w, y, m: matmuls_only(f, w, y, m, chunk)),
-            "logits_xla": logits("xla"), "logits_pallas": logits("pallas")}
+    logits = lambda impl, t=None: jax.jit(lambda f, w, y, m: logits_loop(f, w, chunk, impl, interpret, t))
+    fns = {"fp32": grad(None), "bf16": grad("bfloat16"), "pallas_fp32": grad(None, "pallas"),
+           "pallas_bf16": grad("bfloat16", "pallas"),
+           "matmuls": jax.jit(lambda f, w, y, m: matmuls_only(f, w, y, m, chunk)),
+           "logits_xla": logits("xla"), "logits_pallas": logits("pallas")}
+    for name in tilings:
+        fns[f"logits_pallas:{name}"] = logits("pallas", kernel_gpu.HEAD_CANDIDATES[name])
+    return fns
 
 
 def _errors(got, want):
@@ -88,6 +94,10 @@ def main():
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernel in the GPU interpreter (CPU)")
+    ap.add_argument("--head-tiling", default="default", choices=sorted(kernel_gpu.HEAD_CANDIDATES),
+                    help="the kernel's tiling in the pallas_* and logits_pallas variants")
+    ap.add_argument("--tilings", default="", help="comma-separated HEAD_CANDIDATES to time the kernel alone at "
+                    "(logits_pallas:NAME variants; 'all' for every candidate)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     ks = jax.random.split(jax.random.key(0), 3)
@@ -95,7 +105,12 @@ def main():
     w = jax.random.normal(ks[1], (a.hidden, a.vocab), jnp.float32) / a.hidden ** 0.5
     y = jax.random.randint(ks[2], (1, a.tokens), 0, a.vocab)
     m = jnp.ones((1, a.tokens), jnp.float32)
-    fns = variants(a.chunk, a.interpret)
+    kernel_gpu.HEAD_TILING = kernel_gpu.HEAD_CANDIDATES[a.head_tiling]  # read when the variants trace
+    tilings = list(kernel_gpu.HEAD_CANDIDATES) if a.tilings == "all" else [t for t in a.tilings.split(",") if t]
+    bad = sorted(set(tilings) - set(kernel_gpu.HEAD_CANDIDATES))
+    if bad:
+        raise SystemExit(f"--tilings: unknown {bad}; choose from {sorted(kernel_gpu.HEAD_CANDIDATES)}")
+    fns = variants(a.chunk, a.interpret, tilings)
     names = a.only.split(",") if a.only else list(fns)
     unknown = sorted(set(names) - set(fns))
     if unknown:
@@ -110,13 +125,14 @@ def main():
              "pallas_bf16": n * v * (2 + 2)}
     floor = ms.get("matmuls", float("nan"))
     base = ms.get("fp32", float("nan"))
-    print(f"{jax.devices()[0].device_kind}: tokens={n} D={a.hidden} V={v} chunk={a.chunk}; matmuls alone {floor:.2f} ms")
-    print(f"{'variant':13s} {'ms':>8s} {'/ fp32':>7s} {'over matmuls':>13s} {'GB/s':>7s} {'rel loss':>9s} "
+    print(f"{jax.devices()[0].device_kind}: tokens={n} D={a.hidden} V={v} chunk={a.chunk}; "
+          f"matmuls alone {floor:.2f} ms; kernel tiling {a.head_tiling}: {kernel_gpu.HEAD_TILING}")
+    print(f"{'variant':26s} {'ms':>8s} {'/ fp32':>7s} {'over matmuls':>13s} {'GB/s':>7s} {'rel loss':>9s} "
           f"{'rel d_f':>8s} {'rel d_w':>8s}")
-    results = {"ms": ms, "variants": {}}
+    results = {"ms": ms, "head_tiling": a.head_tiling, "variants": {}}
     for name in names:
         row = dict(ms=ms[name], ratio_vs_fp32=ms[name] / base)
-        line = f"{name:13s} {ms[name]:8.2f} {ms[name] / base:7.3f}"
+        line = f"{name:26s} {ms[name]:8.2f} {ms[name] / base:7.3f}"
         if name in added:
             extra = ms[name] - floor
             gbs = added[name] / extra / 1e6 if extra > 0 else float("nan")

@@ -136,11 +136,12 @@ def check_shapes(c: int, d: int, v: int, tiling: GpuTiling = HEAD_TILING) -> str
     if v % tiling.cta_n():
         return f"V={v} must be a multiple of 2·tile_n={tiling.cta_n()}"
     if tiling.chain_tiles and tiling.overlap_wgmma:
-        return "tiling.chain_tiles and tiling.overlap_wgmma exclude each other (a chain of pipelines has no delayed release)"
+        return "tiling.chain_tiles and tiling.overlap_wgmma exclude each other (a chain has no delayed release)"
     if tiling.overlap_wgmma and tiling.stages < 2:
         return f"tiling.overlap_wgmma needs stages >= 2, got {tiling.stages}"
     if tiling.chain_tiles and (d // tiling.tile_k) % tiling.stages:
-        return f"tiling.chain_tiles needs D/tile_k a multiple of stages, got {d}/{tiling.tile_k} and stages={tiling.stages}"
+        return (f"tiling.chain_tiles needs D/tile_k a multiple of stages, got {d}/{tiling.tile_k} and "
+                f"stages={tiling.stages}")
     return None
 
 

@@ -25,7 +25,7 @@ def _kernel():
     return kernel_gpu
 
 
-def resolve_implementation(implementation, interpret: bool, dtype, d: int, v: int) -> str:
+def resolve_implementation(implementation, interpret: bool, dtype, d: int, v: int, tiling=None) -> str:
     """"xla" or "pallas": which path computes a chunk of ``[·, d] @ [d, v]`` in ``dtype``."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -37,26 +37,29 @@ def resolve_implementation(implementation, interpret: bool, dtype, d: int, v: in
     elif jnp.dtype(dtype) not in _KERNEL_DTYPES:
         why = f"needs bfloat16 or float16 features, got {jnp.dtype(dtype)}"
     else:
-        why = _kernel().check_shapes(_kernel().HEAD_TILING.tile_m, d, v, _kernel().HEAD_TILING)
+        tiling = tiling or _kernel().HEAD_TILING
+        why = _kernel().check_shapes(tiling.tile_m, d, v, tiling)
     if why and implementation == "pallas":
         raise ValueError(f"implementation='pallas': the head logits kernel {why}")
     return "xla" if why else "pallas"
 
 
 def chunk_logits_lse(f: Float[Array, "C D"], w: Float[Array, "D V"], logits_dtype=None, *,
-                     implementation: str | None = None, interpret: bool = False):
+                     implementation: str | None = None, interpret: bool = False, tiling=None):
     """(``f @ w`` in ``logits_dtype`` (None: fp32), logsumexp over V of the stored logits in fp32 ``[C]``).
 
-    ``w`` is cast to ``f``'s dtype; the matmul accumulates in fp32 either way.
+    ``w`` is cast to ``f``'s dtype; the matmul accumulates in fp32 either way. ``tiling``: the
+    kernel's ``GpuTiling`` (None: ``kernel_gpu.HEAD_TILING``, read at trace time).
     """
     (c, d), v = f.shape, w.shape[1]
-    if implementation == "xla" or resolve_implementation(implementation, interpret, f.dtype, d, v) == "xla":
+    if implementation == "xla" or resolve_implementation(implementation, interpret, f.dtype, d, v, tiling) == "xla":
         return reference.chunk_logits_lse(f, w, logits_dtype)
     k = _kernel()
-    pad = -c % k.HEAD_TILING.tile_m
+    tiling = tiling or k.HEAD_TILING
+    pad = -c % tiling.tile_m
     fp = jnp.pad(f, ((0, pad), (0, 0))) if pad else f
     logits, pmax, psum = k.logits_partials(fp, w.astype(f.dtype), logits_dtype=jnp.dtype(logits_dtype or jnp.float32),
-                                           tiling=k.HEAD_TILING, interpret=interpret)
+                                           tiling=tiling, interpret=interpret)
     lse = reference.combine_partials(pmax, psum)
     return (logits[:c], lse[:c]) if pad else (logits, lse)
 
