@@ -2,9 +2,11 @@
 compiled with -m gpu), and the loss it feeds against the XLA path.
 
 Tolerances: with fp32 logits the kernel and XLA differ only in the order of fp32 sums (the matmul's
-accumulation, the logsumexp's), so loss and gradients agree to F32_RTOL. With bf16 logits such a
-difference can move a logit across a bf16 rounding boundary (one bf16 ulp, 2^-8 relative, on a
-few logits), the error of any bf16 storage: the bf16 kernel tolerances apply.
+accumulation, the logsumexp's), so logits, logsumexp and loss agree to F32_RTOL. With bf16 logits
+such a difference can move a logit across a bf16 rounding boundary (one bf16 ulp, 2^-8 relative,
+on a few logits), the error of any bf16 storage: the bf16 kernel tolerances apply. The gradients
+pass through ``softmax − onehot`` stored in bf16 on both paths, where the same boundary crossings
+happen (on the GPU, not in the interpreter, whose matmul is XLA's): BF16_GRAD_RTOL for both.
 """
 
 import dataclasses
@@ -79,12 +81,11 @@ class KernelCase:
             return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(f, w)
 
         (v1, (df1, dw1)), (v0, (df0, dw0)) = run("pallas"), run("xla")
-        fwd, grad = (F32_RTOL, F32_RTOL) if logits_dtype is None else (BF16_FWD_RTOL, BF16_GRAD_RTOL)
+        fwd = F32_RTOL if logits_dtype is None else BF16_FWD_RTOL
         assert abs(float(v1 - v0)) < fwd * abs(float(v0))
         assert df1.dtype == df0.dtype == jnp.bfloat16 and dw1.dtype == dw0.dtype == jnp.float32
-        # d_features is bf16 on both paths: compare at bf16's resolution
         assert rel_rmse(df1.astype(jnp.float32), df0.astype(jnp.float32)) < BF16_GRAD_RTOL
-        assert rel_rmse(dw1, dw0) < grad
+        assert rel_rmse(dw1, dw0) < BF16_GRAD_RTOL
         plain = jax.jit(lambda f, w: head_cross_entropy(f, w, y, m, self.chunk, logits_dtype, "pallas", self.interpret))
         assert abs(float(plain(f, w) - v0)) < fwd * abs(float(v0))  # the primal (no gradient) path
 
