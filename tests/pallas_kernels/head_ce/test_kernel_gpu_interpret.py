@@ -108,6 +108,24 @@ def test_tiling_options_equal_reference(option, c, v):
             kernel_gpu.logits_partials(f, w, tiling=dataclasses.replace(tiling, stages=3), interpret=True)
 
 
+@pytest.mark.parametrize("option", [None, "chain_tiles", "overlap_wgmma"])
+def test_no_smem_race(option, monkeypatch):
+    """The interpreter's race detector over the operand slots and the epilogue's two logits slots
+    and partials rows per warpgroup, which the next tile's epilogue rewrites while earlier TMA
+    stores may still read them (3 tiles per SM)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.moe import kernel_gpu_base
+
+    monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
+    tiling = dataclasses.replace(SMALL, tile_m=128, tile_n=128, **({option: True} if option else {}))
+    f, w = _features_head(256, 128, 768)
+    for logits_dtype in LOGITS_DTYPES:
+        jax.block_until_ready(kernel_gpu.logits_partials(f, w, logits_dtype=logits_dtype, tiling=tiling,
+                                                         interpret=True))
+        assert not get_races().races_found, logits_dtype
+
+
 def test_bad_arguments_are_named():
     f, w = _features_head(128, 96, 512)
     with pytest.raises(ValueError, match="D=96 must be a multiple of tile_k=64"):
