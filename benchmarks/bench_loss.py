@@ -95,7 +95,8 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernel in the GPU interpreter (CPU)")
     ap.add_argument("--head-tiling", default="default", choices=sorted(kernel_gpu.HEAD_CANDIDATES),
-                    help="the kernel's tiling in the pallas_* and logits_pallas variants")
+                    help="the kernel's tiling in the pallas_* and logits_pallas variants (a 'bf16 only' "
+                         "candidate needs --only without pallas_fp32)")
     ap.add_argument("--tilings", default="", help="comma-separated HEAD_CANDIDATES to time the kernel alone at "
                     "(logits_pallas:NAME variants; 'all' for every candidate)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")

@@ -32,23 +32,35 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe.kernel_gpu import _chain_state, _gmm_pipeline
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, GpuTiling, _swizzled, persistent_kernel
 
-# Of GpuTiling only tile_m, tile_n, tile_k, stages, chain_tiles and overlap_wgmma apply here.
-# chain_tiles: one pipeline across a CTA's tiles, as in the MoE gmm, so the next tile's loads
-# overlap the epilogue. overlap_wgmma: a step waits for the previous step's wgmma, not its own,
-# and its slots are released one step late (``delay_release``; not with chain_tiles).
-# SMEM at this tiling: 3 × (128 × 64 + 64 × 256) × 2 B = 144 KB of operand slots + 2 × 2 × 64 × 64
-# × 4 B = 64 KB of logits slots (fp32) + 2 KB of partials, under the H200's 227 KB.
-HEAD_TILING = GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3)
-# Candidates for bench_loss.py --tilings (the kernel alone, bf16 logits); Mosaic GPU's SMEM count at
-# bf16 / fp32 logits, of the 232448 B a CTA may take (4 stages of 128 × 64 + 64 × 256 do not fit).
+@dataclasses.dataclass(frozen=True)
+class HeadTiling(GpuTiling):
+    """The MoE ``GpuTiling`` (its ``tile_m``, ``tile_n``, ``tile_k``, ``stages``, ``chain_tiles`` and
+    ``overlap_wgmma`` apply here) plus ``epi_cols``: the logits leave through SMEM in
+    64 × ``epi_cols`` sub-tiles, two slots per warpgroup.
+
+    ``chain_tiles``: one pipeline across a CTA's tiles, as in the MoE gmm, so the next tile's loads
+    overlap the epilogue. ``overlap_wgmma``: a step waits for the previous step's wgmma, not its own,
+    and its slots are released one step late (``delay_release``; not with ``chain_tiles``).
+    """
+
+    epi_cols: int = 64
+
+
+# SMEM at the default: 3 × (128 × 64 + 64 × 256) × 2 B = 144 KB of operand slots + 2 × 2 × 64 × 64 ×
+# 4 B = 64 KB of fp32 logits slots + 2 KB of partials, under the 232448 B a CTA may take.
+HEAD_TILING = HeadTiling(tile_m=128, tile_n=128, tile_k=64, stages=3)
+# Candidates for bench_loss.py --tilings (the kernel alone, bf16 logits), with Mosaic GPU's SMEM count
+# at bf16 / fp32 logits. A fourth 48 KB operand stage fits only beside 64 × 32 bf16 logits slots.
 HEAD_CANDIDATES = {
     "default": HEAD_TILING,  # 182 / 215 KB
     "overlap": dataclasses.replace(HEAD_TILING, overlap_wgmma=True),
     "chain2": dataclasses.replace(HEAD_TILING, stages=2, chain_tiles=True),  # 133 / 166 KB
     "n64_chain4": dataclasses.replace(HEAD_TILING, tile_n=64, stages=4, chain_tiles=True),  # 166 / 199 KB
     "n64_overlap4": dataclasses.replace(HEAD_TILING, tile_n=64, stages=4, overlap_wgmma=True),
+    "overlap4": dataclasses.replace(HEAD_TILING, stages=4, overlap_wgmma=True, epi_cols=32),  # bf16 only
+    "chain4": dataclasses.replace(HEAD_TILING, stages=4, chain_tiles=True, epi_cols=32),  # bf16 only
 }
-_EPI = 64  # the logits leave through SMEM in _EPI × _EPI sub-tiles
+_EPI_ROWS = 64  # a WGMMA row group
 _LOG2E = math.log2(math.e)
 
 
@@ -62,7 +74,7 @@ def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem):
     r_smem[0] = top
     r_smem[1] = sums
     tm, tn = x.shape
-    em, en = min(_EPI, tm), min(_EPI, tn)
+    em, en = o_smem.shape[1:]
     subs = [(i, j) for i in range(tm // em) for j in range(tn // en)]
     for step, (i, j) in enumerate(subs):
         slot = step % 2
@@ -82,7 +94,7 @@ def _body(f_gmem, w_gmem, out_gmem, pmax_gmem, psum_gmem, *, cfg, c, d, v):
     delay = 1 if cfg.overlap_wgmma else 0  # wgmmas left in flight when a step returns
     pipeline = functools.partial(_gmm_pipeline, cfg, d, f_gmem.dtype, False, delay_release=delay)
     ignore = lambda *_, **__: None
-    em, en = min(_EPI, tm), min(_EPI, tn)
+    em, en = min(_EPI_ROWS, tm), min(getattr(cfg, "epi_cols", 64), tn)  # a plain GpuTiling: 64
 
     @functools.partial(
         pl.run_scoped,

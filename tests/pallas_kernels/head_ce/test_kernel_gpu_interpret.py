@@ -17,14 +17,13 @@ import pytest
 
 from k3jax.train.loss import head_cross_entropy
 from pallas_kernels.head_ce import chunk_logits_lse, kernel_gpu, reference
-from pallas_kernels.moe.kernel_gpu_base import GpuTiling
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 # The Pallas GPU interpreter imports the fuser on its first run (see tests/pallas_kernels/moe/conftest.py).
 from jax.experimental.pallas import fuser  # noqa: F401, E402
 
 # two row blocks, two D steps, three vocabulary blocks: 6 tiles over the interpreter's 2 SMs
-SMALL = GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
+SMALL = kernel_gpu.HeadTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
 LOGITS_DTYPES = [jnp.float32, jnp.bfloat16]
 
 
@@ -94,10 +93,14 @@ class TestGpuInterpret(KernelCase):
     pass
 
 
-@pytest.mark.parametrize("option", ["chain_tiles", "overlap_wgmma"])
+OPTIONS = {"chain_tiles": dict(chain_tiles=True), "overlap_wgmma": dict(overlap_wgmma=True),
+           "epi_cols": dict(epi_cols=32)}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("c, v", [(128, 384), (64, 256)])  # 3 tiles per SM (chained); 1 (unchained)
 def test_tiling_options_equal_reference(option, c, v):
-    tiling = dataclasses.replace(SMALL, **{option: True})
+    tiling = dataclasses.replace(SMALL, **OPTIONS[option])
     f, w = _features_head(c, 128, v)
     got = kernel_gpu.logits_partials(f, w, logits_dtype=jnp.bfloat16, tiling=tiling, interpret=True)
     want = reference.logits_partials(f, w, tiling.tile_n, jnp.bfloat16)
@@ -108,7 +111,7 @@ def test_tiling_options_equal_reference(option, c, v):
             kernel_gpu.logits_partials(f, w, tiling=dataclasses.replace(tiling, stages=3), interpret=True)
 
 
-@pytest.mark.parametrize("option", [None, "chain_tiles", "overlap_wgmma"])
+@pytest.mark.parametrize("option", [None, *sorted(OPTIONS)])
 def test_no_smem_race(option, monkeypatch):
     """The interpreter's race detector over the operand slots and the epilogue's two logits slots
     and partials rows per warpgroup, which the next tile's epilogue rewrites while earlier TMA
@@ -118,7 +121,7 @@ def test_no_smem_race(option, monkeypatch):
     from pallas_kernels.moe import kernel_gpu_base
 
     monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
-    tiling = dataclasses.replace(SMALL, tile_m=128, tile_n=128, **({option: True} if option else {}))
+    tiling = dataclasses.replace(SMALL, tile_m=128, tile_n=128, **OPTIONS.get(option, {}))
     f, w = _features_head(256, 128, 768)
     for logits_dtype in LOGITS_DTYPES:
         jax.block_until_ready(kernel_gpu.logits_partials(f, w, logits_dtype=logits_dtype, tiling=tiling,
