@@ -13,8 +13,9 @@ chunk. Here the matmul's epilogue computes them from the accumulator while it is
    (``moe.kernel_gpu._gmm_pipeline``); each compute warpgroup accumulates ``tile_m × tile_n`` in fp32.
 3. Epilogue per warpgroup: round the accumulator to the stored dtype (so the partials describe the
    logits as stored, exactly as XLA's logsumexp of the stored logits), take each row's max ``m`` and
-   ``s = Σ exp(x − m)`` over its ``tile_n`` columns, and TMA-store the logits in 64 × 64 sub-tiles
-   through two SMEM slots plus ``m`` and ``s`` as row ``vocab tile`` of ``pmax`` / ``psum``.
+   ``s = Σ exp(x − m)`` over its ``tile_n`` columns, and TMA-store the logits in 64 × ``epi_cols``
+   sub-tiles through two SMEM slots (a store overlaps the next sub-tile's SMEM write) plus ``m`` and
+   ``s`` as row ``vocab tile`` of ``pmax`` / ``psum``.
 ``reference.combine_partials`` turns the partials into the logsumexp (a [V/tile_n, C] read, 1.6 %
 of the fp32 logits' bytes at tile_n = 128).
 """
@@ -31,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.kernel_gpu import _chain_state, _gmm_pipeline
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, GpuTiling, _swizzled, persistent_kernel
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadTiling(GpuTiling):
@@ -155,7 +157,6 @@ def check_shapes(c: int, d: int, v: int, tiling: GpuTiling = HEAD_TILING) -> str
         return (f"tiling.chain_tiles needs D/tile_k a multiple of stages, got {d}/{tiling.tile_k} and "
                 f"stages={tiling.stages}")
     return None
-
 
 
 # Jitted so that every chunk (and every call with the same shapes) reuses one Mosaic GPU kernel.
