@@ -80,6 +80,7 @@ def head_cross_entropy_sharded(
     chunk: int = 4096,
     ctx: ParallelConfig | None = None,
     logits_dtype: str | None = None,
+    implementation: str = "xla",
 ) -> Float[Array, ""]:
     """``k3jax.train.loss.head_cross_entropy`` with each device walking only its own tokens.
 
@@ -98,7 +99,7 @@ def head_cross_entropy_sharded(
     tok = ctx.spec("batch", "length")
 
     def body(f, w, y, m):
-        return head_cross_entropy(f, w, y, m, chunk, logits_dtype)[None]  # [1]: this device's sum
+        return head_cross_entropy(f, w, y, m, chunk, logits_dtype, implementation)[None]  # [1]: this device's sum
 
     args = (features, head, labels, mask)
     fn = jax.shard_map(body, mesh=ctx.mesh, check_vma=False, out_specs=P(ctx.token_axes or None),

@@ -16,6 +16,7 @@ from k3jax.overrides import apply_overrides
 
 REMAT_POLICIES = ("none", "layer", "moe")
 LOSS_LOGITS_DTYPES = (None, "float32", "bfloat16")  # k3jax.train.loss.head_cross_entropy
+LOSS_IMPLEMENTATIONS = ("xla", "pallas")  # k3jax.train.loss.head_cross_entropy
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -188,6 +189,9 @@ class TrainConfig:
     # dtype the head's matmul stores the fp32-accumulated logits in (None: fp32; "bfloat16": half
     # the loss's memory traffic, as a bf16 PyTorch lm_head; k3jax.train.loss)
     loss_logits_dtype: str | None = None
+    # the head's logits and their logsumexp: "xla", or "pallas" (Hopper: one Mosaic GPU kernel whose
+    # matmul epilogue emits the logsumexp's partials; pallas_kernels.head_ce)
+    loss_implementation: str = "xla"
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
@@ -197,6 +201,8 @@ class TrainConfig:
                  f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")
         _require(self.loss_logits_dtype in LOSS_LOGITS_DTYPES,
                  f"loss_logits_dtype={self.loss_logits_dtype!r} must be one of {LOSS_LOGITS_DTYPES}")
+        _require(self.loss_implementation in LOSS_IMPLEMENTATIONS,
+                 f"loss_implementation={self.loss_implementation!r} must be one of {LOSS_IMPLEMENTATIONS}")
         _require(self.remat in REMAT_POLICIES, f"remat={self.remat!r} must be one of {REMAT_POLICIES}")
         _require(self.seq_len <= self.model.max_position,
                  f"seq_len={self.seq_len} must be <= model.max_position={self.model.max_position}")

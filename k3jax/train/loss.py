@@ -15,7 +15,10 @@ After the matmul writes a chunk's logits, three passes read them: the logsumexp'
 of exponentials, then the ``softmax − onehot`` pass. (One variadic (max, Σ exp) reduction was
 slower on the H200: 67.2 against 65.8 ms for small()'s 32768 tokens, `benchmarks/bench_loss.py`.)
 With ``logits_dtype="bfloat16"`` the matmul stores them rounded to bf16 and every pass moves half
-the bytes (64.2 ms).
+the bytes (64.2 ms). ``implementation="pallas"`` (Hopper) computes each chunk's logits with the Mosaic
+GPU kernel of ``pallas_kernels.head_ce``, whose matmul epilogue also emits per-vocabulary-tile
+(max, Σ exp) partials: the logsumexp's two passes disappear and only ``softmax − onehot`` reads the
+logits.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from k3jax.train.config import LOSS_LOGITS_DTYPES
+from k3jax.train.config import LOSS_IMPLEMENTATIONS, LOSS_LOGITS_DTYPES
+from pallas_kernels.head_ce import chunk_logits_lse
 
 
 def _flat_chunks(features, labels, mask, chunk: int):
@@ -53,23 +57,25 @@ def _wide(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _chunk_logits(f, head, logits_dtype):
-    """One chunk's logits: compute-dtype operands, fp32 accumulation, stored in ``logits_dtype``
-    (None: the accumulation dtype)."""
-    return jnp.einsum("CD,DV->CV", f, head.astype(f.dtype), preferred_element_type=logits_dtype or _wide(f.dtype))
+def _implementation(name):
+    if name not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"implementation={name!r} must be one of {LOSS_IMPLEMENTATIONS}")
+    return name
 
 
-def _chunk_ce(logits, y, m):
-    """``Σ_c mask_c (logsumexp(logits_c) − logits_c[y_c])`` and the logsumexp per row."""
-    logits = logits.astype(_wide(logits.dtype))  # fused into the reads: the softmax runs in fp32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
-    return jnp.sum((lse - picked) * m), lse
+def _chunk_ce(f, head, y, m, logits_dtype, implementation, interpret):
+    """One chunk's logits (compute-dtype operands, fp32 accumulation, stored in ``logits_dtype``,
+    None: the accumulation dtype), ``Σ_c mask_c (logsumexp(logits_c) − logits_c[y_c])`` and the
+    logsumexp per row (fp32, of the stored logits)."""
+    logits, lse = chunk_logits_lse(f, head, logits_dtype, implementation=implementation, interpret=interpret)
+    picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0].astype(lse.dtype)
+    return logits, jnp.sum((lse - picked) * m), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"], labels: Int[Array, "B T"],
-                       mask: Float[Array, "B T"], chunk: int = 4096, logits_dtype: str | None = None) -> Float[Array, ""]:
+                       mask: Float[Array, "B T"], chunk: int = 4096, logits_dtype: str | None = None,
+                       implementation: str = "xla", interpret: bool = False) -> Float[Array, ""]:
     """``Σ_{b,t} mask · CE(softmax(features @ head), labels)`` in fp32, ``chunk`` tokens at a time.
 
     ``features`` are the final-norm outputs in the compute dtype; ``head`` is ``W_head [D, V]``
@@ -77,20 +83,23 @@ def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"
     ``logits_dtype``: the dtype the head's matmul stores its fp32-accumulated logits in before the
     fp32 softmax; None keeps the accumulation dtype, "bfloat16" halves the traffic of every pass
     over the logits (as a PyTorch bf16 ``lm_head`` followed by ``logits.float()`` does).
+    ``implementation``: "xla" (XLA's matmul and logsumexp) or "pallas" (the logits and the
+    logsumexp's partials from one Mosaic GPU kernel, ``pallas_kernels.head_ce``; Hopper only, or
+    ``interpret=True`` on CPU).
     """
-    logits_dtype = _logits_dtype(logits_dtype)
+    logits_dtype, implementation = _logits_dtype(logits_dtype), _implementation(implementation)
     fs, ys, ms, _ = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
 
     def one(args):
         f, y, m = args
-        return _chunk_ce(_chunk_logits(f, head, logits_dtype), y, m)[0]
+        return _chunk_ce(f, head, y, m, logits_dtype, implementation, interpret)[1]
 
     return jnp.sum(jax.lax.map(one, (fs, ys, ms)))
 
 
-def _fwd(features, head, labels, mask, chunk, logits_dtype):
-    logits_dtype = _logits_dtype(logits_dtype)
+def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, interpret):
+    logits_dtype, implementation = _logits_dtype(logits_dtype), _implementation(implementation)
     fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
     # The barrier makes the cast happen once: XLA otherwise re-casts the [D, V] head inside every
@@ -100,8 +109,7 @@ def _fwd(features, head, labels, mask, chunk, logits_dtype):
 
     def one(d_head, args):
         f, y, m = args
-        logits = _chunk_logits(f, w, logits_dtype)
-        ce, lse = _chunk_ce(logits, y, m)
+        logits, ce, lse = _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)
         logits = logits.astype(wide)
         # softmax − onehot as one elementwise pass writing the compute dtype (a scatter of the
         # onehot would materialise the fp32 softmax first: two more passes over 2.7 GB per chunk)
@@ -117,7 +125,7 @@ def _fwd(features, head, labels, mask, chunk, logits_dtype):
     return jnp.sum(ces), (d_features, d_head, mask, jnp.zeros((0,), head.dtype))
 
 
-def _bwd(chunk, logits_dtype, res, ct):
+def _bwd(chunk, logits_dtype, implementation, interpret, res, ct):
     d_features, d_head, mask, head_like = res
     return ((ct * d_features).astype(d_features.dtype), (ct * d_head).astype(head_like.dtype), None,
             jnp.zeros_like(mask))

@@ -165,11 +165,13 @@ class Trainer:
         every device)."""
         head = self._head(model_params)
         if self.mesh is None:
-            return head_cross_entropy(features, head, labels, mask, self.cfg.loss_chunk, self.cfg.loss_logits_dtype)
+            return head_cross_entropy(features, head, labels, mask, self.cfg.loss_chunk, self.cfg.loss_logits_dtype,
+                                      self.cfg.loss_implementation)
         from sharding.reduce import head_cross_entropy_sharded
 
         return head_cross_entropy_sharded(features, head, labels, mask, self.cfg.loss_chunk,
-                                          logits_dtype=self.cfg.loss_logits_dtype)
+                                          logits_dtype=self.cfg.loss_logits_dtype,
+                                          implementation=self.cfg.loss_implementation)
 
     def loss(self, params, balance, batch, denom, mtp_denoms):
         """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts."""

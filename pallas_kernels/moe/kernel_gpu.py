@@ -63,10 +63,12 @@ def _b_alloc_view(rhs_gmem, cta_n, transpose_rhs):
     return rhs_gmem.at[0, cols] if transpose_rhs else rhs_gmem.at[0, :, cols]
 
 
-def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0, state=None):
+def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0, state=None, delay_release=0):
     """K-loop of one gmm tile; aligned tiles pass a per-tile lhs view and block 0. With
     ``cluster_n`` the lhs block is multicast to the cluster's two CTAs (same rows, next N tiles).
-    ``state``: this tile's ``PipelinePipeline`` place in a chain of tiles (``chain_tiles``)."""
+    ``state``: this tile's ``PipelinePipeline`` place in a chain of tiles (``chain_tiles``).
+    ``delay_release``: a step's slots are released that many steps late (``body`` then waits for
+    all but that many wgmmas; not with ``state``; ``head_ce.kernel_gpu``'s ``overlap_wgmma``)."""
     tm, tk, cta_n = cfg.tile_m, cfg.tile_k, cfg.cta_n()
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     return plgpu.emit_pipeline_warp_specialized(
@@ -76,11 +78,12 @@ def _gmm_pipeline(cfg, k, dtype, transpose_rhs, body, compute_context, block=0, 
         in_specs=[
             # block-indexed over the whole lhs (unaligned mode): TMA zero-fills rows past M
             plgpu.BlockSpec((tm, tk), lambda kk: (block, kk), transforms=_swizzled(tk, dtype),
-                            collective_axes=("cluster",) if cfg.cluster_n else ()),
+                            collective_axes=("cluster",) if cfg.cluster_n else (), delay_release=delay_release),
             plgpu.BlockSpec(
                 b_block,
                 (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
                 transforms=_swizzled(b_block[1], dtype),
+                delay_release=delay_release,
             ),
         ],
         wg_axis="wg",

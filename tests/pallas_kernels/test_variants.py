@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from pallas_kernels.head_ce import chunk_logits_lse
+from pallas_kernels.head_ce.reference import chunk_logits_lse as chunk_logits_lse_reference
 from pallas_kernels.kda import (causal_conv1d, causal_conv1d_step, chunk_kda, chunk_kda_reference,
                                 naive_recurrent_kda, recurrent_kda_step)
 from pallas_kernels.mla_attention import mla_attention, mla_attention_reference
@@ -117,6 +119,16 @@ class XlaOpsTest(chex.TestCase):
             chex.assert_shape(self.variant(situ_glu)(gate, up), (5, 16))
 
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*X64)
+    def test_head_ce(self, x64):
+        with jax.enable_x64(x64):
+            f, w = _normal(0, (12, 8)), _normal(1, (8, 40))
+            logits, lse = self.variant(lambda a, b: chunk_logits_lse(a, b, implementation="xla"))(f, w)
+            self._check(logits, f @ w, (12, 40))
+            self._check(lse, jax.nn.logsumexp(f @ w, axis=-1), (12,))
+
+
 class PallasOpsTest(chex.TestCase):
     """The kernels in their interpreters (jitted), with and without x64, against the XLA path."""
 
@@ -162,6 +174,20 @@ class PallasOpsTest(chex.TestCase):
             chex.assert_trees_all_equal(got[0], got[1])
             chex.assert_trees_all_equal_dtypes(got[0], (jnp.float32, (jnp.bfloat16, jnp.bfloat16)))
             chex.assert_trees_all_close(jax.tree.map(f32, got[0]), want, **BF16)
+
+
+    @chex.variants(with_jit=True)
+    def test_head_ce_gpu_kernel_agrees_across_x64(self):
+        """The head logits kernel: the same bits with x64 off and on, and the XLA path's values."""
+        f, w = _normal(0, (100, 128), jnp.bfloat16), _normal(1, (128, 512), jnp.bfloat16)
+        run = self.variant(lambda a, b: chunk_logits_lse(a, b, implementation="pallas", interpret=True))
+        got = []
+        for x64 in (False, True):
+            with _x64_globally(x64):
+                got.append(jax.block_until_ready(run(f, w)))
+        chex.assert_trees_all_equal(got[0], got[1])
+        chex.assert_trees_all_equal_dtypes(got[0], (jnp.float32, jnp.float32))
+        chex.assert_trees_all_close(got[0], chunk_logits_lse_reference(f, w), **F32)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Lowers a 2-layer train step (KDA + MoE in both layers, Pallas kernels) for CUDA on a CPU host and
+"""Lowers a 2-layer train step (KDA + MoE in both layers, Pallas kernels; argv: sequence length, then
+optionally the loss implementation) for CUDA on a CPU host and
 prints, as JSON, each Mosaic GPU kernel's name with the number of distinct modules (kernel hashes)
 lowered for it, the number of kernel call sites and the lowering seconds.
 
@@ -17,11 +18,14 @@ import jax.numpy as jnp
 
 
 def pretend_hopper() -> None:
+    import pallas_kernels.head_ce.ops as head_ops
     import pallas_kernels.moe.kernel_gpu_base as moe_kernel
     import pallas_kernels.moe.ops as moe_ops
+    from pallas_kernels.target import Target
 
     jax.default_backend = lambda: "gpu"
     moe_ops._hopper_gpu = lambda: True
+    head_ops.current_target = lambda: Target("gpu", "NVIDIA H200", 132, cuda=True)
     moe_kernel._num_sms = lambda interpret: 132
 
 
@@ -52,11 +56,11 @@ def kernel_modules(text: str) -> tuple[dict[str, int], int]:
     return {k: len(v) for k, v in hashes.items()}, calls
 
 
-def main(seq_len: int) -> None:
+def main(seq_len: int, loss_implementation: str = "xla") -> None:
     pretend_hopper()
     from k3jax.train.step import Trainer
 
-    cfg = two_layer_config(seq_len)
+    cfg = dataclasses.replace(two_layer_config(seq_len), loss_implementation=loss_implementation)
     trainer = Trainer(cfg)
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, seq_len), jnp.int32)
              for k in ("tokens", "segment_ids", "labels", "loss_mask")}
@@ -68,4 +72,4 @@ def main(seq_len: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128, *sys.argv[2:3])

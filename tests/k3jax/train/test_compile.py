@@ -100,6 +100,17 @@ def test_batched_muon_update_equals_optax():
     assert 2 * dots(batch_scans(trainer.tx.update)) < dots(trainer.tx.update)
 
 
+def test_pallas_loss_lowers_one_head_kernel():
+    """``loss_implementation="pallas"``: the step lowered for CUDA calls the head logits kernel, one
+    module for every chunk of the loss, beside the layers' kernels."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "tests/k3jax/train/cuda_lowering_worker.py"), "128", "pallas"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["modules"]["head_logits_lse"] == 1 and result["modules"]["moe_gmm"] == 2, result
+
+
 def test_identical_kernels_lower_once():
     """A 2-layer step lowered for CUDA holds one Mosaic GPU module per distinct kernel (forward,
     remat recompute and both layers share it), so the Mosaic GPU runtime compiles each once."""

@@ -75,6 +75,10 @@ def test_bad_logits_dtype_is_named():
         head_cross_entropy(f, w, y, m, 8, "float16")
     with pytest.raises(ValueError, match="loss_logits_dtype='fp8' must be one of"):
         TrainConfig(loss_logits_dtype="fp8")
+    with pytest.raises(ValueError, match="loss_implementation='triton' must be one of"):
+        TrainConfig(loss_implementation="triton")
+    with pytest.raises(ValueError, match="Hopper GPU or interpret=True"):  # no silent fallback to XLA
+        head_cross_entropy(f, w, y, m, 8, None, "pallas")
 
 
 def _dot_preferred_dtypes(jaxpr) -> list:

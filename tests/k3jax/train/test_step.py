@@ -156,3 +156,13 @@ def test_bf16_logits_option_reaches_the_loss():
     assert abs(float(l16) - float(l32)) < 1e-2 * abs(float(l32))
     assert rel_rmse(jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g16)]),
                     jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g32)])) < 2e-2
+
+
+def test_pallas_loss_option_reaches_the_loss():
+    """``loss_implementation="pallas"`` reaches ``head_cross_entropy``: on this CPU host, which has no
+    Hopper GPU, tracing the step names the requirement instead of silently running XLA's loss."""
+    cfg = dataclasses.replace(toy.micro_train_config(), loss_implementation="pallas")
+    trainer = Trainer(cfg)
+    state = trainer.init_state(jax.random.key(0))
+    with pytest.raises(ValueError, match="Hopper GPU or interpret=True"):
+        jax.make_jaxpr(trainer._grads)(state, next(make_data(cfg)))
