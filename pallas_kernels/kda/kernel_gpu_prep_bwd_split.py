@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
+    BETA, CHUNK, FRESH, WGMMA, FwdConfig, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
     _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
@@ -255,29 +255,31 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
     return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), dd, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False,
+                  cfg: FwdConfig = FwdConfig()):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
     The residuals are the inputs with g as the kernel takes it (padded, f32; of g itself only its
     dtype is kept), the per-token vectors and d. The forward kernel takes the chunk cumsum G itself,
     so G and its anchors, which the backward kernels read, are built in XLA by the backward.
     ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
-    per chunk) and kernel A reads them instead of inverting again.
+    per chunk) and kernel A reads them instead of inverting again. ``cfg``: the forward kernel's
+    variant (:class:`kernel_gpu_prep.FwdConfig`).
     """
-    return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
+    return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, "tf32", "xla", cfg)
 
 
-def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t, cfg):
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t)
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, cfg=cfg)
     d = _masked_decay(outs[5], fresh_last)
     saved_t = outs[6:] if save_t else None
     g_dtype = jnp.zeros((0,), g.dtype)
     return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t)
 
 
-def _split_bwd(scale, interpret, save_t, res, cts):
+def _split_bwd(scale, interpret, save_t, cfg, res, cts):
     q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t = res
     G, anchors = _cumsum_anchors(g_p)  # here, not in the forward: the backward kernels take G and its anchors
     grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), saved_t, scale=scale,
