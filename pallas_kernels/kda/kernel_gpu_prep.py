@@ -70,13 +70,17 @@ class FwdConfig:
     for all rows (each row with its own tile's anchor) and masked per tile, instead of one exp per
     element per tile (bit for bit the same operand). ``reg_lhs``: left wgmma operands (the score
     tiles' ``(q|k) e^{G-b}``, the inverse's S and Q, T for W and U) from registers, not stored to smem
-    first (the same products; the interpreter still stages them through smem).
-    Compare them on the H200 with ``benchmarks/bench_kda_prep.py``.
+    first (the same products; the interpreter still stages them through smem). ``save_g``: under
+    ``jax.grad`` with the split backward (``prepare_split``) the kernel also writes G and its
+    anchors, the backward kernels' inputs, instead of XLA taking the cumsum again in the backward
+    (three fusions, ~2.3 GB of traffic at B,T,H,K = 4,8192,32,128, for ~0.6 GB of kernel stores).
+    Compare them on the H200 with ``bench_kda.py --peers ours,ours-prep-<name>,...``.
     """
 
     cumsum: str = "mma"
     ky_once: bool = False
     reg_lhs: bool = False
+    save_g: bool = False
 
     def __post_init__(self):
         if self.cumsum not in ("mma", "scan"):
@@ -88,8 +92,9 @@ FWD_VARIANTS = {
     "scan": FwdConfig(cumsum="scan"),
     "ky": FwdConfig(ky_once=True),
     "regs": FwdConfig(reg_lhs=True),
+    "saveg": FwdConfig(save_g=True),
     "scan-ky": FwdConfig(cumsum="scan", ky_once=True),
-    "all": FwdConfig(cumsum="scan", ky_once=True, reg_lhs=True),
+    "all": FwdConfig(cumsum="scan", ky_once=True, reg_lhs=True, save_g=True),
 }
 
 
@@ -227,13 +232,17 @@ def _chunk_cumsum(g_s, parts, tri_s):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "cfg"))
-def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, cfg: FwdConfig = FwdConfig()):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "save_g", "cfg"))
+def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, save_g: bool = False,
+             cfg: FwdConfig = FwdConfig()):
     """``(w, u, qg, kg, aqk, e^{G_last})``: bf16 head-major ``[B*H, Tp, .]`` like
     :func:`kernel_gpu_intra.prepare`, and the fp32 chunk decay ``[B*H, N, K]`` before its mask.
 
     ``save_t`` also returns ``T = (I + L)^{-1}`` per chunk as its hi/lo bf16 halves (``[B*H, Tp, C]``
     each, exactly the operands of ``W, U``) for the backward of ``prep_bwd="split-saved"``.
+    ``save_g`` then also returns G ``[B,Tp,H,K]`` f32 and its anchors ``[B,N*8,H,K]`` (rows 0-3: G at
+    each tile's first row, row 4: G_last; rows 5-7 unspecified, never read), as the backward
+    kernels take them from :func:`_cumsum_anchors`.
 
     Token-major inputs, read in place by TMA (no transposes): q, k ``[B,Tp,H,K]`` and v
     ``[B,Tp,H,V]`` bf16; g ``[B,Tp,H,K]`` f32 (its chunk-local cumsum G is taken here); vecs
@@ -248,7 +257,8 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
 
     def kernel(q_g, k_g, v_g, g_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, dl_g, *rest):
         t_g = rest[:2] if save_t else ()
-        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g):]
+        G_g, anc_g = rest[len(t_g):len(t_g) + 2] if save_g else (None, None)
+        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g) + 2 * save_g:]
         (g_s,), (G_s,), score_bufs, (inv_bufs, v_s) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
@@ -262,7 +272,8 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
             plgpu.commit_smem()  # G and the anchors visible to every thread
             # On the GPU G_s is g_s's memory (RefUnion); the interpreter gives union members their
             # own buffers (G_s read back NaN there), and has no layout inference to avoid.
-            G = plgpu.load(g_s if interpret else G_s, layout=WGMMA)
+            G_s = g_s if interpret else G_s
+            G = plgpu.load(G_s, layout=WGMMA)
         else:
             G = _chunk_cumsum(g_s, score_bufs[:3], aqk_s)
             # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
@@ -274,6 +285,10 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
             anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
         plgpu.commit_smem()  # anchors visible; G_s is read before the score operands reuse it
         plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(nt + 1, 1)], dl_g.at[bh, pl.ds(c, 1)])
+        if save_g:
+            plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(0, nt + 1)], anc_g.at[b, pl.ds(c * 8, nt + 1), h])
+            plgpu.copy_smem_to_gmem(G_s, G_g.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # G_s is read before the score operands reuse it
 
         def col_vec(ref, n_cols=K):  # a [n_cols] smem row, repeated down the rows
             return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, n_cols), [1]))
@@ -337,7 +352,8 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, n, K), F32),
-                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t)]
+                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t),
+                *[jax.ShapeDtypeStruct((B, Tp, H, K), F32), jax.ShapeDtypeStruct((B, n * 8, H, K), F32)] * save_g]
     one = dict(slots=None)
     # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
     # TMA, exp and wgmma latency. g/G, the score operands (first the parts of g) and the
