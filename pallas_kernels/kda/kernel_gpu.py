@@ -191,17 +191,21 @@ def _scan(w, u, qg, kg, aqk, d, s0, cfg: ScanConfig, out_dtype, heads: int):
 
 
 def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype, heads):
+    if w.dtype != u.dtype:
+        raise ValueError(f"w and u must share a dtype, got {w.dtype} and {u.dtype}")
+    wu_dtype = jnp.zeros((0,), w.dtype)  # dw, du come back in it (bf16 from the fused preps)
     w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
     o, S, h = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=True, out_dtype=out_dtype, heads=heads)
-    return (o, S), (w, u, qg, kg, aqk, d, h)
+    return (o, S), (w, u, qg, kg, aqk, d, h, wu_dtype)
 
 
 def _scan_vjp_bwd(cfg, out_dtype, heads, res, cts):
-    w, u, qg, kg, aqk, d, h = res
+    w, u, qg, kg, aqk, d, h, wu_dtype = res
     do, dS = cts
     do = jnp.swapaxes(do.astype(BF16), 1, 2).reshape(u.shape)  # the backward reads head-major [BH, Tp, V]
     dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
-        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v
+        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v,
+        wu_dtype=jnp.dtype(wu_dtype.dtype),
     )
     return dw, du, dqg, dkg, daqk, dd, ds0
 

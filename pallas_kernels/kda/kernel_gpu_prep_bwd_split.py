@@ -265,20 +265,30 @@ def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_
     so G and its anchors, which the backward kernels read, are built in XLA by the backward.
     ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
     per chunk) and kernel A reads them instead of inverting again. ``cfg``: the forward kernel's
-    variant (:class:`kernel_gpu_prep.FwdConfig`).
+    variant (:class:`kernel_gpu_prep.FwdConfig`). W and U stay bf16 (the scan reads them so, and
+    this backward takes their cotangents in bf16: the scan's backward stores them so); qg, kg, A_qk
+    are upcast to f32 like :func:`prepare_fused`'s, so their cotangents stay fp32.
     """
-    return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, "tf32", "xla", cfg)
+    qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, cfg=cfg)
+    return _split_outputs(outs, fresh_last)
+
+
+def _split_outputs(outs, fresh_last):
+    w, u, qg, kg, aqk, decay = outs[:6]
+    return (w, u, *(x.astype(F32) for x in (qg, kg, aqk)), _masked_decay(decay, fresh_last))
 
 
 def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t, cfg):
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
     outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, save_g=cfg.save_g,
                     cfg=cfg)
-    d = _masked_decay(outs[5], fresh_last)
+    primal = _split_outputs(outs, fresh_last)
+    d = primal[-1]
     saved_t = tuple(outs[6:8]) if save_t else None
     g_saved = tuple(outs[6 + 2 * save_t:]) if cfg.save_g else g_p  # (G, anchors), or g to take them from
     g_dtype = jnp.zeros((0,), g.dtype)
-    return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t)
+    return primal, (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t)
 
 
 def _split_bwd(scale, interpret, save_t, cfg, res, cts):
