@@ -202,7 +202,7 @@ def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype, heads):
 def _scan_vjp_bwd(cfg, out_dtype, heads, res, cts):
     w, u, qg, kg, aqk, d, h, wu_dtype = res
     do, dS = cts
-    do = jnp.swapaxes(do.astype(BF16), 1, 2).reshape(u.shape)  # the backward reads head-major [BH, Tp, V]
+    do = do.astype(BF16)  # token-major [B, Tp, H, V]: the shared backward reads it so, the other transposes it
     dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
         w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v,
         wu_dtype=jnp.dtype(wu_dtype.dtype),

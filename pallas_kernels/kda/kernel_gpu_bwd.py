@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_util import (
     SLOTS, Stream, T, mma, mma2, mma_sum, pipelined_chunks, pipelined_chunks_lockstep,
 )
@@ -63,7 +64,9 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shar
     """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32, same shapes as inputs.
 
     ``wu_dtype``: dw and du's dtype (bf16 when W and U entered the scan as bf16: the shared kernel
-    then rounds them as it stores them, instead of XLA converting its fp32 stores).
+    then rounds them as it stores them, instead of XLA converting its fp32 stores). ``do`` may also
+    come token-major ``[B,Tp,H,V]`` (as the scan wrote o): the shared kernel reads it so by TMA,
+    the other is given a head-major copy.
 
     w, qg, kg ``[BH,Tp,K]``, u and do ``[BH,Tp,V]``, aqk ``[BH,Tp,C]`` (bf16); d ``[BH,N,K]``,
     h ``[BH,N*K,V]`` (bf16 entering states), dsT ``[BH,K,V]`` (fp32). ``shared_v``: one CTA per
@@ -73,6 +76,8 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shar
     V = u.shape[-1]
     C = aqk.shape[-1]
     n, nv = Tp // C, V // bv
+    if do.ndim == 4 and not shared_v:
+        do = jnp.swapaxes(do, 1, 2).reshape(BH, Tp, V)
     if shared_v:
         if nv > 2:
             raise ValueError(f"bv must be at least V/2={V // 2} with shared_v, got {bv}")
@@ -163,8 +168,13 @@ def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret, wu_dtyp
         shared = [Stream(g.at[bh], r, b, two, early=not two and early) for g, r, b, early in
                   ((w_g, C, w_b, False), (qg_g, C, qg_b, False), (kg_g, C, kg_b, True), (aqk_g, C, aqk_b, True),
                    (d_g, 1, d_b, True))]
+        if len(do_g.shape) == 4:  # token-major [B, Tp, H, V]
+            heads = do_g.shape[2]
+            do_rows = do_g.at[int_ops.div(bh, heads), :, int_ops.rem(bh, heads), vs]
+        else:
+            do_rows = do_g.at[bh, :, vs]
         own = [Stream(u_g.at[bh, :, vs], C, u_b.at[vi], two), Stream(h_g.at[bh, :, vs], K, h_b.at[vi]),
-               Stream(do_g.at[bh, :, vs], C, do_b.at[vi])]
+               Stream(do_rows, C, do_b.at[vi])]
         bufs = dict(u=u_b, h=h_b, do=do_b, ds=ds_buf, ndvn=ndvn_buf, dd=dd_buf)
         step = functools.partial(_shared_step, bufs, (dw_g, dqg_g, dkg_g, daqk_g, dd_g), du_g, ready,
                                  bh=bh, vi=vi, nv=nv)
