@@ -26,12 +26,13 @@ loops with ``ex2.approx`` it took 1.9 ms, and the whole forward 3.16 ms with thi
 cumsum (benchmarks/RESULTS.md). Under differentiation the XLA prep
 runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
 (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
-the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`).
+the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`), or from this kernel
+(``FwdConfig.save_g``). :class:`FwdConfig` selects variants of steps 0, 1 and 2 that issue fewer
+instructions (:mod:`kernel_gpu_prep_variants`); the default is the kernel timed above.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,7 @@ from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
 from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, document_masks, prepare_from_index
 from pallas_kernels.kda import kernel_gpu_prep_variants as variants
+from pallas_kernels.kda.kernel_gpu_prep_variants import FWD_VARIANTS, FwdConfig  # noqa: F401 (re-exported)
 from pallas_kernels.kda.kernel_gpu_util import T, smem
 
 BF16 = jnp.bfloat16
@@ -57,45 +59,6 @@ CHUNK = 64
 # (row's write survives to the chunk end), document index (as f32) twice: loading one smem row
 # in both the row and the column layout sends Mosaic's layout inference into an endless search.
 BETA, FRESH, TO_END, SEG, SEG_T = range(5)
-
-
-@dataclasses.dataclass(frozen=True)
-class FwdConfig:
-    """Static variants of ``kda_prep_fwd`` (all off: the kernel timed in benchmarks/RESULTS.md).
-
-    ``cumsum="scan"``: G by a sequential fp32 sum down each channel, one thread per channel, in
-    place in smem, the anchors captured on the way (:func:`kernel_gpu_prep_variants.scan_cumsum`;
-    K = 128 only, K = 64 keeps the tensor-core cumsum), instead of ``tril(1) @ g`` on three bf16
-    parts of g. ``ky_once``: the score tiles' right operand ``k_j e^{b_s - G_j}`` is formed once
-    for all rows (each row with its own tile's anchor) and masked per tile, instead of one exp per
-    element per tile (bit for bit the same operand). ``reg_lhs``: left wgmma operands (the score
-    tiles' ``(q|k) e^{G-b}``, the inverse's S and Q, T for W and U) from registers, not stored to smem
-    first (the same products; the interpreter still stages them through smem). ``save_g``: under
-    ``jax.grad`` with the split backward (``prepare_split``) the kernel also writes G and its
-    anchors, the backward kernels' inputs, instead of XLA taking the cumsum again in the backward
-    (three fusions, ~2.3 GB of traffic at B,T,H,K = 4,8192,32,128, for ~0.6 GB of kernel stores).
-    Compare them on the H200 with ``bench_kda.py --peers ours,ours-prep-<name>,...``.
-    """
-
-    cumsum: str = "mma"
-    ky_once: bool = False
-    reg_lhs: bool = False
-    save_g: bool = False
-
-    def __post_init__(self):
-        if self.cumsum not in ("mma", "scan"):
-            raise ValueError(f"cumsum must be 'mma' or 'scan', got {self.cumsum!r}")
-
-
-FWD_VARIANTS = {
-    "default": FwdConfig(),
-    "scan": FwdConfig(cumsum="scan"),
-    "ky": FwdConfig(ky_once=True),
-    "regs": FwdConfig(reg_lhs=True),
-    "saveg": FwdConfig(save_g=True),
-    "scan-ky": FwdConfig(cumsum="scan", ky_once=True),
-    "all": FwdConfig(cumsum="scan", ky_once=True, reg_lhs=True, save_g=True),
-}
 
 
 def _wg(x):

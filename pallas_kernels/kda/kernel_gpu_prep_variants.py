@@ -17,6 +17,8 @@ per-element work without changing what is computed:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -26,6 +28,45 @@ from pallas_kernels import int_ops
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 SCAN_WIDTH = 128  # channels of one scan: one per thread of the warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Static variants of ``kda_prep_fwd`` (all off: the kernel timed in benchmarks/RESULTS.md).
+
+    ``cumsum="scan"``: G by a sequential fp32 sum down each channel, one thread per channel, in
+    place in smem, the anchors captured on the way (:func:`scan_cumsum`;
+    K = 128 only, K = 64 keeps the tensor-core cumsum), instead of ``tril(1) @ g`` on three bf16
+    parts of g. ``ky_once``: the score tiles' right operand ``k_j e^{b_s - G_j}`` is formed once
+    for all rows (each row with its own tile's anchor) and masked per tile, instead of one exp per
+    element per tile (bit for bit the same operand). ``reg_lhs``: left wgmma operands (the score
+    tiles' ``(q|k) e^{G-b}``, the inverse's S and Q, T for W and U) from registers, not stored to smem
+    first (the same products; the interpreter still stages them through smem). ``save_g``: under
+    ``jax.grad`` with the split backward (``prepare_split``) the kernel also writes G and its
+    anchors, the backward kernels' inputs, instead of XLA taking the cumsum again in the backward
+    (three fusions, ~2.3 GB of traffic at B,T,H,K = 4,8192,32,128, for ~0.6 GB of kernel stores).
+    Compare them on the H200 with ``bench_kda.py --peers ours,ours-prep-<name>,...``.
+    """
+
+    cumsum: str = "mma"
+    ky_once: bool = False
+    reg_lhs: bool = False
+    save_g: bool = False
+
+    def __post_init__(self):
+        if self.cumsum not in ("mma", "scan"):
+            raise ValueError(f"cumsum must be 'mma' or 'scan', got {self.cumsum!r}")
+
+
+FWD_VARIANTS = {
+    "default": FwdConfig(),
+    "scan": FwdConfig(cumsum="scan"),
+    "ky": FwdConfig(ky_once=True),
+    "regs": FwdConfig(reg_lhs=True),
+    "saveg": FwdConfig(save_g=True),
+    "scan-ky": FwdConfig(cumsum="scan", ky_once=True),
+    "all": FwdConfig(cumsum="scan", ky_once=True, reg_lhs=True, save_g=True),
+}
 
 
 def lhs(x, stage, *, regs: bool, interpret: bool):
