@@ -10,6 +10,8 @@ Also measured: the bf16 matmul ceiling (8192^3 ``jnp.dot``), and the decode step
 
 Run on the H200 from the repo root (peer wheels installed into ``.peers``, see BENCHMARKS.md):
 ``PYTHONPATH=$PWD:$PWD/.peers python3 benchmarks/bench_kda.py --out $OUT/bench_kda.json``
+Peers ``ours-prep-<name>`` are ours with the prep forward kernel's variant ``name``
+(``kernel_gpu_prep.FWD_VARIANTS``), to time them against ``ours`` and jla in one process.
 """
 
 from __future__ import annotations
