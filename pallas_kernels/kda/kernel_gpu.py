@@ -48,7 +48,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
-from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
+from pallas_kernels.kda.kernel_gpu_prep import FwdConfig, prepare_fused
 from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_split
 from pallas_kernels.kda.reference import segment_index
 from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, pipelined_chunks_shared
@@ -191,17 +191,21 @@ def _scan(w, u, qg, kg, aqk, d, s0, cfg: ScanConfig, out_dtype, heads: int):
 
 
 def _scan_vjp_fwd(w, u, qg, kg, aqk, d, s0, cfg, out_dtype, heads):
+    if w.dtype != u.dtype:
+        raise ValueError(f"w and u must share a dtype, got {w.dtype} and {u.dtype}")
+    wu_dtype = jnp.zeros((0,), w.dtype)  # dw, du come back in it (bf16 from the fused preps)
     w, u, qg, kg, aqk = _bf16_operands(w, u, qg, kg, aqk)
     o, S, h = scan_fwd(w, qg, kg, u, aqk, d, s0, cfg=cfg, store_states=True, out_dtype=out_dtype, heads=heads)
-    return (o, S), (w, u, qg, kg, aqk, d, h)
+    return (o, S), (w, u, qg, kg, aqk, d, h, wu_dtype)
 
 
 def _scan_vjp_bwd(cfg, out_dtype, heads, res, cts):
-    w, u, qg, kg, aqk, d, h = res
+    w, u, qg, kg, aqk, d, h, wu_dtype = res
     do, dS = cts
-    do = jnp.swapaxes(do.astype(BF16), 1, 2).reshape(u.shape)  # the backward reads head-major [BH, Tp, V]
+    do = do.astype(BF16)  # token-major [B, Tp, H, V]: the shared backward reads it so, the other transposes it
     dw, du, dqg, dkg, daqk, dd, ds0 = scan_bwd(
-        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v
+        w, qg, kg, u, aqk, d, h, do, dS.astype(F32), bv=cfg.bv, interpret=cfg.interpret, shared_v=cfg.shared_v,
+        wu_dtype=jnp.dtype(wu_dtype.dtype),
     )
     return dw, du, dqg, dkg, daqk, dd, ds0
 
@@ -263,6 +267,7 @@ def chunk_kda_pallas(
     prep_precision: str = "tf32",
     prep_bwd: str = "xla",
     shared_v: bool | None = None,
+    prep_fwd_config: FwdConfig = FwdConfig(),
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
@@ -278,7 +283,8 @@ def chunk_kda_pallas(
     the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
     forward and backward scans as one CTA per head, one warpgroup per V block, sharing the chunk
     loads (:class:`ScanConfig`); ``None`` (default) picks it when compiled, V = 128 and
-    ``B·H >= SHARED_V_MIN_HEADS``.
+    ``B·H >= SHARED_V_MIN_HEADS``. ``prep_fwd_config`` is the variant of the ``prep="fused"`` forward
+    kernel (:class:`kernel_gpu_prep.FwdConfig`; default: the kernel of benchmarks/RESULTS.md).
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
@@ -299,10 +305,10 @@ def chunk_kda_pallas(
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         if prep_bwd in ("split", "split-saved"):
             w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret),
-                                                 prep_bwd == "split-saved")
+                                                 prep_bwd == "split-saved", prep_fwd_config)
         else:
             w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
-                                                 prep_bwd)
+                                                 prep_bwd, prep_fwd_config)
     else:
         w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
                                        precision=prep_precision)

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_util import (
     SLOTS, Stream, T, mma, mma2, mma_sum, pipelined_chunks, pipelined_chunks_lockstep,
 )
@@ -57,9 +58,15 @@ CTA_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one CTA may take o
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("bv", "interpret", "shared_v"))
-def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shared_v: bool = False):
+@functools.partial(jax.jit, static_argnames=("bv", "interpret", "shared_v", "wu_dtype"))
+def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shared_v: bool = False,
+             wu_dtype=F32):
     """Gradients of the scan: ``(dw, du, dqg, dkg, daqk, dd, ds0)``, fp32, same shapes as inputs.
+
+    ``wu_dtype``: dw and du's dtype (bf16 when W and U entered the scan as bf16: the shared kernel
+    then rounds them as it stores them, instead of XLA converting its fp32 stores). ``do`` may also
+    come token-major ``[B,Tp,H,V]`` (as the scan wrote o): the shared kernel reads it so by TMA,
+    the other is given a head-major copy.
 
     w, qg, kg ``[BH,Tp,K]``, u and do ``[BH,Tp,V]``, aqk ``[BH,Tp,C]`` (bf16); d ``[BH,N,K]``,
     h ``[BH,N*K,V]`` (bf16 entering states), dsT ``[BH,K,V]`` (fp32). ``shared_v``: one CTA per
@@ -69,10 +76,12 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shar
     V = u.shape[-1]
     C = aqk.shape[-1]
     n, nv = Tp // C, V // bv
+    if do.ndim == 4 and not shared_v:
+        do = jnp.swapaxes(do, 1, 2).reshape(BH, Tp, V)
     if shared_v:
         if nv > 2:
             raise ValueError(f"bv must be at least V/2={V // 2} with shared_v, got {bv}")
-        return _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, bv=bv, interpret=interpret)
+        return _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, bv=bv, interpret=interpret, wu_dtype=wu_dtype)
 
     def kernel(w_g, qg_g, kg_g, u_g, aqk_g, d_g, h_g, do_g, dsT_g,
                du_g, dw_g, dqg_g, dkg_g, daqk_g, dd_g, ds0_g,
@@ -129,7 +138,7 @@ def scan_bwd(w, qg, kg, u, aqk, d, h, do, dsT, *, bv: int, interpret: bool, shar
     )
     du, dw, dqg, dkg, daqk, dd, ds0 = call(w, qg, kg, u, aqk, d, h, do, dsT)
     total = lambda x: jnp.sum(x, axis=0)
-    return total(dw), du, total(dqg), total(dkg), total(daqk), total(dd), ds0
+    return total(dw).astype(wu_dtype), du.astype(wu_dtype), total(dqg), total(dkg), total(daqk), total(dd), ds0
 
 
 def shared_slotted(C: int, K: int, V: int, bv: int) -> bool:
@@ -141,7 +150,7 @@ def shared_slotted(C: int, K: int, V: int, bv: int) -> bool:
     return SLOTS * (shared + own) + scratch + 1024 <= CTA_SMEM_BYTES  # 1 KiB for barriers and alignment
 
 
-def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
+def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret, wu_dtype=F32):
     """``scan_bwd`` with one CTA per head whose warpgroups (one per V block) share the chunk loads
     and chain step 2's V sums in wgmma accumulators (module docstring)."""
     BH, Tp, K = w.shape
@@ -159,8 +168,13 @@ def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
         shared = [Stream(g.at[bh], r, b, two, early=not two and early) for g, r, b, early in
                   ((w_g, C, w_b, False), (qg_g, C, qg_b, False), (kg_g, C, kg_b, True), (aqk_g, C, aqk_b, True),
                    (d_g, 1, d_b, True))]
+        if len(do_g.shape) == 4:  # token-major [B, Tp, H, V]
+            heads = do_g.shape[2]
+            do_rows = do_g.at[int_ops.div(bh, heads), :, int_ops.rem(bh, heads), vs]
+        else:
+            do_rows = do_g.at[bh, :, vs]
         own = [Stream(u_g.at[bh, :, vs], C, u_b.at[vi], two), Stream(h_g.at[bh, :, vs], K, h_b.at[vi]),
-               Stream(do_g.at[bh, :, vs], C, do_b.at[vi])]
+               Stream(do_rows, C, do_b.at[vi])]
         bufs = dict(u=u_b, h=h_b, do=do_b, ds=ds_buf, ndvn=ndvn_buf, dd=dd_buf)
         step = functools.partial(_shared_step, bufs, (dw_g, dqg_g, dkg_g, daqk_g, dd_g), du_g, ready,
                                  bh=bh, vi=vi, nv=nv)
@@ -168,8 +182,9 @@ def _scan_bwd_shared(w, qg, kg, u, aqk, d, h, do, dsT, *, bv, interpret):
         dS = pipelined_chunks_lockstep(n, shared, own, bar, released, step, ds_init, wg=vi, reverse=True)
         ds0_g.at[bh, :, vs][...] = dS
 
-    out_type = [jax.ShapeDtypeStruct(s, F32) for s in
-                ((BH, Tp, V), (BH, Tp, K), (BH, Tp, K), (BH, Tp, K), (BH, Tp, C), (BH, n, K), (BH, K, V))]
+    out_type = [jax.ShapeDtypeStruct(s, dt) for s, dt in
+                (((BH, Tp, V), wu_dtype), ((BH, Tp, K), wu_dtype), ((BH, Tp, K), F32), ((BH, Tp, K), F32),
+                 ((BH, Tp, C), F32), ((BH, n, K), F32), ((BH, K, V), F32))]
     smem = functools.partial(_smem, swizzle=min(128, 2 * bv))  # one swizzle for all wgmma operands
     slots = SLOTS if two else None
     scratch = [
@@ -204,7 +219,7 @@ def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, refill, *, bh, vi, n
     ds_s[...] = dS.astype(BF16)
     plgpu.commit_smem()
     dvn = mma2(T(aqk_s), do_s, kg_s, ds_s, (C, bv))
-    du_g.at[bh, rows, pl.ds(vi * bv, bv)][...] = dvn
+    du_g.at[bh, rows, pl.ds(vi * bv, bv)][...] = dvn.astype(du_g.dtype)
     ndvn_s[...] = (-dvn).astype(BF16)
     s_prev = plgpu.load(h_s, layout=WGMMA).astype(F32)
     bufs["dd"].at[vi, 0][...] = jnp.sum(dS * s_prev, axis=1)
@@ -228,7 +243,7 @@ def _shared_step(bufs, outs, du_g, ready, c, slot, ins, dS, refill, *, bh, vi, n
     for p, (out, a, b, cols) in enumerate(products):
         @pl.when(vi == p % nv)
         def _own():
-            out[...] = mma_sum([(a(j), T(b(j))) for j in range(nv)], (C, cols))
+            out[...] = mma_sum([(a(j), T(b(j))) for j in range(nv)], (C, cols)).astype(out.dtype)
 
     @pl.when(vi == 0)
     def _dd():

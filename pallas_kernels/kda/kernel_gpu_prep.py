@@ -26,7 +26,9 @@ loops with ``ex2.approx`` it took 1.9 ms, and the whole forward 3.16 ms with thi
 cumsum (benchmarks/RESULTS.md). Under differentiation the XLA prep
 runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
 (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
-the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`).
+the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`), or from this kernel
+(``FwdConfig.save_g``). :class:`FwdConfig` selects variants of steps 0, 1 and 2 that issue fewer
+instructions (:mod:`kernel_gpu_prep_variants`); the default is the kernel timed above.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
 from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, document_masks, prepare_from_index
+from pallas_kernels.kda import kernel_gpu_prep_variants as variants
+from pallas_kernels.kda.kernel_gpu_prep_variants import FWD_VARIANTS, FwdConfig  # noqa: F401 (re-exported)
 from pallas_kernels.kda.kernel_gpu_util import T, smem
 
 BF16 = jnp.bfloat16
@@ -85,7 +89,7 @@ def _hilo(a_hi, a_lo, b_hi, b_lo):
     return [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]
 
 
-def _anchored_scores(G, q_s, k_s, anchor, bufs):
+def _anchored_scores(G, q_s, k_s, anchor, bufs, *, ky=None, regs=False, interpret=False):
     """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same with k_i)`` [C, C] for j in tiles up to i's.
 
     Column tile s is anchored at its first row ``b_s``: ``(q|k)_i e^{G_i - b_s}`` for rows
@@ -94,23 +98,30 @@ def _anchored_scores(G, q_s, k_s, anchor, bufs):
     unrolled one: the kernel is bound by instruction fetch (Nsight Compute: ~60 % of its stall
     cycles were instruction-cache misses of the unrolled straight-line code), and the 4x larger
     wgmmas of the full-width form are still a small share of the time.
+    ``ky`` (``FwdConfig.ky_once``): a smem ref already holding ``k_j e^{b_{j // 16} - G_j}`` (bf16)
+    for every row, masked per tile instead of recomputed; ``regs``: left operands from registers.
     """
     C, K = G.shape
     kc_s, qa_s, ka_s = bufs
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+    left = functools.partial(variants.lhs, regs=regs, interpret=interpret)
 
     def scope(acc_qk, acc_kk):
         def tile(s, carry):
             b = anchor(s)
             x = jnp.exp(jnp.where(r >= s * SUB, G - b, -jnp.inf))
-            y = jnp.exp(jnp.where(int_ops.div(r, SUB) == s, b - G, -jnp.inf))
+            if ky is None:
+                y = jnp.exp(jnp.where(int_ops.div(r, SUB) == s, b - G, -jnp.inf))
+            else:  # first: the fewest registers live (ptxas spills less)
+                kc_s[...] = _wg(jnp.where(int_ops.div(r, SUB) == s, plgpu.load(ky, layout=WGMMA), 0).astype(BF16))
             k = plgpu.load(k_s, layout=WGMMA).astype(F32)
-            qa_s[...] = _wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16))
-            ka_s[...] = _wg((k * x).astype(BF16))
-            kc_s[...] = _wg((k * y).astype(BF16))
+            qa = left(_wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16)), qa_s)
+            ka = left(_wg((k * x).astype(BF16)), ka_s)
+            if ky is None:
+                kc_s[...] = _wg((k * y).astype(BF16))
             plgpu.commit_smem()
-            plgpu.wgmma(acc_qk, qa_s, T(kc_s))
-            plgpu.wgmma(acc_kk, ka_s, T(kc_s))
+            plgpu.wgmma(acc_qk, qa, T(kc_s))
+            plgpu.wgmma(acc_kk, ka, T(kc_s))
             plgpu.wgmma_wait(0)  # the next tile overwrites the operands
             return carry
 
@@ -120,36 +131,43 @@ def _anchored_scores(G, q_s, k_s, anchor, bufs):
     return pl.run_scoped(scope, plgpu.ACC((C, C), F32), plgpu.ACC((C, C), F32))
 
 
-def _unit_lower_inverse(p, ri, cj, bufs):
+def _unit_lower_inverse(p, ri, cj, bufs, *, regs=False, interpret=False):
     """``(I - P)^{-1} = sum_{m<64} P^m`` for strictly lower P [64, 64] (P^64 = 0), by doubling.
 
     ``S <- S + S Q`` and ``Q <- Q^2`` with ``S = sum_{m<2^j} P^m``, ``Q = P^{2^j}``: both use only
     the old S and Q (which commute), so each round issues its two products together and waits
     once: 6 dependent steps instead of 10. Q is stored twice (wgmma cannot read one ref as both
-    operands).
+    operands), unless ``regs``: then the left operands (S and Q, hi and lo) come from registers and
+    only Q's halves are stored, as the right operand.
     """
     sh, sl, qh, ql, qah, qal = bufs
     C = p.shape[0]
+    left = functools.partial(variants.lhs, regs=regs, interpret=interpret)
+
+    def stage(s, qq):  # stores the operands of S Q and Q Q; returns the left ones
+        q_hi, q_lo = _split(qq)
+        qh[...], ql[...] = q_hi, q_lo
+        ops = (left(q_hi, qah), left(q_lo, qal))
+        if s is not None:
+            ops = (*(left(x, buf) for x, buf in zip(_split(s), (sh, sl))), *ops)
+        plgpu.commit_smem()
+        return ops
+
     s = _wg(jnp.where(ri == cj, 1.0, 0.0) + p)
-    qh[...], ql[...] = _split(p)
-    qah[...], qal[...] = _split(p)
-    plgpu.commit_smem()
-    qq = _wg(pl.run_scoped(lambda acc: _chain(acc, _hilo(qah, qal, qh, ql)), plgpu.ACC((C, C), F32)))
+    qa_hi, qa_lo = stage(None, p)
+    qq = _wg(pl.run_scoped(lambda acc: _chain(acc, _hilo(qa_hi, qa_lo, qh, ql)), plgpu.ACC((C, C), F32)))
 
     def round_(_, carry):  # S_1 = I + P, Q_1 = P^2, ..., S_5, Q_5 (a loop: see _anchored_scores)
         s, qq = carry
-        sh[...], sl[...] = _split(s)
-        qh[...], ql[...] = _split(qq)
-        qah[...], qal[...] = _split(qq)
-        plgpu.commit_smem()
-        sq, qq = _pair(_hilo(sh, sl, qh, ql), _hilo(qah, qal, qh, ql), ((C, C), (C, C)))
+        s_hi, s_lo, qa_hi, qa_lo = stage(s, qq)
+        sq, qq = _pair(_hilo(s_hi, s_lo, qh, ql), _hilo(qa_hi, qa_lo, qh, ql), ((C, C), (C, C)))
         return _wg(s + sq), _wg(qq)
 
     s, qq = lax.fori_loop(0, C.bit_length() - 3, round_, (s, qq))
-    sh[...], sl[...] = _split(s)  # then S_6 = S_5 + S_5 Q_5
+    s_hi, s_lo = (left(x, buf) for x, buf in zip(_split(s), (sh, sl)))  # then S_6 = S_5 + S_5 Q_5
     qh[...], ql[...] = _split(qq)
     plgpu.commit_smem()
-    sq = pl.run_scoped(lambda acc: _chain(acc, _hilo(sh, sl, qh, ql)), plgpu.ACC((C, C), F32))
+    sq = pl.run_scoped(lambda acc: _chain(acc, _hilo(s_hi, s_lo, qh, ql)), plgpu.ACC((C, C), F32))
     return _wg(s + sq)
 
 
@@ -177,26 +195,33 @@ def _chunk_cumsum(g_s, parts, tri_s):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t"))
-def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "save_g", "cfg"))
+def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, save_g: bool = False,
+             cfg: FwdConfig = FwdConfig()):
     """``(w, u, qg, kg, aqk, e^{G_last})``: bf16 head-major ``[B*H, Tp, .]`` like
     :func:`kernel_gpu_intra.prepare`, and the fp32 chunk decay ``[B*H, N, K]`` before its mask.
 
     ``save_t`` also returns ``T = (I + L)^{-1}`` per chunk as its hi/lo bf16 halves (``[B*H, Tp, C]``
     each, exactly the operands of ``W, U``) for the backward of ``prep_bwd="split-saved"``.
+    ``save_g`` then also returns G ``[B,Tp,H,K]`` f32 and its anchors ``[B,N*8,H,K]`` (rows 0-3: G at
+    each tile's first row, row 4: G_last; rows 5-7 unspecified, never read), as the backward
+    kernels take them from :func:`_cumsum_anchors`.
 
     Token-major inputs, read in place by TMA (no transposes): q, k ``[B,Tp,H,K]`` and v
     ``[B,Tp,H,V]`` bf16; g ``[B,Tp,H,K]`` f32 (its chunk-local cumsum G is taken here); vecs
-    ``[B*H,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
+    ``[B*H,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T). ``cfg`` picks a variant (:class:`FwdConfig`).
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
     n, nt = Tp // C, C // SUB
+    scan = cfg.cumsum == "scan" and K == variants.SCAN_WIDTH
+    left = functools.partial(variants.lhs, regs=cfg.reg_lhs, interpret=interpret)
 
     def kernel(q_g, k_g, v_g, g_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, dl_g, *rest):
         t_g = rest[:2] if save_t else ()
-        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g):]
+        G_g, anc_g = rest[len(t_g):len(t_g) + 2] if save_g else (None, None)
+        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g) + 2 * save_g:]
         (g_s,), (G_s,), score_bufs, (inv_bufs, v_s) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
@@ -205,24 +230,45 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
                          (vec_g.at[bh, :, rows], vec_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        G = _chunk_cumsum(g_s, score_bufs, aqk_s)
-        # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
-        # whole (WGMMA layout) and by rows (COL) sends Mosaic's layout inference into an endless search.
-        G_s[...] = G
-        plgpu.commit_smem()
-        for t, row in enumerate([SUB * i for i in range(nt)] + [C - 1]):  # anchors, then G_last
-            anc_s.at[t][...] = plgpu.load(G_s.at[row], layout=COL)
-        anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
+        if scan:
+            variants.scan_cumsum(g_s, anc_s, sub=SUB)
+            plgpu.commit_smem()  # G and the anchors visible to every thread
+            # On the GPU G_s is g_s's memory (RefUnion); the interpreter gives union members their
+            # own buffers (G_s read back NaN there), and has no layout inference to avoid.
+            G_s = g_s if interpret else G_s
+            G = plgpu.load(G_s, layout=WGMMA)
+        else:
+            G = _chunk_cumsum(g_s, score_bufs[:3], aqk_s)
+            # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
+            # whole (WGMMA layout) and by rows (COL) sends Mosaic's layout inference into an endless search.
+            G_s[...] = G
+            plgpu.commit_smem()
+            for t, row in enumerate([SUB * i for i in range(nt)] + [C - 1]):  # anchors, then G_last
+                anc_s.at[t][...] = plgpu.load(G_s.at[row], layout=COL)
+            anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
         plgpu.commit_smem()  # anchors visible; G_s is read before the score operands reuse it
         plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(nt + 1, 1)], dl_g.at[bh, pl.ds(c, 1)])
+        if save_g:
+            plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(0, nt + 1)], anc_g.at[b, pl.ds(c * 8, nt + 1), h])
+            plgpu.copy_smem_to_gmem(G_s, G_g.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # G_s is read before the score operands reuse it
 
         def col_vec(ref, n_cols=K):  # a [n_cols] smem row, repeated down the rows
             return _wg(lax.broadcast_in_dim(plgpu.load(ref, layout=COL), (C, n_cols), [1]))
 
-        def row_vec(i, n_cols):  # row i of the vector block, one value per token row
-            return _wg(lax.broadcast_in_dim(plgpu.load(vec_s.at[i], layout=ROW), (C, n_cols), [0]))
+        def row_vec(i, n_cols, times=None):  # row i of the vector block (times a factor), one value per token row
+            x = plgpu.load(vec_s.at[i], layout=ROW)
+            x = x if times is None else times * x  # on the [C] vector, before the broadcast
+            return _wg(lax.broadcast_in_dim(x, (C, n_cols), [0]))
 
-        a_qk, a_kk = _anchored_scores(G, q_s, k_s, lambda t: col_vec(anc_s.at[t]), score_bufs)
+        ky = None
+        if cfg.ky_once:
+            ky = score_bufs[3]
+            r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+            b_rows = variants.row_anchors(col_vec, anc_s, r, sub=SUB)
+            ky[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(b_rows - G)).astype(BF16))
+        a_qk, a_kk = _anchored_scores(G, q_s, k_s, lambda t: col_vec(anc_s.at[t]), score_bufs[:3], ky=ky,
+                                      regs=cfg.reg_lhs, interpret=interpret)
         ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
         same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], n_cols=C)
@@ -232,11 +278,12 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
         # Outputs that need G, computed before the inverse so G dies early; kg is staged in a
         # score buffer (its store must finish reading before the inverse reuses that memory).
         kg_s = score_bufs[1]
-        fresh = row_vec(FRESH, K)
-        q_s[...] = _wg((scale * fresh * plgpu.load(q_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
+        # The row factors are multiplied as [C] vectors, then broadcast (the same products).
+        q_s[...] = _wg((row_vec(FRESH, K, scale) * plgpu.load(q_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
         k = plgpu.load(k_s, layout=WGMMA).astype(F32)
         kg_s[...] = _wg((row_vec(TO_END, K) * k * jnp.exp(col_vec(anc_s.at[nt]) - G)).astype(BF16))
-        k_s[...] = _wg((row_vec(BETA, K) * fresh * k * jnp.exp(G)).astype(BF16))  # W's right side
+        beta_fresh = plgpu.load(vec_s.at[BETA], layout=ROW)
+        k_s[...] = _wg((row_vec(FRESH, K, beta_fresh) * k * jnp.exp(G)).astype(BF16))  # W's right side
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(kg_s, kg_g.at[bh, rows])
         plgpu.copy_smem_to_gmem(q_s, qg_g.at[bh, rows])
@@ -244,9 +291,13 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the kg store has read its buffer
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, h], v_s, bar_v)  # lands during the inverse
 
-        x = _unit_lower_inverse(p, ri, cj, inv_bufs)
+        x = _unit_lower_inverse(p, ri, cj, inv_bufs, regs=cfg.reg_lhs, interpret=interpret)
         xh, xl = inv_bufs[:2]
-        xh[...], xl[...] = _split(x)
+        x_hi, x_lo = _split(x)
+        if save_t:  # the halves are outputs: in smem whatever the variant
+            xh[...], xl[...] = x_hi, x_lo
+        else:
+            xh, xl = left(x_hi, xh), left(x_lo, xl)
         plgpu.barrier_wait(bar_v)
         v_s[...] = _wg((row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(BF16))
         plgpu.commit_smem()
@@ -264,7 +315,8 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, n, K), F32),
-                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t)]
+                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t),
+                *[jax.ShapeDtypeStruct((B, Tp, H, K), F32), jax.ShapeDtypeStruct((B, n * 8, H, K), F32)] * save_g]
     one = dict(slots=None)
     # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
     # TMA, exp and wgmma latency. g/G, the score operands (first the parts of g) and the
@@ -272,7 +324,7 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     union = plgpu.RefUnion(
         (smem((C, K), F32, mma=False, **one),),
         (smem((C, K), F32, mma=False, **one),),
-        (smem((C, K), **one), smem((C, K), **one), smem((C, K), **one)),
+        tuple(smem((C, K), **one) for _ in range(3 + cfg.ky_once)),  # with ky: 64 KB, as the next member
         (tuple(smem((C, C), **one) for _ in range(6)), smem((C, V), **one)),
     )
     scratch = [
@@ -337,9 +389,9 @@ def _bwd_inputs(q, k, v, g, beta, sidx):
 PREP_BWDS = ("xla", "kernel")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32",
-                  prep_bwd: str = "xla"):
+                  prep_bwd: str = "xla", cfg: FwdConfig = FwdConfig()):
     """:func:`kernel_gpu_intra.prepare_from_index` with the forward in one Mosaic GPU kernel.
 
     The kernel runs when the prep is not differentiated (inference). Under ``jax.grad``,
@@ -349,19 +401,20 @@ def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, preci
     scores and the inverse; residuals are the inputs only).
     ``sidx_f`` is the running document index as f32 (a float so it can sit in a custom_vjp).
     Outputs are upcast to f32 to match the XLA version (the scan casts them back for free).
+    ``cfg`` is the kernel's variant (:class:`FwdConfig`).
     """
     if precision not in PRECISIONS:  # only the differentiated path uses it, but fail the same way
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if prep_bwd not in PREP_BWDS:
         raise ValueError(f"prep_bwd must be one of {PREP_BWDS}, got {prep_bwd!r}")
     *ins, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret)
+    *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret, cfg=cfg)
     return (*(x.astype(F32) for x in outs), _masked_decay(decay, fresh_last))
 
 
-def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
+def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd, cfg):
     if prep_bwd == "kernel":
-        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd)
+        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd, cfg)
         return outs, (None, (q, k, v, g, beta, sidx_f))
     # Differentiated, the forward is the XLA prep itself (as ``prep="xla"``) and keeps its
     # autodiff residuals: taking the kernel's outputs would leave the backward to recompute the XLA
@@ -371,7 +424,7 @@ def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
     return outs, (vjp, sidx_f)
 
 
-def _fused_bwd(scale, interpret, precision, prep_bwd, res, cts):
+def _fused_bwd(scale, interpret, precision, prep_bwd, cfg, res, cts):
     vjp, saved = res  # the XLA vjp and sidx_f, or None and the kernel's inputs
     if prep_bwd == "kernel":
         from pallas_kernels.kda.kernel_gpu_prep_bwd import prepare_bwd  # it imports this module

@@ -282,16 +282,18 @@ def prepare_bwd(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
 def finish_grads(primals, grads, dd, d):
     """The kernels' padded ``(dq, dk, dv, dg, dbeta)`` cut to the inputs' length and dtypes, with d's term.
 
-    ``dg`` comes without it: d = e^{G_last} (0 when a document starts in the chunk), so ``dd * d``
-    reaches every row's dg. ``dbeta`` comes head-major ``[B*H, Tp]``.
+    ``dg`` comes without it (unless ``dd`` is None: the kernel added it): d = e^{G_last} (0 when a
+    document starts in the chunk), so ``dd * d`` reaches every row's dg. ``dbeta`` comes head-major
+    ``[B*H, Tp]``.
     """
     q, k, v, g, beta = primals
     dq, dk, dv, dg, dbeta = grads
     B, T_len, H, K = k.shape
     C = CHUNK
     n = dg.shape[1] // C
-    dd_d = jnp.moveaxis((dd * d).reshape(B, H, n, K), 1, 2)  # [B,N,H,K]
-    dg = (dg.reshape(B, n, C, H, K) + dd_d[:, :, None]).reshape(B, n * C, H, K)
+    if dd is not None:
+        dd_d = jnp.moveaxis((dd * d).reshape(B, H, n, K), 1, 2)  # [B,N,H,K]
+        dg = (dg.reshape(B, n, C, H, K) + dd_d[:, :, None]).reshape(B, n * C, H, K)
     dbeta = jnp.moveaxis(dbeta.reshape(B, H, n * C), 1, 2)
     cut = lambda x, dt: x[:, :T_len].astype(dt)
     return cut(dq, q.dtype), cut(dk, k.dtype), cut(dv, v.dtype), cut(dg, g.dtype), cut(dbeta, beta.dtype)

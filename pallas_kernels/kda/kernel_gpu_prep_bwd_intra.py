@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
-from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
+from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, COL, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_bwd, _vec_loaders
 from pallas_kernels.kda.kernel_gpu_util import smem
 
@@ -94,8 +94,11 @@ def _intra_scratch(C, S):
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes", "dbeta_rows"))
 def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple,
-              dbeta_rows: bool = False):
-    """Kernel B: ``(dq, dk, dg)`` token-major ``[B,Tp,H,K]`` (dg f32, without d's term).
+              dbeta_rows: bool = False, dd_d=None):
+    """Kernel B: ``(dq, dk, dg)`` token-major ``[B,Tp,H,K]`` (dg f32, without d's term unless ``dd_d``).
+
+    ``dd_d`` ``[B*H,N,K]`` f32 (``dd * d``, d's term, the same for every row of a chunk) is added to
+    dg here, after the other per-chunk term, as XLA would add it after the kernel (the same sums).
 
     ``dbeta_rows`` (for :func:`wy_bwd_saved`) adds ``[K/64, B*H, Tp]`` f32: per slab,
     ``beta_i sum_j dL_ij S_kk,ij`` over the slab's channels.
@@ -108,7 +111,9 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     C = CHUNK
     n, nt, S = Tp // C, C // SUB, min(SLAB, K)
 
-    def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, dq_g, dk_g, dg_g, *rest):
+    def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, *rest):
+        ddd_g, rest = (rest[0], rest[1:]) if dd_d is not None else (None, rest)
+        dq_g, dk_g, dg_g, *rest = rest
         db_g = rest[0] if dbeta_rows else None
         q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail = rest[int(dbeta_rows):]
         (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
@@ -146,7 +151,11 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
         # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
         dg = _reverse_cumsum(dG, up_s, halves, C)
-        dg_g.at[b, rows, h, cols][...] = _wg(dg + lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, S), [1]))
+        dg = _wg(dg + lax.broadcast_in_dim(jnp.sum(dkg_kg, axis=0), (C, S), [1]))
+        if ddd_g is not None:
+            ddd = plgpu.load(ddd_g.at[bh, c, cols], layout=COL, optimized=False)  # [S], straight from HBM
+            dg = _wg(dg + lax.broadcast_in_dim(ddd, (C, S), [1]))
+        dg_g.at[b, rows, h, cols][...] = dg
 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
@@ -157,4 +166,4 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         kernel, out_type=out_type, scratch_types=scratch, grid=(K // S, n, BH), grid_names=("p", "c", "bh"),
         kernel_name="kda_prep_bwd_intra", compiler_params=APPROX, **extra,
     )
-    return call(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg)
+    return call(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *(() if dd_d is None else (dd_d,)))

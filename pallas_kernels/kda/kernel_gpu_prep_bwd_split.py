@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
+    BETA, CHUNK, FRESH, WGMMA, FwdConfig, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
     _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
@@ -248,38 +248,53 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
         dv, dx, mkk, dbeta = wy_bwd_saved(kh, vh, G, vecs, *saved_t, *wy_args, **wy)
     dq, dk, dg, *rows = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
                                   dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype),
-                                  dbeta_rows=saved_t is not None)
+                                  dbeta_rows=saved_t is not None, dd_d=dd * d)  # d's term added in the kernel
     if rows:  # B gave beta_i sum_j dL_ij S_kk,ij per slab; beta > 0 except on padded rows (where dL = 0)
         b = vecs[:, BETA]
         dbeta = dbeta + jnp.where(b > 0, jnp.sum(rows[0], axis=0) / jnp.where(b > 0, b, 1.0), 0.0)
-    return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), dd, d)
+    return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), None, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False,
+                  cfg: FwdConfig = FwdConfig()):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
     The residuals are the inputs with g as the kernel takes it (padded, f32; of g itself only its
     dtype is kept), the per-token vectors and d. The forward kernel takes the chunk cumsum G itself,
     so G and its anchors, which the backward kernels read, are built in XLA by the backward.
     ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
-    per chunk) and kernel A reads them instead of inverting again.
+    per chunk) and kernel A reads them instead of inverting again. ``cfg``: the forward kernel's
+    variant (:class:`kernel_gpu_prep.FwdConfig`). W and U stay bf16 (the scan reads them so, and
+    this backward takes their cotangents in bf16: the scan's backward stores them so); qg, kg, A_qk
+    are upcast to f32 like :func:`prepare_fused`'s, so their cotangents stay fp32.
     """
-    return prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret)
-
-
-def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t)
-    d = _masked_decay(outs[5], fresh_last)
-    saved_t = outs[6:] if save_t else None
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, cfg=cfg)
+    return _split_outputs(outs, fresh_last)
+
+
+def _split_outputs(outs, fresh_last):
+    w, u, qg, kg, aqk, decay = outs[:6]
+    return (w, u, *(x.astype(F32) for x in (qg, kg, aqk)), _masked_decay(decay, fresh_last))
+
+
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t, cfg):
+    qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, save_g=cfg.save_g,
+                    cfg=cfg)
+    primal = _split_outputs(outs, fresh_last)
+    d = primal[-1]
+    saved_t = tuple(outs[6:8]) if save_t else None
+    g_saved = tuple(outs[6 + 2 * save_t:]) if cfg.save_g else g_p  # (G, anchors), or g to take them from
     g_dtype = jnp.zeros((0,), g.dtype)
-    return (*(x.astype(F32) for x in outs[:5]), d), (q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t)
+    return primal, (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t)
 
 
-def _split_bwd(scale, interpret, save_t, res, cts):
-    q, k, v, g_dtype, beta, sidx_f, (g_p, vecs, d), saved_t = res
-    G, anchors = _cumsum_anchors(g_p)  # here, not in the forward: the backward kernels take G and its anchors
+def _split_bwd(scale, interpret, save_t, cfg, res, cts):
+    q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t = res
+    # The backward kernels take G and its anchors: the forward kernel's (cfg.save_g) or XLA's, here.
+    G, anchors = g_saved if cfg.save_g else _cumsum_anchors(g_saved)
     grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), saved_t, scale=scale,
                    interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))

@@ -131,3 +131,30 @@ def test_scan_bwd_shared_lowers_for_cuda(K, V, monkeypatch):
 def test_shared_v_needs_at_most_two_v_blocks():
     with pytest.raises(ValueError, match="bv"):
         scan_bwd(*_operands(0, 1, 1, 64, 128), bv=32, interpret=True, shared_v=True)
+
+
+@pytest.mark.parametrize("interpret", SHARED_MODES)
+def test_bf16_dw_du_are_the_rounded_fp32_ones(interpret):
+    """``wu_dtype=bf16`` (W, U entered the scan in bf16): the shared kernel stores dW, dU rounded
+    from the same fp32 values it stores otherwise, bit for bit; the other gradients are unchanged."""
+    ops = _operands(1, 2, 2, 128, 128)
+    run = lambda dt: jax.jit(functools.partial(scan_bwd, bv=64, interpret=interpret, shared_v=True, wu_dtype=dt))(*ops)
+    wide, narrow = run(F32), run(BF)
+    for name, a, b in zip(NAMES, wide, narrow):
+        want = a.astype(BF) if name in ("dw", "du") else a
+        assert b.dtype == want.dtype and jnp.array_equal(b, want), name
+
+
+@pytest.mark.parametrize("interpret", SHARED_MODES)
+@pytest.mark.parametrize("shared_v", [True, False])
+def test_token_major_do_equals_head_major(interpret, shared_v):
+    """``do`` token-major ``[B,Tp,H,V]`` (read in place by the shared kernel's TMA, transposed for the
+    other) gives the same gradients, bit for bit, as the head-major copy."""
+    B, H = 2, 2
+    ops = _operands(2, B * H, 2, 128, 128)
+    do = ops[7]
+    token_major = jnp.swapaxes(do.reshape(B, H, *do.shape[1:]), 1, 2)  # [B, Tp, H, V]
+    run = lambda d: jax.jit(functools.partial(scan_bwd, bv=64, interpret=interpret, shared_v=shared_v))(
+        *ops[:7], d, ops[8])
+    for name, a, b in zip(NAMES, run(do), run(token_major)):
+        assert jnp.array_equal(a, b), name
