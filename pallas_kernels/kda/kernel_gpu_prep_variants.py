@@ -56,16 +56,16 @@ class FwdConfig:
     def __post_init__(self):
         if self.cumsum not in ("mma", "scan"):
             raise ValueError(f"cumsum must be 'mma' or 'scan', got {self.cumsum!r}")
+        if self.cumsum == "scan":  # passes the interpreter, wrong on the GPU: kept only to be debugged
+            raise ValueError("cumsum='scan' returned NaN compiled for the H200 (stop 35: "
+                             "test_prep_variants_match_xla[...-scan-compiled]); use cumsum='mma'")
 
 
 FWD_VARIANTS = {
     "default": FwdConfig(),
-    "scan": FwdConfig(cumsum="scan"),
     "ky": FwdConfig(ky_once=True),
     "regs": FwdConfig(reg_lhs=True),
     "saveg": FwdConfig(save_g=True),
-    "scan-ky": FwdConfig(cumsum="scan", ky_once=True),
-    "all": FwdConfig(cumsum="scan", ky_once=True, reg_lhs=True, save_g=True),
 }
 
 

@@ -85,9 +85,9 @@ def test_gradient_takes_the_split_kernels_only_when_asked():
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("variant", ["saveg", "all"])
+@pytest.mark.parametrize("variant", ["saveg"])
 def test_whole_op_grads_with_forward_variants(interpret, variant):
-    """The forward kernel's variants under ``jax.grad`` (K = 128, where ``cumsum="scan"`` applies;
+    """The forward kernel's variants under ``jax.grad`` (K = 128;
     ``save_g``: the backward kernels read the forward kernel's G and anchors)."""
     cfg = FWD_VARIANTS[variant]
     assert_whole_op_grads(lambda *a: chunk_kda_pallas(*a[:5], scale=a[0].shape[-1] ** -0.5, initial_state=a[5],
@@ -95,7 +95,7 @@ def test_whole_op_grads_with_forward_variants(interpret, variant):
                                                       prep_fwd_config=cfg), 128, 128)
 
 
-@pytest.mark.parametrize("cumsum", ["mma", "scan"])
+@pytest.mark.parametrize("cumsum", ["mma"])
 def test_saved_g_and_anchors_match_xla(cumsum):
     """``prep_fwd(save_g=True)``'s G and anchors (rows 0-4 of each chunk's 8) == :func:`_cumsum_anchors`."""
     (q, k, v, g, beta), sidx, _ = prep_inputs(3, 2, 100, 2, 128, 128, (30, 70))
@@ -107,3 +107,10 @@ def test_saved_g_and_anchors_match_xla(cumsum):
     rows = lambda a: a.reshape(a.shape[0], n, 8, *a.shape[2:])[:, :, :5]
     assert rel_rmse(G, want_G) <= 1e-6
     assert rel_rmse(rows(anchors), rows(want_anchors)) <= 1e-6
+
+
+@pytest.mark.unchecked
+def test_scan_cumsum_is_refused():
+    """``cumsum="scan"`` gave NaN compiled on the H200 (stop 35): refused with a named error."""
+    with pytest.raises(ValueError, match="cumsum='scan' returned NaN"):
+        FwdConfig(cumsum="scan")
