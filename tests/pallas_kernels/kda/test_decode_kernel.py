@@ -7,6 +7,7 @@ import pytest
 
 from pallas_kernels.kda import naive_recurrent_kda, recurrent_kda_step
 from pallas_kernels.kda.kernel_gpu_decode import recurrent_step_pallas
+from pallas_kernels.target import compile_for
 from tests.pallas_kernels.kda.conftest import kda_inputs
 from tests.tolerances import BF16_FWD_RTOL, F32_RTOL, rel_rmse
 
@@ -56,7 +57,7 @@ def test_dispatch_errors():
     q, k, v, g, beta, s0 = _inputs(0, 1, 1, 1, 16, 16, jnp.float32)
     with pytest.raises(ValueError, match="implementation must be"):
         recurrent_kda_step(q, k, v, g, beta, s0, implementation="triton")
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+    with compile_for("cpu"), pytest.raises(ValueError, match="needs a CUDA GPU"):
         recurrent_kda_step(q, k, v, g, beta, s0, implementation="pallas")
     with pytest.raises(ValueError, match="power-of-two head widths >= 16, got K=12"):
         recurrent_kda_step(q[..., :12], k[..., :12], v, g[..., :12], beta, s0[:, :, :12],
@@ -66,7 +67,8 @@ def test_dispatch_errors():
 def test_default_off_gpu_is_the_recurrence():
     """On a CPU target ``implementation=None`` runs the XLA recurrence (bit-for-bit)."""
     q, k, v, g, beta, s0 = _inputs(1, 1, 2, 2, 16, 16, jnp.float32)
-    o, s = recurrent_kda_step(q, k, v, g, beta, s0)
+    with compile_for("cpu"):
+        o, s = recurrent_kda_step(q, k, v, g, beta, s0)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     assert (o == o_ref).all() and (s == s_ref).all()
 
