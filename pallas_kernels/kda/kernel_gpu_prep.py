@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
-from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, document_masks, prepare_from_index
+from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, prepare_from_index
 from pallas_kernels.kda import kernel_gpu_prep_variants as variants
 from pallas_kernels.kda.kernel_gpu_prep_variants import FWD_VARIANTS, FwdConfig  # noqa: F401 (re-exported)
 from pallas_kernels.kda.kernel_gpu_prep_inputs import (  # noqa: F401 (re-exported)
