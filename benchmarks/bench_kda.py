@@ -10,14 +10,11 @@ Also measured: the bf16 matmul ceiling (8192^3 ``jnp.dot``), and the decode step
 
 Run on the H200 from the repo root (peer wheels installed into ``.peers``, see BENCHMARKS.md):
 ``PYTHONPATH=$PWD:$PWD/.peers python3 benchmarks/bench_kda.py --out $OUT/bench_kda.json``
-Peers ``ours-prep-<name>`` are ours with the prep forward kernel's variant ``name``
-(``kernel_gpu_prep.FWD_VARIANTS``), to time them against ``ours`` and jla in one process.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -128,14 +125,6 @@ def ours_shared_v():
 def ours_unshared():
     """Ours with one CTA per (head, V block) in both scans (``shared_v=False``), whatever ``B·H``."""
     return _ours_gpu(prep="fused", prep_bwd="split", shared_v=False)
-
-
-def ours_prep_variant(name):
-    """Ours (the defaults of ``chunk_kda``) with the prep forward kernel's variant ``name``
-    (:data:`kernel_gpu_prep.FWD_VARIANTS`): peers ``ours-prep-<name>``."""
-    from pallas_kernels.kda.kernel_gpu_prep import FWD_VARIANTS
-
-    return _ours_gpu(prep="fused", prep_bwd="split", prep_fwd_config=FWD_VARIANTS[name])
 
 
 def ours_highest():
@@ -308,9 +297,6 @@ def main():
                  "ours-split-saved": ours_split_saved, "ours-shared-v": ours_shared_v,
                  "ours-unshared": ours_unshared,
                  "ours-highest": ours_highest, "jla": jla, "fla": fla}
-    from pallas_kernels.kda.kernel_gpu_prep import FWD_VARIANTS
-
-    factories.update({f"ours-prep-{v}": functools.partial(ours_prep_variant, v) for v in FWD_VARIANTS})
     impls = {}
     for name in args.peers.split(","):
         try:

@@ -1,9 +1,10 @@
-"""Static cost of each ``kda_prep_fwd`` variant (:data:`kernel_gpu_prep.FWD_VARIANTS`) from a
-device-less H200 compile (no GPU): ptxas registers and spills, SASS instructions, and the SASS
-instructions one thread issues per chunk (each loop body counted once per trip).
+"""Static cost of the ``kda_prep_fwd`` kernel (inference, and with ``save_g`` as under
+``jax.grad``) from a device-less H200 compile (no GPU): ptxas registers and spills, SASS
+instructions, and the SASS instructions one thread issues per chunk (each loop body counted once
+per trip).
 
 The kernel is bound by instruction issue (benchmarks/RESULTS.md, stop 13), so the per-chunk count
-ranks the variants before the H200 times them (``bench_kda_prep.py``). Needs ``ptxas`` (CUDA) and
+ranks a change to it before the H200 times it (``bench_kda.py``). Needs ``ptxas`` (CUDA) and
 ``nvdisasm`` (pip ``nvidia-cuda-nvdisasm``) on PATH or given by flag:
 
     PYTHONPATH=$PWD:/tmp/cudaplug JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
@@ -26,8 +27,8 @@ import sys
 import tempfile
 
 
-def kernel_ptx(cfg, K: int = 128, V: int = 128) -> str:
-    """The PTX of ``kda_prep_fwd`` for ``cfg``, from a device-less compile (Mosaic GPU prints it)."""
+def kernel_ptx(K: int = 128, V: int = 128, save_g: bool = False) -> str:
+    """The PTX of ``kda_prep_fwd``, from a device-less compile (Mosaic GPU prints it)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -43,7 +44,7 @@ def kernel_ptx(cfg, K: int = 128, V: int = 128) -> str:
                                                      spec((B, T, H, K), jnp.float32), spec((B * H, 5, T), jnp.float32)]
     os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
     out = io.StringIO()
-    fn = lambda *a: kernel_gpu_prep.prep_fwd(*a, scale=K ** -0.5, interpret=False, cfg=cfg)
+    fn = lambda *a: kernel_gpu_prep.prep_fwd(*a, scale=K ** -0.5, interpret=False, save_g=save_g)
     with compile_for(dev), redirect_fd1(out):
         jax.jit(fn).lower(*args).compile()
     text = out.getvalue()
@@ -105,10 +106,7 @@ def sass_stats(ptx: str, ptxas: str, nvdisasm: str, trips: int) -> dict:
 
 
 def main():
-    from pallas_kernels.kda.kernel_gpu_prep import FWD_VARIANTS
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", default=",".join(FWD_VARIANTS))
     p.add_argument("--ptxas", default="ptxas")
     p.add_argument("--nvdisasm", default="nvdisasm")
     p.add_argument("--trips", type=int, default=4)
@@ -116,8 +114,8 @@ def main():
     a = p.parse_args()
     print(f"{'variant':>10} {'regs':>5} {'spill st/ld B':>14} {'SASS':>6} {'HGMMA':>6} {'MUFU':>5} "
           f"{'loop bodies':>16} {'per chunk':>9}")
-    for name in a.variants.split(","):
-        st = sass_stats(kernel_ptx(FWD_VARIANTS[name], K=a.k), a.ptxas, a.nvdisasm, a.trips)
+    for name, save_g in (("inference", False), ("save_g", True)):
+        st = sass_stats(kernel_ptx(K=a.k, save_g=save_g), a.ptxas, a.nvdisasm, a.trips)
         print(f"{name:>10} {st['regs']:5d} {st['spill_st']:>6d}/{st['spill_ld']:<7d} {st['sass']:6d} "
               f"{st['hgmma']:6d} {st['mufu']:5d} {str(st['loops']):>16} {st['per_chunk']:9d}", flush=True)
 

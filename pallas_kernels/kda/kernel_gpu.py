@@ -48,7 +48,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_bwd import scan_bwd
 from pallas_kernels.kda.kernel_gpu_intra import prepare
-from pallas_kernels.kda.kernel_gpu_prep import FwdConfig, prepare_fused
+from pallas_kernels.kda.kernel_gpu_prep import prepare_fused
 from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_split
 from pallas_kernels.kda.reference import segment_index
 from pallas_kernels.kda.kernel_gpu_util import SLOTS, Stream, T, mma, mma2, pipelined_chunks, pipelined_chunks_shared
@@ -267,7 +267,6 @@ def chunk_kda_pallas(
     prep_precision: str = "tf32",
     prep_bwd: str = "xla",
     shared_v: bool | None = None,
-    prep_fwd_config: FwdConfig = FwdConfig(),
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"]]:
     """KDA forward (differentiable) on Hopper; ``o`` has ``v.dtype``, the final state is fp32.
 
@@ -283,8 +282,7 @@ def chunk_kda_pallas(
     the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
     forward and backward scans as one CTA per head, one warpgroup per V block, sharing the chunk
     loads (:class:`ScanConfig`); ``None`` (default) picks it when compiled, V = 128 and
-    ``B·H >= SHARED_V_MIN_HEADS``. ``prep_fwd_config`` is the variant of the ``prep="fused"`` forward
-    kernel (:class:`kernel_gpu_prep.FwdConfig`; default: the kernel of benchmarks/RESULTS.md).
+    ``B·H >= SHARED_V_MIN_HEADS``.
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
@@ -305,10 +303,10 @@ def chunk_kda_pallas(
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
         if prep_bwd in ("split", "split-saved"):
             w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret),
-                                                 prep_bwd == "split-saved", prep_fwd_config)
+                                                 prep_bwd == "split-saved")
         else:
             w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
-                                                 prep_bwd, prep_fwd_config)
+                                                 prep_bwd)
     else:
         w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
                                        precision=prep_precision)

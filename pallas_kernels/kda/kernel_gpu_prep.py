@@ -9,14 +9,15 @@ tensor cores per chunk of C = 64 tokens by one warpgroup; q, k, v, g are read to
 1. Scores with one anchor per 16-token column tile s (its first row, ``b_s``): per tile,
    ``(q|k)_i e^{G_i - b_s}`` on rows ``i >= 16 s`` (exponent masked before ``exp``) times
    ``k_j e^{b_s - G_j}`` on the tile's rows j (other rows zero), accumulated full width; bf16
-   operands (|exponents| <= 75 thanks to the -5 gate bound).
+   operands (|exponents| <= 75 thanks to the -5 gate bound). The right operand is formed once for
+   all rows, each with its own tile's anchor, and masked per tile.
 2. ``T = (I + L)^{-1} = sum_{m<64} P^m`` (``P = -L`` strictly lower) by doubling,
    ``S <- S + S Q``, ``Q <- Q^2``: both products of a round are issued together (6 dependent
    steps), each as three bf16 wgmmas on a hi/lo split of the fp32 factors (near fp32 precision).
 3. ``W = T (beta k e^G)``, ``U = T (beta v)`` (T split hi/lo, right-hand sides in bf16; v is
    loaded by TMA during the inverse, both products under one wait); ``qg = scale q e^G``,
    ``kg = k e^{G_last - G}``, ``d = e^{G_last}``; document masks as in the XLA version.
-   ``exp`` is ``ex2.approx`` (``approx_math``).
+   ``exp`` is ``ex2.approx`` (``approx_math``). Left wgmma operands come from registers.
 
 Shared memory is ~109 KB (K = V = 128: g/G, the score operands and the inverse's operands with v
 share one region by lifetime) so two CTAs share an SM. The score tiles and the inverse's rounds
@@ -26,9 +27,10 @@ loops with ``ex2.approx`` it took 1.9 ms, and the whole forward 3.16 ms with thi
 cumsum (benchmarks/RESULTS.md). Under differentiation the XLA prep
 runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
 (``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
-the backward kernels take G and its anchors from XLA (:func:`_bwd_inputs`), or from this kernel
-(``FwdConfig.save_g``). :class:`FwdConfig` selects variants of steps 0, 1 and 2 that issue fewer
-instructions (:mod:`kernel_gpu_prep_variants`); the default is the kernel timed above.
+the split backward kernels take G and its anchors from this kernel (``save_g``), the others from
+XLA (:func:`_bwd_inputs`). Operands from registers and the right operand formed once
+(:mod:`kernel_gpu_prep_operands`) and the saved G cut it to 2.37 ms (fwd) / 9.86 ms (fwd+bwd) at
+4,8192,32,128 (stop 36; jla 2.86 / 12.02 in the same call).
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_intra import SUB as _XLA_SUB
 from pallas_kernels.kda.kernel_gpu_intra import PRECISIONS, prepare_from_index
-from pallas_kernels.kda import kernel_gpu_prep_variants as variants
-from pallas_kernels.kda.kernel_gpu_prep_variants import FWD_VARIANTS, FwdConfig  # noqa: F401 (re-exported)
+from pallas_kernels.kda.kernel_gpu_prep_operands import lhs, row_anchors
 from pallas_kernels.kda.kernel_gpu_prep_inputs import (  # noqa: F401 (re-exported)
     CHUNK, _bwd_inputs, _cumsum_anchors, _kernel_inputs, _masked_decay)
 from pallas_kernels.kda.kernel_gpu_util import T, smem
@@ -90,7 +91,7 @@ def _hilo(a_hi, a_lo, b_hi, b_lo):
     return [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]
 
 
-def _anchored_scores(G, q_s, k_s, anchor, bufs, *, ky=None, regs=False, interpret=False):
+def _anchored_scores(G, q_s, k_s, anchor, ky, bufs, *, interpret=False):
     """Unmasked ``(sum_c q_i k_j e^{G_i-G_j}, same with k_i)`` [C, C] for j in tiles up to i's.
 
     Column tile s is anchored at its first row ``b_s``: ``(q|k)_i e^{G_i - b_s}`` for rows
@@ -99,27 +100,22 @@ def _anchored_scores(G, q_s, k_s, anchor, bufs, *, ky=None, regs=False, interpre
     unrolled one: the kernel is bound by instruction fetch (Nsight Compute: ~60 % of its stall
     cycles were instruction-cache misses of the unrolled straight-line code), and the 4x larger
     wgmmas of the full-width form are still a small share of the time.
-    ``ky`` (``FwdConfig.ky_once``): a smem ref already holding ``k_j e^{b_{j // 16} - G_j}`` (bf16)
-    for every row, masked per tile instead of recomputed; ``regs``: left operands from registers.
+    ``ky``: a smem ref holding ``k_j e^{b_{j // 16} - G_j}`` (bf16) for every row, masked per tile;
+    ``anchor(s)`` broadcasts ``b_s`` down the rows. Left operands come from registers.
     """
     C, K = G.shape
     kc_s, qa_s, ka_s = bufs
     r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-    left = functools.partial(variants.lhs, regs=regs, interpret=interpret)
+    left = functools.partial(lhs, regs=True, interpret=interpret)
 
     def scope(acc_qk, acc_kk):
         def tile(s, carry):
-            b = anchor(s)
-            x = jnp.exp(jnp.where(r >= s * SUB, G - b, -jnp.inf))
-            if ky is None:
-                y = jnp.exp(jnp.where(int_ops.div(r, SUB) == s, b - G, -jnp.inf))
-            else:  # first: the fewest registers live (ptxas spills less)
-                kc_s[...] = _wg(jnp.where(int_ops.div(r, SUB) == s, plgpu.load(ky, layout=WGMMA), 0).astype(BF16))
+            x = jnp.exp(jnp.where(r >= s * SUB, G - anchor(s), -jnp.inf))
+            # the right operand before k and q are loaded: the fewest registers live (ptxas spills less)
+            kc_s[...] = _wg(jnp.where(int_ops.div(r, SUB) == s, plgpu.load(ky, layout=WGMMA), 0).astype(BF16))
             k = plgpu.load(k_s, layout=WGMMA).astype(F32)
             qa = left(_wg((plgpu.load(q_s, layout=WGMMA).astype(F32) * x).astype(BF16)), qa_s)
             ka = left(_wg((k * x).astype(BF16)), ka_s)
-            if ky is None:
-                kc_s[...] = _wg((k * y).astype(BF16))
             plgpu.commit_smem()
             plgpu.wgmma(acc_qk, qa, T(kc_s))
             plgpu.wgmma(acc_kk, ka, T(kc_s))
@@ -138,12 +134,13 @@ def _unit_lower_inverse(p, ri, cj, bufs, *, regs=False, interpret=False):
     ``S <- S + S Q`` and ``Q <- Q^2`` with ``S = sum_{m<2^j} P^m``, ``Q = P^{2^j}``: both use only
     the old S and Q (which commute), so each round issues its two products together and waits
     once: 6 dependent steps instead of 10. Q is stored twice (wgmma cannot read one ref as both
-    operands), unless ``regs``: then the left operands (S and Q, hi and lo) come from registers and
-    only Q's halves are stored, as the right operand.
+    operands), unless ``regs`` (the forward kernel): then the left operands (S and Q, hi and lo)
+    come from registers and only Q's halves are stored, as the right operand. The backward kernels,
+    whose inverse was timed with smem operands, keep ``regs=False``.
     """
     sh, sl, qh, ql, qah, qal = bufs
     C = p.shape[0]
-    left = functools.partial(variants.lhs, regs=regs, interpret=interpret)
+    left = functools.partial(lhs, regs=regs, interpret=interpret)
 
     def stage(s, qq):  # stores the operands of S Q and Q Q; returns the left ones
         q_hi, q_lo = _split(qq)
@@ -196,9 +193,8 @@ def _chunk_cumsum(g_s, parts, tri_s):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "save_g", "cfg"))
-def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, save_g: bool = False,
-             cfg: FwdConfig = FwdConfig()):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "save_g"))
+def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, save_g: bool = False):
     """``(w, u, qg, kg, aqk, e^{G_last})``: bf16 head-major ``[B*H, Tp, .]`` like
     :func:`kernel_gpu_intra.prepare`, and the fp32 chunk decay ``[B*H, N, K]`` before its mask.
 
@@ -210,14 +206,13 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
 
     Token-major inputs, read in place by TMA (no transposes): q, k ``[B,Tp,H,K]`` and v
     ``[B,Tp,H,V]`` bf16; g ``[B,Tp,H,K]`` f32 (its chunk-local cumsum G is taken here); vecs
-    ``[B*H,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T). ``cfg`` picks a variant (:class:`FwdConfig`).
+    ``[B*H,5,Tp]`` f32 (rows BETA, FRESH, TO_END, SEG, SEG_T).
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
     n, nt = Tp // C, C // SUB
-    scan = cfg.cumsum == "scan" and K == variants.SCAN_WIDTH
-    left = functools.partial(variants.lhs, regs=cfg.reg_lhs, interpret=interpret)
+    left = functools.partial(lhs, regs=True, interpret=interpret)
 
     def kernel(q_g, k_g, v_g, g_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, dl_g, *rest):
         t_g = rest[:2] if save_t else ()
@@ -231,22 +226,14 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
                          (vec_g.at[bh, :, rows], vec_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        if scan:
-            variants.scan_cumsum(g_s, anc_s, sub=SUB)
-            plgpu.commit_smem()  # G and the anchors visible to every thread
-            # On the GPU G_s is g_s's memory (RefUnion); the interpreter gives union members their
-            # own buffers (G_s read back NaN there), and has no layout inference to avoid.
-            G_s = g_s if interpret else G_s
-            G = plgpu.load(G_s, layout=WGMMA)
-        else:
-            G = _chunk_cumsum(g_s, score_bufs[:3], aqk_s)
-            # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
-            # whole (WGMMA layout) and by rows (COL) sends Mosaic's layout inference into an endless search.
-            G_s[...] = G
-            plgpu.commit_smem()
-            for t, row in enumerate([SUB * i for i in range(nt)] + [C - 1]):  # anchors, then G_last
-                anc_s.at[t][...] = plgpu.load(G_s.at[row], layout=COL)
-            anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
+        G = _chunk_cumsum(g_s, score_bufs[:3], aqk_s)
+        # The parts are read (the wgmma is done). G goes to its own ref: loading one ref both
+        # whole (WGMMA layout) and by rows (COL) sends Mosaic's layout inference into an endless search.
+        G_s[...] = G
+        plgpu.commit_smem()
+        for t, row in enumerate([SUB * i for i in range(nt)] + [C - 1]):  # anchors, then G_last
+            anc_s.at[t][...] = plgpu.load(G_s.at[row], layout=COL)
+        anc_s.at[nt + 1][...] = jnp.exp(plgpu.load(G_s.at[C - 1], layout=COL))
         plgpu.commit_smem()  # anchors visible; G_s is read before the score operands reuse it
         plgpu.copy_smem_to_gmem(anc_s.at[pl.ds(nt + 1, 1)], dl_g.at[bh, pl.ds(c, 1)])
         if save_g:
@@ -262,14 +249,12 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
             x = x if times is None else times * x  # on the [C] vector, before the broadcast
             return _wg(lax.broadcast_in_dim(x, (C, n_cols), [0]))
 
-        ky = None
-        if cfg.ky_once:
-            ky = score_bufs[3]
-            r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-            b_rows = variants.row_anchors(col_vec, anc_s, r, sub=SUB)
-            ky[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(b_rows - G)).astype(BF16))
-        a_qk, a_kk = _anchored_scores(G, q_s, k_s, lambda t: col_vec(anc_s.at[t]), score_bufs[:3], ky=ky,
-                                      regs=cfg.reg_lhs, interpret=interpret)
+        ky = score_bufs[3]
+        r = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+        b_rows = row_anchors(col_vec, anc_s, r, sub=SUB)
+        ky[...] = _wg((plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(b_rows - G)).astype(BF16))
+        a_qk, a_kk = _anchored_scores(G, q_s, k_s, lambda t: col_vec(anc_s.at[t]), ky, score_bufs[:3],
+                                      interpret=interpret)
         ri = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=WGMMA)
         cj = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=WGMMA)
         same = row_vec(SEG, C) == col_vec(vec_s.at[SEG_T], n_cols=C)
@@ -292,10 +277,10 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the kg store has read its buffer
         plgpu.copy_gmem_to_smem(v_g.at[b, rows, h], v_s, bar_v)  # lands during the inverse
 
-        x = _unit_lower_inverse(p, ri, cj, inv_bufs, regs=cfg.reg_lhs, interpret=interpret)
+        x = _unit_lower_inverse(p, ri, cj, inv_bufs, regs=True, interpret=interpret)
         xh, xl = inv_bufs[:2]
         x_hi, x_lo = _split(x)
-        if save_t:  # the halves are outputs: in smem whatever the variant
+        if save_t:  # the halves are outputs: in smem
             xh[...], xl[...] = x_hi, x_lo
         else:
             xh, xl = left(x_hi, xh), left(x_lo, xl)
@@ -325,7 +310,7 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     union = plgpu.RefUnion(
         (smem((C, K), F32, mma=False, **one),),
         (smem((C, K), F32, mma=False, **one),),
-        tuple(smem((C, K), **one) for _ in range(3 + cfg.ky_once)),  # with ky: 64 KB, as the next member
+        tuple(smem((C, K), **one) for _ in range(4)),  # the score operands and ky: 64 KB, as the next member
         (tuple(smem((C, C), **one) for _ in range(6)), smem((C, V), **one)),
     )
     scratch = [
@@ -346,9 +331,9 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
 PREP_BWDS = ("xla", "kernel")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32",
-                  prep_bwd: str = "xla", cfg: FwdConfig = FwdConfig()):
+                  prep_bwd: str = "xla"):
     """:func:`kernel_gpu_intra.prepare_from_index` with the forward in one Mosaic GPU kernel.
 
     The kernel runs when the prep is not differentiated (inference). Under ``jax.grad``,
@@ -358,20 +343,19 @@ def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, preci
     scores and the inverse; residuals are the inputs only).
     ``sidx_f`` is the running document index as f32 (a float so it can sit in a custom_vjp).
     Outputs are upcast to f32 to match the XLA version (the scan casts them back for free).
-    ``cfg`` is the kernel's variant (:class:`FwdConfig`).
     """
     if precision not in PRECISIONS:  # only the differentiated path uses it, but fail the same way
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if prep_bwd not in PREP_BWDS:
         raise ValueError(f"prep_bwd must be one of {PREP_BWDS}, got {prep_bwd!r}")
     *ins, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret, cfg=cfg)
+    *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret)
     return (*(x.astype(F32) for x in outs), _masked_decay(decay, fresh_last))
 
 
-def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd, cfg):
+def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
     if prep_bwd == "kernel":
-        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd, cfg)
+        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd)
         return outs, (None, (q, k, v, g, beta, sidx_f))
     # Differentiated, the forward is the XLA prep itself (as ``prep="xla"``) and keeps its
     # autodiff residuals: taking the kernel's outputs would leave the backward to recompute the XLA
@@ -381,7 +365,7 @@ def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd, 
     return outs, (vjp, sidx_f)
 
 
-def _fused_bwd(scale, interpret, precision, prep_bwd, cfg, res, cts):
+def _fused_bwd(scale, interpret, precision, prep_bwd, res, cts):
     vjp, saved = res  # the XLA vjp and sidx_f, or None and the kernel's inputs
     if prep_bwd == "kernel":
         from pallas_kernels.kda.kernel_gpu_prep_bwd import prepare_bwd  # it imports this module

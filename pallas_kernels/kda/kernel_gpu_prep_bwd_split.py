@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
-    BETA, CHUNK, FRESH, WGMMA, FwdConfig, _bwd_inputs, _chain, _cumsum_anchors, _kernel_inputs, _masked_decay, _split,
+    BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _kernel_inputs, _masked_decay, _split,
     _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
@@ -255,22 +255,21 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
     return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), None, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False,
-                  cfg: FwdConfig = FwdConfig()):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
     The residuals are the inputs with g as the kernel takes it (padded, f32; of g itself only its
-    dtype is kept), the per-token vectors and d. The forward kernel takes the chunk cumsum G itself,
-    so G and its anchors, which the backward kernels read, are built in XLA by the backward.
+    dtype is kept), the per-token vectors and d, and the chunk cumsum G and its anchors, which the
+    forward kernel takes and (differentiated) writes out for the backward kernels (``save_g``:
+    ~0.6 GB of stores at B,T,H,K = 4,8192,32,128 instead of XLA's three fusions and ~2.3 GB).
     ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
-    per chunk) and kernel A reads them instead of inverting again. ``cfg``: the forward kernel's
-    variant (:class:`kernel_gpu_prep.FwdConfig`). W and U stay bf16 (the scan reads them so, and
+    per chunk) and kernel A reads them instead of inverting again. W and U stay bf16 (the scan reads them so, and
     this backward takes their cotangents in bf16: the scan's backward stores them so); qg, kg, A_qk
     are upcast to f32 like :func:`prepare_fused`'s, so their cotangents stay fp32.
     """
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, cfg=cfg)
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret)
     return _split_outputs(outs, fresh_last)
 
 
@@ -279,22 +278,20 @@ def _split_outputs(outs, fresh_last):
     return (w, u, *(x.astype(F32) for x in (qg, kg, aqk)), _masked_decay(decay, fresh_last))
 
 
-def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t, cfg):
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, save_g=cfg.save_g,
-                    cfg=cfg)
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, save_g=True)
     primal = _split_outputs(outs, fresh_last)
     d = primal[-1]
     saved_t = tuple(outs[6:8]) if save_t else None
-    g_saved = tuple(outs[6 + 2 * save_t:]) if cfg.save_g else g_p  # (G, anchors), or g to take them from
+    g_saved = tuple(outs[6 + 2 * save_t:])  # G and its anchors
     g_dtype = jnp.zeros((0,), g.dtype)
     return primal, (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t)
 
 
-def _split_bwd(scale, interpret, save_t, cfg, res, cts):
+def _split_bwd(scale, interpret, save_t, res, cts):
     q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t = res
-    # The backward kernels take G and its anchors: the forward kernel's (cfg.save_g) or XLA's, here.
-    G, anchors = g_saved if cfg.save_g else _cumsum_anchors(g_saved)
+    G, anchors = g_saved  # the forward kernel's
     grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), saved_t, scale=scale,
                    interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))

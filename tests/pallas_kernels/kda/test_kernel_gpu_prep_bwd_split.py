@@ -11,7 +11,7 @@ import pytest
 from k3jax.config import KDAConfig
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
-from pallas_kernels.kda.kernel_gpu_prep import CHUNK, FWD_VARIANTS, FwdConfig, _cumsum_anchors, _kernel_inputs, prep_fwd
+from pallas_kernels.kda.kernel_gpu_prep import CHUNK, _cumsum_anchors, _kernel_inputs, prep_fwd
 from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
 from pallas_kernels.kda.kernel_gpu_prep_bwd_split import prepare_bwd_split, wy_bwd
 from tests.pallas_kernels.kda.prep_bwd_cases import (
@@ -85,32 +85,22 @@ def test_gradient_takes_the_split_kernels_only_when_asked():
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("variant", ["saveg"])
-def test_whole_op_grads_with_forward_variants(interpret, variant):
-    """The forward kernel's variants under ``jax.grad`` (K = 128;
-    ``save_g``: the backward kernels read the forward kernel's G and anchors)."""
-    cfg = FWD_VARIANTS[variant]
+def test_whole_op_grads_at_k128(interpret):
+    """``prep_bwd="split"`` under ``jax.grad`` at K = V = 128 (the forward kernel's right operand
+    formed once, left operands from registers, G and its anchors saved for the backward kernels)."""
     assert_whole_op_grads(lambda *a: chunk_kda_pallas(*a[:5], scale=a[0].shape[-1] ** -0.5, initial_state=a[5],
-                                                      segment_ids=a[6], interpret=interpret, prep_bwd="split",
-                                                      prep_fwd_config=cfg), 128, 128)
+                                                      segment_ids=a[6], interpret=interpret, prep_bwd="split"),
+                          128, 128)
 
 
-@pytest.mark.parametrize("cumsum", ["mma"])
-def test_saved_g_and_anchors_match_xla(cumsum):
+def test_saved_g_and_anchors_match_xla():
     """``prep_fwd(save_g=True)``'s G and anchors (rows 0-4 of each chunk's 8) == :func:`_cumsum_anchors`."""
     (q, k, v, g, beta), sidx, _ = prep_inputs(3, 2, 100, 2, 128, 128, (30, 70))
     qh, kh, vh, g_p, vecs, _ = _kernel_inputs(q, k, v, g, beta, sidx)
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=0.1, interpret=True, save_g=True, cfg=FwdConfig(cumsum=cumsum))
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=0.1, interpret=True, save_g=True)
     G, anchors = outs[-2:]
     want_G, want_anchors = _cumsum_anchors(g_p)
     n = g_p.shape[1] // CHUNK
     rows = lambda a: a.reshape(a.shape[0], n, 8, *a.shape[2:])[:, :, :5]
     assert rel_rmse(G, want_G) <= 1e-6
     assert rel_rmse(rows(anchors), rows(want_anchors)) <= 1e-6
-
-
-@pytest.mark.unchecked
-def test_scan_cumsum_is_refused():
-    """``cumsum="scan"`` gave NaN compiled on the H200 (stop 35): refused with a named error."""
-    with pytest.raises(ValueError, match="cumsum='scan' returned NaN"):
-        FwdConfig(cumsum="scan")
