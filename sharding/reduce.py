@@ -80,7 +80,7 @@ def head_cross_entropy_sharded(
     chunk: int = 4096,
     ctx: ParallelConfig | None = None,
     logits_dtype: str | None = None,
-    implementation: str = "xla",
+    implementation: str | None = None,
 ) -> Float[Array, ""]:
     """``k3jax.train.loss.head_cross_entropy`` with each device walking only its own tokens.
 

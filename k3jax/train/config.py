@@ -16,7 +16,7 @@ from k3jax.overrides import apply_overrides
 
 REMAT_POLICIES = ("none", "layer", "moe")
 LOSS_LOGITS_DTYPES = (None, "float32", "bfloat16")  # k3jax.train.loss.head_cross_entropy
-LOSS_IMPLEMENTATIONS = ("xla", "pallas")  # k3jax.train.loss.head_cross_entropy
+LOSS_IMPLEMENTATIONS = (None, "xla", "pallas")  # k3jax.train.loss.head_cross_entropy
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -189,9 +189,10 @@ class TrainConfig:
     # dtype the head's matmul stores the fp32-accumulated logits in (None: fp32; "bfloat16": half
     # the loss's memory traffic, as a bf16 PyTorch lm_head; k3jax.train.loss)
     loss_logits_dtype: str | None = None
-    # the head's logits and their logsumexp: "xla", or "pallas" (Hopper: one Mosaic GPU kernel whose
-    # matmul epilogue emits the logsumexp's partials; pallas_kernels.head_ce)
-    loss_implementation: str = "xla"
+    # the head's logits and their logsumexp: "xla", "pallas" (Hopper: one Mosaic GPU kernel whose
+    # matmul epilogue emits the logsumexp's partials; pallas_kernels.head_ce), or None: the kernel
+    # where it runs (a Hopper GPU, bf16/f16 features, shapes its tiling divides), else XLA
+    loss_implementation: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",

@@ -56,11 +56,11 @@ def kernel_modules(text: str) -> tuple[dict[str, int], int]:
     return {k: len(v) for k, v in hashes.items()}, calls
 
 
-def main(seq_len: int, loss_implementation: str = "xla") -> None:
+def main(seq_len: int) -> None:
     pretend_hopper()
     from k3jax.train.step import Trainer
 
-    cfg = dataclasses.replace(two_layer_config(seq_len), loss_implementation=loss_implementation)
+    cfg = two_layer_config(seq_len)
     trainer = Trainer(cfg)
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, seq_len), jnp.int32)
              for k in ("tokens", "segment_ids", "labels", "loss_mask")}
@@ -72,4 +72,4 @@ def main(seq_len: int, loss_implementation: str = "xla") -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128, *sys.argv[2:3])
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128)
