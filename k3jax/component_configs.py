@@ -44,13 +44,12 @@ class KDAConfig:
     chunk_size: int = 64
     implementation: str | None = None
     # The GPU kernel path's intra-chunk prep backward: "split" (two Mosaic GPU kernels; H200 KDA
-    # fwd+bwd 25.8 vs 28.0 ms with "xla"), "xla" (autodiff), "kernel" (one kernel, 44.0 ms) or
-    # "split-saved" ("split" with the forward's inverse saved for the backward; not yet timed).
+    # fwd+bwd 13.7 vs 27.9 ms with "xla") or "xla" (autodiff, the reference).
     gpu_prep_backward: str = "split"
 
     def __post_init__(self):
-        _require(self.gpu_prep_backward in ("xla", "kernel", "split", "split-saved"),
-                 f"gpu_prep_backward={self.gpu_prep_backward!r} must be 'xla', 'kernel', 'split' or 'split-saved'")
+        _require(self.gpu_prep_backward in ("xla", "split"),
+                 f"gpu_prep_backward={self.gpu_prep_backward!r} must be 'xla' or 'split'")
         _positive(num_heads=self.num_heads, head_dim=self.head_dim, conv_size=self.conv_size,
                   chunk_size=self.chunk_size)
         _require(self.gate_lower_bound is None or self.gate_lower_bound < 0,

@@ -21,9 +21,8 @@ Kimi Linear (arXiv:2510.26692) Eq. 6-9 in the chunkwise form of SPEC §2, split 
    warpgroup per V block, the per-chunk loads shared in smem.
 
 Gradients: ``jax.custom_vjp`` on the scan (Pallas backward kernel), JAX autodiff for step 1
-(or, opt-in, a Mosaic GPU prep backward: ``prep_bwd="kernel"``, one kernel, :mod:`kernel_gpu_prep_bwd`;
-``prep_bwd="split"``, two kernels, :mod:`kernel_gpu_prep_bwd_split`; ``"split-saved"``, the same
-reading the forward's ``T``).
+(``prep_bwd="xla"``) or its Mosaic GPU backward (``prep_bwd="split"``, two kernels,
+:mod:`kernel_gpu_prep_bwd_split`; ``chunk_kda``'s default).
 
 Backend choice: Mosaic GPU (``plgpu``) rather than Pallas-Triton. Triton-on-Pallas is deprecated
 since JAX 0.11; Mosaic GPU exposes wgmma (with transposed smem operands, needed for ``kg^T``,
@@ -58,7 +57,7 @@ BF16 = jnp.bfloat16
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
-PREP_BWDS = ("xla", "kernel", "split", "split-saved")
+PREP_BWDS = ("xla", "split")
 CHUNK = 64  # one wgmma M tile: the chunk is also the warpgroup's row block
 
 
@@ -276,21 +275,16 @@ def chunk_kda_pallas(
     ``prep_precision`` is the XLA prep's matmul precision, ``"tf32"`` (default: on the H200 the
     prep alone is 15 % faster than ``"highest"`` with the same error against the fp32 reference,
     benchmarks/RESULTS.md) or ``"highest"``. ``prep_bwd`` (``prep="fused"`` only) is the prep's
-    backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"kernel"`` (the Mosaic GPU
-    backward of :mod:`kernel_gpu_prep_bwd`, with the kernel forward) or ``"split"`` (the same with the
-    two-kernel backward of :mod:`kernel_gpu_prep_bwd_split`) or ``"split-saved"`` (the same, with
-    the forward's ``T`` saved for the backward instead of inverted again). ``shared_v`` runs the
-    forward and backward scans as one CTA per head, one warpgroup per V block, sharing the chunk
-    loads (:class:`ScanConfig`); ``None`` (default) picks it when compiled, V = 128 and
-    ``B·H >= SHARED_V_MIN_HEADS``.
+    backward under ``jax.grad``: ``"xla"`` (default, XLA autodiff) or ``"split"`` (the kernel
+    forward with the two-kernel Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd_split`).
+    ``shared_v`` runs the forward and backward scans as one CTA per head, one warpgroup per V
+    block, sharing the chunk loads (:class:`ScanConfig`); ``None`` (default) picks it when
+    compiled, V = 128 and ``B·H >= SHARED_V_MIN_HEADS``.
     """
     if prep not in ("xla", "fused"):
         raise ValueError(f"prep must be 'xla' or 'fused', got {prep!r}")
     if prep_bwd not in PREP_BWDS or (prep_bwd != "xla" and prep != "fused"):
-        raise ValueError(
-            f"prep_bwd must be 'xla', or 'kernel', 'split' or 'split-saved' with prep='fused'; "
-            f"got {prep_bwd!r}, prep={prep!r}"
-        )
+        raise ValueError(f"prep_bwd must be 'xla', or 'split' with prep='fused'; got {prep_bwd!r}, prep={prep!r}")
     if not supports(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size):
         raise ValueError(
             f"chunk_kda_pallas needs chunk_size={CHUNK}, K and V in (64, 128) and no float64; "
@@ -301,12 +295,10 @@ def chunk_kda_pallas(
     cfg = _scan_config(V, B * H, block_v, _resolve_shared_v(shared_v, V, B * H, interpret), interpret)
     if prep == "fused":
         sidx = segment_index(segment_ids, B, T_len).astype(F32)
-        if prep_bwd in ("split", "split-saved"):
-            w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret),
-                                                 prep_bwd == "split-saved")
+        if prep_bwd == "split":
+            w, u, qg, kg, aqk, d = prepare_split(q, k, v, g, beta, sidx, scale, bool(interpret))
         else:
-            w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision,
-                                                 prep_bwd)
+            w, u, qg, kg, aqk, d = prepare_fused(q, k, v, g, beta, sidx, scale, bool(interpret), prep_precision)
     else:
         w, u, qg, kg, aqk, d = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, chunk=CHUNK,
                                        precision=prep_precision)

@@ -24,13 +24,12 @@ share one region by lifetime) so two CTAs share an SM. The score tiles and the i
 are ``lax.fori_loop``s, not Python loops: unrolled, the kernel was bound by instruction fetch
 (Nsight Compute on the H200: 61 % of its stall cycles, 5.05 ms at B,T,H,D = 4,8192,32,128); as
 loops with ``ex2.approx`` it took 1.9 ms, and the whole forward 3.16 ms with this in-kernel
-cumsum (benchmarks/RESULTS.md). Under differentiation the XLA prep
-runs instead, with its own autodiff (see :func:`prepare_fused`), or, opt-in
-(``prep_bwd="kernel"``), this kernel with the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd`;
-the split backward kernels take G and its anchors from this kernel (``save_g``), the others from
-XLA (:func:`_bwd_inputs`). Operands from registers and the right operand formed once
-(:mod:`kernel_gpu_prep_operands`) and the saved G cut it to 2.37 ms (fwd) / 9.86 ms (fwd+bwd) at
-4,8192,32,128 (stop 36; jla 2.86 / 12.02 in the same call).
+cumsum (benchmarks/RESULTS.md). Under differentiation :func:`prepare_fused` runs the XLA prep
+instead, with its own autodiff; ``prep_bwd="split"`` (:mod:`kernel_gpu_prep_bwd_split`) runs this
+kernel with the two Mosaic GPU backward kernels, which take G and its anchors from it (``save_g``).
+Operands from registers and the right operand formed once (:mod:`kernel_gpu_prep_operands`) and
+the saved G cut it to 2.37 ms (fwd) / 9.86 ms (fwd+bwd) at 4,8192,32,128 (stop 36; jla 2.86 /
+12.02 in the same call).
 """
 
 from __future__ import annotations
@@ -193,14 +192,12 @@ def _chunk_cumsum(g_s, parts, tri_s):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
 # module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_t", "save_g"))
-def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = False, save_g: bool = False):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "save_g"))
+def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_g: bool = False):
     """``(w, u, qg, kg, aqk, e^{G_last})``: bf16 head-major ``[B*H, Tp, .]`` like
     :func:`kernel_gpu_intra.prepare`, and the fp32 chunk decay ``[B*H, N, K]`` before its mask.
 
-    ``save_t`` also returns ``T = (I + L)^{-1}`` per chunk as its hi/lo bf16 halves (``[B*H, Tp, C]``
-    each, exactly the operands of ``W, U``) for the backward of ``prep_bwd="split-saved"``.
-    ``save_g`` then also returns G ``[B,Tp,H,K]`` f32 and its anchors ``[B,N*8,H,K]`` (rows 0-3: G at
+    ``save_g`` also returns G ``[B,Tp,H,K]`` f32 and its anchors ``[B,N*8,H,K]`` (rows 0-3: G at
     each tile's first row, row 4: G_last; rows 5-7 unspecified, never read), as the backward
     kernels take them from :func:`_cumsum_anchors`.
 
@@ -215,9 +212,8 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     left = functools.partial(lhs, regs=True, interpret=interpret)
 
     def kernel(q_g, k_g, v_g, g_g, vec_g, w_g, u_g, qg_g, kg_g, aqk_g, dl_g, *rest):
-        t_g = rest[:2] if save_t else ()
-        G_g, anc_g = rest[len(t_g):len(t_g) + 2] if save_g else (None, None)
-        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[len(t_g) + 2 * save_g:]
+        G_g, anc_g = rest[:2] if save_g else (None, None)
+        q_s, k_s, anc_s, vec_s, aqk_s, union, bar, bar_v = rest[2 * save_g:]
         (g_s,), (G_s,), score_bufs, (inv_bufs, v_s) = union
         c, bh = lax.axis_index("c"), lax.axis_index("bh")
         b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
@@ -280,15 +276,10 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
         x = _unit_lower_inverse(p, ri, cj, inv_bufs, regs=True, interpret=interpret)
         xh, xl = inv_bufs[:2]
         x_hi, x_lo = _split(x)
-        if save_t:  # the halves are outputs: in smem
-            xh[...], xl[...] = x_hi, x_lo
-        else:
-            xh, xl = left(x_hi, xh), left(x_lo, xl)
+        xh, xl = left(x_hi, xh), left(x_lo, xl)
         plgpu.barrier_wait(bar_v)
         v_s[...] = _wg((row_vec(BETA, V) * plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(BF16))
         plgpu.commit_smem()
-        for half, dst in zip((xh, xl), t_g):  # nothing writes the halves again: no wait before the end
-            plgpu.copy_smem_to_gmem(half, dst.at[bh, rows])
         w, u = _pair([(xh, k_s), (xl, k_s)], [(xh, v_s), (xl, v_s)], ((C, K), (C, V)))
         k_s[...] = _wg(w.astype(BF16))
         v_s[...] = _wg(u.astype(BF16))
@@ -301,7 +292,6 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, K), BF16), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
                 jax.ShapeDtypeStruct((BH, Tp, C), BF16), jax.ShapeDtypeStruct((BH, n, K), F32),
-                *[jax.ShapeDtypeStruct((BH, Tp, C), BF16)] * (2 * save_t),
                 *[jax.ShapeDtypeStruct((B, Tp, H, K), F32), jax.ShapeDtypeStruct((B, n * 8, H, K), F32)] * save_g]
     one = dict(slots=None)
     # ~109 KB with K = V = 128, so two CTAs (two warpgroups) share an SM and hide each other's
@@ -328,35 +318,24 @@ def prep_fwd(q, k, v, g, vecs, *, scale: float, interpret: bool, save_t: bool = 
     return call(q, k, v, g, vecs)
 
 
-PREP_BWDS = ("xla", "kernel")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32",
-                  prep_bwd: str = "xla"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def prepare_fused(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, precision: str = "tf32"):
     """:func:`kernel_gpu_intra.prepare_from_index` with the forward in one Mosaic GPU kernel.
 
-    The kernel runs when the prep is not differentiated (inference). Under ``jax.grad``,
-    ``prep_bwd="xla"`` (default) runs the XLA prep's forward and its autodiff (matmul
-    ``precision``), so training costs what ``prep="xla"`` does; ``prep_bwd="kernel"`` runs this
-    kernel forward and the Mosaic GPU backward of :mod:`kernel_gpu_prep_bwd` (recomputes the
-    scores and the inverse; residuals are the inputs only).
+    The kernel runs when the prep is not differentiated (inference). Under ``jax.grad`` the XLA
+    prep's forward and its autodiff run (matmul ``precision``), so training costs what
+    ``prep="xla"`` does (``prep_bwd="xla"``; the kernel backward is :mod:`kernel_gpu_prep_bwd_split`).
     ``sidx_f`` is the running document index as f32 (a float so it can sit in a custom_vjp).
     Outputs are upcast to f32 to match the XLA version (the scan casts them back for free).
     """
     if precision not in PRECISIONS:  # only the differentiated path uses it, but fail the same way
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if prep_bwd not in PREP_BWDS:
-        raise ValueError(f"prep_bwd must be one of {PREP_BWDS}, got {prep_bwd!r}")
     *ins, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
     *outs, decay = prep_fwd(*ins, scale=scale, interpret=interpret)
     return (*(x.astype(F32) for x in outs), _masked_decay(decay, fresh_last))
 
 
-def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
-    if prep_bwd == "kernel":
-        outs = prepare_fused(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd)
-        return outs, (None, (q, k, v, g, beta, sidx_f))
+def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision):
     # Differentiated, the forward is the XLA prep itself (as ``prep="xla"``) and keeps its
     # autodiff residuals: taking the kernel's outputs would leave the backward to recompute the XLA
     # forward (fwd+bwd 35.2 ms against 27.9 ms for ``prep="xla"`` on the H200 at 4,8192,32,128).
@@ -365,15 +344,9 @@ def _fused_fwd(q, k, v, g, beta, sidx_f, scale, interpret, precision, prep_bwd):
     return outs, (vjp, sidx_f)
 
 
-def _fused_bwd(scale, interpret, precision, prep_bwd, res, cts):
-    vjp, saved = res  # the XLA vjp and sidx_f, or None and the kernel's inputs
-    if prep_bwd == "kernel":
-        from pallas_kernels.kda.kernel_gpu_prep_bwd import prepare_bwd  # it imports this module
-
-        *primals, sidx_f = saved
-        grads = prepare_bwd(*primals, sidx_f.astype(jnp.int32), tuple(cts), scale=scale, interpret=interpret)
-        return (*grads, jnp.zeros_like(sidx_f))
-    return (*vjp(tuple(cts)), jnp.zeros_like(saved))
+def _fused_bwd(scale, interpret, precision, res, cts):
+    vjp, sidx_f = res  # the XLA vjp and sidx_f
+    return (*vjp(tuple(cts)), jnp.zeros_like(sidx_f))
 
 
 prepare_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import BETA, CHUNK, COL, FRESH, SUB, TO_END, WGMMA, _chain, _split, _wg
-from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_bwd, _vec_loaders
+from pallas_kernels.kda.kernel_gpu_prep_bwd_common import APPROX, _masks, _scores_bwd, _vec_loaders
 from pallas_kernels.kda.kernel_gpu_util import smem
 
 BF16 = jnp.bfloat16
@@ -42,10 +42,9 @@ def _reverse_cumsum(dG, up_s, halves, C):
     return pl.run_scoped(lambda acc: _chain(acc, [(up_s, hi_s), (up_s, lo_s)]), plgpu.ACC(dG.shape, F32))
 
 
-def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out, db_out=None):
+def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out):
     """``(dk, dG, sum-term)`` of one slab from the score backward's accumulators and the direct terms;
-    dq goes to ``dq_out(dq)`` as soon as it is formed, and ``sum_c k (M_kk-row term of dk)`` to
-    ``db_out`` if given: it is ``beta_i sum_j dL_ij S_kk,ij`` restricted to the slab's channels.
+    dq goes to ``dq_out(dq)`` as soon as it is formed.
 
     The terms are ordered so that each [C, S] array dies as early as it can (at most ~6 live).
     """
@@ -64,8 +63,6 @@ def _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, n
     dk_r = e_own * acc_kr
     dk_x = dk_r + load(dx_s) * (row_vec(BETA, S) * row_vec(FRESH, S) * eg)  # + dX X / k
     k = load(k_s)
-    if db_out is not None:
-        db_out(jnp.sum(k * dk_r, axis=1))
     dG = dG + k * (dk_x - dk_c)
     kg_f = row_vec(TO_END, S) * jnp.exp(anchor(nt) - G)  # kg = k * kg_f
     dkg = load(dkg_s)
@@ -92,16 +89,13 @@ def _intra_scratch(C, S):
 
 
 # Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes", "dbeta_rows"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "dtypes"))
 def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, interpret: bool, dtypes: tuple,
-              dbeta_rows: bool = False, dd_d=None):
+              dd_d=None):
     """Kernel B: ``(dq, dk, dg)`` token-major ``[B,Tp,H,K]`` (dg f32, without d's term unless ``dd_d``).
 
     ``dd_d`` ``[B*H,N,K]`` f32 (``dd * d``, d's term, the same for every row of a chunk) is added to
     dg here, after the other per-chunk term, as XLA would add it after the kernel (the same sums).
-
-    ``dbeta_rows`` (for :func:`wy_bwd_saved`) adds ``[K/64, B*H, Tp]`` f32: per slab,
-    ``beta_i sum_j dL_ij S_kk,ij`` over the slab's channels.
 
     q, k, G, anchors, vecs as :func:`kernel_gpu_prep.prep_fwd` takes them; daqk ``[B*H,Tp,C]``
     f32 and dqg, dkg ``[B*H,Tp,K]`` f32 (the scan's cotangents); mkk, dx from :func:`wy_bwd`.
@@ -114,8 +108,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
     def kernel(q_g, k_g, G_g, anc_g, vec_g, daqk_g, mkk_g, dx_g, dqg_g, dkg_g, *rest):
         ddd_g, rest = (rest[0], rest[1:]) if dd_d is not None else (None, rest)
         dq_g, dk_g, dg_g, *rest = rest
-        db_g = rest[0] if dbeta_rows else None
-        q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail = rest[int(dbeta_rows):]
+        q_s, k_s, G_u, anc_s, vec_s, mkk_s, dx_s, union, bar, bar_tail = rest
         (daqk_s,), bwd_bufs, (dqg_s, dkg_s, up_s) = union
         (G_s,), halves = G_u
         p, c, bh = lax.axis_index("p"), lax.axis_index("c"), lax.axis_index("bh")
@@ -143,11 +136,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
         def dq_out(dq):
             dq_g.at[b, rows, h, cols][...] = dq.astype(dtypes[0])
 
-        def db_out(rowsum):
-            db_g.at[p, bh, rows][...] = rowsum
-
-        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out,
-                                     db_out if dbeta_rows else None)
+        dk, dG, dkg_kg = _intra_tail(G, q_s, k_s, dx_s, dqg_s, dkg_s, accs, anchor, row_vec, scale, nt, dq_out)
         dk_g.at[b, rows, h, cols][...] = dk.astype(dtypes[1])
         # G_last's term sum_i dkg_i kg_i reaches every row of the chunk.
         dg = _reverse_cumsum(dG, up_s, halves, C)
@@ -159,7 +148,7 @@ def intra_bwd(q, k, G, anchors, vecs, daqk, mkk, dx, dqg, dkg, *, scale: float, 
 
     BH = B * H
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[0]), jax.ShapeDtypeStruct((B, Tp, H, K), dtypes[1]),
-                jax.ShapeDtypeStruct((B, Tp, H, K), F32)] + [jax.ShapeDtypeStruct((K // S, BH, Tp), F32)] * dbeta_rows
+                jax.ShapeDtypeStruct((B, Tp, H, K), F32)]
     scratch = _intra_scratch(C, S)
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     call = plgpu.kernel(

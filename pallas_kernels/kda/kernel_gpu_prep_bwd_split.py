@@ -1,12 +1,12 @@
 """Backward of the KDA intra-chunk prep as two Mosaic GPU kernels (``prep_bwd="split"``).
 
-Same math as :mod:`kernel_gpu_prep_bwd` (its docstring has the derivation), cut where the work
+Math in :mod:`kernel_gpu_prep_bwd_common` (its docstring has the derivation), cut where the work
 stops needing all K channels of a chunk at once (plan: ``DESIGN_BWD.md``):
 
 A. ``kda_prep_bwd_wy``, one CTA per chunk: recompute ``S_kk`` and ``T = (I + L)^{-1}`` as the
    forward does; ``dX = T^T dW``, ``dY = T^T dU`` and ``dL = -T^T Z T^T`` with
    ``Z = dW X^T + dU Y^T`` (strictly lower, same document; no ``W, U`` recompute, and hi/lo ``T``
-   on both sides, which is closer to fp32 than the one-kernel version's bf16 ``W, U``); writes
+   on both sides, which is closer to fp32 than the deleted one-kernel version's bf16 ``W, U``); writes
    ``dv = beta dY``, ``dX`` (bf16), ``M_kk = beta dL`` (bf16, the score backward's upstream matrix)
    and ``dbeta`` (complete: its ``rowsum(dL S_kk)`` needs every channel). 104 KiB of shared memory
    at K = V = 128 (G's memory goes to the inverse once ``X / beta`` is formed; dW, dU arrive after
@@ -17,12 +17,8 @@ B. ``kda_prep_bwd_intra`` (:mod:`kernel_gpu_prep_bwd_intra`), one CTA per (64-ch
    in-chunk reverse cumsum dG -> dg. Half the channels per CTA halves its live registers and its
    shared memory (102 KiB at K = 128), so two CTAs share an SM, and there are twice as many CTAs.
 
-``prep_bwd="split-saved"`` (opt-in, ``DESIGN_BWD.md`` section 4): the forward also stores ``T``'s
-hi/lo halves and kernel A (``kda_prep_bwd_wy_saved``) reads them instead of inverting again; its
-dv, dX, ``M_kk`` agree with the recomputing kernel's to fp32 rounding (the forward takes G by its
-own in-kernel cumsum, kernel A from XLA's: the same sum in another order). ``S_kk`` is not
-recomputed either: dbeta's ``rowsum(dL S_kk)`` comes from kernel B, as
-``sum_c k (M_kk-row term of dk)`` divided by beta.
+A kernel A reading the forward's saved ``T`` instead of inverting again (``prep_bwd="split-saved"``)
+was deleted: 13.90 against 13.75 ms fwd+bwd on the H200 (``DESIGN_BWD.md`` section 4).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _kernel_inputs, _masked_decay, _split,
     _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
 )
-from pallas_kernels.kda.kernel_gpu_prep_bwd import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
+from pallas_kernels.kda.kernel_gpu_prep_bwd_common import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
 from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
 from pallas_kernels.kda.kernel_gpu_util import T, smem
 
@@ -80,8 +76,7 @@ def _inverse_grad(th, tl, bufs, x_s, v_s, dw_s, du_s, beta_c):
 
 
 def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtype):
-    """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta
-    (without ``rowsum(dL S_kk)`` when ``s_kk`` is None).
+    """Kernel A once ``T``'s halves, dW, dU, ``X'`` and v are in smem: stores dv, dX, ``M_kk``, dbeta.
 
     dX then dY, each stored and folded into dbeta at once: one [C, K] f32 live at a time.
     """
@@ -90,14 +85,14 @@ def _wy_tail(refs, dl_bufs, s_kk, strict, col_vec, row_vec, vec_s, outs, dv_dtyp
     C, K, V = th.shape[0], k_s.shape[1], v_s.shape[1]
     load = lambda ref: plgpu.load(ref, layout=WGMMA).astype(F32)
     dx = _t_transpose_times(th, tl, dw_s, (C, K))
-    dx_o[...] = _wg(dx.astype(BF16))  # in bf16, as the one-kernel version reads it
+    dx_o[...] = _wg(dx.astype(BF16))  # in bf16, as kernel B reads it
     dbeta = jnp.sum(dx * load(k_s), axis=1)
     dy = _t_transpose_times(th, tl, du_s, (C, V))
     dv_o[...] = (row_vec(BETA, V) * dy).astype(dv_dtype)
     dbeta = dbeta + jnp.sum(dy * load(v_s), axis=1)
     d_l = _inverse_grad(th, tl, dl_bufs, k_s, v_s, dw_s, du_s, col_vec(vec_s.at[BETA], C))
     d_l = _wg(jnp.where(strict, -d_l, 0.0))
-    db_o[...] = dbeta if s_kk is None else dbeta + jnp.sum(d_l * s_kk, axis=1)
+    db_o[...] = dbeta + jnp.sum(d_l * s_kk, axis=1)
     mkk_o[...] = _wg((row_vec(BETA, C) * d_l).astype(BF16))
 
 
@@ -162,79 +157,22 @@ def wy_bwd(k, v, G, anchors, vecs, dw, du, *, interpret: bool, dv_dtype):
     return call(k, v, G, anchors, vecs, dw, du)
 
 
-# Jitted so that identical layers (and remat recomputes) share one traced jaxpr and one kernel.
-@functools.partial(jax.jit, static_argnames=("interpret", "dv_dtype"))
-def wy_bwd_saved(k, v, G, vecs, t_hi, t_lo, dw, du, *, interpret: bool, dv_dtype):
-    """Kernel A reading the forward's ``T`` (hi/lo ``[B*H,Tp,C]`` bf16, ``prep_fwd(save_t=True)``).
-
-    Same dv, dX, ``M_kk`` as :func:`wy_bwd` up to fp32 rounding (the saved halves come from the
-    forward's in-kernel cumsum G, the recomputed ones from XLA's); dbeta lacks ``rowsum(dL S_kk)``,
-    which kernel B gives (``dbeta_rows=True``), so ``S_kk`` is not recomputed either and neither
-    anchors nor score operands are needed.
-    """
-    B, Tp, H, K = k.shape
-    V = v.shape[-1]
-    C = CHUNK
-    n = Tp // C
-
-    def kernel(k_g, v_g, G_g, vec_g, th_g, tl_g, dw_g, du_g, dv_g, dx_g, mkk_g, db_g,
-               k_s, v_s, vec_s, th, tl, union, bar, bar_d):
-        (G_s,), (dw_s, du_s), dl_bufs = union
-        c, bh = lax.axis_index("c"), lax.axis_index("bh")
-        b, h = int_ops.div(bh, H), int_ops.rem(bh, H)
-        rows = pl.ds(c * C, C)
-        for src, dst in ((k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s), (G_g.at[b, rows, h], G_s),
-                         (vec_g.at[bh, :, rows], vec_s), (th_g.at[bh, rows], th), (tl_g.at[bh, rows], tl)):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
-        plgpu.barrier_wait(bar)
-        col_vec, row_vec = _vec_loaders(vec_s, C)
-        _, _, strict, _ = _masks(col_vec, row_vec, vec_s, C)
-        G = plgpu.load(G_s, layout=WGMMA)
-        plgpu.commit_smem()  # every thread has read G: dW, dU land in its memory while X' is formed
-        plgpu.copy_gmem_to_smem(dw_g.at[bh, rows], dw_s, bar_d)
-        plgpu.copy_gmem_to_smem(du_g.at[bh, rows], du_s, bar_d)
-        k_s[...] = _wg((row_vec(FRESH, K) * plgpu.load(k_s, layout=WGMMA).astype(F32) * jnp.exp(G)).astype(BF16))
-        plgpu.commit_smem()
-        plgpu.barrier_wait(bar_d)
-        outs = (dv_g.at[b, rows, h], dx_g.at[bh, rows], mkk_g.at[bh, rows], db_g.at[bh, rows])
-        _wy_tail((th, tl, dw_s, du_s, k_s, v_s), dl_bufs, None, strict, col_vec, row_vec, vec_s, outs, dv_dtype)
-
-    cc = lambda: smem((C, C), **ONE)
-    # 81 KiB at K = V = 128 (104 KiB for :func:`wy_bwd`): T's halves have their own memory (they
-    # arrive with the inputs); dW, dU, then the dL products, land in G's bytes.
-    union = plgpu.RefUnion(
-        (smem((C, K), F32, mma=False, **ONE),), (smem((C, K), **ONE), smem((C, V), **ONE)),
-        (cc(), cc(), cc(), cc()),
-    )
-    scratch = [
-        smem((C, K), **ONE), smem((C, V), **ONE), smem((5, C), F32, mma=False, **ONE), cc(), cc(), union,
-        plgpu.Barrier(num_arrivals=6), plgpu.Barrier(num_arrivals=2),
-    ]
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    call = plgpu.kernel(
-        kernel, out_type=_wy_out_type(B, Tp, H, K, V, dv_dtype), scratch_types=scratch, grid=(n, B * H),
-        grid_names=("c", "bh"), kernel_name="kda_prep_bwd_wy_saved", compiler_params=APPROX, **extra,
-    )
-    return call(k, v, G, vecs, t_hi, t_lo, dw, du)
-
-
 def _wy_out_type(B, Tp, H, K, V, dv_dtype):
     BH = B * H
     return [jax.ShapeDtypeStruct((B, Tp, H, V), dv_dtype), jax.ShapeDtypeStruct((BH, Tp, K), BF16),
             jax.ShapeDtypeStruct((BH, Tp, CHUNK), BF16), jax.ShapeDtypeStruct((BH, Tp), F32)]
 
 
-def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool, saved_t=None):
+def prepare_bwd_split(q, k, v, g, beta, sidx, cts, *, scale: float, interpret: bool):
     """Gradients ``(dq, dk, dv, dg, dbeta)`` of :func:`kernel_gpu_intra.prepare_from_index` (chunk 64).
 
     ``cts``: the cotangents of ``(w, u, qg, kg, aqk, d)``, head-major as the prep returns them.
-    ``saved_t``: None (kernel A recomputes ``T``) or the forward's hi/lo halves of ``T``.
     """
     _, _, _, *inputs = _bwd_inputs(q, k, v, g, beta, sidx)
-    return _grads(q, k, v, g, beta, inputs, cts, saved_t, scale=scale, interpret=interpret)
+    return _grads(q, k, v, g, beta, inputs, cts, scale=scale, interpret=interpret)
 
 
-def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: bool):
+def _grads(q, k, v, g, beta, inputs, cts, *, scale: float, interpret: bool):
     """:func:`prepare_bwd_split` from the kernel inputs ``(G, anchors, vecs, d)``; g only gives its dtype."""
     G, anchors, vecs, d = inputs
     pad = G.shape[1] - q.shape[1]
@@ -242,29 +180,22 @@ def _grads(q, k, v, g, beta, inputs, cts, saved_t, *, scale: float, interpret: b
     dw, du, dqg, dkg, daqk, dd = cts
     wy_args = (dw.astype(BF16), du.astype(BF16))
     wy = dict(interpret=interpret, dv_dtype=v.dtype)
-    if saved_t is None:
-        dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, *wy_args, **wy)
-    else:
-        dv, dx, mkk, dbeta = wy_bwd_saved(kh, vh, G, vecs, *saved_t, *wy_args, **wy)
-    dq, dk, dg, *rows = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
-                                  dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype),
-                                  dbeta_rows=saved_t is not None, dd_d=dd * d)  # d's term added in the kernel
-    if rows:  # B gave beta_i sum_j dL_ij S_kk,ij per slab; beta > 0 except on padded rows (where dL = 0)
-        b = vecs[:, BETA]
-        dbeta = dbeta + jnp.where(b > 0, jnp.sum(rows[0], axis=0) / jnp.where(b > 0, b, 1.0), 0.0)
+    dv, dx, mkk, dbeta = wy_bwd(kh, vh, G, anchors, vecs, *wy_args, **wy)
+    dq, dk, dg = intra_bwd(qh, kh, G, anchors, vecs, daqk.astype(F32), mkk, dx, dqg.astype(F32),
+                           dkg.astype(F32), scale=scale, interpret=interpret, dtypes=(q.dtype, k.dtype),
+                           dd_d=dd * d)  # d's term added in the kernel
     return finish_grads((q, k, v, g, beta), (dq, dk, dv, dg, dbeta), None, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool, save_t: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def prepare_split(q, k, v, g, beta, sidx_f, scale: float, interpret: bool):
     """:func:`kernel_gpu_prep.prepare_fused`'s kernel forward with this module's two-kernel backward.
 
     The residuals are the inputs with g as the kernel takes it (padded, f32; of g itself only its
     dtype is kept), the per-token vectors and d, and the chunk cumsum G and its anchors, which the
     forward kernel takes and (differentiated) writes out for the backward kernels (``save_g``:
     ~0.6 GB of stores at B,T,H,K = 4,8192,32,128 instead of XLA's three fusions and ~2.3 GB).
-    ``save_t`` (``prep_bwd="split-saved"``): the forward also writes ``T``'s hi/lo halves (16 KiB
-    per chunk) and kernel A reads them instead of inverting again. W and U stay bf16 (the scan reads them so, and
+    W and U stay bf16 (the scan reads them so, and
     this backward takes their cotangents in bf16: the scan's backward stores them so); qg, kg, A_qk
     are upcast to f32 like :func:`prepare_fused`'s, so their cotangents stay fp32.
     """
@@ -278,21 +209,20 @@ def _split_outputs(outs, fresh_last):
     return (w, u, *(x.astype(F32) for x in (qg, kg, aqk)), _masked_decay(decay, fresh_last))
 
 
-def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret, save_t):
+def _split_fwd(q, k, v, g, beta, sidx_f, scale, interpret):
     qh, kh, vh, g_p, vecs, fresh_last = _kernel_inputs(q, k, v, g, beta, sidx_f.astype(jnp.int32))
-    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_t=save_t, save_g=True)
+    outs = prep_fwd(qh, kh, vh, g_p, vecs, scale=scale, interpret=interpret, save_g=True)
     primal = _split_outputs(outs, fresh_last)
     d = primal[-1]
-    saved_t = tuple(outs[6:8]) if save_t else None
-    g_saved = tuple(outs[6 + 2 * save_t:])  # G and its anchors
+    g_saved = tuple(outs[6:])  # G and its anchors
     g_dtype = jnp.zeros((0,), g.dtype)
-    return primal, (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t)
+    return primal, (q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d))
 
 
-def _split_bwd(scale, interpret, save_t, res, cts):
-    q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d), saved_t = res
+def _split_bwd(scale, interpret, res, cts):
+    q, k, v, g_dtype, beta, sidx_f, (g_saved, vecs, d) = res
     G, anchors = g_saved  # the forward kernel's
-    grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), saved_t, scale=scale,
+    grads = _grads(q, k, v, g_dtype, beta, (G, anchors, vecs, d), tuple(cts), scale=scale,
                    interpret=interpret)
     return (*grads, jnp.zeros_like(sidx_f))
 

@@ -190,7 +190,7 @@ def chunk_kda(
     implementation: Implementation = None,
     chunk_size: int = 64,
     interpret: bool | Literal["tpu", "gpu"] = False,
-    gpu_prep_backward: Literal["xla", "kernel", "split", "split-saved"] = "split",
+    gpu_prep_backward: Literal["xla", "split"] = "split",
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"] | None]:
     """Chunkwise Kimi Delta Attention (SPEC §2); returns ``(o, final_state or None)``.
 
@@ -201,15 +201,12 @@ def chunk_kda(
     ``interpret`` runs a Pallas kernel in its interpreter on any host (True = the TPU kernel).
     ``gpu_prep_backward`` is the GPU kernel path's intra-chunk prep backward under ``jax.grad``:
     ``"split"`` (default: two Mosaic GPU kernels, ``kernel_gpu_prep_bwd_split``; the fastest on the
-    H200), ``"xla"`` (XLA autodiff), ``"kernel"`` (one Mosaic GPU kernel, ``kernel_gpu_prep_bwd``)
-    or ``"split-saved"`` (``"split"`` reading the forward's saved inverse; 13.90 against 13.75 ms
-    fwd+bwd on the H200, since the inverse is cheap to rebuild); other
-    paths ignore it.
+    H200) or ``"xla"`` (XLA autodiff, the reference); other paths ignore it. (``"kernel"``, one
+    Mosaic GPU kernel, and ``"split-saved"``, ``"split"`` reading the forward's saved inverse, lost
+    on the H200 and were deleted: ``kernel_gpu_prep_bwd_split``'s docstring, ``DESIGN_BWD.md``.)
     """
-    if gpu_prep_backward not in ("xla", "kernel", "split", "split-saved"):
-        raise ValueError(
-            f"gpu_prep_backward must be 'xla', 'kernel', 'split' or 'split-saved', got {gpu_prep_backward!r}"
-        )
+    if gpu_prep_backward not in ("xla", "split"):
+        raise ValueError(f"gpu_prep_backward must be 'xla' or 'split', got {gpu_prep_backward!r}")
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -1,4 +1,4 @@
-"""Shared inputs and checks of the GPU prep-backward tests (one kernel, split, split with saved T).
+"""Shared inputs and checks of the GPU prep-backward tests (the split backward, the scan layouts).
 
 Each backward must equal ``jax.vjp`` of the fp32 XLA prep (``kernel_gpu_intra``) on the same cases,
 and the whole op built on it must match the fp32 chunked reference's gradients.

@@ -6,6 +6,7 @@ import pytest
 
 from k3jax.config import KDAConfig
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.kernel_gpu import chunk_kda_pallas
 
 
 def _inputs(B=1, T=64, H=1, D=64):
@@ -18,18 +19,23 @@ def _inputs(B=1, T=64, H=1, D=64):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("choice, kernel_expected", [("kernel", True), ("xla", False)])
-def test_gradient_uses_the_prep_backward_kernel_only_when_asked(choice, kernel_expected):
+@pytest.mark.parametrize("knob, kernel_expected", [({}, True), ({"gpu_prep_backward": "xla"}, False)])
+def test_gradient_uses_the_prep_backward_kernels_by_default(knob, kernel_expected):
+    """The default is the split Mosaic GPU backward; ``"xla"`` leaves no prep backward kernel."""
     args = _inputs()
-    loss = lambda *a: jnp.sum(chunk_kda(*a, implementation="pallas", interpret="gpu",
-                                        gpu_prep_backward=choice)[0].astype(jnp.float32))
+    loss = lambda *a: jnp.sum(chunk_kda(*a, implementation="pallas", interpret="gpu", **knob)[0].astype(jnp.float32))
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args))
     assert ("kda_prep_bwd" in text) == kernel_expected
 
 
 @pytest.mark.unchecked
-def test_bad_values_name_the_argument():
-    with pytest.raises(ValueError, match="gpu_prep_backward"):
-        chunk_kda(*_inputs(), gpu_prep_backward="fast")
-    with pytest.raises(ValueError, match="gpu_prep_backward"):
-        KDAConfig(num_heads=1, head_dim=16, gpu_prep_backward="fast")
+@pytest.mark.parametrize("value", ["fast", "kernel", "split-saved"])
+def test_bad_values_name_the_argument_and_the_allowed_ones(value):
+    """Unknown values, and the deleted one-kernel and saved-T backwards, are refused by name."""
+    with pytest.raises(ValueError, match=r"gpu_prep_backward must be 'xla' or 'split', got '" + value):
+        chunk_kda(*_inputs(), gpu_prep_backward=value)
+    with pytest.raises(ValueError, match=r"gpu_prep_backward='" + value + r"' must be 'xla' or 'split'"):
+        KDAConfig(num_heads=1, head_dim=16, gpu_prep_backward=value)
+    with pytest.raises(ValueError, match=r"prep_bwd must be 'xla', or 'split' with prep='fused'; got '" + value):
+        chunk_kda_pallas(*_inputs(), scale=1.0, prep_bwd=value)
+
