@@ -98,23 +98,9 @@ def _ours_gpu(**knobs):
 
 
 def ours_fused():
-    """Ours with the Mosaic GPU intra-chunk kernel (``prep="fused"``) instead of the XLA prep."""
+    """Ours with the prep's backward as XLA autodiff of the XLA prep (``prep_bwd="xla"``; ``ours``
+    takes the two Mosaic GPU kernels, ``"split"``); the forward is the same Mosaic GPU prep kernel."""
     return _ours_gpu(prep="fused")
-
-
-def ours_kernel_bwd():
-    """Ours with the intra-chunk prep's backward as a Mosaic GPU kernel (``prep_bwd="kernel"``)."""
-    return _ours_gpu(prep="fused", prep_bwd="kernel")
-
-
-def ours_split_bwd():
-    """Ours with the prep's backward as two Mosaic GPU kernels (``prep_bwd="split"``, ``DESIGN_BWD.md``)."""
-    return _ours_gpu(prep="fused", prep_bwd="split")
-
-
-def ours_split_saved():
-    """Ours with the split prep backward reading the forward's saved ``T`` (``prep_bwd="split-saved"``)."""
-    return _ours_gpu(prep="fused", prep_bwd="split-saved")
 
 
 def ours_shared_v():
@@ -293,9 +279,7 @@ def main():
     parser.add_argument("--skip-decode", action="store_true", help="skip the decode-step bandwidth")
     parser.add_argument("--skip-check", action="store_true", help="skip the check against the reference")
     args = parser.parse_args()
-    factories = {"ours": ours, "ours-fused": ours_fused, "ours-kernel-bwd": ours_kernel_bwd, "ours-split-bwd": ours_split_bwd,
-                 "ours-split-saved": ours_split_saved, "ours-shared-v": ours_shared_v,
-                 "ours-unshared": ours_unshared,
+    factories = {"ours": ours, "ours-fused": ours_fused, "ours-shared-v": ours_shared_v, "ours-unshared": ours_unshared,
                  "ours-highest": ours_highest, "jla": jla, "fla": fla}
     impls = {}
     for name in args.peers.split(","):

@@ -39,12 +39,11 @@ def profiler_region():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--impl", default="ours", help="a factory name of bench_kda (ours, jla, ours-split-saved, ...)")
+    parser.add_argument("--impl", default="ours", help="a factory name of bench_kda (ours, ours-fused, jla, fla)")
     parser.add_argument("--shape", default="4,8192,32,128", help="B,T,H,D")
     parser.add_argument("--skip-bwd", action="store_true", help="profile the forward only")
     args = parser.parse_args()
-    factories = {"ours": bench_kda.ours, "ours-split-saved": bench_kda.ours_split_saved, "jla": bench_kda.jla,
-                 "fla": bench_kda.fla}
+    factories = {"ours": bench_kda.ours, "ours-fused": bench_kda.ours_fused, "jla": bench_kda.jla, "fla": bench_kda.fla}
     if args.impl not in factories:
         parser.error(f"--impl must be one of {sorted(factories)}, got {args.impl!r}")
     fwd, fwdbwd, conv, sync = factories[args.impl]()
