@@ -2,9 +2,10 @@
 
 Kernel A (:mod:`kernel_gpu_prep_bwd_split`) and kernel B (:mod:`kernel_gpu_prep_bwd_intra`)
 take from here the score recompute (:func:`_scores_kk`), the score backward (:func:`_scores_bwd`),
-the smem vector loaders and masks, ``APPROX`` and :func:`finish_grads`. (This file held the
-one-kernel backward ``kda_prep_bwd``, ``prep_bwd="kernel"``, until it was deleted: it lost to the
-split one, fwd+bwd 25.81 -> 13.73 ms on the H200, ``DESIGN_BWD.md``.)
+the smem vector loaders and masks, ``APPROX`` and :func:`finish_grads`. (As
+``kernel_gpu_prep_bwd.py`` it also held the one-kernel backward ``kda_prep_bwd``,
+``prep_bwd="kernel"``, deleted: H200 fwd+bwd at 4,8192,32,128 44.04 ms against 27.74 with XLA
+autodiff and 25.81 with the split one, since cut to 13.73; ``DESIGN_BWD.md``.)
 
 The math, per 64-token chunk. The forward (:mod:`kernel_gpu_prep`, math in :mod:`kernel_gpu_intra`)
 is, with ``L = beta_i S_kk`` (strictly lower, same document), ``T = (I + L)^{-1}``,

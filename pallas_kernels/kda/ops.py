@@ -203,7 +203,7 @@ def chunk_kda(
     ``"split"`` (default: two Mosaic GPU kernels, ``kernel_gpu_prep_bwd_split``; the fastest on the
     H200) or ``"xla"`` (XLA autodiff, the reference); other paths ignore it. (``"kernel"``, one
     Mosaic GPU kernel, and ``"split-saved"``, ``"split"`` reading the forward's saved inverse, lost
-    on the H200 and were deleted: ``kernel_gpu_prep_bwd_split``'s docstring, ``DESIGN_BWD.md``.)
+    on the H200 and were deleted: ``pallas_kernels/kda/DESIGN_BWD.md``.)
     """
     if gpu_prep_backward not in ("xla", "split"):
         raise ValueError(f"gpu_prep_backward must be 'xla' or 'split', got {gpu_prep_backward!r}")
