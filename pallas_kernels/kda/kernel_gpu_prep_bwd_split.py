@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int_ops
 from pallas_kernels.kda.kernel_gpu_prep import (
     BETA, CHUNK, FRESH, WGMMA, _bwd_inputs, _chain, _kernel_inputs, _masked_decay, _split,
-    _unit_lower_inverse, _wg, prep_fwd, prepare_fused,
+    _unit_lower_inverse, _wg, prep_fwd,
 )
 from pallas_kernels.kda.kernel_gpu_prep_bwd_common import APPROX, _masks, _scores_kk, _vec_loaders, finish_grads
 from pallas_kernels.kda.kernel_gpu_prep_bwd_intra import intra_bwd
