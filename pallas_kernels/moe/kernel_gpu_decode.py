@@ -1,0 +1,134 @@
+"""Routed experts of a decode step on the GPU: the gather path in one kernel plus one epilogue.
+
+At batch 1 a decode step of ``small()`` is bound by how many kernels it launches (a few µs each), and
+XLA compiles :func:`k3jax.layers.moe_decode.gathered_experts` (the reference: each token's k
+experts' matrices gathered inside multiply-and-sum fusions) to ~6–9 kernels per MoE layer. Here one
+Pallas-Triton kernel does the whole expert FFN: program ``(i, j)`` owns token-slot ``i = t·k + s``
+(expert ``e = ids[t, s]``, read from the ids ref and used as a dynamic index into the weight refs, so
+only the routed experts' bytes move) and intermediate block ``j`` of ``block_f`` columns. It reads
+``x_t``, ``W1_e[:, block]``, ``W3_e[:, block]`` and ``W2_e[block, :]``, and writes the block's fp32
+contribution to the expert's output, ``a_block · W2_e[block, :]``. Splitting F gives
+``T·k·F/block_f`` programs (128 for ``small()`` at batch 1): one program per expert slot would
+stream 3 matrices through 8 SMs. A small XLA epilogue sums the blocks, rounds each expert's output
+and takes the weighted sum over k.
+
+Rounding points are the reference's (those of ``moe_ffn``): g and u accumulated in fp32 over L and
+rounded to the compute dtype (x's dtype), the activation (``gated_activation``, computed in fp32)
+rounded to it, each expert's output summed in fp32 over F (blocks in the kernel, the block sums in the
+epilogue) and rounded to it, the weighted sum over the k experts in fp32, the result in x's dtype.
+Only the fp32 summation order differs. Plain ``[E, in, out]`` weights only (MXFP4 stays on the
+reference). ``interpret=True`` runs the kernel in the CPU interpreter (the default suite's test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.moe.activations import gated_activation
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    """``block_f``: intermediate columns per program; ``num_warps``: Triton warps per program."""
+
+    block_f: int = 32  # small(): 8 slots x 16 blocks = 128 programs, 96 KB of weights each
+    num_warps: int = 4
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
+    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not isinstance(w, jax.Array | jax.ShapeDtypeStruct) or w.ndim != 3:
+            raise ValueError(f"{name} must be a plain [E, in, out] array for the decode kernel "
+                             f"(MXFP4 weights take implementation='xla'), got {type(w).__name__}")
+    if x.ndim != 2 or ids.shape != weights.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, L], ids and weights [T, k], got x {x.shape}, ids {ids.shape}, "
+                         f"weights {weights.shape}")
+    E, L, F = w1.shape
+    if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
+        raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
+                         f"got {w1.shape}, {w3.shape}, {w2.shape}")
+    if not _power_of_two(L):
+        raise ValueError(f"the decode kernel needs L (x.shape[1]) a power of two >= 16, got {L}")
+    if not _power_of_two(tiles.block_f) or F % tiles.block_f:
+        raise ValueError(f"tiles.block_f={tiles.block_f} must be a power of two >= 16 dividing F={F}")
+    if jnp.dtype(x.dtype) == jnp.float64 or any(jnp.dtype(w.dtype) == jnp.float64 for w in (w1, w3, w2)):
+        raise ValueError("the decode kernel takes no float64 input (Triton); use implementation='xla'")
+
+
+def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, block_f: int, activation: str,
+            situ_beta: float, situ_linear_beta: float):
+    f32, dt = jnp.float32, x_ref.dtype
+    i, j = pl.program_id(0), pl.program_id(1)
+    e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
+    cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
+    h = x_ref[i // top_k, :].astype(f32)  # [L]
+    g = jnp.sum(h[:, None] * w1_ref[e, :, cols].astype(f32), axis=0).astype(dt)  # [BF]
+    u = jnp.sum(h[:, None] * w3_ref[e, :, cols].astype(f32), axis=0).astype(dt)
+    a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt).astype(f32)
+    out_ref[...] = jnp.sum(a[:, None] * w2_ref[e, cols, :].astype(f32), axis=0)  # [L]
+
+
+def expert_blocks(x: Float[Array, "T L"], ids: Int[Array, "T k"], w1: Float[Array, "E L F"],
+                  w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *, activation: str,
+                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, tiles: DecodeTiles = DecodeTiles(),
+                  interpret: bool = False) -> Float[Array, "T k NF L"]:
+    """The kernel: ``[T, k, F/block_f, L]`` fp32, block ``j``'s contribution to each expert's output."""
+    T, L = x.shape
+    k = ids.shape[1]
+    F = w1.shape[2]
+    nf = F // tiles.block_f
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+    w1, w3, w2 = (w.astype(x.dtype) for w in (w1, w3, w2))
+    ids = ids.reshape(T * k).astype(jnp.int32)
+    out = pl.pallas_call(
+        functools.partial(_kernel, top_k=k, block_f=tiles.block_f, activation=activation,
+                          situ_beta=situ_beta, situ_linear_beta=situ_linear_beta),
+        grid=(T * k, nf),
+        in_specs=[whole(ids), whole(x), whole(w1), whole(w3), whole(w2)],
+        out_specs=pl.BlockSpec((None, None, L), lambda i, j: (i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((T * k, nf, L), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="moe_decode_gather",
+    )(ids, x, w1, w3, w2)
+    return out.reshape(T, k, nf, L)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "tiles", "interpret"))
+def gathered_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
+                            w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
+                            activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                            tiles: DecodeTiles = DecodeTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+    """``moe_decode.gathered_experts`` (same arguments, same rounding points) by the kernel and an epilogue."""
+    check_inputs(x, ids, weights, w1, w3, w2, tiles)
+    dt = x.dtype
+    wide = jnp.promote_types(dt, jnp.float32)
+    parts = expert_blocks(x, ids, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                          situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
+    y = _round_to(jnp.sum(parts, axis=2), dt)  # [T, k, L]: each expert's output, rounded, kept wide
+    # a multiply-and-sum, not a dot: XLA fuses it with the block sum instead of launching a GEMM
+    return jnp.sum(y * weights.astype(wide)[..., None], axis=1).astype(dt)
+
+
+def _round_to(y: Float[Array, "..."], dtype) -> Float[Array, "..."]:
+    """``y`` rounded to ``dtype``'s precision, in ``y``'s dtype. Not ``y.astype(dtype).astype(y.dtype)``:
+    XLA (excess precision allowed, its default) drops that pair of converts, and the XLA gather path
+    loses this rounding that way (CPU compile)."""
+    info = jnp.finfo(dtype)
+    if jnp.dtype(dtype) == jnp.dtype(y.dtype):
+        return y
+    return jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+__all__ = ["DecodeTiles", "check_inputs", "expert_blocks", "gathered_experts_pallas"]
