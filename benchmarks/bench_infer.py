@@ -248,6 +248,9 @@ def main():
     ap.add_argument("--mxfp4", action="store_true", help="also time decode with MXFP4 expert weights")
     ap.add_argument("--batches", default=None, help="comma list of decode batch sizes (default 1,64; quick 1,4)")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
+    ap.add_argument("--moe-decode", default=None,
+                    help="comma list of MoEConfig.decode_implementation values to time decode with, each in "
+                         "turn (xla, pallas: the gather path's kernel at batch 1); default: the config's")
     args = ap.parse_args()
     if args.quick:
         cfg = dataclasses.replace(config.tiny(), name="tiny")
@@ -275,14 +278,17 @@ def main():
         t0 = time.perf_counter()
         weights["mxfp4"] = mxfp4.quantize_experts(variables)
         results["mxfp4_quantize_seconds"] = time.perf_counter() - t0
+    impls = [None] if args.moe_decode is None else [s or None for s in args.moe_decode.split(",")]
     for name, v in weights.items():
-        for b in batches:
-            trace = f"{args.profile}/{name}_b{b}" if args.profile else None
-            r = dict(bench_decode(cfg, v, b, args.prompt, args.decode_steps, args.hbm_tbps, trace, args.host_loop),
-                     experts=name)
+        for impl, b in ((i, b) for i in impls for b in batches):
+            run_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation=impl))
+            label = name if args.moe_decode is None else f"{name} moe-decode={impl}"
+            trace = f"{args.profile}/{name}_{impl}_b{b}" if args.profile else None
+            r = dict(bench_decode(run_cfg, v, b, args.prompt, args.decode_steps, args.hbm_tbps, trace,
+                                  args.host_loop), experts=name, moe_decode=impl)
             results["decode"].append(r)
             host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop else ""
-            print(f"decode {name} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
+            print(f"decode {label} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
                   f"{host}; bytes/step {r['bytes_per_step_all_weights'] / 1e9:.3f} GB "
                   f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
                   f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "

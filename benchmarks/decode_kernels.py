@@ -133,7 +133,7 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
     return {"total": total, "by_module": dict(by_module), "by_kind": dict(by_kind)}
 
 
-def compile_decode(batch: int, prompt: int, steps: int) -> str:
+def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None = None) -> str:
     """Optimized HLO text of ``bench_infer``'s decode loop for a device-less H200."""
     import jax
     import jax.numpy as jnp
@@ -156,6 +156,7 @@ def compile_decode(batch: int, prompt: int, steps: int) -> str:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)), tree)
     # decode_layout's result (bf16 as bench_infer builds it), abstract
     cfg = unrolled(dataclasses.replace(config.small(), param_dtype=jnp.bfloat16))
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation=moe_decode))
     with compile_for(device):
         init = lambda: decode_layout(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))),
                                      cfg)[0]
@@ -174,9 +175,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--list", default=None, help="print the kernels whose op_name matches this regex")
     p.add_argument("--hlo", default=None, help="write the optimized HLO here")
+    p.add_argument("--moe-decode", default=None, choices=("xla", "pallas"),
+                   help="MoEConfig.decode_implementation (the gather path at batch 1); default: the config's")
     p.add_argument("--from-hlo", default=None, help="count an HLO file written before (no compile)")
     args = p.parse_args(argv)
-    text = Path(args.from_hlo).read_text() if args.from_hlo else compile_decode(args.batch, args.prompt, args.steps)
+    text = Path(args.from_hlo).read_text() if args.from_hlo else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode)
     if args.hlo:
         Path(args.hlo).write_text(text)
     report(text, args.steps, args.list)

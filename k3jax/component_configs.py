@@ -163,6 +163,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     renormalize: bool = True
     implementation: str | None = None
+    # routed experts of a decode step on the gather path (batch 1, k3jax/layers/moe_decode.py):
+    # "pallas" is the fused GPU kernel (pallas_kernels/moe/kernel_gpu_decode.py; MXFP4 experts stay on
+    # "xla"); None is "xla" for now
+    decode_implementation: str | None = None
     # MoonEP (sharding/moonep.py): redundant copies of hot experts per layer on an expert-parallel
     # mesh (a multiple of the expert axis size), re-planned from QB's loads every placement_every steps.
     redundant_experts: int = 0
@@ -183,6 +187,8 @@ class MoEConfig:
                  "latent_norm=True needs latent_dim (the norm acts on the latent)")
         _require(self.implementation in _IMPLEMENTATIONS,
                  f"implementation={self.implementation!r} must be one of {_IMPLEMENTATIONS}")
+        _require(self.decode_implementation in _IMPLEMENTATIONS,
+                 f"decode_implementation={self.decode_implementation!r} must be one of {_IMPLEMENTATIONS}")
 
     @property
     def shared_width(self) -> int:

@@ -24,10 +24,13 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
+from pallas_kernels.moe import kernel_gpu_decode
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.reference import accum_dtype
+from pallas_kernels.target import current_target
 
 DENSE_MAX_TOKENS = 256
+DECODE_IMPLEMENTATIONS = (None, "xla", "pallas")  # of the gather path; None is "xla" until timed
 Weights = Float[Array, "E _ _"] | Mxfp4  # w1 / w3 [E, L, F], w2 [E, F, L]
 
 
@@ -56,8 +59,19 @@ def _routed_product(h: Float[Array, "T #k I"], w: Weights, ids: Int[Array, "T k"
 
 def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
                      w1: Weights, w3: Weights, w2: Weights, *, activation: str, situ_beta: float = 4.0,
-                     situ_linear_beta: float = 25.0) -> Float[Array, "T L"]:
-    """``Σ_s weights[t,s] · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids[t,s]``, reading k experts per token."""
+                     situ_linear_beta: float = 25.0, implementation: str | None = None,
+                     interpret: bool = False) -> Float[Array, "T L"]:
+    """``Σ_s weights[t,s] · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids[t,s]``, reading k experts per token.
+
+    ``implementation``: ``"xla"`` (and None, for now) the multiply-and-sum fusions below; ``"pallas"``
+    the GPU kernel ``pallas_kernels.moe.kernel_gpu_decode`` (one kernel and an epilogue instead of
+    ~7 fusions a layer; plain weights only; ``interpret=True`` runs it in the CPU interpreter).
+    """
+    if implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "pallas":
+        return _gathered_pallas(x, ids, weights, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                                situ_linear_beta=situ_linear_beta, interpret=interpret)
     dt, wide = x.dtype, accum_dtype(x.dtype)
     h = x.astype(wide)[:, None]  # [T, 1, L]
     g = _routed_product(h, w1, ids).astype(dt)  # [T, k, F]
@@ -65,6 +79,17 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt)
     y = _routed_product(a.astype(wide), w2, ids).astype(dt)  # [T, k, L]
     return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
+
+
+def _gathered_pallas(x, ids, weights, w1, w3, w2, *, interpret: bool, **act) -> Float[Array, "T L"]:
+    if any(isinstance(w, Mxfp4) for w in (w1, w3, w2)):
+        raise ValueError("implementation='pallas' takes plain [E, in, out] expert weights; MXFP4 weights "
+                         "(k3jax.layers.mxfp4.Mxfp4) take implementation='xla'")
+    target = current_target()
+    if not (interpret or (target.platform == "gpu" and target.cuda)):
+        raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
+                         "use implementation='xla' or interpret=True")
+    return kernel_gpu_decode.gathered_experts_pallas(x, ids, weights, w1, w3, w2, interpret=interpret, **act)
 
 
 def _expert_products(h: Float[Array, "E T I"], w: Weights) -> Float[Array, "E T O"]:
