@@ -1,0 +1,79 @@
+"""The routed experts of one decode step on the gather path (batch 1), XLA against the Pallas kernel.
+
+Times ``moe_decode.gathered_experts`` at ``small()``'s shape (T=1, k=8, E=64, L=F=512, bf16) with
+``implementation="xla"`` and ``"pallas"`` (``pallas_kernels/moe/kernel_gpu_decode.py``) at several
+``DecodeTiles`` (``block_f``, ``num_warps``), each as ``--steps`` chained calls in one ``fori_loop``
+(the next call's x is this call's output, so calls cannot overlap and host dispatch drops out), timed
+interleaved (``bench_moe.timeit_interleaved``). Each kernel variant is first checked against the XLA
+path (max |difference| in bf16 ulps of the output's largest element). Needs a CUDA GPU:
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_moe_decode.py --out $OUT/bench_moe_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.layers import moe_decode
+from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
+
+TILES = [DecodeTiles(16, 4), DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(64, 8), DecodeTiles(16, 2)]
+
+
+def _inputs(T, k, E, L, F, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(T, L)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(T, k)) / k, jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=s) * L ** -0.5, jnp.bfloat16) for s in ((E, L, F), (E, L, F), (E, F, L))]
+    return x, ids, weights, ws
+
+
+def chained(fn, steps: int):
+    """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output."""
+    return jax.jit(lambda x, *rest: jax.lax.fori_loop(0, steps, lambda _, h: fn(h, *rest), x))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--activation", default="situ")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_moe import timeit_interleaved
+
+    x, ids, weights, ws = _inputs(args.tokens, 8, 64, 512, 512)
+    act = dict(activation=args.activation)
+    fns = {"xla": functools.partial(moe_decode.gathered_experts, **act, implementation="xla")}
+    for t in TILES:
+        fns[f"pallas bf={t.block_f} warps={t.num_warps}"] = functools.partial(gathered_experts_pallas, **act, tiles=t,
+                                                                              interpret=args.interpret)
+    ref = np.asarray(jax.jit(fns["xla"])(x, ids, weights, *ws), np.float32)
+    results = {"device": jax.devices()[0].device_kind, "tokens": args.tokens, "steps": args.steps, "check": {}}
+    for name, fn in fns.items():
+        got = np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32)
+        results["check"][name] = float(np.abs(got - ref).max() / (2.0 ** -7 * np.abs(ref).max()))
+    calls = {name: (chained(fn, args.steps), (x, ids, weights, *ws)) for name, fn in fns.items()}
+    ms = timeit_interleaved(calls)
+    results["us_per_call"] = {name: 1e3 * t / args.steps for name, t in ms.items()}
+    for name in fns:
+        print(f"{name:28s} {results['us_per_call'][name]:8.2f} us/call   max diff vs xla "
+              f"{results['check'][name]:.2f} ulp(max|y|)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
