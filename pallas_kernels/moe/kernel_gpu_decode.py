@@ -90,7 +90,6 @@ def expert_blocks(x: Float[Array, "T L"], ids: Int[Array, "T k"], w1: Float[Arra
     F = w1.shape[2]
     nf = F // tiles.block_f
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
-    w1, w3, w2 = (w.astype(x.dtype) for w in (w1, w3, w2))
     ids = ids.reshape(T * k).astype(jnp.int32)
     out = pl.pallas_call(
         functools.partial(_kernel, top_k=k, block_f=tiles.block_f, activation=activation,
