@@ -12,6 +12,10 @@ Two paths replace it there (``decode_path`` picks by the static token count):
   weight byte, below the GPU's ratio of compute to bandwidth, so it costs the weight read. The
   router's k experts per token are then picked from the products, as ``moe_ffn`` combines them.
 
+On a CUDA GPU the gather path can instead run as one Pallas-Triton kernel and an epilogue
+(``gathered_experts(implementation="pallas")``, ``MoEConfig.decode_implementation``; opt-in until timed):
+``pallas_kernels/moe/kernel_gpu_decode.py``, with the XLA code here as its reference.
+
 Both round where ``moe_ffn`` rounds (gate and up products, the activation, each expert's output,
 in the compute dtype; the weighted sum over the k experts in float32), so decode matches the
 forward. Weights are the model's ``[E, in, out]`` arrays or :class:`k3jax.layers.mxfp4.Mxfp4`.
