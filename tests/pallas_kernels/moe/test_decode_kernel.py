@@ -8,14 +8,19 @@ gather path drops the round trip of each expert's output through bf16 (excess pr
 so against it the bound is one ulp, not the frequency.
 """
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from k3jax import config
 from k3jax.component_configs import MoEConfig
 from k3jax.layers import moe_decode, mxfp4
+from k3jax.layers.moe import MoE
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
 from pallas_kernels.target import compile_for
@@ -113,3 +118,18 @@ def test_compiled_kernel_matches_gather_path(T, activation):
     got = jax.jit(lambda *a: moe_decode.gathered_experts(*a, activation=activation, implementation="pallas"))(
         x, ids, weights, *ws)
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, activation), max_fraction=0.02)
+
+
+def test_moe_config_reaches_the_gather_path():
+    """``MoEConfig.decode_implementation="pallas"``: a batch-1 decode with plain weights takes the kernel
+    (here, a CPU target: its error), MXFP4 experts stay on the XLA path (same output as the default)."""
+    base = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, decode_implementation="pallas"))
+    assert moe_decode.decode_path(1, cfg.moe.top_k, cfg.moe.num_experts) == "gather"
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, cfg.hidden)), jnp.float32)
+    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
+    with compile_for("cpu"), pytest.raises(ValueError, match="needs a CUDA GPU"):
+        MoE(cfg).apply(variables, x, decode=True)
+    quantized = mxfp4.quantize_experts(variables)
+    np.testing.assert_array_equal(np.asarray(MoE(cfg).apply(quantized, x, decode=True)),
+                                  np.asarray(MoE(base).apply(quantized, x, decode=True)))
