@@ -179,7 +179,8 @@ def main(argv=None) -> int:
                    help="MoEConfig.decode_implementation (the gather path at batch 1); default: the config's")
     p.add_argument("--from-hlo", default=None, help="count an HLO file written before (no compile)")
     args = p.parse_args(argv)
-    text = Path(args.from_hlo).read_text() if args.from_hlo else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode)
+    text = (Path(args.from_hlo).read_text() if args.from_hlo
+            else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode))
     if args.hlo:
         Path(args.hlo).write_text(text)
     report(text, args.steps, args.list)

@@ -2,7 +2,8 @@
 
 At batch 1 a decode step of ``small()`` is bound by how many kernels it launches (a few µs each), and
 XLA compiles :func:`k3jax.layers.moe_decode.gathered_experts` (the reference: each token's k
-experts' matrices gathered inside multiply-and-sum fusions) to ~6–9 kernels per MoE layer. Here one
+experts' matrices gathered inside multiply-and-sum fusions) to 4 kernels per MoE layer (6 in one
+layer, where it writes the gathered W1 and W3 in fp32). Here one
 Pallas-Triton kernel does the whole expert FFN: program ``(i, j)`` owns token-slot ``i = t·k + s``
 (expert ``e = ids[t, s]``, read from the ids ref and used as a dynamic index into the weight refs, so
 only the routed experts' bytes move) and intermediate block ``j`` of ``block_f`` columns. It reads
@@ -11,6 +12,11 @@ contribution to the expert's output, ``a_block · W2_e[block, :]``. Splitting F 
 ``T·k·F/block_f`` programs (128 for ``small()`` at batch 1): one program per expert slot would
 stream 3 matrices through 8 SMs. A small XLA epilogue sums the blocks, rounds each expert's output
 and takes the weighted sum over k.
+
+A custom call takes only materialised buffers, so the ``[:, :k]`` slice of the router's sorted ids
+(fused into XLA's gather before) becomes a kernel of its own: 3 kernels a layer against 4, and
+354.7 → 341.7 kernels, 32.1 → 17.6 MB written per ``small()`` decode step at batch 1 (device-less H200
+compile, ``benchmarks/decode_kernels.py --moe-decode pallas``).
 
 Rounding points are the reference's (those of ``moe_ffn``): g and u accumulated in fp32 over L and
 rounded to the compute dtype (x's dtype), the activation (``gated_activation``, computed in fp32)
