@@ -23,6 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
+from pallas_kernels.triton_blocks import is_block_dim
+
 BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thread at 4 warps
 # Below this many (sequence, head) states XLA's path wins: it fuses the whole step, the q/k norms and
 # the gates into one kernel, while the kernel needs its inputs materialised (device-less compile of
@@ -30,15 +32,11 @@ BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thre
 MIN_STATES = 64
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def supports(q, k, v, g, beta, state) -> bool:
     """The kernel's inputs: fp32 state, no float64, power-of-two head widths of at least 16."""
     floats = (q, k, v, g, beta, state)
     return (state.dtype == jnp.float32 and all(x.dtype != jnp.float64 for x in floats)
-            and _power_of_two(q.shape[-1]) and _power_of_two(v.shape[-1]))
+            and is_block_dim(q.shape[-1]) and is_block_dim(v.shape[-1]))
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref, *, scale: float, tokens: int):

@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.triton_blocks import is_block_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +47,6 @@ class DecodeTiles:
 
     block_f: int = 32  # small(): 8 slots x 16 blocks = 128 programs, 96 KB of weights each
     num_warps: int = 4
-
-
-def _power_of_two(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
 
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
@@ -65,9 +62,9 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()
     if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
         raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
                          f"got {w1.shape}, {w3.shape}, {w2.shape}")
-    if not _power_of_two(L):
+    if not is_block_dim(L):
         raise ValueError(f"the decode kernel needs L (x.shape[1]) a power of two >= 16, got {L}")
-    if not _power_of_two(tiles.block_f) or F % tiles.block_f:
+    if not is_block_dim(tiles.block_f) or F % tiles.block_f:
         raise ValueError(f"tiles.block_f={tiles.block_f} must be a power of two >= 16 dividing F={F}")
     if jnp.dtype(x.dtype) == jnp.float64 or any(jnp.dtype(w.dtype) == jnp.float64 for w in (w1, w3, w2)):
         raise ValueError("the decode kernel takes no float64 input (Triton); use implementation='xla'")
