@@ -12,8 +12,9 @@ Two paths replace it there (``decode_path`` picks by the static token count):
   weight byte, below the GPU's ratio of compute to bandwidth, so it costs the weight read. The
   router's k experts per token are then picked from the products, as ``moe_ffn`` combines them.
 
-On a CUDA GPU the gather path can instead run as one Pallas-Triton kernel and an epilogue
-(``gathered_experts(implementation="pallas")``, ``MoEConfig.decode_implementation``; opt-in until timed):
+On a CUDA GPU the gather path runs as one Pallas-Triton kernel and an epilogue wherever the kernel
+takes the inputs (``gathered_experts(implementation=None)``, ``MoEConfig.decode_implementation``;
+1.420 → 1.217 ms a ``small()`` decode step at batch 1 on the H200, benchmarks/RESULTS.md "Stop 37"):
 ``pallas_kernels/moe/kernel_gpu_decode.py``, with the XLA code here as its reference.
 
 Both round where ``moe_ffn`` rounds (gate and up products, the activation, each expert's output,
@@ -34,7 +35,7 @@ from pallas_kernels.moe.reference import accum_dtype
 from pallas_kernels.target import current_target
 
 DENSE_MAX_TOKENS = 256
-DECODE_IMPLEMENTATIONS = (None, "xla", "pallas")  # of the gather path; None is "xla" until timed
+DECODE_IMPLEMENTATIONS = (None, "xla", "pallas")  # of the gather path; None: "pallas" where it runs
 Weights = Float[Array, "E _ _"] | Mxfp4  # w1 / w3 [E, L, F], w2 [E, F, L]
 
 
@@ -67,12 +68,17 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
                      interpret: bool = False) -> Float[Array, "T L"]:
     """``Σ_s weights[t,s] · W2_e act(W1_e x_t, W3_e x_t)``, ``e = ids[t,s]``, reading k experts per token.
 
-    ``implementation``: ``"xla"`` (and None, for now) the multiply-and-sum fusions below; ``"pallas"``
-    the GPU kernel ``pallas_kernels.moe.kernel_gpu_decode`` (one kernel and an epilogue instead of
-    4 fusions a layer at ``small()``'s batch 1; plain weights only; ``interpret=True`` runs it in the CPU interpreter).
+    ``implementation``: ``"xla"`` the multiply-and-sum fusions below; ``"pallas"`` the GPU kernel
+    ``pallas_kernels.moe.kernel_gpu_decode`` (one kernel and an epilogue instead of 4 fusions a layer
+    at ``small()``'s batch 1; plain weights only; ``interpret=True`` runs it in the CPU interpreter);
+    None: ``"pallas"`` when compiling for a CUDA GPU and the kernel takes these inputs, else ``"xla"``.
     """
     if implementation not in DECODE_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation is None:
+        target = current_target()
+        cuda = target.platform == "gpu" and target.cuda
+        implementation = "pallas" if cuda and kernel_gpu_decode.accepts(x, ids, weights, w1, w3, w2) else "xla"
     if implementation == "pallas":
         return _gathered_pallas(x, ids, weights, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                                 situ_linear_beta=situ_linear_beta, interpret=interpret)

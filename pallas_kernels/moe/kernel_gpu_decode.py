@@ -70,6 +70,15 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()
         raise ValueError("the decode kernel takes no float64 input (Triton); use implementation='xla'")
 
 
+def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> bool:
+    """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
+    try:
+        check_inputs(x, ids, weights, w1, w3, w2, tiles)
+    except ValueError:
+        return False
+    return True
+
+
 def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, block_f: int, activation: str,
             situ_beta: float, situ_linear_beta: float):
     f32, dt = jnp.float32, x_ref.dtype

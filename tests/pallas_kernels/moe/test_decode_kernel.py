@@ -1,5 +1,5 @@
 """The gather path's GPU decode kernel (``kernel_gpu_decode``) against ``moe_decode.gathered_experts``,
-interpreted on CPU and compiled on the GPU; the opt-in (``implementation=``, ``MoEConfig``) and its errors.
+interpreted on CPU and compiled on the GPU; the default and the switches (``implementation=``, ``MoEConfig``) and their errors.
 
 The kernel rounds where the reference does (g, u, the activation and each expert's output to bf16, the
 weighted sum over k in fp32), so against a NumPy reference that rounds at exactly those points it may
@@ -23,7 +23,7 @@ from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.moe import MoE
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
-from pallas_kernels.target import compile_for
+from pallas_kernels.target import Target, compile_for
 
 BF16_ULP = 2.0 ** -7  # spacing of bf16 relative to the value's power of two
 
@@ -92,6 +92,23 @@ def test_opt_in_through_gathered_experts():
     xla = moe_decode.gathered_experts(x, ids, weights, *ws, activation="situ", implementation="xla")
     np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(xla, np.float32))
     assert MoEConfig().decode_implementation is None
+
+
+def _has_pallas_call(x, ids, weights, ws) -> bool:
+    # a fresh function per trace: a traced function's jaxpr is cached regardless of the target
+    return "pallas_call" in str(jax.make_jaxpr(
+        lambda *a: moe_decode.gathered_experts(*a, activation="situ"))(x, ids, weights, *ws))
+
+
+def test_default_picks_the_kernel_on_a_cuda_target():
+    """``implementation=None``: the kernel when tracing for a CUDA GPU and it takes the shapes; XLA
+    for a CPU target and for shapes the kernel refuses (F = 48 is no multiple of its 32-column blocks)."""
+    fits, odd = _inputs(0, 1, 2, 8, 64, 64), _inputs(0, 1, 2, 8, 64, 48)
+    with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
+        assert _has_pallas_call(*fits)
+        assert not _has_pallas_call(*odd)
+    with compile_for("cpu"):
+        assert not _has_pallas_call(*fits)
 
 
 @pytest.mark.unchecked
