@@ -16,7 +16,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.kda import kernel_gpu_conv
 from pallas_kernels.kda.reference import compute_dtype, segment_index
+from pallas_kernels.target import current_target
+
+IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 def _validate(x, weight, initial_state, segment_ids) -> None:
@@ -118,6 +122,8 @@ def short_convs(
     l2_groups: tuple[int | None, ...],
     eps: float = 1e-6,
     out_dtype=None,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "B T C"], ...]:
     """Training forward of KDA's short convs (q, k and v at once): ``SiLU(causal_conv1d(x))`` for each
     ``x``, computed in fp32 (f64 for f64 inputs); where ``l2_groups`` gives a group size, each run of
@@ -131,6 +137,12 @@ def short_convs(
     ``optimization_barrier`` (per-head sums; outputs | dz and dx; dw), so that no stage's reduction
     is fused with another stage's full-size outputs: such multi-output reductions (the convs, the
     norms and their gradients in one) ran ~12x slower than their bandwidth time on the H200.
+
+    ``implementation``: ``"xla"`` those stages; ``"pallas"`` one Pallas-Triton pass each way per
+    tensor (``pallas_kernels.kda.kernel_gpu_conv``, these stages its reference; ``interpret=True``
+    runs it in the CPU interpreter); None: ``"pallas"`` when compiling for a CUDA GPU and the kernels
+    take the shapes (T a multiple of 32, C of 128, each L2 group 128 channels, W a power of two),
+    else ``"xla"``.
     """
     if not (len(xs) == len(weights) == len(l2_groups)) or not xs:
         raise ValueError(f"xs, weights and l2_groups must have one entry per conv, got "
@@ -147,7 +159,21 @@ def short_convs(
     if keep is not None and keep.shape != (B, T, weights[0].shape[1] - 1):
         raise ValueError(f"keep must have shape [B, T, W-1] = {(B, T, weights[0].shape[1] - 1)}, got {keep.shape}")
     out_dtype = compute_dtype(*xs, *weights) if out_dtype is None else jnp.dtype(out_dtype)
-    return _short_convs(tuple(xs), tuple(weights), keep, tuple(l2_groups), eps, out_dtype)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    fits = all(kernel_gpu_conv.accepts(x, w, keep, g) for x, w, g in zip(xs, weights, l2_groups))
+    if implementation == "pallas":
+        target = current_target()
+        if not (interpret or (target.platform == "gpu" and target.cuda)):
+            raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
+                             "use implementation='xla' or interpret=True")
+        for x, w, g in zip(xs, weights, l2_groups):
+            kernel_gpu_conv.check_inputs(x, w, keep, g)
+    elif implementation is None:
+        target = current_target()
+        implementation = "pallas" if fits and target.platform == "gpu" and target.cuda else "xla"
+    kernel = (implementation == "pallas", interpret)
+    return _short_convs(tuple(xs), tuple(weights), keep, tuple(l2_groups), eps, out_dtype, kernel)
 
 
 def _silu_conv(x, weight, keep):
@@ -176,12 +202,18 @@ def _keep_tap(a, keep, j):
     return a if keep is None or j == keep.shape[-1] else jnp.where(keep[..., j : j + 1], a, 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _short_convs(xs, weights, keep, l2_groups, eps, out_dtype):
-    return _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _short_convs(xs, weights, keep, l2_groups, eps, out_dtype, kernel):
+    return _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype, kernel)[0]
 
 
-def _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype):
+def _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype, kernel):
+    """``kernel = (use the Pallas kernels, interpret)``."""
+    if kernel[0]:
+        outs, invs = zip(*(kernel_gpu_conv.conv_forward(x, w, keep, group=g, eps=eps, out_dtype=out_dtype,
+                                                        interpret=kernel[1])
+                           for x, w, g in zip(xs, weights, l2_groups)))
+        return tuple(outs), (xs, weights, keep, list(invs))
     invs = []
     for x, w, group in zip(xs, weights, l2_groups):  # stage 1: the per-head sums of squares
         if group is not None:
@@ -197,8 +229,12 @@ def _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype):
     return tuple(outs), (xs, weights, keep, invs)
 
 
-def _short_convs_bwd(l2_groups, eps, out_dtype, res, dys):
+def _short_convs_bwd(l2_groups, eps, out_dtype, kernel, res, dys):
     xs, weights, keep, invs = res
+    if kernel[0]:
+        grads = [kernel_gpu_conv.conv_backward(x, w, keep, inv, dy, interpret=kernel[1])
+                 for x, w, inv, dy in zip(xs, weights, invs, dys)]
+        return tuple(dx for dx, _ in grads), tuple(dw.astype(w.dtype) for (_, dw), w in zip(grads, weights)), None
     wide = lambda dy, x, w: dy.astype(compute_dtype(x, w))  # inside each stage: never written wide
     dots = []
     for x, w, dy, group in zip(xs, weights, dys, l2_groups):  # stage 1: Σ(dy·s) per head

@@ -1,0 +1,215 @@
+"""KDA's short convs on the GPU: ``short_convs``' forward and backward as one Pallas-Triton pass each.
+
+The XLA formulation (:func:`pallas_kernels.kda.conv.short_convs`, the reference beside this file)
+runs in stages fenced by ``optimization_barrier`` because XLA's multi-output reductions were slow,
+so each stage re-reads the inputs and the backward writes the fp32 ``dz`` between stages: the
+whole q/k/v op took 1.46 ms fwd+bwd at B 8, T 4096, C 1024 on the H200, against ~0.5 ms for the
+bytes a single pass must move (stop 36, ``bench_kda_conv.py``). Here program ``(i, c)`` owns rows
+``i·BT ... i·BT+BT-1`` of the flattened ``[B·T, C]`` tensor and channels ``c·BC ...`` (one head of
+the L2 norm when it has one, so the per-head sums stay inside the program) and:
+
+- forward: ``z = Σ_j w[:, j] x[t-(W-1)+j]`` over the taps inside the document, ``s = z·σ(z)``, the
+  per-head ``inv = 1/sqrt(Σ s² + eps)`` when normalised, ``y = s·inv``; writes y and inv.
+- backward: recomputes ``z`` at the block's rows shifted by ``0 … W-1`` (``dx[u]`` needs ``dz`` at
+  ``u … u+W-1``), ``dz = SiLU'(z)·(inv·dy − s·inv³·Σ(dy·s))`` at each, accumulates
+  ``dx = Σ_j w[:, j] dz[u+W-1-j]`` in the reference's tap order, and writes the block's partial
+  ``Σ_t x[t-(W-1)+j] dz[t]`` per tap; XLA sums the partials.
+
+Shifted rows are gathered with row-index vectors (clamped at 0 and masked), which the CPU
+interpreter also runs. Rounding: every sum in fp32 as the reference, σ from each compiler's own
+logistic; the weight gradient's sum over rows is split into blocks (fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float
+
+from pallas_kernels.triton_blocks import is_block_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvTiles:
+    """``block_t``: rows per program; ``block_c``: channels per program (the L2 group when there
+    is one); ``num_warps``: Triton warps per program."""
+
+    block_t: int = 32
+    block_c: int = 128
+    num_warps: int = 8
+
+
+def check_inputs(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTiles()) -> None:
+    """Raise ``ValueError`` naming the argument when the kernels cannot take these inputs."""
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, T, C], got shape {x.shape}")
+    B, T, C = x.shape
+    if weight.ndim != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, W] = [{C}, W], got {weight.shape}")
+    W = weight.shape[1]
+    if W & (W - 1):
+        raise ValueError(f"the conv kernels need a power-of-two width W (weight.shape[1]), got {W}")
+    if keep is not None and keep.shape != (B, T, W - 1):
+        raise ValueError(f"keep must be [B, T, W-1] = {(B, T, W - 1)}, got {keep.shape}")
+    if not (is_block_dim(tiles.block_t) and T % tiles.block_t == 0):
+        raise ValueError(f"tiles.block_t={tiles.block_t} must be a power of two >= 16 dividing T={T}")
+    if not (is_block_dim(tiles.block_c) and C % tiles.block_c == 0):
+        raise ValueError(f"tiles.block_c={tiles.block_c} must be a power of two >= 16 dividing C={C}")
+    if group is not None and group != tiles.block_c:
+        raise ValueError(f"the L2 group ({group} channels) must equal tiles.block_c={tiles.block_c}")
+    if any(a is not None and jnp.dtype(a.dtype) == jnp.float64 for a in (x, weight)):
+        raise ValueError("the conv kernels take no float64 input (Triton); use implementation='xla'")
+
+
+def accepts(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTiles()) -> bool:
+    """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
+    try:
+        check_inputs(x, weight, keep, group, tiles)
+    except ValueError:
+        return False
+    return True
+
+
+def _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, shift: int, W: int):
+    """``z`` at rows ``rows + shift``: the taps inside the sequence and (with ``keep``) the document,
+    summed in tap order; zero-history rows contribute nothing. ``t``: the rows' time index."""
+    f32 = jnp.float32
+    z = None
+    for j in range(W):
+        lag = W - 1 - j - shift  # tap j of row r + shift reads row r - lag
+        src = rows - lag
+        ok = (t - lag >= 0) & (src < x_ref.shape[0])
+        if keep_ref is not None and j < W - 1:
+            keep_rows = jnp.minimum(rows + shift, x_ref.shape[0] - 1)
+            ok = ok & (keep_ref[keep_rows, j] != 0)
+        xs = x_ref[jnp.clip(src, 0, x_ref.shape[0] - 1)[:, None], cols[None, :]].astype(f32)
+        term = jnp.where(ok[:, None], xs * w_ref[cols, j].astype(f32)[None, :], 0.0)
+        z = term if z is None else z + term
+    return z
+
+
+def _fwd_kernel(x_ref, w_ref, *refs, W: int, T: int, BT: int, BC: int, grouped: bool, has_keep: bool, eps: float):
+    keep_ref = refs[0] if has_keep else None
+    y_ref, inv_ref = refs[has_keep], (refs[has_keep + 1] if grouped else None)
+    i, c = pl.program_id(0), pl.program_id(1)
+    rows = i * BT + jnp.arange(BT)
+    t = (i * BT) % T + jnp.arange(BT)
+    cols = c * BC + jnp.arange(BC)
+    z = _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, 0, W)
+    s = z * jax.nn.sigmoid(z)
+    if grouped:
+        inv = jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=1) + eps)
+        inv_ref[...] = inv
+        s = s * inv[:, None]
+    y_ref[...] = s.astype(y_ref.dtype)
+
+
+def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, W: int, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
+    f32 = jnp.float32
+    keep_ref = refs[0] if has_keep else None
+    inv_ref = refs[has_keep] if grouped else None
+    dx_ref, dw_ref = refs[has_keep + grouped], refs[has_keep + grouped + 1]
+    i, c = pl.program_id(0), pl.program_id(1)
+    n = x_ref.shape[0]
+    rows = i * BT + jnp.arange(BT)
+    t = (i * BT) % T + jnp.arange(BT)
+    cols = c * BC + jnp.arange(BC)
+    dx, dz0 = None, None
+    for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
+        src = jnp.minimum(rows + shift, n - 1)
+        inside = t + shift < T
+        z = _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, shift, W)
+        sig = jax.nn.sigmoid(z)
+        dy = dy_ref[src[:, None], cols[None, :]].astype(f32)
+        if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
+            inv = inv_ref[src, c]
+            dot = jnp.sum(dy * z * sig, axis=1)
+            dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
+        dz = jnp.where(inside[:, None], dy * sig * (1.0 + z * (1.0 - sig)), 0.0)
+        j = W - 1 - shift
+        tap = dz
+        if keep_ref is not None and j < W - 1:
+            tap = jnp.where((keep_ref[src, j] != 0)[:, None], dz, 0.0)
+        term = tap * w_ref[cols, j].astype(f32)[None, :]
+        dx = term if dx is None else dx + term
+        dz0 = dz
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
+        lag = W - 1 - j
+        ok = t - lag >= 0
+        if keep_ref is not None and j < W - 1:
+            ok = ok & (keep_ref[rows, j] != 0)
+        xs = x_ref[jnp.maximum(rows - lag, 0)[:, None], cols[None, :]].astype(f32)
+        dw_ref[j, :] = jnp.sum(jnp.where(ok[:, None], xs * dz0, 0.0), axis=0)
+
+
+def _specs(tiles):
+    """The whole-array spec (row gathers read any row) and the program's ``[BT, BC]`` block."""
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, c: (0,) * len(shape))
+    return whole, pl.BlockSpec((tiles.block_t, tiles.block_c), lambda i, c: (i, c))
+
+
+@functools.partial(jax.jit, static_argnames=("group", "eps", "out_dtype", "tiles", "interpret"))
+def conv_forward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, *, group: int | None, eps: float,
+                 out_dtype, tiles: ConvTiles = ConvTiles(), interpret: bool = False):
+    """``(y [B, T, C] in out_dtype, inv [B, T, C/group, 1] fp32 or None)``: SiLU of the conv, each head
+    scaled to unit norm when ``group`` is given (``short_convs``' forward for one tensor)."""
+    check_inputs(x, weight, keep, group, tiles)
+    B, T, C = x.shape
+    W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
+    whole, block = _specs(tiles)
+    x2 = x.reshape(B * T, C)
+    operands = [x2, weight] + ([keep.reshape(B * T, W - 1).astype(jnp.int8)] if keep is not None else [])
+    out_shape = [jax.ShapeDtypeStruct((B * T, C), out_dtype)]
+    out_specs = [block]
+    if group is not None:
+        out_shape.append(jax.ShapeDtypeStruct((B * T, C // BC), jnp.float32))
+        out_specs.append(pl.BlockSpec((BT, None), lambda i, c: (i, c)))
+    outs = pl.pallas_call(
+        functools.partial(_fwd_kernel, W=W, T=T, BT=BT, BC=BC, grouped=group is not None,
+                          has_keep=keep is not None, eps=eps),
+        grid=(B * T // BT, C // BC),
+        in_specs=[whole(a.shape) for a in operands], out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="kda_short_conv_fwd",
+    )(*operands)
+    inv = outs[1].reshape(B, T, C // BC, 1) if group is not None else None
+    return outs[0].reshape(B, T, C), inv
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, inv, dy: Float[Array, "B T C"], *,
+                  tiles: ConvTiles = ConvTiles(), interpret: bool = False):
+    """``(dx [B, T, C] in x's dtype, dw [C, W] fp32)`` for the cotangent ``dy`` of :func:`conv_forward`'s
+    output (``inv`` its saved per-head inverse norms, or None without the norm)."""
+    group = None if inv is None else x.shape[2] // inv.shape[2]
+    check_inputs(x, weight, keep, group, tiles)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
+    B, T, C = x.shape
+    W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
+    whole, block = _specs(tiles)
+    operands = [x.reshape(B * T, C), weight, dy.reshape(B * T, C)]
+    if keep is not None:
+        operands.append(keep.reshape(B * T, W - 1).astype(jnp.int8))
+    if inv is not None:
+        operands.append(inv.reshape(B * T, C // BC))
+    nb = B * T // BT
+    dx, dw = pl.pallas_call(
+        functools.partial(_bwd_kernel, W=W, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
+        grid=(nb, C // BC),
+        in_specs=[whole(a.shape) for a in operands],
+        out_specs=[block, pl.BlockSpec((None, W, BC), lambda i, c: (i, 0, c))],
+        out_shape=[jax.ShapeDtypeStruct((B * T, C), x.dtype), jax.ShapeDtypeStruct((nb, W, C), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="kda_short_conv_bwd",
+    )(*operands)
+    return dx.reshape(B, T, C), jnp.sum(dw, axis=0).T
+
+
+__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_backward", "conv_forward"]
