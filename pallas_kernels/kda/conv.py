@@ -141,7 +141,7 @@ def short_convs(
     ``implementation``: ``"xla"`` those stages; ``"pallas"`` one Pallas-Triton pass each way per
     tensor (``pallas_kernels.kda.kernel_gpu_conv``, these stages its reference; ``interpret=True``
     runs it in the CPU interpreter); None: ``"pallas"`` when compiling for a CUDA GPU and the kernels
-    take the shapes (T a multiple of 32, C of 128, each L2 group 128 channels, W a power of two),
+    take the shapes (T a multiple of 16, C of 128, each L2 group 128 channels, W a power of two),
     else ``"xla"``.
     """
     if not (len(xs) == len(weights) == len(l2_groups)) or not xs:

@@ -39,9 +39,9 @@ class ConvTiles:
     """``block_t``: rows per program; ``block_c``: channels per program (the L2 group when there
     is one); ``num_warps``: Triton warps per program."""
 
-    block_t: int = 32
+    block_t: int = 16
     block_c: int = 128
-    num_warps: int = 8
+    num_warps: int = 4
 
 
 def check_inputs(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTiles()) -> None:
@@ -56,8 +56,8 @@ def check_inputs(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTile
         raise ValueError(f"the conv kernels need a power-of-two width W (weight.shape[1]), got {W}")
     if keep is not None and keep.shape != (B, T, W - 1):
         raise ValueError(f"keep must be [B, T, W-1] = {(B, T, W - 1)}, got {keep.shape}")
-    if not (is_block_dim(tiles.block_t) and T % tiles.block_t == 0):
-        raise ValueError(f"tiles.block_t={tiles.block_t} must be a power of two >= 16 dividing T={T}")
+    if not (tiles.block_t > 0 and tiles.block_t & (tiles.block_t - 1) == 0 and T % tiles.block_t == 0):
+        raise ValueError(f"tiles.block_t={tiles.block_t} must be a power of two dividing T={T}")
     if not (is_block_dim(tiles.block_c) and C % tiles.block_c == 0):
         raise ValueError(f"tiles.block_c={tiles.block_c} must be a power of two >= 16 dividing C={C}")
     if group is not None and group != tiles.block_c:
@@ -75,32 +75,49 @@ def accepts(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTiles()) 
     return True
 
 
-def _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, shift: int, W: int):
-    """``z`` at rows ``rows + shift``: the taps inside the sequence and (with ``keep``) the document,
-    summed in tap order; zero-history rows contribute nothing. ``t``: the rows' time index."""
-    f32 = jnp.float32
+def _tile(ref, rows, t, cols, d: int, T: int):
+    """``ref``'s fp32 ``[BT, BC]`` tile at ``rows + d``: zero where ``t + d`` leaves the sequence
+    (the zero history, the next sequence). Row indices are clamped so that the CPU interpreter's
+    gather stays in bounds; the GPU load is masked instead."""
+    ok = (t + d >= 0) & (t + d < T)
+    idx = (jnp.clip(rows + d, 0, ref.shape[0] - 1)[:, None], cols[None, :])
+    mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], cols.shape[0]))
+    return plgpu.load(ref.at[idx], mask=mask, other=0).astype(jnp.float32)
+
+
+def _keep_rows(keep_ref, rows, shift: int, j: int):
+    """``keep[rows + shift, j]`` as a ``[BT, 1]`` bool column."""
+    return keep_ref[jnp.minimum(rows + shift, keep_ref.shape[0] - 1), j][:, None] != 0
+
+
+def _pre_activation(xd: dict, w: list, keep_ref, rows, shift: int):
+    """``z`` at rows ``rows + shift`` from the x tiles by row offset ``xd``: the taps summed in tap
+    order, the packed-document mask ``keep`` applied per tap."""
+    W = len(w)
     z = None
     for j in range(W):
-        lag = W - 1 - j - shift  # tap j of row r + shift reads row r - lag
-        src = rows - lag
-        ok = (t - lag >= 0) & (src < x_ref.shape[0])
+        term = xd[shift - (W - 1) + j] * w[j]
         if keep_ref is not None and j < W - 1:
-            keep_rows = jnp.minimum(rows + shift, x_ref.shape[0] - 1)
-            ok = ok & (keep_ref[keep_rows, j] != 0)
-        xs = x_ref[jnp.clip(src, 0, x_ref.shape[0] - 1)[:, None], cols[None, :]].astype(f32)
-        term = jnp.where(ok[:, None], xs * w_ref[cols, j].astype(f32)[None, :], 0.0)
+            term = jnp.where(_keep_rows(keep_ref, rows, shift, j), term, 0.0)
         z = term if z is None else z + term
     return z
 
 
-def _fwd_kernel(x_ref, w_ref, *refs, W: int, T: int, BT: int, BC: int, grouped: bool, has_keep: bool, eps: float):
-    keep_ref = refs[0] if has_keep else None
-    y_ref, inv_ref = refs[has_keep], (refs[has_keep + 1] if grouped else None)
+def _program(x_ref, w_ref, T: int, BT: int, BC: int):
+    """``(rows, t, cols, w)``: the program's flat rows, their time index, its channels, the taps."""
     i, c = pl.program_id(0), pl.program_id(1)
     rows = i * BT + jnp.arange(BT)
     t = (i * BT) % T + jnp.arange(BT)
     cols = c * BC + jnp.arange(BC)
-    z = _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, 0, W)
+    return rows, t, cols, [w_ref[cols, j].astype(jnp.float32)[None, :] for j in range(w_ref.shape[1])]
+
+
+def _fwd_kernel(x_ref, w_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool, eps: float):
+    keep_ref = refs[0] if has_keep else None
+    y_ref, inv_ref = refs[has_keep], (refs[has_keep + 1] if grouped else None)
+    rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
+    xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - len(w), 1)}
+    z = _pre_activation(xd, w, keep_ref, rows, 0)
     s = z * jax.nn.sigmoid(z)
     if grouped:
         inv = jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=1) + eps)
@@ -109,43 +126,34 @@ def _fwd_kernel(x_ref, w_ref, *refs, W: int, T: int, BT: int, BC: int, grouped: 
     y_ref[...] = s.astype(y_ref.dtype)
 
 
-def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, W: int, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
-    f32 = jnp.float32
+def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
     keep_ref = refs[0] if has_keep else None
     inv_ref = refs[has_keep] if grouped else None
     dx_ref, dw_ref = refs[has_keep + grouped], refs[has_keep + grouped + 1]
-    i, c = pl.program_id(0), pl.program_id(1)
-    n = x_ref.shape[0]
-    rows = i * BT + jnp.arange(BT)
-    t = (i * BT) % T + jnp.arange(BT)
-    cols = c * BC + jnp.arange(BC)
+    rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
+    W = len(w)
+    xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, W)}  # each x row offset loaded once
     dx, dz0 = None, None
     for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
-        src = jnp.minimum(rows + shift, n - 1)
-        inside = t + shift < T
-        z = _pre_activation(x_ref, w_ref, keep_ref, rows, t, cols, shift, W)
+        z = _pre_activation(xd, w, keep_ref, rows, shift)
         sig = jax.nn.sigmoid(z)
-        dy = dy_ref[src[:, None], cols[None, :]].astype(f32)
+        dy = _tile(dy_ref, rows, t, cols, shift, T)  # zero past the sequence: dz is zero there
         if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
-            inv = inv_ref[src, c]
+            inv = inv_ref[jnp.minimum(rows + shift, inv_ref.shape[0] - 1), pl.program_id(1)]
             dot = jnp.sum(dy * z * sig, axis=1)
             dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
-        dz = jnp.where(inside[:, None], dy * sig * (1.0 + z * (1.0 - sig)), 0.0)
+        dz = dy * sig * (1.0 + z * (1.0 - sig))
         j = W - 1 - shift
-        tap = dz
-        if keep_ref is not None and j < W - 1:
-            tap = jnp.where((keep_ref[src, j] != 0)[:, None], dz, 0.0)
-        term = tap * w_ref[cols, j].astype(f32)[None, :]
+        tap = dz if keep_ref is None or j == W - 1 else jnp.where(_keep_rows(keep_ref, rows, shift, j), dz, 0.0)
+        term = tap * w[j]
         dx = term if dx is None else dx + term
         dz0 = dz
     dx_ref[...] = dx.astype(dx_ref.dtype)
     for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
-        lag = W - 1 - j
-        ok = t - lag >= 0
+        term = xd[j - (W - 1)] * dz0
         if keep_ref is not None and j < W - 1:
-            ok = ok & (keep_ref[rows, j] != 0)
-        xs = x_ref[jnp.maximum(rows - lag, 0)[:, None], cols[None, :]].astype(f32)
-        dw_ref[j, :] = jnp.sum(jnp.where(ok[:, None], xs * dz0, 0.0), axis=0)
+            term = jnp.where(_keep_rows(keep_ref, rows, 0, j), term, 0.0)
+        dw_ref[j, :] = jnp.sum(term, axis=0)
 
 
 def _specs(tiles):
@@ -171,7 +179,7 @@ def conv_forward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, *,
         out_shape.append(jax.ShapeDtypeStruct((B * T, C // BC), jnp.float32))
         out_specs.append(pl.BlockSpec((BT, None), lambda i, c: (i, c)))
     outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, W=W, T=T, BT=BT, BC=BC, grouped=group is not None,
+        functools.partial(_fwd_kernel, T=T, BT=BT, BC=BC, grouped=group is not None,
                           has_keep=keep is not None, eps=eps),
         grid=(B * T // BT, C // BC),
         in_specs=[whole(a.shape) for a in operands], out_specs=out_specs, out_shape=out_shape,
@@ -201,7 +209,7 @@ def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, i
         operands.append(inv.reshape(B * T, C // BC))
     nb = B * T // BT
     dx, dw = pl.pallas_call(
-        functools.partial(_bwd_kernel, W=W, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
+        functools.partial(_bwd_kernel, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
         grid=(nb, C // BC),
         in_specs=[whole(a.shape) for a in operands],
         out_specs=[block, pl.BlockSpec((None, W, BC), lambda i, c: (i, 0, c))],

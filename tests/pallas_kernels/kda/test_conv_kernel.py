@@ -21,7 +21,7 @@ def _inputs(dtype, seed=0):
     xs = tuple(jnp.asarray(rng.normal(size=(B, T, C)), dtype) for _ in range(3))
     ws = tuple(jnp.asarray(rng.uniform(-0.5, 0.5, size=(C, W)), jnp.float32) for _ in range(3))
     cts = tuple(jnp.asarray(rng.normal(size=(B, T, C)), dtype) for _ in range(3))
-    # documents of 1 to 40 tokens, so some start inside a 32-row block and some span blocks
+    # documents of 1 to 40 tokens, so some start inside a 16-row block and some span blocks
     seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.08, axis=1), jnp.int32)
     return xs, ws, cts, seg
 
@@ -75,7 +75,7 @@ def _has_pallas_call(xs, ws, keep) -> bool:
 
 def test_default_picks_the_kernels_on_a_cuda_target():
     xs, ws, _, _ = _inputs(jnp.float32)
-    odd = tuple(x[:, :48] for x in xs)  # T = 48: no multiple of the 32-row blocks
+    odd = tuple(x[:, :40] for x in xs)  # T = 40: no multiple of the 16-row blocks
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert _has_pallas_call(xs, ws, None)
         assert not _has_pallas_call(odd, ws, None)
@@ -93,8 +93,8 @@ def test_bad_inputs_raise():
         call(xs, ws, implementation="pallas")
     with pytest.raises(ValueError, match=r"L2 group \(64 channels\) must equal tiles.block_c=128"):
         call(xs, ws, groups=(64, 64, None), implementation="pallas", interpret=True)
-    with pytest.raises(ValueError, match="tiles.block_t=32 must be a power of two >= 16 dividing T=48"):
-        call(tuple(x[:, :48] for x in xs), ws, implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="tiles.block_t=16 must be a power of two dividing T=40"):
+        call(tuple(x[:, :40] for x in xs), ws, implementation="pallas", interpret=True)
     with pytest.raises(ValueError, match="power-of-two width W"):
         kernel_gpu_conv.check_inputs(xs[0], ws[0][:, :3], None, 128)
     with pytest.raises(ValueError, match="dy must have x's shape"):
