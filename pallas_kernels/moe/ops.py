@@ -106,6 +106,21 @@ def _kernels(path: str, interpret: bool, tgmm_tiling=None):
     return gmm, tgmm
 
 
+def _gmm_sum_kernel(path: str, interpret: bool):
+    """``Σ_p lhss[p] · rhss[p]ᵀ`` per group (the backend's ``gmm_sum`` with ``transpose_rhs``),
+    zero-padding each pair's K and the shared N to the kernels' tile multiple."""
+    k = _kernel_module(path)
+    mult = k.required_multiple()
+
+    def gmm_sum(lhss, rhss, group_sizes):
+        n_out = rhss[0].shape[1]
+        lhss = [_pad_to(x, 1, mult) for x in lhss]
+        rhss = [_pad_to(_pad_to(w, 1, mult), 2, mult) for w in rhss]
+        return k.gmm_sum(lhss, rhss, group_sizes, transpose_rhs=True, interpret=interpret)[:, :n_out]
+
+    return gmm_sum
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling):
     gmm, _ = _kernels(path, interpret, tgmm_tiling)
@@ -131,10 +146,11 @@ _gmm_pallas.defvjp(_gmm_pallas_fwd, _gmm_pallas_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _gate_up_pallas(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
     """``(lhs·W1, lhs·W3)`` per group as two products: no ``[W1 | W3]`` copy in the forward. The
-    backward is the packed product's, value for value: ``dlhs`` one product of ``[dg | du]`` with
-    ``[W1 | W3]ᵀ`` (the contraction over 2F in one float32 accumulator), ``dW1``, ``dW3`` one
-    ``tgmm`` each (each element's sum over its group's rows as the packed ``tgmm`` makes it), so
-    no ``[E, L, 2F]`` gradient is split."""
+    backward is the packed product's, value for value, with no ``[dg | du]`` or ``[W1 | W3]`` copy
+    either: ``dlhs = dg·W1ᵀ + du·W3ᵀ`` in one float32 accumulator over F, then F (``gmm_sum``: the
+    K steps of the packed product over 2F, in its order; the TPU kernel still concatenates),
+    ``dW1``, ``dW3`` one ``tgmm`` each (each element's sum over its group's rows as the packed
+    ``tgmm`` makes it), so no ``[E, L, 2F]`` gradient is split."""
     gmm, _ = _kernels(path, interpret, tgmm_tiling)
     return gmm(lhs, w1, group_sizes), gmm(lhs, w3, group_sizes)
 
@@ -145,9 +161,9 @@ def _gate_up_pallas_fwd(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
 
 def _gate_up_pallas_bwd(path, interpret, tgmm_tiling, res, cts):
     lhs, w1, w3, group_sizes = res
-    gmm, tgmm = _kernels(path, interpret, tgmm_tiling)
+    _, tgmm = _kernels(path, interpret, tgmm_tiling)
     dg, du = (c.astype(lhs.dtype) for c in cts)
-    dlhs = gmm(jnp.concatenate([dg, du], axis=1), jnp.concatenate([w1, w3], axis=2), group_sizes, transpose_rhs=True)
+    dlhs = _gmm_sum_kernel(path, interpret)([dg, du], [w1, w3], group_sizes)  # [T·k, L]
     dw1 = tgmm(lhs, dg, group_sizes, w1.shape[0])
     dw3 = tgmm(lhs, du, group_sizes, w3.shape[0])
     return dlhs, dw1.astype(w1.dtype), dw3.astype(w3.dtype), None
