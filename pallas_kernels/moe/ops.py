@@ -200,6 +200,31 @@ def grouped_matmul(
     return _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling)
 
 
+def gate_up_matmul(
+    lhs: Float[Array, "M L"],
+    w1: Float[Array, "E L F"],
+    w3: Float[Array, "E L F"],
+    group_sizes: Int[ArrayLike, "E"],
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
+    kernel_backend: str | None = None,
+) -> tuple[Float[Array, "M F"], Float[Array, "M F"]]:
+    """``(grouped_matmul(lhs, w1), grouped_matmul(lhs, w3))``. On the Pallas paths the backward's
+    input gradient is one ``dg·W1ᵀ + du·W3ᵀ`` (``_gate_up_pallas``: one float32 accumulator, no
+    ``[dg | du]`` or ``[W1 | W3]`` copy) instead of two products rounded apart and added by XLA;
+    elsewhere the two grouped matmuls as they are."""
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3.shape must equal w1.shape={w1.shape}, got {w3.shape}")
+    validate.check_grouped_matmul_args(lhs, w1, group_sizes)
+    path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
+    if path in ("gpu", "tpu"):
+        return _gate_up_pallas(lhs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
+    gmm = functools.partial(grouped_matmul, implementation=implementation, interpret=interpret,
+                            kernel_backend=kernel_backend)
+    return gmm(lhs, w1, group_sizes), gmm(lhs, w3, group_sizes)
+
+
 def moe_ffn(
     x: Float[Array, "T L"],
     topk_ids: Int[Array, "T k"],
@@ -244,7 +269,8 @@ def moe_ffn(
         # products; either way the backward's two input gradients come out of one dlhs product
         path = resolve_implementation(implementation, interpret, kernel_backend, xs.dtype)
         if gate_up == "split" and path in ("gpu", "tpu"):
-            g, u = _gate_up_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
+            g, u = gate_up_matmul(xs, w1, w3, group_sizes, implementation=implementation, interpret=interpret,
+                                  kernel_backend=kernel_backend)
             a = split_gated_activation(g, u, activation, situ_beta, situ_linear_beta, x.dtype)
         else:
             gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax._src import core as jax_core
 
-from pallas_kernels.moe import kernel_gpu, kernel_tpu, moe_ffn
+from pallas_kernels.moe import gate_up_matmul, grouped_matmul, kernel_gpu, kernel_tpu, moe_ffn
 from pallas_kernels.moe.reference import grouped_matmul_sum_ragged
 from tests.pallas_kernels.moe.conftest import random_moe_inputs
 from tests.tolerances import BF16_FWD_RTOL, rel_rmse
@@ -112,6 +112,45 @@ def test_split_gate_up_backward_copies_no_operands():
     grad = jax.grad(lambda x, w1, w3: jnp.sum(ffn(x, ids, w, w1, w3, w2).astype(jnp.float32)), argnums=(0, 1, 2))
     shapes = _concatenates(jax.make_jaxpr(grad)(x, w1, w3).jaxpr)
     assert not [s for s in shapes if s[-1] == 2 * w1.shape[2]], shapes
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_gate_up_matmul_is_the_packed_product_bitwise(backend, monkeypatch):
+    """``gate_up_matmul`` (what the expert-parallel layer runs): values and all three gradients equal
+    ``grouped_matmul(lhs, [W1 | W3])``'s bit for bit; before, its ``dlhs`` was two products rounded to
+    bf16 apart and added."""
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING", SMALL)
+    monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", SMALL)
+    monkeypatch.setattr(kernel_gpu, "GMM_SUM_TILING", SMALL_RING)
+    x, _, _, w1, w3, _ = random_moe_inputs(0, 150, 128, 128, E, 2, jnp.bfloat16)
+    gs = jnp.asarray([40, 0, 70, 20], jnp.int32)
+    cot = jax.random.normal(jax.random.PRNGKey(5), (150, 256))
+    impl = dict(implementation="pallas", interpret=True, kernel_backend=backend)
+
+    def split(x, w1, w3):
+        return jnp.concatenate(gate_up_matmul(x, w1, w3, gs, **impl), axis=1)
+
+    def packed(x, w1, w3):
+        return grouped_matmul(x, jnp.concatenate([w1, w3], axis=2), gs, **impl)
+
+    def value_and_grads(fn):
+        loss = lambda *a: (jnp.sum(fn(*a).astype(jnp.float32) * cot), fn(*a))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w1, w3)
+
+    (_, ours), grads = value_and_grads(split)
+    (_, want), want_grads = value_and_grads(packed)
+    f32 = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_array_equal(f32(ours), f32(want))
+    for name, a, b in zip(("x", "w1", "w3"), grads, want_grads):
+        assert np.any(f32(b)), name
+        np.testing.assert_array_equal(f32(a), f32(b), err_msg=name)
+
+
+@pytest.mark.unchecked
+def test_gate_up_matmul_names_mismatched_stacks():
+    x, _, _, w1, w3, _ = random_moe_inputs(0, 16, 128, 128, E, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match="w3.shape must equal w1.shape"):
+        gate_up_matmul(x, w1, w3[:, :, :64], jnp.asarray([4, 4, 4, 4], jnp.int32))
 
 
 @pytest.mark.gpu
