@@ -20,6 +20,10 @@ Algorithm of ``gmm``:
    benchmark's E=128 shape that cuts the issued rows of a gmm by ~10 % (see ``schedule.issued_rows``).
 4. ``ring``: the same tiles through one hand-written slot ring per CTA (``kernel_gpu_gmm_ring``)
    instead of a pipeline per tile; a tuning candidate (not faster at the benchmark's shapes).
+
+``gmm_sum`` runs ``Σ_p lhs_p @ rhs_p`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``) through
+the ring, whose memory warpgroup switches operand pair between K steps: one accumulator, the K
+steps of the product of the concatenated operands in their order, no concatenated copy.
 """
 
 import functools

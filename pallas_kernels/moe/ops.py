@@ -210,15 +210,16 @@ def gate_up_matmul(
     interpret: bool = False,
     kernel_backend: str | None = None,
 ) -> tuple[Float[Array, "M F"], Float[Array, "M F"]]:
-    """``(grouped_matmul(lhs, w1), grouped_matmul(lhs, w3))``. On the Pallas paths the backward's
+    """``(grouped_matmul(lhs, w1), grouped_matmul(lhs, w3))``. On the Hopper GPU kernel the backward's
     input gradient is one ``dg·W1ᵀ + du·W3ᵀ`` (``_gate_up_pallas``: one float32 accumulator, no
-    ``[dg | du]`` or ``[W1 | W3]`` copy) instead of two products rounded apart and added by XLA;
-    elsewhere the two grouped matmuls as they are."""
+    ``[dg | du]`` or ``[W1 | W3]`` copy; the packed product's values) instead of two products rounded
+    apart and added by XLA. Elsewhere the two grouped matmuls as they are: the TPU ``gmm_sum``
+    would copy both operands into their concatenation."""
     if w3.shape != w1.shape:
         raise ValueError(f"w3.shape must equal w1.shape={w1.shape}, got {w3.shape}")
     validate.check_grouped_matmul_args(lhs, w1, group_sizes)
     path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
-    if path in ("gpu", "tpu"):
+    if path == "gpu":
         return _gate_up_pallas(lhs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
     gmm = functools.partial(grouped_matmul, implementation=implementation, interpret=interpret,
                             kernel_backend=kernel_backend)
@@ -251,10 +252,10 @@ def moe_ffn(
 
     ``gate_up``: "packed" concatenates ``[W1 | W3]`` (a copy of both stacks each call, free when it
     fuses into a cast of wider stored weights) and splits the weight gradient; "split" (Pallas
-    paths) runs the two products apart and gives the backward the packed operands only where it
-    needs them (``_gate_up_pallas``): for weights already in the compute dtype, one stack-sized
-    copy per fwd+bwd instead of two (three when the forward is rematerialised), none in a forward
-    alone. Same values either way (``tests/pallas_kernels/moe/test_gate_up.py``).
+    paths) runs the two products apart and its backward's input gradient as one
+    ``gmm_sum`` of ``(dg, W1)`` and ``(du, W3)``: no stack or ``[dg | du]`` copy forward or backward
+    on the GPU (the TPU ``gmm_sum`` still concatenates). Same values either way
+    (``tests/pallas_kernels/moe/test_gate_up.py``, ``test_gmm_sum.py``).
     """
     if gate_up not in ("packed", "split"):
         raise ValueError(f"gate_up must be 'packed' or 'split', got {gate_up!r}")
@@ -269,8 +270,7 @@ def moe_ffn(
         # products; either way the backward's two input gradients come out of one dlhs product
         path = resolve_implementation(implementation, interpret, kernel_backend, xs.dtype)
         if gate_up == "split" and path in ("gpu", "tpu"):
-            g, u = gate_up_matmul(xs, w1, w3, group_sizes, implementation=implementation, interpret=interpret,
-                                  kernel_backend=kernel_backend)
+            g, u = _gate_up_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
             a = split_gated_activation(g, u, activation, situ_beta, situ_linear_beta, x.dtype)
         else:
             gu = gmm(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)  # [T·k, 2F]
