@@ -7,9 +7,9 @@ beforehand (the per-tile pipeline ``GMM_TILING_T``: the kernel without the copie
 ``gmm_sum`` tiling against the concatenated product bit for bit, then times them interleaved.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_gmm_sum.py --out $OUT/gmm_sum.json
-    PYTHONPATH=$PWD python3 benchmarks/bench_gmm_sum.py --candidates 0,1,2 --reps 10
+    PYTHONPATH=$PWD python3 benchmarks/bench_gmm_sum.py --candidates 0,1 --reps 10
     PJRT_NPROC=8 PYTHONPATH=$PWD python3 benchmarks/bench_gmm_sum.py --interpret --rows 300 --experts 4 \
-        --latent 256 --ffn 128 --reps 1 --candidates 0,2  # CPU smoke run
+        --latent 256 --ffn 128 --reps 1 --candidates 0,1  # CPU smoke run
 """
 
 import argparse
@@ -27,11 +27,12 @@ from bench_moe import LAYER, random_group_sizes, timeit_interleaved  # noqa: E40
 from pallas_kernels.moe import kernel_gpu  # noqa: E402
 
 GpuTiling = kernel_gpu.GpuTiling
+# the ring candidates of moe_tuning.GMM_CANDIDATES (4 slots of 128×256×64 would overflow shared memory)
 CANDIDATES = [
     kernel_gpu.GMM_SUM_TILING,  # the default: 128×256×64, 3 slots
-    GpuTiling(ring=True, stages=4),
     GpuTiling(ring=True, half_tiles=True),
     GpuTiling(tile_n=64, stages=4, ring=True, half_tiles=True),
+    GpuTiling(stages=2, ring=True, half_tiles=True),
 ]
 
 
@@ -67,7 +68,12 @@ def main(argv=None) -> int:
         fn = jax.jit(lambda dg, du, w1, w3, gs, cfg=cfg: kernel_gpu.gmm_sum(
             [dg, du], [w1, w3], gs, transpose_rhs=True, tiling=cfg, interpret=a.interpret))
         name = f"gmm_sum {i}: {cfg.tile_m}x{cfg.cta_n()}x{cfg.tile_k} stages={cfg.stages} half={cfg.half_tiles}"
-        got = np.asarray(jax.block_until_ready(fn(dg, du, w1, w3, gs)), np.float32)
+        try:
+            got = np.asarray(jax.block_until_ready(fn(dg, du, w1, w3, gs)), np.float32)
+        except Exception as err:  # noqa: BLE001  (a tiling that does not compile is recorded, not fatal)
+            results.setdefault("failed", {})[name] = repr(err)[:400]
+            print(f"FAILED {name}: {err!r}"[:400])
+            continue
         results["bitwise_equal"][name] = bool(np.array_equal(got, want))
         calls[name] = (fn, (dg, du, w1, w3, gs))
     times = timeit_interleaved(calls, reps=a.reps)
