@@ -24,6 +24,7 @@ it suits small ``EP·N``; the ``a2a`` strategy's rounds are the bounded one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -35,7 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import split_gated_activation
 from pallas_kernels.moe.dispatch import invert_permutation, permute
-from pallas_kernels.moe.ops import grouped_matmul
+from pallas_kernels.moe.ops import gate_up_matmul, grouped_matmul
 from pallas_kernels.moe.reference import accum_dtype
 from sharding.context import ParallelConfig, current
 
@@ -114,8 +115,7 @@ def _local_experts(x, ids, w1, w3, w2, *, act, gmm):
     e_local = w1.shape[0]
     m, kk = ids.shape
     xs, group_sizes, inverse = permute(x, ids, e_local)  # [M·kk, L]
-    g = gmm(xs, w1, group_sizes)  # [M·kk, F]
-    u = gmm(xs, w3, group_sizes)
+    g, u = gmm.gate_up(xs, w1, w3, group_sizes)  # [M·kk, F] each
     y = gmm(act(g, u).astype(x.dtype), w2, group_sizes)  # [M·kk, L]
     y = _take_rows(y, inverse, invert_permutation(inverse))
     return y.reshape(m, kk, -1), jnp.sum(group_sizes)
@@ -340,11 +340,25 @@ def moe_ffn_ep(
 STATS = ("ep_overflow", "ep_dropped", "ep_received_max_mean")
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertMatmuls:
+    """The local experts' grouped matmuls: ``self(lhs, rhs, group_sizes)`` and ``gate_up`` (whose
+    Pallas backward is one ``dg·W1ᵀ + du·W3ᵀ`` product, not two added by XLA)."""
+
+    implementation: str | None
+
+    def __call__(self, lhs, rhs, group_sizes):
+        return grouped_matmul(lhs, rhs, group_sizes, implementation=self.implementation)
+
+    def gate_up(self, lhs, w1, w3, group_sizes):
+        return gate_up_matmul(lhs, w1, w3, group_sizes, implementation=self.implementation)
+
+
 def expert_fns(activation: str, situ_beta: float, situ_linear_beta: float, implementation: str | None):
-    """``(act, gmm)``: the gated activation and the grouped matmul the local experts run."""
+    """``(act, gmm)``: the gated activation and the grouped matmuls the local experts run."""
     act = functools.partial(split_gated_activation, activation=activation, situ_beta=situ_beta,
                             situ_linear_beta=situ_linear_beta)
-    return act, functools.partial(grouped_matmul, implementation=implementation)
+    return act, ExpertMatmuls(implementation)
 
 
 def shard_experts(body, ctx: ParallelConfig, x, topk_ids, topk_weights, w1, w3, w2, *replicated):

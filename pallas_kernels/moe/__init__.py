@@ -2,6 +2,6 @@
 
 from pallas_kernels.moe.activations import situ_glu, swiglu
 from pallas_kernels.moe.dispatch import combine, permute
-from pallas_kernels.moe.ops import grouped_matmul, moe_ffn
+from pallas_kernels.moe.ops import gate_up_matmul, grouped_matmul, moe_ffn
 
-__all__ = ["combine", "grouped_matmul", "moe_ffn", "permute", "situ_glu", "swiglu"]
+__all__ = ["combine", "gate_up_matmul", "grouped_matmul", "moe_ffn", "permute", "situ_glu", "swiglu"]

@@ -20,6 +20,10 @@ Algorithm of ``gmm``:
    benchmark's E=128 shape that cuts the issued rows of a gmm by ~10 % (see ``schedule.issued_rows``).
 4. ``ring``: the same tiles through one hand-written slot ring per CTA (``kernel_gpu_gmm_ring``)
    instead of a pipeline per tile; a tuning candidate (not faster at the benchmark's shapes).
+
+``gmm_sum`` runs ``Σ_p lhs_p @ rhs_p`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``) through
+the ring, whose memory warpgroup switches operand pair between K steps: one accumulator, the K
+steps of the product of the concatenated operands in their order, no concatenated copy.
 """
 
 import functools
@@ -45,12 +49,15 @@ _STATE = plgpu.PipelinePipeline
 GMM_TILING = GpuTiling()
 # the input gradient (``transpose_rhs``) contracts over N and writes K: its own tiling
 GMM_TILING_T = GpuTiling()
+# ``gmm_sum`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``): the slot ring, whose memory
+# warpgroup switches operand pairs between K steps (the per-tile pipeline streams one pair)
+GMM_SUM_TILING = GpuTiling(ring=True)
 
 
 def required_multiple() -> int:
     """K and N must be multiples of this (K, N swap roles between gmm, dlhs and tgmm)."""
-    g, d, t = GMM_TILING, GMM_TILING_T, kernel_gpu_tgmm.TGMM_TILING
-    return math.lcm(g.tile_k, g.cta_n(), d.tile_k, d.cta_n(), t.tile_k, t.cta_n())
+    g, d, s, t = GMM_TILING, GMM_TILING_T, GMM_SUM_TILING, kernel_gpu_tgmm.TGMM_TILING
+    return math.lcm(g.tile_k, g.cta_n(), d.tile_k, d.cta_n(), s.tile_k, s.cta_n(), t.tile_k, t.cta_n())
 
 
 def m_tile_schedule(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
@@ -168,14 +175,7 @@ def _gmm_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, t
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
-# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
-@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
-    """``lhs [M,K]``, ``rhs [E,K,N]`` (``[E,N,K]`` read transposed when ``transpose_rhs``)."""
-    m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    cfg = tiling or (GMM_TILING_T if transpose_rhs else GMM_TILING)
+def _check_tiling(cfg: GpuTiling, k: int, n: int) -> None:
     if k % cfg.tile_k or n % cfg.cta_n():
         raise ValueError(f"K={k} must divide by tile_k={cfg.tile_k} and N={n} by {cfg.cta_n()}")
     if cfg.half_tiles and cfg.tile_m % 128:  # wgmma issues rows in groups of 64
@@ -188,16 +188,60 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
                          f"chain_tiles={cfg.chain_tiles}, cluster_n={cfg.cluster_n}, stages={cfg.stages}")
     if cfg.cluster_n and (n // cfg.cta_n()) % 2:
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
-    m_run = m
+
+
+def _run(body, cfg, group_sizes, lhss, rhss, n, name, interpret, **static):
+    """``body`` over ``gmm``'s work tiles of ``lhss[0]``'s rows, given ``lhs_0, rhs_0, lhs_1, ...``."""
+    m = m_run = lhss[0].shape[0]
     if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
-        m_run, lhs = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, lhs)
+        m_run, *lhss = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, *lhss)
         meta = aligned_tile_schedule(group_sizes, m_run, cfg.tile_m)
     else:
         meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
-    body = functools.partial(gmm_ring_body if cfg.ring else _gmm_body, cfg=cfg, m=m_run, k=k, n=n,
-                             transpose_rhs=transpose_rhs)
     out = kernel_gpu_base.persistent_kernel(
-        body, jax.ShapeDtypeStruct((m_run, n), lhs.dtype), interpret=interpret,
-        name=("moe_gmm_transposed" if transpose_rhs else "moe_gmm") + ("_ring" if cfg.ring else ""), cluster=2 if cfg.cluster_n else 1,
-    )(meta, jnp.sum(meta[0] >= 0, dtype=jnp.int32)[None], lhs, rhs)
+        functools.partial(body, cfg=cfg, m=m_run, n=n, **static), jax.ShapeDtypeStruct((m_run, n), lhss[0].dtype),
+        interpret=interpret, name=name, cluster=2 if cfg.cluster_n else 1,
+    )(meta, jnp.sum(meta[0] >= 0, dtype=jnp.int32)[None], *(x for pair in zip(lhss, rhss) for x in pair))
     return out[:m] if m_run != m else out
+
+
+# Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
+# module: identical layers (and their remat recomputes) then share one Mosaic GPU kernel, compiled once.
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
+    """``lhs [M,K]``, ``rhs [E,K,N]`` (``[E,N,K]`` read transposed when ``transpose_rhs``)."""
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    cfg = tiling or (GMM_TILING_T if transpose_rhs else GMM_TILING)
+    _check_tiling(cfg, k, n)
+    name = ("moe_gmm_transposed" if transpose_rhs else "moe_gmm") + ("_ring" if cfg.ring else "")
+    return _run(gmm_ring_body if cfg.ring else _gmm_body, cfg, group_sizes, [lhs], [rhs], n, name, interpret,
+                k=k, transpose_rhs=transpose_rhs)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
+def gmm_sum(lhss, rhss, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
+    """``Σ_p gmm(lhss[p], rhss[p])`` in one float32 accumulator per tile, rounded once: a tile's K
+    steps run over pair 0's K, then pair 1's, ..., so the result is ``gmm`` of the operands
+    concatenated along K (``lhss`` on axis 1, ``rhss`` on their K axis) bit for bit, without the
+    copies, where every pair's K divides by ``tile_k``. ``lhss[p] [M,K_p]``, ``rhss[p] [E,K_p,N]``
+    (``[E,N,K_p]`` with ``transpose_rhs``); runs ``kernel_gpu_gmm_ring`` (``tiling.ring`` must be set)."""
+    if not lhss or len(lhss) != len(rhss):
+        raise ValueError(f"lhss and rhss must be equally long and nonempty, got {len(lhss)} and {len(rhss)}")
+    cfg = tiling or GMM_SUM_TILING
+    if not cfg.ring:
+        raise ValueError(f"gmm_sum runs the slot-ring body: tiling.ring must be True, got {cfg}")
+    k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+    m, n, e = lhss[0].shape[0], rhss[0].shape[n_axis], rhss[0].shape[0]
+    for p, (lhs, rhs) in enumerate(zip(lhss, rhss)):
+        if lhs.shape[0] != m or lhs.dtype != lhss[0].dtype or rhs.dtype != lhss[0].dtype:
+            raise ValueError(f"lhss[{p}] must have {m} rows and every operand dtype {lhss[0].dtype}, got "
+                             f"{lhs.shape} {lhs.dtype} and rhss[{p}] {rhs.dtype}")
+        if rhs.ndim != 3 or rhs.shape[0] != e or rhs.shape[n_axis] != n or rhs.shape[k_axis] != lhs.shape[1]:
+            raise ValueError(f"rhss[{p}] must have {e} groups, N={n} and K=lhss[{p}].shape[1]={lhs.shape[1]} "
+                             f"(transpose_rhs={transpose_rhs}), got {rhs.shape}")
+        _check_tiling(cfg, lhs.shape[1], n)
+    ks = tuple(lhs.shape[1] for lhs in lhss)
+    name = "moe_gmm_sum_transposed" if transpose_rhs else "moe_gmm_sum"
+    return _run(gmm_ring_body, cfg, group_sizes, list(lhss), list(rhss), n, name, interpret,
+                k=ks, transpose_rhs=transpose_rhs)

@@ -7,6 +7,10 @@ slot. Here both sides walk the CTA's tiles over one ``slot_ring`` that persists 
 tile takes ``K / tile_k`` steps, so the CTA's ``t``-th tile starts at step ``t · K / tile_k``. One
 wgmma stays in flight, and the memory warpgroup loads the next tile's first blocks while the compute
 warpgroups finish a tile and store it. Work tiles, their rows and stores are ``kernel_gpu.gmm``'s.
+
+Several ``(lhs, rhs)`` pairs (``kernel_gpu.gmm_sum``) share one accumulator: a tile's steps run over
+pair 0's K, then pair 1's, ..., the memory warpgroup switching source between them, so the compute
+side sees the K steps of the product of the concatenated operands, in the same order.
 """
 
 import functools
@@ -21,11 +25,16 @@ from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled
 from pallas_kernels.moe.schedule import fits_half
 
 
-def gmm_ring_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, n, transpose_rhs):
+def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs):
     """Kernel body over ``meta`` (``schedule.tile_schedule`` rows: group, block, lo, count, weight
-    group; the ``num_active[0]`` active tiles first), as ``kernel_gpu._gmm_body``."""
+    group; the ``num_active[0]`` active tiles first), as ``kernel_gpu._gmm_body``. ``refs``:
+    ``lhs_0, rhs_0, lhs_1, rhs_1, ..., out``; ``k``: each pair's contraction length (int or tuple)."""
+    *in_refs, out_gmem = refs
+    pairs = list(zip(in_refs[0::2], in_refs[1::2]))
+    ks = k if isinstance(k, tuple) else (k,) * len(pairs)
+    lhs_gmem, rhs_gmem = pairs[0]
     tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
-    cta_n, dtype, ksteps = cfg.cta_n(), lhs_gmem.dtype, k // cfg.tile_k
+    cta_n, dtype, ksteps = cfg.cta_n(), lhs_gmem.dtype, sum(ks) // cfg.tile_k
     grid_n = n // cta_n
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
 
@@ -50,17 +59,22 @@ def gmm_ring_body(meta, num_active, lhs_gmem, rhs_gmem, out_gmem, *, cfg, m, k, 
         o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, tn), out_gmem.dtype),
     )
     def _scope(ring, a_smem, b_smem, o_smem):
+        def load_pair(step0, lhs, rhs, row0, g, cols, steps):
+            @pl.loop(0, steps)
+            def _(kk):
+                kcols = pl.ds(kk * tk, tk)
+                b_src = rhs.at[g, cols, kcols] if transpose_rhs else rhs.at[g, kcols, cols]
+                # unaligned tiles may run past M: TMA zero-fills those rows
+                ring.load(step0 + kk, [(lhs.at[pl.ds(row0, tm), kcols], a_smem), (b_src, b_smem)])
+
         def memory():
             def per_tile(step0, row0, grp, lo, count, g, ni):
                 del grp, lo, count
                 cols = pl.ds(ni * cta_n, cta_n)
-
-                @pl.loop(0, ksteps)
-                def _(kk):
-                    ks = pl.ds(kk * tk, tk)
-                    b_src = rhs_gmem.at[g, cols, ks] if transpose_rhs else rhs_gmem.at[g, ks, cols]
-                    # unaligned tiles may run past M: TMA zero-fills those rows
-                    ring.load(step0 + kk, [(lhs_gmem.at[pl.ds(row0, tm), ks], a_smem), (b_src, b_smem)])
+                first = step0
+                for (lhs, rhs), k_pair in zip(pairs, ks):
+                    load_pair(first, lhs, rhs, row0, g, cols, k_pair // tk)
+                    first = first + k_pair // tk
 
             ring.drain(for_each_tile(per_tile))
 

@@ -121,6 +121,14 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     )(_flat(meta), lhs, rhs)
 
 
+def gmm_sum(lhss, rhss, group_sizes, *, transpose_rhs=False, tiling=None, interpret=False):
+    """``Σ_p gmm(lhss[p], rhss[p])`` as ``kernel_gpu.gmm_sum``; here one ``gmm`` of the operands
+    concatenated along K (XLA copies them: no two-pair TPU kernel yet)."""
+    k_axis = 2 if transpose_rhs else 1
+    return gmm(jnp.concatenate(lhss, axis=1), jnp.concatenate(rhss, axis=k_axis), group_sizes,
+               transpose_rhs=transpose_rhs, tiling=tiling, interpret=interpret)
+
+
 def _tgmm_kernel(meta, lhs_ref, dout_ref, out_ref, acc_ref):
     w = pl.program_id(2)
     tiles = pl.num_programs(2)

@@ -106,6 +106,21 @@ def _kernels(path: str, interpret: bool, tgmm_tiling=None):
     return gmm, tgmm
 
 
+def _gmm_sum_kernel(path: str, interpret: bool):
+    """``Σ_p lhss[p] · rhss[p]ᵀ`` per group (the backend's ``gmm_sum`` with ``transpose_rhs``),
+    zero-padding each pair's K and the shared N to the kernels' tile multiple."""
+    k = _kernel_module(path)
+    mult = k.required_multiple()
+
+    def gmm_sum(lhss, rhss, group_sizes):
+        n_out = rhss[0].shape[1]
+        lhss = [_pad_to(x, 1, mult) for x in lhss]
+        rhss = [_pad_to(_pad_to(w, 1, mult), 2, mult) for w in rhss]
+        return k.gmm_sum(lhss, rhss, group_sizes, transpose_rhs=True, interpret=interpret)[:, :n_out]
+
+    return gmm_sum
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling):
     gmm, _ = _kernels(path, interpret, tgmm_tiling)
@@ -131,10 +146,11 @@ _gmm_pallas.defvjp(_gmm_pallas_fwd, _gmm_pallas_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _gate_up_pallas(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
     """``(lhs·W1, lhs·W3)`` per group as two products: no ``[W1 | W3]`` copy in the forward. The
-    backward is the packed product's, value for value: ``dlhs`` one product of ``[dg | du]`` with
-    ``[W1 | W3]ᵀ`` (the contraction over 2F in one float32 accumulator), ``dW1``, ``dW3`` one
-    ``tgmm`` each (each element's sum over its group's rows as the packed ``tgmm`` makes it), so
-    no ``[E, L, 2F]`` gradient is split."""
+    backward is the packed product's, value for value, with no ``[dg | du]`` or ``[W1 | W3]`` copy
+    either: ``dlhs = dg·W1ᵀ + du·W3ᵀ`` in one float32 accumulator over F, then F (``gmm_sum``: the
+    K steps of the packed product over 2F, in its order; the TPU kernel still concatenates),
+    ``dW1``, ``dW3`` one ``tgmm`` each (each element's sum over its group's rows as the packed
+    ``tgmm`` makes it), so no ``[E, L, 2F]`` gradient is split."""
     gmm, _ = _kernels(path, interpret, tgmm_tiling)
     return gmm(lhs, w1, group_sizes), gmm(lhs, w3, group_sizes)
 
@@ -145,9 +161,9 @@ def _gate_up_pallas_fwd(lhs, w1, w3, group_sizes, path, interpret, tgmm_tiling):
 
 def _gate_up_pallas_bwd(path, interpret, tgmm_tiling, res, cts):
     lhs, w1, w3, group_sizes = res
-    gmm, tgmm = _kernels(path, interpret, tgmm_tiling)
+    _, tgmm = _kernels(path, interpret, tgmm_tiling)
     dg, du = (c.astype(lhs.dtype) for c in cts)
-    dlhs = gmm(jnp.concatenate([dg, du], axis=1), jnp.concatenate([w1, w3], axis=2), group_sizes, transpose_rhs=True)
+    dlhs = _gmm_sum_kernel(path, interpret)([dg, du], [w1, w3], group_sizes)  # [T·k, L]
     dw1 = tgmm(lhs, dg, group_sizes, w1.shape[0])
     dw3 = tgmm(lhs, du, group_sizes, w3.shape[0])
     return dlhs, dw1.astype(w1.dtype), dw3.astype(w3.dtype), None
@@ -184,6 +200,32 @@ def grouped_matmul(
     return _gmm_pallas(lhs, rhs, group_sizes, path, interpret, tgmm_tiling)
 
 
+def gate_up_matmul(
+    lhs: Float[Array, "M L"],
+    w1: Float[Array, "E L F"],
+    w3: Float[Array, "E L F"],
+    group_sizes: Int[ArrayLike, "E"],
+    *,
+    implementation: str | None = None,
+    interpret: bool = False,
+    kernel_backend: str | None = None,
+) -> tuple[Float[Array, "M F"], Float[Array, "M F"]]:
+    """``(grouped_matmul(lhs, w1), grouped_matmul(lhs, w3))``. On the Hopper GPU kernel the backward's
+    input gradient is one ``dg·W1ᵀ + du·W3ᵀ`` (``_gate_up_pallas``: one float32 accumulator, no
+    ``[dg | du]`` or ``[W1 | W3]`` copy; the packed product's values) instead of two products rounded
+    apart and added by XLA. Elsewhere the two grouped matmuls as they are: the TPU ``gmm_sum``
+    would copy both operands into their concatenation."""
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3.shape must equal w1.shape={w1.shape}, got {w3.shape}")
+    validate.check_grouped_matmul_args(lhs, w1, group_sizes)
+    path = resolve_implementation(implementation, interpret, kernel_backend, lhs.dtype)
+    if path == "gpu":
+        return _gate_up_pallas(lhs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
+    gmm = functools.partial(grouped_matmul, implementation=implementation, interpret=interpret,
+                            kernel_backend=kernel_backend)
+    return gmm(lhs, w1, group_sizes), gmm(lhs, w3, group_sizes)
+
+
 def moe_ffn(
     x: Float[Array, "T L"],
     topk_ids: Int[Array, "T k"],
@@ -210,10 +252,10 @@ def moe_ffn(
 
     ``gate_up``: "packed" concatenates ``[W1 | W3]`` (a copy of both stacks each call, free when it
     fuses into a cast of wider stored weights) and splits the weight gradient; "split" (Pallas
-    paths) runs the two products apart and gives the backward the packed operands only where it
-    needs them (``_gate_up_pallas``): for weights already in the compute dtype, one stack-sized
-    copy per fwd+bwd instead of two (three when the forward is rematerialised), none in a forward
-    alone. Same values either way (``tests/pallas_kernels/moe/test_gate_up.py``).
+    paths) runs the two products apart and its backward's input gradient as one
+    ``gmm_sum`` of ``(dg, W1)`` and ``(du, W3)``: no stack or ``[dg | du]`` copy forward or backward
+    on the GPU (the TPU ``gmm_sum`` still concatenates). Same values either way
+    (``tests/pallas_kernels/moe/test_gate_up.py``, ``test_gmm_sum.py``).
     """
     if gate_up not in ("packed", "split"):
         raise ValueError(f"gate_up must be 'packed' or 'split', got {gate_up!r}")

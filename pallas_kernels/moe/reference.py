@@ -34,6 +34,14 @@ def grouped_matmul_ragged(
     return out.astype(lhs.dtype)
 
 
+def grouped_matmul_sum_ragged(
+    lhss: list[Float[Array, "M _"]], rhss: list[Float[Array, "E _ N"]], group_sizes: Int[ArrayLike, "E"]
+) -> Float[Array, "M N"]:
+    """``Σ_p lhss[p]·rhss[p][e]`` per group (the Pallas ``gmm_sum``): one ``grouped_matmul_ragged``
+    of the operands concatenated along the contraction, so the sum runs in one accumulator."""
+    return grouped_matmul_ragged(jnp.concatenate(lhss, axis=1), jnp.concatenate(rhss, axis=1), group_sizes)
+
+
 def grouped_matmul_dense(
     lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[ArrayLike, "E"]
 ) -> Float[Array, "M N"]:

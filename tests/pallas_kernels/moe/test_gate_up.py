@@ -2,6 +2,7 @@
 forward, no split of the weight gradient) give the packed path's values bit for bit, forward and
 gradients, on the GPU and TPU kernels (interpreted on CPU) — the products' sums are the same sums."""
 
+import dataclasses
 import functools
 
 import jax
@@ -20,6 +21,7 @@ SMALL_TPU = kernel_tpu.TpuTiling(tile_m=32, tile_k=128, tile_n=128)
 def small_tiles(monkeypatch):
     monkeypatch.setattr(kernel_gpu, "GMM_TILING", SMALL_GPU)
     monkeypatch.setattr(kernel_gpu, "GMM_TILING_T", SMALL_GPU)
+    monkeypatch.setattr(kernel_gpu, "GMM_SUM_TILING", dataclasses.replace(SMALL_GPU, ring=True))
     monkeypatch.setattr(kernel_gpu_tgmm, "TGMM_TILING", SMALL_GPU)
     monkeypatch.setattr(kernel_tpu, "GMM_TILING", SMALL_TPU)
     monkeypatch.setattr(kernel_tpu, "TGMM_TILING", SMALL_TPU)
