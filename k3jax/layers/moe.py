@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax import balance
 from k3jax.config import ModelConfig
-from k3jax.layers import moe_decode, mxfp4
+from k3jax.layers import moe_decode, moe_decode_fused, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
@@ -106,17 +106,22 @@ class MoE(nn.Module):
 
     cfg: ModelConfig
 
-    def _router(self, xt: Float[Array, "T D"]) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    def _router(self, xt: Float[Array, "T D"], fused: bool = False) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+        """``fused``: a decode step on ``moe_decode_fused``'s path, routed by its one kernel."""
         cfg, m = self.cfg, self.cfg.moe
         wide = cfg.fp32_dtype
-        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
-        scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
         # variables hold params and balance only; sown into an immutable collection (decode), the
         # statistics would be computed and dropped
         with_stats = not self.is_initializing() and self.is_mutable_collection("stats")
+        if fused and not with_stats:
+            w = nn.meta.unbox(self.get_variable("params", "router"))["kernel"]  # the Proj's [D, E], not called
+            return moe_decode_fused.route(xt, w.astype(wide), bias, top_k=m.top_k, renormalize=m.renormalize,
+                                          scaling=m.routed_scaling_factor)
+        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
+        scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
         ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
         for name, value in stats.items():
             self.sow("stats", name, value)
@@ -146,8 +151,9 @@ class MoE(nn.Module):
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
             if path == "gather":  # the decode kernel takes plain weights; MXFP4 experts stay on XLA
                 plain = not any(isinstance(w, mxfp4.Mxfp4) for w in ws)
+                impl = "pallas" if m.decode_implementation == "pallas-fused" else m.decode_implementation
                 return moe_decode.gathered_experts(u.astype(dt), ids, weights, *ws, **act,
-                                                   implementation=m.decode_implementation if plain else "xla")
+                                                   implementation=impl if plain else "xla")
             return moe_decode.dense_experts(u.astype(dt), ids, weights, *ws, **act)
         # stacks stored in the compute dtype (bf16 working copies, serving): nothing to fuse a
         # [W1 | W3] concatenation into, so the gate and up products run apart (moe_ffn's gate_up)
@@ -168,6 +174,27 @@ class MoE(nn.Module):
             self.sow("stats", name, value)
         return y
 
+    def _fused_decode(self, tokens: int) -> bool:
+        """A decode call of ``tokens`` tokens that takes ``moe_decode_fused``'s kernels."""
+        m = self.cfg.moe
+        return (m.decode_implementation == "pallas-fused" and parallel_context() is None
+                and not self.is_initializing() and moe_decode.decode_path(tokens, m.top_k, m.num_experts) == "gather")
+
+    def _latent_tail(self, u: Float[Array, "T L"], ids, weights) -> Float[Array, "T D"]:
+        """``up_proj(latent_norm(experts(u)))`` by ``moe_decode_fused.latent_tail``, reading the
+        variables of the modules it replaces (``up_proj`` output axis first, as ``decode_layout`` stores it)."""
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        w1, w3, w2 = (w.astype(dt) for w in self._expert_weights())
+        scale = nn.meta.unbox(self.get_variable("params", "latent_norm"))["scale"]
+        if self.has_variable("decode", "up_proj"):
+            w_up = self.get_variable("decode", "up_proj")["kernel_t"]  # [D, L]
+        else:
+            w_up = nn.meta.unbox(self.get_variable("params", "up_proj"))["kernel"].T
+        return moe_decode_fused.latent_tail(u.astype(dt), ids, weights, w1, w3, w2, scale, w_up.astype(dt),
+                                            eps=cfg.rms_norm_eps, activation=cfg.mlp.activation,
+                                            situ_beta=cfg.mlp.situ_beta, situ_linear_beta=cfg.mlp.situ_linear_beta)
+
     def _placement(self) -> tuple[Int[Array, "R"], Float[Array, "R"]]:
         """The MoonEP plan (``balance`` collection; the train step re-plans from ``placement_loads``)."""
         m = self.cfg.moe
@@ -185,17 +212,22 @@ class MoE(nn.Module):
         cfg, m = self.cfg, self.cfg.moe
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
+        fused = decode and self._fused_decode(B * T)
         with jax.named_scope("moe_route"):
-            ids, weights = self._router(xt)
+            ids, weights = self._router(xt, fused)
         if m.latent_dim is None:
             y = self._experts(xt, ids, weights, decode)  # [T, D]
         else:
             L = m.latent_dim
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
-            y = self._experts(u, ids, weights, decode)  # [T, L]
-            if m.latent_norm:
-                y = norm(cfg, "latent_norm", axis="latent")(y)
-            y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
+            if fused and m.latent_norm and not self.has_variable(mxfp4.COLLECTION, "w1"):
+                with jax.named_scope("moe_tail"):
+                    y = self._latent_tail(u, ids, weights)  # [T, D]: experts, latent_norm and up_proj
+            else:
+                y = self._experts(u, ids, weights, decode)  # [T, L]
+                if m.latent_norm:
+                    y = norm(cfg, "latent_norm", axis="latent")(y)
+                y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
         if m.num_shared_experts:
             y = y + MLP(cfg, m.shared_width, name="shared")(x)

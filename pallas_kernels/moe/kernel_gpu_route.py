@@ -35,7 +35,7 @@ RENORM_EPS = 1e-20  # k3jax.layers.moe.RENORM_EPS (not imported: the layers impo
 class RouteTiles:
     """``block_d``: rows of the router matrix per step of the product; ``num_warps``: Triton warps."""
 
-    block_d: int = 128
+    block_d: int = 128  # min(block_d, D) when route_pallas picks the tiles
     num_warps: int = 4
 
 
@@ -91,9 +91,12 @@ def _kernel(x_ref, w_ref, b_ref, ids_ref, weights_ref, *, top_k: int, block_d: i
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "scaling", "tiles", "interpret"))
 def route_pallas(x: Float[Array, "T D"], w: Float[Array, "D E"], bias: Float[Array, "E"], *, top_k: int,
-                 renormalize: bool, scaling: float, tiles: RouteTiles = RouteTiles(),
+                 renormalize: bool, scaling: float, tiles: RouteTiles | None = None,
                  interpret: bool = False) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
-    """``route(sigmoid(x.astype(f32) @ w), bias, top_k, with_stats=False)``: ids and fp32 weights ``[T, k]``."""
+    """``route(sigmoid(x.astype(f32) @ w), bias, top_k, with_stats=False)``: ids and fp32 weights ``[T, k]``.
+    ``tiles``: None picks ``RouteTiles`` with ``block_d = min(128, D)``."""
+    if tiles is None:
+        tiles = RouteTiles(block_d=min(RouteTiles.block_d, x.shape[-1]))
     check_inputs(x, w, bias, top_k, tiles)
     T, D = x.shape
     whole = lambda a: pl.BlockSpec(a.shape, lambda t: (0,) * a.ndim)

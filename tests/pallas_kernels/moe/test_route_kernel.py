@@ -67,7 +67,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="top_k=3 must be a power of two below E=16"):
         route_pallas(x, w, bias, top_k=3, renormalize=True, scaling=1.0, interpret=True)
     with pytest.raises(ValueError, match="tiles.block_d=128 must be a power of two dividing D=64"):
-        route_pallas(x, w, bias, top_k=4, renormalize=True, scaling=1.0, interpret=True)
+        route_pallas(x, w, bias, top_k=4, renormalize=True, scaling=1.0, tiles=RouteTiles(), interpret=True)
     with pytest.raises(ValueError, match="x must be \\[T, D\\]"):
         route_pallas(x, w, bias[:8], top_k=4, renormalize=True, scaling=1.0, tiles=RouteTiles(block_d=32),
                      interpret=True)
