@@ -58,8 +58,8 @@ def check_inputs(x, w, bias, top_k: int, tiles: RouteTiles = RouteTiles()) -> No
         raise ValueError("the route kernel takes no float64 input (Triton); use decode_implementation='pallas'")
 
 
-def _kernel(x_ref, w_ref, b_ref, ids_ref, weights_ref, *, top_k: int, block_d: int, renormalize: bool,
-            scaling: float):
+def route_token(x_ref, w_ref, b_ref, *, top_k: int, block_d: int, renormalize: bool, scaling: float):
+    """One token's ``(ids [k] int32, weights [k] fp32)`` from its row ``x_ref [D]`` (steps 1-3 above)."""
     f32 = jnp.float32
     D, E = w_ref.shape
 
@@ -85,8 +85,11 @@ def _kernel(x_ref, w_ref, b_ref, ids_ref, weights_ref, *, top_k: int, block_d: i
         chosen = jnp.where(slots == s, jnp.sum(jnp.where(hit, scores, 0.0)), chosen)
     if renormalize:
         chosen = chosen / (jnp.sum(chosen) + RENORM_EPS)
-    ids_ref[...] = ids
-    weights_ref[...] = chosen * scaling
+    return ids, chosen * scaling
+
+
+def _kernel(x_ref, w_ref, b_ref, ids_ref, weights_ref, **route):
+    ids_ref[...], weights_ref[...] = route_token(x_ref, w_ref, b_ref, **route)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "scaling", "tiles", "interpret"))
@@ -112,4 +115,4 @@ def route_pallas(x: Float[Array, "T D"], w: Float[Array, "D E"], bias: Float[Arr
     )(x, w, bias)
 
 
-__all__ = ["RouteTiles", "check_inputs", "route_pallas"]
+__all__ = ["RouteTiles", "check_inputs", "route_pallas", "route_token"]
