@@ -12,7 +12,10 @@ norm's sum of squares, the normalised latent, and ``up_proj``'s matrix-vector pr
    to ``dtype`` (``moe_decode.gathered_experts``' result);
 2. ``n = y · rsqrt(Σ y² / L + eps) · scale`` in fp32, rounded to ``dtype`` (``k3jax.layers.norm``);
 3. ``out[j-block] = W_up[j-block, :] · n``, products and sum in fp32, rounded to ``dtype`` (``Proj``
-   with the decode layout's output-first ``kernel_t`` ``[D, L]``).
+   with the decode layout's output-first ``kernel_t`` ``[D, L]``);
+4. with the shared experts (``h``, their activation from ``kernel_gpu_decode_head``, and their down
+   matrix ``[D, F]`` output axis first): ``+ W_sd[j-block, :] · h`` (fp32, rounded), the sum rounded
+   (``MoE``'s ``y + MLP(x)``, in ``dtype``). One kernel then replaces 5 (the shared ``down`` too).
 
 These are the model code's rounding points, which the reference (the XLA code it replaces: the
 epilogue of ``kernel_gpu_decode.gathered_experts_pallas``, ``norm.rms_norm``, the ``up_proj`` einsum)
@@ -36,6 +39,9 @@ from jaxtyping import Array, Float
 from pallas_kernels.triton_blocks import is_block_dim
 
 
+SHARED_CHUNK = 256  # columns of the shared down matrix per step of its product
+
+
 @dataclasses.dataclass(frozen=True)
 class TailTiles:
     """``block_d``: ``up_proj`` outputs per program (D/block_d programs a token); ``num_warps``."""
@@ -44,7 +50,7 @@ class TailTiles:
     num_warps: int = 8
 
 
-def check_inputs(parts, weights, scale, w_up, tiles: TailTiles = TailTiles()) -> None:
+def check_inputs(parts, weights, scale, w_up, h=None, w_shared_down=None, tiles: TailTiles = TailTiles()) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
     if parts.ndim != 4 or weights.shape != parts.shape[:2]:
         raise ValueError(f"parts must be [T, k, NF, L] and weights [T, k], got parts {parts.shape}, "
@@ -58,12 +64,34 @@ def check_inputs(parts, weights, scale, w_up, tiles: TailTiles = TailTiles()) ->
     D = w_up.shape[0]
     if not is_block_dim(tiles.block_d) or D % tiles.block_d:
         raise ValueError(f"tiles.block_d={tiles.block_d} must be a power of two >= 16 dividing D={D}")
+    if (h is None) != (w_shared_down is None):
+        raise ValueError("h and w_shared_down must be given together (the shared experts) or both be None")
+    chunk = None if h is None else min(h.shape[-1], SHARED_CHUNK)
+    if h is not None and (h.ndim != 2 or h.shape[0] != T or w_shared_down.shape != (D, h.shape[1])
+                          or not is_block_dim(chunk) or h.shape[1] % chunk):
+        raise ValueError(f"h must be [T, F] and w_shared_down [D, F] (output axis first) with T={T}, D={D}, F a power "
+                         f"of two >= 16 or a multiple of {SHARED_CHUNK}, got h {h.shape}, w_shared_down "
+                         f"{w_shared_down.shape}")
     if any(jnp.dtype(a.dtype) == jnp.float64 for a in (parts, weights, scale, w_up)):
         raise ValueError("the tail kernel takes no float64 input (Triton); use decode_implementation='pallas'")
 
 
-def _kernel(parts_ref, weights_ref, scale_ref, w_ref, out_ref, *, eps: float, dtype):
+def _shared_down(h_ref, w_ref):
+    """``W_sd[block, :] · h`` in fp32, over F in chunks (a whole ``[block_d, F]`` tile would spill)."""
     f32 = jnp.float32
+    F = h_ref.shape[0]
+    chunk = min(F, SHARED_CHUNK)
+
+    def step(c, acc):
+        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        return acc + jnp.sum(h_ref[cols].astype(f32)[None, :] * w_ref[:, cols].astype(f32), axis=1)
+
+    return jax.lax.fori_loop(0, F // chunk, step, jnp.zeros((w_ref.shape[0],), f32))
+
+
+def _kernel(parts_ref, weights_ref, scale_ref, w_ref, *refs, eps: float, dtype):
+    f32 = jnp.float32
+    out_ref = refs[-1]
     rnd = lambda a: a.astype(dtype).astype(f32)
     k, _, L = parts_ref.shape
     y = jnp.zeros((L,), f32)
@@ -72,29 +100,37 @@ def _kernel(parts_ref, weights_ref, scale_ref, w_ref, out_ref, *, eps: float, dt
     y = rnd(y)
     inv = jax.lax.rsqrt(jnp.sum(y * y) / L + eps)
     n = rnd(y * inv * scale_ref[...].astype(f32))  # [L]
-    out_ref[...] = jnp.sum(n[None, :] * w_ref[...].astype(f32), axis=1).astype(out_ref.dtype)  # [BD]
+    out = jnp.sum(n[None, :] * w_ref[...].astype(f32), axis=1)  # [BD]
+    if len(refs) == 3:  # the shared experts' down product, added in dtype
+        out = rnd(out) + rnd(_shared_down(*refs[:2]))
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "tiles", "interpret"))
 def decode_tail_pallas(parts: Float[Array, "T k NF L"], weights: Float[Array, "T k"], scale: Float[Array, "L"],
-                       w_up: Float[Array, "D L"], *, eps: float, dtype, tiles: TailTiles = TailTiles(),
-                       interpret: bool = False) -> Float[Array, "T D"]:
-    """``W_up RMSNorm(Σ_s weights[t,s] · round(Σ parts[t,s]))`` in ``dtype``, rounded as the model code rounds."""
-    check_inputs(parts, weights, scale, w_up, tiles)
+                       w_up: Float[Array, "D L"], h: Float[Array, "T F"] | None = None,
+                       w_shared_down: Float[Array, "D F"] | None = None, *, eps: float, dtype,
+                       tiles: TailTiles = TailTiles(), interpret: bool = False) -> Float[Array, "T D"]:
+    """``W_up RMSNorm(Σ_s weights[t,s] · round(Σ parts[t,s]))`` (``+ W_sd h`` with the shared experts) in
+    ``dtype``, rounded as the model code rounds."""
+    check_inputs(parts, weights, scale, w_up, h, w_shared_down, tiles)
     T, k, nf, L = parts.shape
     D = w_up.shape[0]
+    shared = () if h is None else (h, w_shared_down)
+    shared_specs = [] if h is None else [pl.BlockSpec((None, h.shape[1]), lambda t, j: (t, 0)),
+                                         pl.BlockSpec((tiles.block_d, h.shape[1]), lambda t, j: (j, 0))]
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps, dtype=jnp.dtype(dtype)),
         grid=(T, D // tiles.block_d),
         in_specs=[pl.BlockSpec((None, k, nf, L), lambda t, j: (t, 0, 0, 0)),
                   pl.BlockSpec((None, k), lambda t, j: (t, 0)),
                   pl.BlockSpec((L,), lambda t, j: (0,)),
-                  pl.BlockSpec((tiles.block_d, L), lambda t, j: (j, 0))],
+                  pl.BlockSpec((tiles.block_d, L), lambda t, j: (j, 0))] + shared_specs,
         out_specs=pl.BlockSpec((None, tiles.block_d), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((T, D), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret, name="moe_decode_tail",
-    )(parts, weights.astype(jnp.float32), scale, w_up)
+    )(parts, weights.astype(jnp.float32), scale, w_up, *shared)
 
 
 __all__ = ["TailTiles", "check_inputs", "decode_tail_pallas"]

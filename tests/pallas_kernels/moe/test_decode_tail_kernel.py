@@ -22,30 +22,39 @@ BF16_ULP = 2.0 ** -7
 EPS = 1e-5
 
 
-def _inputs(seed, T, k, nf, L, D):
+def _inputs(seed, T, k, nf, L, D, F=0):
+    """Partial sums, weights, norm scale, ``W_up`` and (``F``: the shared experts' width) ``h`` and
+    their down matrix, or Nones."""
     rng = np.random.default_rng(seed)
     parts = jnp.asarray(rng.normal(size=(T, k, nf, L)) * 0.3, jnp.float32)
     weights = jnp.asarray(rng.uniform(0.05, 0.3, size=(T, k)), jnp.float32)
     scale = jnp.asarray(1.0 + 0.1 * rng.normal(size=(L,)), jnp.bfloat16)
     w_up = jnp.asarray(rng.normal(size=(D, L)) * L ** -0.5, jnp.bfloat16)
-    return parts, weights, scale, w_up
+    h = jnp.asarray(rng.normal(size=(T, F)), jnp.bfloat16) if F else None
+    w_sd = jnp.asarray(rng.normal(size=(D, F)) * F ** -0.5, jnp.bfloat16) if F else None
+    return parts, weights, scale, w_up, h, w_sd
 
 
-def _xla_tail(parts, weights, scale, w_up):
-    """The XLA path: ``gathered_experts_pallas``' epilogue, ``latent_norm``, ``up_proj`` (decode layout)."""
+@jax.jit
+def _xla_tail(parts, weights, scale, w_up, h, w_sd):
+    """The XLA path: ``gathered_experts_pallas``' epilogue, ``latent_norm``, ``up_proj``, the shared
+    experts' ``down`` and the sum (decode layout)."""
     dt = jnp.bfloat16
     y = _round_to(jnp.sum(parts, axis=2), dt)  # [T, k, L]
     y = jnp.sum(y * weights[..., None], axis=1).astype(dt)
     n = rms_norm(y, scale, EPS, jnp.float32).astype(dt)
-    return einsum("TL,DL->TD", n, w_up)
+    out = einsum("TL,DL->TD", n, w_up)
+    return out if h is None else out + einsum("TF,DF->TD", h, w_sd)
 
 
-def _rounded_reference(parts, weights, scale, w_up) -> np.ndarray:
+def _rounded_reference(parts, weights, scale, w_up, h, w_sd) -> np.ndarray:
     rnd = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    f32 = lambda a: np.asarray(a, np.float32)
     parts, weights = np.asarray(parts), np.asarray(weights)
     y = rnd(np.sum(rnd(parts.sum(axis=2)) * weights[..., None], axis=1))  # [T, L]
-    n = rnd(y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + EPS) * np.asarray(scale, np.float32))
-    return rnd(n @ np.asarray(w_up, np.float32).T)
+    n = rnd(y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + EPS) * f32(scale))
+    out = rnd(n @ f32(w_up).T)
+    return out if h is None else rnd(out + rnd(f32(h) @ f32(w_sd).T))
 
 
 def _assert_within_ulps(got, ref, max_fraction=1.0):
@@ -58,23 +67,23 @@ def _assert_within_ulps(got, ref, max_fraction=1.0):
     assert np.mean(diff > 0) <= max_fraction, np.mean(diff > 0)
 
 
-@pytest.mark.parametrize("T,k,nf,L,D,block_d", [
-    (1, 8, 16, 512, 1024, 32),  # small() at batch 1
-    (2, 4, 2, 32, 64, 16),      # tiny(), two tokens
-    (1, 2, 1, 64, 48, 16),      # one F block; D not a power of two
+@pytest.mark.parametrize("T,k,nf,L,D,F,block_d", [
+    (1, 8, 16, 512, 1024, 1024, 32),  # small() at batch 1
+    (1, 8, 16, 512, 1024, 0, 32),     # no shared experts
+    (2, 4, 2, 32, 64, 64, 16),        # tiny(), two tokens
+    (1, 2, 1, 64, 48, 0, 16),         # one F block; D not a power of two
 ])
-def test_interpreted_tail_matches_xla(T, k, nf, L, D, block_d):
-    parts, weights, scale, w_up = _inputs(T + k + nf, T, k, nf, L, D)
-    got = decode_tail_pallas(parts, weights, scale, w_up, eps=EPS, dtype=jnp.bfloat16,
-                             tiles=TailTiles(block_d=block_d), interpret=True)
+def test_interpreted_tail_matches_xla(T, k, nf, L, D, F, block_d):
+    inputs = _inputs(T + k + nf, T, k, nf, L, D, F)
+    got = decode_tail_pallas(*inputs, eps=EPS, dtype=jnp.bfloat16, tiles=TailTiles(block_d=block_d), interpret=True)
     assert got.shape == (T, D) and got.dtype == jnp.bfloat16
-    _assert_within_ulps(got, _rounded_reference(parts, weights, scale, w_up), max_fraction=0.02)
-    _assert_within_ulps(got, jax.jit(_xla_tail)(parts, weights, scale, w_up))
+    _assert_within_ulps(got, _rounded_reference(*inputs), max_fraction=0.02)
+    _assert_within_ulps(got, _xla_tail(*inputs))
 
 
 @pytest.mark.unchecked
 def test_bad_inputs_raise():
-    parts, weights, scale, w_up = _inputs(0, 1, 2, 2, 32, 64)
+    parts, weights, scale, w_up, _, _ = _inputs(0, 1, 2, 2, 32, 64)
     with pytest.raises(ValueError, match="tiles.block_d=32 must be a power of two >= 16 dividing D=48"):
         decode_tail_pallas(parts, weights, scale, w_up[:48], eps=EPS, dtype=jnp.bfloat16, interpret=True)
     with pytest.raises(ValueError, match="scale must be \\[L\\] and w_up \\[D, L\\]"):
@@ -82,10 +91,16 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="L and NF \\(parts.shape\\[2:\\]\\) powers of two"):
         decode_tail_pallas(jnp.concatenate([parts] * 3, axis=2), weights, scale, w_up, eps=EPS,
                            dtype=jnp.bfloat16, interpret=True)
+    with pytest.raises(ValueError, match="h and w_shared_down must be given together"):
+        decode_tail_pallas(parts, weights, scale, w_up, jnp.zeros((1, 64), jnp.bfloat16), eps=EPS,
+                           dtype=jnp.bfloat16, interpret=True)
+    with pytest.raises(ValueError, match="h must be \\[T, F\\] and w_shared_down \\[D, F\\]"):
+        decode_tail_pallas(parts, weights, scale, w_up, jnp.zeros((1, 48), jnp.bfloat16),
+                           jnp.zeros((64, 48), jnp.bfloat16), eps=EPS, dtype=jnp.bfloat16, interpret=True)
 
 
 @pytest.mark.gpu
 def test_compiled_tail_matches_reference():
-    parts, weights, scale, w_up = _inputs(1, 1, 8, 16, 512, 1024)
-    got = decode_tail_pallas(parts, weights, scale, w_up, eps=EPS, dtype=jnp.bfloat16)
-    _assert_within_ulps(got, _rounded_reference(parts, weights, scale, w_up), max_fraction=0.02)
+    inputs = _inputs(1, 1, 8, 16, 512, 1024, 1024)
+    got = decode_tail_pallas(*inputs, eps=EPS, dtype=jnp.bfloat16)
+    _assert_within_ulps(got, _rounded_reference(*inputs), max_fraction=0.02)
