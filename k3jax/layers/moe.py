@@ -117,9 +117,8 @@ class MoE(nn.Module):
         # statistics would be computed and dropped
         with_stats = not self.is_initializing() and self.is_mutable_collection("stats")
         if fused and not with_stats:
-            w = nn.meta.unbox(self.get_variable("params", "router"))["kernel"]  # the Proj's [D, E], not called
-            return moe_decode_fused.route(xt, w.astype(wide), bias, top_k=m.top_k, renormalize=m.renormalize,
-                                          scaling=m.routed_scaling_factor)
+            return moe_decode_fused.route(xt, self._kernel("router").astype(wide), bias, top_k=m.top_k,
+                                          renormalize=m.renormalize, scaling=m.routed_scaling_factor)
         logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
         scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
         ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
@@ -180,20 +179,42 @@ class MoE(nn.Module):
         return (m.decode_implementation == "pallas-fused" and parallel_context() is None
                 and not self.is_initializing() and moe_decode.decode_path(tokens, m.top_k, m.num_experts) == "gather")
 
-    def _latent_tail(self, u: Float[Array, "T L"], ids, weights) -> Float[Array, "T D"]:
-        """``up_proj(latent_norm(experts(u)))`` by ``moe_decode_fused.latent_tail``, reading the
-        variables of the modules it replaces (``up_proj`` output axis first, as ``decode_layout`` stores it)."""
-        cfg = self.cfg
-        dt = cfg.compute_dtype
+    def _whole_layer_fusable(self, xt) -> bool:
+        """``moe_decode_fused.latent_moe`` applies: a normed latent, plain experts, x in the compute dtype."""
+        m = self.cfg.moe
+        return (m.latent_dim is not None and m.latent_norm and not self.has_variable(mxfp4.COLLECTION, "w1")
+                and xt.dtype == self.cfg.compute_dtype)
+
+    def _kernel(self, *path: str, transposed: bool = False) -> Array:
+        """A submodule's kernel read without calling it: ``decode``'s ``kernel_t`` where ``decode_layout``
+        put one (``transposed``: the output axis first either way), else ``params``' ``kernel``."""
+        if transposed and self.has_variable("decode", path[0]):
+            node = self.get_variable("decode", path[0])
+            for name in path[1:]:
+                node = node[name]
+            return node["kernel_t"]
+        node = nn.meta.unbox(self.get_variable("params", path[0]))
+        for name in path[1:]:
+            node = node[name]
+        return jnp.moveaxis(node["kernel"], -1, 0) if transposed else node["kernel"]
+
+    def _fused_latent_moe(self, xt: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        """The whole layer (router, latent experts, norm, ``up_proj``, shared experts) by
+        ``moe_decode_fused.latent_moe``, reading the variables of the modules it replaces."""
+        cfg, m = self.cfg, self.cfg.moe
+        dt, wide = cfg.compute_dtype, cfg.fp32_dtype
+        bias = jax.lax.stop_gradient(nn.meta.unbox(self.get_variable("balance", "bias")).astype(wide))
         w1, w3, w2 = (w.astype(dt) for w in self._expert_weights())
+        shared = None
+        if m.num_shared_experts:
+            shared = (self._kernel("shared", "gate").astype(dt), self._kernel("shared", "up").astype(dt),
+                      self._kernel("shared", "down", transposed=True).astype(dt))
         scale = nn.meta.unbox(self.get_variable("params", "latent_norm"))["scale"]
-        if self.has_variable("decode", "up_proj"):
-            w_up = self.get_variable("decode", "up_proj")["kernel_t"]  # [D, L]
-        else:
-            w_up = nn.meta.unbox(self.get_variable("params", "up_proj"))["kernel"].T
-        return moe_decode_fused.latent_tail(u.astype(dt), ids, weights, w1, w3, w2, scale, w_up.astype(dt),
-                                            eps=cfg.rms_norm_eps, activation=cfg.mlp.activation,
-                                            situ_beta=cfg.mlp.situ_beta, situ_linear_beta=cfg.mlp.situ_linear_beta)
+        return moe_decode_fused.latent_moe(
+            xt, self._kernel("router").astype(wide), bias, self._kernel("down_proj").astype(dt), w1, w3, w2, scale,
+            self._kernel("up_proj", transposed=True).astype(dt), shared, top_k=m.top_k, renormalize=m.renormalize,
+            scaling=m.routed_scaling_factor, eps=cfg.rms_norm_eps, activation=cfg.mlp.activation,
+            situ_beta=cfg.mlp.situ_beta, situ_linear_beta=cfg.mlp.situ_linear_beta)
 
     def _placement(self) -> tuple[Int[Array, "R"], Float[Array, "R"]]:
         """The MoonEP plan (``balance`` collection; the train step re-plans from ``placement_loads``)."""
@@ -213,6 +234,9 @@ class MoE(nn.Module):
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
         fused = decode and self._fused_decode(B * T)
+        if fused and self._whole_layer_fusable(xt):
+            with jax.named_scope("moe_fused"):
+                return self._fused_latent_moe(xt).reshape(B, T, D)
         with jax.named_scope("moe_route"):
             ids, weights = self._router(xt, fused)
         if m.latent_dim is None:
@@ -220,14 +244,10 @@ class MoE(nn.Module):
         else:
             L = m.latent_dim
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
-            if fused and m.latent_norm and not self.has_variable(mxfp4.COLLECTION, "w1"):
-                with jax.named_scope("moe_tail"):
-                    y = self._latent_tail(u, ids, weights)  # [T, D]: experts, latent_norm and up_proj
-            else:
-                y = self._experts(u, ids, weights, decode)  # [T, L]
-                if m.latent_norm:
-                    y = norm(cfg, "latent_norm", axis="latent")(y)
-                y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
+            y = self._experts(u, ids, weights, decode)  # [T, L]
+            if m.latent_norm:
+                y = norm(cfg, "latent_norm", axis="latent")(y)
+            y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
         if m.num_shared_experts:
             y = y + MLP(cfg, m.shared_width, name="shared")(x)

@@ -43,6 +43,11 @@ class HeadTiles:
     block_d: int = 128
     num_warps: int = 4
 
+    @classmethod
+    def fitting(cls, D: int, *widths: int) -> "HeadTiles":
+        """The defaults, narrowed to D and the products' widths where they are smaller (tiny models)."""
+        return cls(block_n=min(cls.block_n, *widths), block_d=min(cls.block_d, D))
+
 
 def check_inputs(x, w_router, bias, w_down, w_gate, w_up, top_k: int, tiles: HeadTiles) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
@@ -109,10 +114,13 @@ def decode_head_pallas(x: Float[Array, "T D"], w_router: Float[Array, "D E"], bi
                        w_down: Float[Array, "D L"], w_gate: Float[Array, "D F"] | None = None,
                        w_up: Float[Array, "D F"] | None = None, *, top_k: int, renormalize: bool, scaling: float,
                        activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                       tiles: HeadTiles = HeadTiles(), interpret: bool = False
+                       tiles: HeadTiles | None = None, interpret: bool = False
                        ) -> tuple[Int[Array, "T k"], Float[Array, "T k"], Float[Array, "T L"], Float[Array, "T F"] | None]:
     """``(ids, weights, u, h)``: the router's ``route`` (fp32 weights), ``u = x W_down`` and the shared
-    experts' ``h = act(x W_gate, x W_up)`` (None without ``w_gate``), both in x's dtype."""
+    experts' ``h = act(x W_gate, x W_up)`` (None without ``w_gate``), both in x's dtype. ``tiles``: None
+    picks ``HeadTiles.fitting`` the shapes."""
+    if tiles is None:
+        tiles = HeadTiles.fitting(x.shape[1], w_down.shape[1], *(() if w_gate is None else (w_gate.shape[1],)))
     check_inputs(x, w_router, bias, w_down, w_gate, w_up, top_k, tiles)
     T, D = x.shape
     L = w_down.shape[1]

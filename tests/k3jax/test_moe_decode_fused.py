@@ -38,10 +38,14 @@ def _variables(cfg, x):
 
 
 def _decode_layout(variables):
-    """``up_proj`` output axis first in the ``decode`` collection, as ``decode_layout`` stores it."""
+    """``up_proj`` and the shared ``down`` output axis first in the ``decode`` collection, as
+    ``decode_layout`` stores them."""
     params = dict(variables["params"])
-    kernel = params.pop("up_proj")["kernel"]
-    return {**variables, "params": params, "decode": {"up_proj": {"kernel_t": jnp.moveaxis(kernel, -1, 0)}}}
+    up = params.pop("up_proj")["kernel"]
+    params["shared"] = dict(params["shared"])
+    down = params["shared"].pop("down")["kernel"]
+    first = lambda k: {"kernel_t": jnp.moveaxis(k, -1, 0)}
+    return {**variables, "params": params, "decode": {"up_proj": first(up), "shared": {"down": first(down)}}}
 
 
 @pytest.fixture
@@ -53,7 +57,7 @@ def interpreted(monkeypatch):
         called.append(name)
         return fn(*args, **kwargs, interpret=True)
 
-    for name in ("route", "latent_tail"):
+    for name in ("route", "latent_moe"):
         monkeypatch.setattr(moe_decode_fused, name, functools.partial(interpret, name, getattr(moe_decode_fused, name)))
     yield called
 
@@ -65,7 +69,7 @@ def test_fused_decode_matches_xla(interpreted, layout):
     if layout == "decode":
         variables = _decode_layout(variables)
     got = MoE(_cfg("pallas-fused")).apply(variables, x, decode=True)
-    assert interpreted == ["route", "latent_tail"]
+    assert interpreted == ["latent_moe"]
     ref = MoE(_cfg("xla")).apply(variables, x, decode=True)
     assert got.shape == ref.shape and got.dtype == ref.dtype
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
