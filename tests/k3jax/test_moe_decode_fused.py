@@ -17,9 +17,12 @@ import pytest
 
 from k3jax import config
 from k3jax.component_configs import MoEConfig
+from k3jax.infer.cache import init_cache
+from k3jax.infer.decode import decode_layout, decode_step
 from k3jax.layers import moe_decode_fused, mxfp4
 from k3jax.layers.moe import MoE
 from pallas_kernels.target import compile_for
+from tests.tolerances import F32_RTOL, rel_rmse
 
 BF16_ULP = 2.0 ** -7
 
@@ -100,3 +103,16 @@ def test_opt_in_checked_and_needs_a_gpu():
     # a train-shaped call (no decode) and a decode of many tokens (grouped path) never take the kernels
     MoE(cfg).apply(variables, x)
     MoE(cfg).apply(variables, jnp.zeros((4, 1, cfg.hidden), jnp.bfloat16), decode=True)
+
+
+def test_decode_step_equals_xla(interpreted, tiny_model):
+    """A whole float32 decode step on ``decode_layout``'s variables (every MoE layer fused) equals the
+    XLA decode step, which the decode == forward tests hold to the forward."""
+    variables, cfg = decode_layout(tiny_model.variables, tiny_model.cfg)
+    fused_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation="pallas-fused"))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, size=(1, 1)), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        got, _ = decode_step(variables, fused_cfg, tokens, init_cache(cfg, 1, 4))
+        ref, _ = decode_step(variables, cfg, tokens, init_cache(cfg, 1, 4))
+    assert interpreted and set(interpreted) == {"latent_moe"}
+    assert rel_rmse(got, ref) <= F32_RTOL
