@@ -1,5 +1,6 @@
 """The LatentMoE tail of a decode step on the GPU in one Pallas-Triton kernel (``MoEConfig.
-decode_implementation="pallas-fused"``): the routed experts' combine, the latent RMSNorm and ``up_proj``.
+decode_implementation="pallas-fused"``): the routed experts' combine, the latent RMSNorm, ``up_proj`` and
+(with shared experts) their down product and the layer's sum.
 
 After the gather kernel (``kernel_gpu_decode.expert_blocks``: each routed expert's output as fp32
 partial sums over ``F/block_f`` blocks), XLA compiles the rest of ``W_up RMSNorm(Σ_s w_s E_s(u))`` at
