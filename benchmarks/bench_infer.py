@@ -250,7 +250,8 @@ def main():
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
     ap.add_argument("--moe-decode", default=None,
                     help="comma list of MoEConfig.decode_implementation values to time decode with, each in "
-                         "turn (xla, pallas: the gather path's kernel at batch 1); default: the config's")
+                         "turn (xla, pallas: the gather path's kernel at batch 1, pallas-fused: also the router and the "
+                         "LatentMoE tail as kernels); default: the config's")
     args = ap.parse_args()
     if args.quick:
         cfg = dataclasses.replace(config.tiny(), name="tiny")
