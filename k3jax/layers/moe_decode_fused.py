@@ -47,21 +47,25 @@ def latent_moe(x: Float[Array, "T D"], w_router: Float[Array, "D E"], bias: Floa
                w2: Float[Array, "E F L"], scale: Float[Array, "L"], w_up: Float[Array, "D L"],
                shared: tuple[Array, Array, Array] | None, *, top_k: int, renormalize: bool, scaling: float,
                eps: float, activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-               interpret: bool = False) -> Float[Array, "T D"]:
+               tiles: tuple | None = None, interpret: bool = False) -> Float[Array, "T D"]:
     """A LatentMoE call on x (in the compute dtype) in three kernels: ``W_up RMSNorm(Σ_s w_s E_s(x W_down))``
     plus, with ``shared = (W_gate [D, Fs], W_up [D, Fs], W_down [D, Fs] output axis first)``, the shared
-    experts' MLP. ``w_up`` output axis first too (the decode layout's ``kernel_t``)."""
+    experts' MLP. ``w_up`` output axis first too (the decode layout's ``kernel_t``). ``tiles``: the three
+    kernels' ``(HeadTiles | None, DecodeTiles, TailTiles)`` (``benchmarks/bench_moe_decode_fused.py``);
+    None: their defaults."""
     require_cuda(interpret)
+    head_tiles, gather_tiles, tail_tiles = tiles or (None, kernel_gpu_decode.DecodeTiles(),
+                                                     kernel_gpu_decode_tail.TailTiles())
     act = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     gate_up = shared[:2] if shared is not None else (None, None)
     ids, weights, u, h = kernel_gpu_decode_head.decode_head_pallas(
         x, w_router, bias, w_down, *gate_up, top_k=top_k, renormalize=renormalize, scaling=scaling, **act,
-        interpret=interpret)
-    kernel_gpu_decode.check_inputs(u, ids, weights, w1, w3, w2)
-    parts = kernel_gpu_decode.expert_blocks(u, ids, w1, w3, w2, **act, interpret=interpret)
+        tiles=head_tiles, interpret=interpret)
+    kernel_gpu_decode.check_inputs(u, ids, weights, w1, w3, w2, gather_tiles)
+    parts = kernel_gpu_decode.expert_blocks(u, ids, w1, w3, w2, **act, tiles=gather_tiles, interpret=interpret)
     w_shared_down = shared[2] if shared is not None else None
     return kernel_gpu_decode_tail.decode_tail_pallas(parts, weights, scale, w_up, h, w_shared_down, eps=eps,
-                                                     dtype=x.dtype, interpret=interpret)
+                                                     dtype=x.dtype, tiles=tail_tiles, interpret=interpret)
 
 
 __all__ = ["latent_moe", "require_cuda", "route"]

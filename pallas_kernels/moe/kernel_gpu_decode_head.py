@@ -37,11 +37,14 @@ from pallas_kernels.triton_blocks import is_block_dim
 @dataclasses.dataclass(frozen=True)
 class HeadTiles:
     """``block_n``: output columns per product program; ``block_d``: rows of every matrix (router
-    included) per step over D; ``num_warps``: Triton warps per program."""
+    included) per step over D; ``num_warps``: Triton warps per program; ``num_stages``: Triton's software
+    pipelining of those steps (1: none; the router program streams its 256 KB fp32 matrix alone, in
+    ``D/block_d`` steps, so it may be the long pole; untimed)."""
 
     block_n: int = 32  # small(): 1 + 16 + 32 programs; 64 KB of W_down, 128 KB of W_gate / W_up each
     block_d: int = 128
     num_warps: int = 4
+    num_stages: int = 1
 
     @classmethod
     def fitting(cls, D: int, *widths: int) -> "HeadTiles":
@@ -140,7 +143,7 @@ def decode_head_pallas(x: Float[Array, "T D"], w_router: Float[Array, "D E"], bi
         in_specs=[row(D)] + [whole(a) for a in weights_in],
         out_specs=[row(n) for n in widths],
         out_shape=[jax.ShapeDtypeStruct((T, n), d) for n, d in zip(widths, dtypes)],
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moe_decode_head",
     )(x, *weights_in)
     return tuple(outs) if shared else (*outs, None)

@@ -28,6 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.triton_blocks import is_block_dim
+
 RENORM_EPS = 1e-20  # k3jax.layers.moe.RENORM_EPS (not imported: the layers import the kernels)
 
 
@@ -48,7 +50,7 @@ def check_inputs(x, w, bias, top_k: int, tiles: RouteTiles = RouteTiles()) -> No
     if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1] or bias.shape != (w.shape[1],):
         raise ValueError(f"x must be [T, D], w [D, E] and bias [E], got x {x.shape}, w {w.shape}, bias {bias.shape}")
     D, E = w.shape
-    if not _power_of_two(E) or E < 16:
+    if not is_block_dim(E):
         raise ValueError(f"the route kernel needs E (w.shape[1]) a power of two >= 16, got {E}")
     if not _power_of_two(top_k) or top_k >= E:
         raise ValueError(f"top_k={top_k} must be a power of two below E={E} for the route kernel")
