@@ -43,8 +43,9 @@ class GmmSumCase:
         f32 = lambda x: np.asarray(x, np.float32)
         for case in self.cases:
             gs = jnp.asarray(case, jnp.int32)
-            ours = kernel_gpu.gmm_sum(lhss, rhss, gs, transpose_rhs=True, tiling=self.sum_tiling, interpret=self.interpret)
-            packed = kernel_gpu.gmm(lhs, rhs, gs, transpose_rhs=True, tiling=self.concat_tiling, interpret=self.interpret)
+            run = dict(transpose_rhs=True, interpret=self.interpret)
+            ours = kernel_gpu.gmm_sum(lhss, rhss, gs, tiling=self.sum_tiling, **run)
+            packed = kernel_gpu.gmm(lhs, rhs, gs, tiling=self.concat_tiling, **run)
             np.testing.assert_array_equal(f32(ours), f32(packed), err_msg=str(case))
             total = int(gs.sum())
             assert not np.any(f32(ours)[total:]), case
@@ -75,7 +76,8 @@ def test_gmm_sum_untransposed_equals_concatenated_product():
     rhss = [w.swapaxes(1, 2) for w in rhss]  # [E, K, N]
     gs = jnp.asarray([30, 0, 50, 20], jnp.int32)
     ours = kernel_gpu.gmm_sum(lhss, rhss, gs, tiling=SMALL_RING, interpret=True)
-    packed = kernel_gpu.gmm(jnp.concatenate(lhss, axis=1), jnp.concatenate(rhss, axis=1), gs, tiling=SMALL, interpret=True)
+    lhs, rhs = jnp.concatenate(lhss, axis=1), jnp.concatenate(rhss, axis=1)
+    packed = kernel_gpu.gmm(lhs, rhs, gs, tiling=SMALL, interpret=True)
     np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(packed, np.float32))
 
 
