@@ -71,7 +71,9 @@ def expert_bytes(variables) -> int:
 
 
 def experts_touched(cfg, variables, tok, cache) -> np.ndarray:
-    """Distinct experts each MoE layer routes ``tok`` to in one decode step: ``[MoE layers]``."""
+    """Distinct experts each MoE layer routes ``tok`` to in one decode step: ``[MoE layers]``. Counted
+    on the XLA decode path, which sows the router's loads (the fused kernels route the same way)."""
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation="xla"))
     run = jax.jit(lambda v, t, c: Transformer(cfg).apply(v, t, c, method=Transformer.decode, mutable=["stats"])[1])
     stats = run(variables, tok, cache.layers)
     leaves = jax.tree_util.tree_flatten_with_path(stats)[0]

@@ -18,8 +18,8 @@ Variants:
   one multi-output reduction (``input_convert_multiply_reduce_fusion``, 1.9 ms per layer).
 - ``repo``: what ``k3jax.layers.kda`` runs now (``short_conv_qkv``: one ``custom_vjp`` op for q, k, v
   with one shared document mask, in stages fenced by ``optimization_barrier``).
-- ``repo_xla``: the same op with ``implementation="xla"`` (its staged XLA formulation; ``repo`` takes
-  the Pallas-Triton kernels of ``pallas_kernels/kda/kernel_gpu_conv.py`` on a CUDA GPU).
+- ``repo_xla``: the same op with ``implementation="xla"`` (its staged XLA forward; ``repo`` takes the
+  Pallas-Triton forward kernel of ``pallas_kernels/kda/kernel_gpu_conv.py`` on a CUDA GPU).
 - ``repo_per_tensor``: the same op called once per tensor (three ops instead of one).
 - ``pad_mask``: pad instead of concatenate and one shared ``[B, T, W-1]`` mask; plain autodiff.
 - ``split``: ``pad_mask`` with the fp32 conv+SiLU output fenced off (``optimization_barrier``)
@@ -100,8 +100,8 @@ def _layout(xs, ws, segment_ids):
 
 
 def repo_xla(xs, ws, segment_ids, out_dtype):
-    """``repo`` with ``short_convs(implementation="xla")``: the staged XLA formulation, which the
-    GPU kernels (``pallas_kernels/kda/kernel_gpu_conv.py``, ``repo``'s default on a CUDA GPU) replace."""
+    """``repo`` with ``short_convs(implementation="xla")``: the staged XLA forward, which the GPU
+    kernel (``pallas_kernels/kda/kernel_gpu_conv.py``, ``repo``'s default on a CUDA GPU) replaces."""
     B, T, H, K, W, keep, wide = _layout(xs, ws, segment_ids)
     flat = tuple(x.reshape(B, T, H * K) for x in xs)
     ws = tuple(w.reshape(W, H * K).T.astype(wide) for w in ws)

@@ -50,8 +50,9 @@ GMM_TILING = GpuTiling()
 # the input gradient (``transpose_rhs``) contracts over N and writes K: its own tiling
 GMM_TILING_T = GpuTiling()
 # ``gmm_sum`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``): the slot ring, whose memory
-# warpgroup switches operand pairs between K steps (the per-tile pipeline streams one pair)
-GMM_SUM_TILING = GpuTiling(ring=True)
+# warpgroup switches operand pairs between K steps (the per-tile pipeline streams one pair); half
+# tiles: 8.88 against 9.06 ms at K3's dlhs shape (benchmarks/RESULTS.md "Stop 37", bench_gmm_sum.py)
+GMM_SUM_TILING = GpuTiling(ring=True, half_tiles=True)
 
 
 def required_multiple() -> int:

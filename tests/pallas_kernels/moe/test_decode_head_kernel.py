@@ -106,10 +106,13 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.gpu
-def test_compiled_head_matches_xla():
+def test_compiled_head_matches_rounded_reference():
+    """Against the products rounded at the model code's points (fp32 products, ``highest``): the
+    H200's own batch-1 XLA path multiplies in bf16 before its fp32 sum (its strength-reduced
+    matrix-vector products), ~1 % off on small outputs, so it is no reference for the products."""
     x, w_router, bias, w_down, w_gate, w_up = _inputs(1, 1, 1024, 64, 512, 1024)
     ids, weights, u, h = decode_head_pallas(x, w_router, bias, w_down, w_gate, w_up, top_k=8, renormalize=True,
                                             scaling=1.0, activation="situ")
-    ref_u, ref_h = _xla_products(x, w_down, w_gate, w_up)
+    ref_u, ref_h = _rounded_products(x, w_down, w_gate, w_up)
     _assert_rounded_alike(u, ref_u, max_fraction=0.05)
     _assert_rounded_alike(h, ref_h, max_fraction=0.05, propagated=True)
