@@ -1,22 +1,29 @@
-"""KDA's short convs on the GPU: ``short_convs``' forward as one Pallas-Triton pass per tensor.
+"""KDA's short convs on the GPU: ``short_convs``' forward and backward as one Pallas-Triton pass each.
 
 The XLA formulation (:func:`pallas_kernels.kda.conv.short_convs`, the reference beside this file)
-runs the forward in two stages fenced by ``optimization_barrier`` (per-head sums of squares, then the
-outputs, the conv computed twice) because XLA's multi-output reductions were slow. Here program
-``(i, c)`` owns rows ``i·BT ... i·BT+BT-1`` of the flattened ``[B·T, C]`` tensor and channels
-``c·BC ...`` (one head of the L2 norm when it has one, so the per-head sums stay inside the program):
-``z = Σ_j w[:, j] x[t-(W-1)+j]`` over the taps inside the document, ``s = z·σ(z)``, the per-head
-``inv = 1/sqrt(Σ s² + eps)`` when normalised, ``y = s·inv``; it writes y and inv (the backward's
-residual). q, k and v: 0.218 against 0.449 ms at B 8, T 4096, C 1024 on the H200 (stop 37).
+runs in stages fenced by ``optimization_barrier`` because XLA's multi-output reductions were slow,
+so each stage re-reads the inputs and the backward writes the fp32 ``dz`` between stages: the
+whole q/k/v op took 1.46 ms fwd+bwd at B 8, T 4096, C 1024 on the H200, against ~0.5 ms for the
+bytes a single pass must move (stop 36, ``bench_kda_conv.py``). Here program ``(i, c)`` owns rows
+``i·BT ... i·BT+BT-1`` of the flattened ``[B·T, C]`` tensor and channels ``c·BC ...`` (one head of
+the L2 norm when it has one, so the per-head sums stay inside the program) and:
 
-A backward kernel of the same design (recomputing ``z`` at the W row shifts that ``dx`` needs) was
-timed and deleted: fwd+bwd 1.20 against 1.47 ms without packed documents but 1.62 against 1.54 with
-them, and its backward alone 2.95 against 2.53 ms at K3's width (benchmarks/RESULTS.md "Stop 37");
-the backward stays on the XLA stages.
+- forward: ``z = Σ_j w[:, j] x[t-(W-1)+j]`` over the taps inside the document, ``s = z·σ(z)``, the
+  per-head ``inv = 1/sqrt(Σ s² + eps)`` when normalised, ``y = s·inv``; writes y and inv.
+- backward: recomputes ``z`` at the block's rows shifted by ``0 … W-1`` (``dx[u]`` needs ``dz`` at
+  ``u … u+W-1``), ``dz = SiLU'(z)·(inv·dy − s·inv³·Σ(dy·s))`` at each, accumulates
+  ``dx = Σ_j w[:, j] dz[u+W-1-j]`` in the reference's tap order, and writes the block's partial
+  ``Σ_t x[t-(W-1)+j] dz[t]`` per tap; XLA sums the partials.
 
-Shifted rows are gathered with row-index vectors (clamped, and masked where they leave the
-sequence), which the CPU interpreter also runs. Rounding: sums in fp32 in the reference's tap order;
-σ from each compiler's own logistic.
+On the H200 (stop 37, ``bench_kda_conv.py``, q, k and v of B 8, T 4096, C 1024): forward 0.218
+against 0.449 ms, fwd+bwd 1.202 against 1.472 ms; at K3's B 1, T 8192, C 12288 fwd+bwd 3.53 against
+4.94 ms; with packed documents (``keep``) fwd+bwd 1.62 against 1.54 ms, so ``short_convs`` takes these
+kernels by default only without a document mask. The kernel forward with the XLA backward was
+slower than either (1.95 ms: the XLA backward then recomputes what the XLA forward shared with it).
+
+Shifted rows are gathered with row-index vectors (clamped at 0 and masked), which the CPU
+interpreter also runs. Rounding: every sum in fp32 as the reference, σ from each compiler's own
+logistic; the weight gradient's sum over rows is split into blocks (fp32 summation order).
 """
 
 from __future__ import annotations
@@ -125,6 +132,36 @@ def _fwd_kernel(x_ref, w_ref, *refs, T: int, BT: int, BC: int, grouped: bool, ha
     y_ref[...] = s.astype(y_ref.dtype)
 
 
+def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
+    keep_ref = refs[0] if has_keep else None
+    inv_ref = refs[has_keep] if grouped else None
+    dx_ref, dw_ref = refs[has_keep + grouped], refs[has_keep + grouped + 1]
+    rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
+    W = len(w)
+    xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, W)}  # each x row offset loaded once
+    dx, dz0 = None, None
+    for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
+        z = _pre_activation(xd, w, keep_ref, rows, shift)
+        sig = jax.nn.sigmoid(z)
+        dy = _tile(dy_ref, rows, t, cols, shift, T)  # zero past the sequence: dz is zero there
+        if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
+            inv = inv_ref[jnp.minimum(rows + shift, inv_ref.shape[0] - 1), pl.program_id(1)]
+            dot = jnp.sum(dy * z * sig, axis=1)
+            dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
+        dz = dy * sig * (1.0 + z * (1.0 - sig))
+        j = W - 1 - shift
+        tap = dz if keep_ref is None or j == W - 1 else jnp.where(_keep_rows(keep_ref, rows, shift, j), dz, 0.0)
+        term = tap * w[j]
+        dx = term if dx is None else dx + term
+        dz0 = dz
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
+        term = xd[j - (W - 1)] * dz0
+        if keep_ref is not None and j < W - 1:
+            term = jnp.where(_keep_rows(keep_ref, rows, 0, j), term, 0.0)
+        dw_ref[j, :] = jnp.sum(term, axis=0)
+
+
 def _specs(tiles):
     """The whole-array spec (row gathers read any row) and the program's ``[BT, BC]`` block."""
     whole = lambda shape: pl.BlockSpec(shape, lambda i, c: (0,) * len(shape))
@@ -159,4 +196,34 @@ def conv_forward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, *,
     return outs[0].reshape(B, T, C), inv
 
 
-__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_forward"]
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, inv, dy: Float[Array, "B T C"], *,
+                  tiles: ConvTiles = ConvTiles(), interpret: bool = False):
+    """``(dx [B, T, C] in x's dtype, dw [C, W] fp32)`` for the cotangent ``dy`` of :func:`conv_forward`'s
+    output (``inv`` its saved per-head inverse norms, or None without the norm)."""
+    group = None if inv is None else x.shape[2] // inv.shape[2]
+    check_inputs(x, weight, keep, group, tiles)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
+    B, T, C = x.shape
+    W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
+    whole, block = _specs(tiles)
+    operands = [x.reshape(B * T, C), weight, dy.reshape(B * T, C)]
+    if keep is not None:
+        operands.append(keep.reshape(B * T, W - 1).astype(jnp.int8))
+    if inv is not None:
+        operands.append(inv.reshape(B * T, C // BC))
+    nb = B * T // BT
+    dx, dw = pl.pallas_call(
+        functools.partial(_bwd_kernel, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
+        grid=(nb, C // BC),
+        in_specs=[whole(a.shape) for a in operands],
+        out_specs=[block, pl.BlockSpec((None, W, BC), lambda i, c: (i, 0, c))],
+        out_shape=[jax.ShapeDtypeStruct((B * T, C), x.dtype), jax.ShapeDtypeStruct((nb, W, C), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="kda_short_conv_bwd",
+    )(*operands)
+    return dx.reshape(B, T, C), jnp.sum(dw, axis=0).T
+
+
+__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_backward", "conv_forward"]

@@ -1,7 +1,6 @@
-"""KDA's short-conv forward kernel (``kernel_gpu_conv``) against ``short_convs``' XLA stages, its
-reference: interpreted on CPU (values, and every gradient through the XLA backward from the kernel's
-residuals, with and without packed documents, fp32 and bf16), compiled on the GPU; which
-implementation ``None`` picks, and the errors."""
+"""KDA's short-conv kernels (``kernel_gpu_conv``) against ``short_convs``' XLA stages, their reference:
+interpreted on CPU (values and every gradient, with and without packed documents, fp32 and bf16),
+compiled on the GPU; which implementation ``None`` picks, and the errors."""
 
 import jax
 import jax.numpy as jnp
@@ -77,9 +76,11 @@ def _has_pallas_call(xs, ws, keep) -> bool:
 def test_default_picks_the_kernels_on_a_cuda_target():
     xs, ws, _, _ = _inputs(jnp.float32)
     odd = tuple(x[:, :40] for x in xs)  # T = 40: no multiple of the 16-row blocks
+    keep = same_document_taps(_inputs(jnp.float32)[3], W)
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert _has_pallas_call(xs, ws, None)
         assert not _has_pallas_call(odd, ws, None)
+        assert not _has_pallas_call(xs, ws, keep)  # packed documents: the XLA stages were faster
     with compile_for("cpu"):
         assert not _has_pallas_call(xs, ws, None)
 
@@ -98,6 +99,8 @@ def test_bad_inputs_raise():
         call(tuple(x[:, :40] for x in xs), ws, implementation="pallas", interpret=True)
     with pytest.raises(ValueError, match="power-of-two width W"):
         kernel_gpu_conv.check_inputs(xs[0], ws[0][:, :3], None, 128)
+    with pytest.raises(ValueError, match="dy must have x's shape"):
+        kernel_gpu_conv.conv_backward(xs[0], ws[0], None, None, xs[0][:, :32], interpret=True)
 
 
 @pytest.mark.gpu
