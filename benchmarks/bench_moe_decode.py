@@ -59,21 +59,24 @@ def main(argv=None) -> int:
     for t in TILES:
         fns[f"pallas bf={t.block_f} warps={t.num_warps}"] = functools.partial(gathered_experts_pallas, **act, tiles=t,
                                                                               interpret=args.interpret)
-    ref = np.asarray(jax.jit(fns["xla"])(x, ids, weights, *ws), np.float32)
-    results = {"device": jax.devices()[0].device_kind, "tokens": args.tokens, "steps": args.steps, "check": {}}
-    for name, fn in fns.items():
-        got = np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32)
-        results["check"][name] = float(np.abs(got - ref).max() / (2.0 ** -7 * np.abs(ref).max()))
+    outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
     calls = {name: (chained(fn, args.steps), (x, ids, weights, *ws)) for name, fn in fns.items()}
-    ms = timeit_interleaved(calls)
-    results["us_per_call"] = {name: 1e3 * t / args.steps for name, t in ms.items()}
-    for name in fns:
-        print(f"{name:28s} {results['us_per_call'][name]:8.2f} us/call   max diff vs xla "
-              f"{results['check'][name]:.2f} ulp(max|y|)", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+    results = {"device": jax.devices()[0].device_kind, "tokens": args.tokens, "steps": args.steps}
+    return report(results, outs, timeit_interleaved(calls), args.steps, "us_per_call", args.out)
 
+
+def report(results: dict, outs: dict, ms: dict, steps: int, key: str, out: str | None) -> int:
+    """Each variant's largest deviation from ``outs["xla"]`` in bf16 ulps of ``max|y|`` and its time
+    per call (``ms`` per ``steps`` calls) into ``results`` (``check``, ``key``), printed and written
+    to ``out``; 0 (the exit status)."""
+    ref = outs["xla"]
+    results["check"] = {n: float(np.abs(o - ref).max() / (2.0 ** -7 * np.abs(ref).max())) for n, o in outs.items()}
+    results[key] = {n: 1e3 * t / steps for n, t in ms.items()}
+    for n in outs:
+        print(f"{n:36s} {results[key][n]:8.2f} us   max diff vs xla {results['check'][n]:.2f} ulp(max|y|)", flush=True)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

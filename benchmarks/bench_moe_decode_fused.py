@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -76,6 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_moe import timeit_interleaved
+    from bench_moe_decode import report
 
     base, _ = layer("xla")
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, base.hidden)), jnp.bfloat16)
@@ -89,20 +89,10 @@ def main(argv=None) -> int:
         with fused_with(tiles, args.interpret):
             calls[name] = (chained(cfg, args.steps).lower(variables, x).compile(), (variables, x))
             once[name] = chained(cfg, 1).lower(variables, x).compile()
-    ref = np.asarray(once["xla"](variables, x), np.float32)
-    results = {"device": jax.devices()[0].device_kind, "steps": args.steps, "check": {}}
-    for name, fn in once.items():
-        got = np.asarray(fn(variables, x), np.float32)
-        results["check"][name] = float(np.abs(got - ref).max() / (2.0 ** -7 * np.abs(ref).max()))
+    outs = {name: np.asarray(fn(variables, x), np.float32) for name, fn in once.items()}
     ms = timeit_interleaved(calls, reps=3 if args.interpret else 20)
-    results["us_per_layer"] = {name: 1e3 * t / args.steps for name, t in ms.items()}
-    for name in variants:
-        print(f"{name:36s} {results['us_per_layer'][name]:8.2f} us/layer   max diff vs xla "
-              f"{results['check'][name]:.2f} ulp(max|y|)", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
-
+    results = {"device": jax.devices()[0].device_kind, "steps": args.steps}
+    return report(results, outs, ms, args.steps, "us_per_layer", args.out)
 
 if __name__ == "__main__":
     sys.exit(main())
