@@ -144,7 +144,8 @@ def short_convs(
     take the shapes (T a multiple of 16, C of 128, each L2 group 128 channels, W a power of two) and
     there is no document mask ``keep``, else ``"xla"``. On the H200 (stop 37, q, k and v fwd+bwd) the
     kernels take 1.20 against 1.47 ms at B 8, T 4096, C 1024 and 3.53 against 4.94 ms at K3's
-    B 1, T 8192, C 12288, but 1.62 against 1.54 ms with packed documents, so those stay on XLA.
+    B 1, T 8192, C 12288, but 1.62 against 1.54 ms with packed documents, so those stay on XLA (the
+    kernels have skipped the masks in blocks without a document start since; untimed).
     """
     if not (len(xs) == len(weights) == len(l2_groups)) or not xs:
         raise ValueError(f"xs, weights and l2_groups must have one entry per conv, got "

@@ -18,7 +18,10 @@ the L2 norm when it has one, so the per-head sums stay inside the program) and:
 On the H200 (stop 37, ``bench_kda_conv.py``, q, k and v of B 8, T 4096, C 1024): forward 0.218
 against 0.449 ms, fwd+bwd 1.202 against 1.472 ms; at K3's B 1, T 8192, C 12288 fwd+bwd 3.53 against
 4.94 ms; with packed documents (``keep``) fwd+bwd 1.62 against 1.54 ms, so ``short_convs`` takes these
-kernels by default only without a document mask. The kernel forward with the XLA backward was
+kernels by default only without a document mask. Since then a row block whose rows (and the W-1 after
+them) hold no document start skips the per-tap masks (``mask_operands``' flag, one branch per
+program): with documents of a few hundred tokens nearly every block; untimed, so the default for
+masked inputs is still the XLA stages. The kernel forward with the XLA backward was
 slower than either (1.95 ms: the XLA backward then recomputes what the XLA forward shared with it).
 
 Shifted rows are gathered with row-index vectors (clamped at 0 and masked), which the CPU
@@ -62,6 +65,8 @@ def check_inputs(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTile
         raise ValueError(f"the conv kernels need a power-of-two width W (weight.shape[1]), got {W}")
     if keep is not None and keep.shape != (B, T, W - 1):
         raise ValueError(f"keep must be [B, T, W-1] = {(B, T, W - 1)}, got {keep.shape}")
+    if W - 1 > tiles.block_t:
+        raise ValueError(f"tiles.block_t={tiles.block_t} must be >= W-1 = {W - 1}")
     if not (tiles.block_t > 0 and tiles.block_t & (tiles.block_t - 1) == 0 and T % tiles.block_t == 0):
         raise ValueError(f"tiles.block_t={tiles.block_t} must be a power of two dividing T={T}")
     if not (is_block_dim(tiles.block_c) and C % tiles.block_c == 0):
@@ -118,48 +123,85 @@ def _program(x_ref, w_ref, T: int, BT: int, BC: int):
     return rows, t, cols, [w_ref[cols, j].astype(jnp.float32)[None, :] for j in range(w_ref.shape[1])]
 
 
+def _masked_where_needed(body, keep_ref, clean_ref) -> None:
+    """``body(keep_ref)`` in a block whose rows (and the W-1 after them) hold a document start, else
+    ``body(None)``: most blocks of packed documents have none, and the per-tap masks cost more than
+    the bytes the kernels save (see the module docstring)."""
+    if keep_ref is None:
+        body(None)
+        return
+    clean = clean_ref[pl.program_id(0)] != 0
+    pl.when(clean)(lambda: body(None))
+    pl.when(jnp.logical_not(clean))(lambda: body(keep_ref))
+
+
 def _fwd_kernel(x_ref, w_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool, eps: float):
-    keep_ref = refs[0] if has_keep else None
-    y_ref, inv_ref = refs[has_keep], (refs[has_keep + 1] if grouped else None)
+    keep_ref, clean_ref = refs[:2] if has_keep else (None, None)
+    y_ref = refs[2 * has_keep]
+    inv_ref = refs[2 * has_keep + 1] if grouped else None
     rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
-    xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - len(w), 1)}
-    z = _pre_activation(xd, w, keep_ref, rows, 0)
-    s = z * jax.nn.sigmoid(z)
-    if grouped:
-        inv = jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=1) + eps)
-        inv_ref[...] = inv
-        s = s * inv[:, None]
-    y_ref[...] = s.astype(y_ref.dtype)
+
+    def body(keep_ref):
+        xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - len(w), 1)}
+        z = _pre_activation(xd, w, keep_ref, rows, 0)
+        s = z * jax.nn.sigmoid(z)
+        if grouped:
+            inv = jax.lax.rsqrt(jnp.sum(jnp.square(s), axis=1) + eps)
+            inv_ref[...] = inv
+            s = s * inv[:, None]
+        y_ref[...] = s.astype(y_ref.dtype)
+
+    _masked_where_needed(body, keep_ref, clean_ref)
 
 
 def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
-    keep_ref = refs[0] if has_keep else None
-    inv_ref = refs[has_keep] if grouped else None
-    dx_ref, dw_ref = refs[has_keep + grouped], refs[has_keep + grouped + 1]
+    keep_ref, clean_ref = refs[:2] if has_keep else (None, None)
+    inv_ref = refs[2 * has_keep] if grouped else None
+    dx_ref, dw_ref = refs[2 * has_keep + grouped], refs[2 * has_keep + grouped + 1]
     rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
-    W = len(w)
-    xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, W)}  # each x row offset loaded once
-    dx, dz0 = None, None
-    for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
-        z = _pre_activation(xd, w, keep_ref, rows, shift)
-        sig = jax.nn.sigmoid(z)
-        dy = _tile(dy_ref, rows, t, cols, shift, T)  # zero past the sequence: dz is zero there
-        if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
-            inv = inv_ref[jnp.minimum(rows + shift, inv_ref.shape[0] - 1), pl.program_id(1)]
-            dot = jnp.sum(dy * z * sig, axis=1)
-            dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
-        dz = dy * sig * (1.0 + z * (1.0 - sig))
-        j = W - 1 - shift
-        tap = dz if keep_ref is None or j == W - 1 else jnp.where(_keep_rows(keep_ref, rows, shift, j), dz, 0.0)
-        term = tap * w[j]
-        dx = term if dx is None else dx + term
-        dz0 = dz
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
-        term = xd[j - (W - 1)] * dz0
-        if keep_ref is not None and j < W - 1:
-            term = jnp.where(_keep_rows(keep_ref, rows, 0, j), term, 0.0)
-        dw_ref[j, :] = jnp.sum(term, axis=0)
+    W, head = len(w), pl.program_id(1)  # program ids are read outside the branches (the interpreter's rule)
+
+    def body(keep_ref):
+        xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, W)}  # each x row offset loaded once
+        dx, dz0 = None, None
+        for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
+            z = _pre_activation(xd, w, keep_ref, rows, shift)
+            sig = jax.nn.sigmoid(z)
+            dy = _tile(dy_ref, rows, t, cols, shift, T)  # zero past the sequence: dz is zero there
+            if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
+                inv = inv_ref[jnp.minimum(rows + shift, inv_ref.shape[0] - 1), head]
+                dot = jnp.sum(dy * z * sig, axis=1)
+                dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
+            dz = dy * sig * (1.0 + z * (1.0 - sig))
+            j = W - 1 - shift
+            tap = dz
+            if keep_ref is not None and j < W - 1:
+                tap = jnp.where(_keep_rows(keep_ref, rows, shift, j), dz, 0.0)
+            term = tap * w[j]
+            dx = term if dx is None else dx + term
+            dz0 = dz
+        dx_ref[...] = dx.astype(dx_ref.dtype)
+        for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
+            term = xd[j - (W - 1)] * dz0
+            if keep_ref is not None and j < W - 1:
+                term = jnp.where(_keep_rows(keep_ref, rows, 0, j), term, 0.0)
+            dw_ref[j, :] = jnp.sum(term, axis=0)
+
+    _masked_where_needed(body, keep_ref, clean_ref)
+
+
+def mask_operands(keep, block_t: int) -> list:
+    """``[keep [B·T, W-1] int8, clean [B·T/block_t] int32]``: the document mask, and per row block
+    whether every tap of its rows and of the W-1 rows after it (whose ``dz`` its ``dx`` reads) stays
+    in its document, so the block needs no mask. ``[]`` without a mask."""
+    if keep is None:
+        return []
+    B, T, Wm1 = keep.shape
+    rows_ok = jnp.all(keep.reshape(B * T, Wm1), axis=1)
+    nb = B * T // block_t
+    ext = jnp.concatenate([rows_ok, jnp.ones((block_t,), bool)]).reshape(nb + 1, block_t)
+    clean = jnp.all(ext[:nb], axis=1) & jnp.all(ext[1:, :Wm1], axis=1)
+    return [keep.reshape(B * T, Wm1).astype(jnp.int8), clean.astype(jnp.int32)]
 
 
 def _specs(tiles):
@@ -178,7 +220,7 @@ def conv_forward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, *,
     W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
     whole, block = _specs(tiles)
     x2 = x.reshape(B * T, C)
-    operands = [x2, weight] + ([keep.reshape(B * T, W - 1).astype(jnp.int8)] if keep is not None else [])
+    operands = [x2, weight] + mask_operands(keep, BT)
     out_shape = [jax.ShapeDtypeStruct((B * T, C), out_dtype)]
     out_specs = [block]
     if group is not None:
@@ -208,9 +250,7 @@ def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, i
     B, T, C = x.shape
     W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
     whole, block = _specs(tiles)
-    operands = [x.reshape(B * T, C), weight, dy.reshape(B * T, C)]
-    if keep is not None:
-        operands.append(keep.reshape(B * T, W - 1).astype(jnp.int8))
+    operands = [x.reshape(B * T, C), weight, dy.reshape(B * T, C)] + mask_operands(keep, BT)
     if inv is not None:
         operands.append(inv.reshape(B * T, C // BC))
     nb = B * T // BT
@@ -226,4 +266,4 @@ def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, i
     return dx.reshape(B, T, C), jnp.sum(dw, axis=0).T
 
 
-__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_backward", "conv_forward"]
+__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_backward", "conv_forward", "mask_operands"]

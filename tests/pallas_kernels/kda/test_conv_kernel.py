@@ -21,8 +21,8 @@ def _inputs(dtype, seed=0):
     xs = tuple(jnp.asarray(rng.normal(size=(B, T, C)), dtype) for _ in range(3))
     ws = tuple(jnp.asarray(rng.uniform(-0.5, 0.5, size=(C, W)), jnp.float32) for _ in range(3))
     cts = tuple(jnp.asarray(rng.normal(size=(B, T, C)), dtype) for _ in range(3))
-    # documents of 1 to 40 tokens, so some start inside a 16-row block and some span blocks
-    seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.08, axis=1), jnp.int32)
+    # documents of ~25 tokens on average: some start inside a 16-row block, some span whole blocks
+    seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.04, axis=1), jnp.int32)
     return xs, ws, cts, seg
 
 
@@ -66,6 +66,16 @@ def test_forward_saves_the_per_head_inverse_norms():
     _, none = kernel_gpu_conv.conv_forward(xs[2], ws[2], None, group=None, eps=1e-6, out_dtype=jnp.float32,
                                            interpret=True)
     assert none is None
+
+
+def test_clean_blocks_are_those_no_mask_changes():
+    """``mask_operands``' per-block flag: True exactly where every tap of the block's 16 rows and of
+    the W-1 rows after it stays in its document; the test inputs have blocks of both kinds."""
+    keep = np.asarray(same_document_taps(_inputs(jnp.float32)[3], W)).reshape(B * T, W - 1)
+    _, clean = kernel_gpu_conv.mask_operands(jnp.asarray(keep).reshape(B, T, W - 1), 16)
+    want = [bool(keep[i * 16 : i * 16 + 16 + W - 1].all()) for i in range(B * T // 16)]
+    assert list(np.asarray(clean, bool)) == want
+    assert 0 < sum(want) < len(want)
 
 
 def _has_pallas_call(xs, ws, keep) -> bool:
