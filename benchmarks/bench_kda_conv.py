@@ -17,9 +17,10 @@ Variants:
   ``segment_index``, SiLU, then the L2 norm; autodiff. XLA fused the q/k convs, SiLU and norms into
   one multi-output reduction (``input_convert_multiply_reduce_fusion``, 1.9 ms per layer).
 - ``repo``: what ``k3jax.layers.kda`` runs now (``short_conv_qkv``: one ``custom_vjp`` op for q, k, v
-  with one shared document mask, in stages fenced by ``optimization_barrier``).
-- ``repo_xla``: the same op with ``implementation="xla"`` (its staged XLA forward; ``repo`` takes the
-  Pallas-Triton forward kernel of ``pallas_kernels/kda/kernel_gpu_conv.py`` on a CUDA GPU).
+  with one shared document mask; on a CUDA GPU without documents the Pallas-Triton kernels of
+  ``pallas_kernels/kda/kernel_gpu_conv.py``, else stages fenced by ``optimization_barrier``).
+- ``repo_xla`` / ``repo_pallas``: the same op with ``implementation`` forced to ``"xla"`` (the stages)
+  or ``"pallas"`` (the kernels, with documents too).
 - ``repo_per_tensor``: the same op called once per tensor (three ops instead of one).
 - ``pad_mask``: pad instead of concatenate and one shared ``[B, T, W-1]`` mask; plain autodiff.
 - ``split``: ``pad_mask`` with the fp32 conv+SiLU output fenced off (``optimization_barrier``)
@@ -99,14 +100,15 @@ def _layout(xs, ws, segment_ids):
     return B, T, H, K, W, same_document_taps(segment_ids, W), jnp.promote_types(jnp.float32, xs[0].dtype)
 
 
-def repo_xla(xs, ws, segment_ids, out_dtype):
-    """``repo`` with ``short_convs(implementation="xla")``: the staged XLA forward, which the GPU
-    kernel (``pallas_kernels/kda/kernel_gpu_conv.py``, ``repo``'s default on a CUDA GPU) replaces."""
+def _repo_with(implementation, xs, ws, segment_ids, out_dtype):
+    """``repo`` with ``short_convs(implementation=...)`` forced: ``"xla"`` its staged XLA formulation,
+    ``"pallas"`` the Pallas-Triton kernels of ``pallas_kernels/kda/kernel_gpu_conv.py`` (which ``repo``
+    takes on a CUDA GPU without packed documents)."""
     B, T, H, K, W, keep, wide = _layout(xs, ws, segment_ids)
     flat = tuple(x.reshape(B, T, H * K) for x in xs)
     ws = tuple(w.reshape(W, H * K).T.astype(wide) for w in ws)
     ys = short_convs(flat, ws, keep, l2_groups=(K, K, None), eps=QK_L2_EPS, out_dtype=out_dtype,
-                     implementation="xla")
+                     implementation=implementation)
     return tuple(y.reshape(B, T, H, K) for y in ys)
 
 
@@ -148,7 +150,8 @@ def _plain(xs, ws, segment_ids, out_dtype, fence):
 VARIANTS = {
     "before": before,
     "repo": repo,
-    "repo_xla": repo_xla,
+    "repo_xla": functools.partial(_repo_with, "xla"),
+    "repo_pallas": functools.partial(_repo_with, "pallas"),
     "repo_per_tensor": repo_per_tensor,
     "pad_mask": lambda *a: _plain(*a, fence=False),
     "split": lambda *a: _plain(*a, fence=True),
