@@ -17,8 +17,8 @@ from k3jax.layers.linear import einsum
 from k3jax.layers.norm import rms_norm
 from pallas_kernels.moe.kernel_gpu_decode import _round_to
 from pallas_kernels.moe.kernel_gpu_decode_tail import TailTiles, decode_tail_pallas
+from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps  # one bf16 ulp of the element plus one of the token's largest output
 
-BF16_ULP = 2.0 ** -7
 EPS = 1e-5
 
 
@@ -55,16 +55,6 @@ def _rounded_reference(parts, weights, scale, w_up, h, w_sd) -> np.ndarray:
     n = rnd(y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + EPS) * f32(scale))
     out = rnd(n @ f32(w_up).T)
     return out if h is None else rnd(out + rnd(f32(h) @ f32(w_sd).T))
-
-
-def _assert_within_ulps(got, ref, max_fraction=1.0):
-    """Within a bf16 ulp of the element plus one of the token's largest output (a normalised-latent
-    rounding that went the other way moves every output by about that)."""
-    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
-    diff = np.abs(got - ref)
-    bound = BF16_ULP * (np.maximum(np.abs(ref), np.abs(got)) + np.max(np.abs(ref), axis=-1, keepdims=True))
-    assert np.all(diff <= bound), (diff / bound).max()
-    assert np.mean(diff > 0) <= max_fraction, np.mean(diff > 0)
 
 
 @pytest.mark.parametrize("T,k,nf,L,D,F,block_d", [
