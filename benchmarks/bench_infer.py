@@ -72,7 +72,7 @@ def expert_bytes(variables) -> int:
 
 def experts_touched(cfg, variables, tok, cache) -> np.ndarray:
     """Distinct experts each MoE layer routes ``tok`` to in one decode step: ``[MoE layers]``. Counted
-    on the XLA decode path, which sows the router's loads (the fused kernels route the same way)."""
+    on the XLA decode path, which sows the router's loads (every decode path routes the same way)."""
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation="xla"))
     run = jax.jit(lambda v, t, c: Transformer(cfg).apply(v, t, c, method=Transformer.decode, mutable=["stats"])[1])
     stats = run(variables, tok, cache.layers)
@@ -252,8 +252,7 @@ def main():
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
     ap.add_argument("--moe-decode", default=None,
                     help="comma list of MoEConfig.decode_implementation values to time decode with, each in "
-                         "turn (xla, pallas: the gather path's kernel at batch 1, pallas-fused: also the router and the "
-                         "LatentMoE tail as kernels); default: the config's")
+                         "turn (xla, pallas: the gather path's kernel at batch 1); default: the config's")
     args = ap.parse_args()
     if args.quick:
         cfg = dataclasses.replace(config.tiny(), name="tiny")

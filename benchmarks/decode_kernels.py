@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--list", default=None, help="print the kernels whose op_name matches this regex")
     p.add_argument("--hlo", default=None, help="write the optimized HLO here")
-    p.add_argument("--moe-decode", default=None, choices=("xla", "pallas", "pallas-fused"),
+    p.add_argument("--moe-decode", default=None, choices=("xla", "pallas"),
                    help="MoEConfig.decode_implementation (the gather path at batch 1); default: the config's")
     p.add_argument("--from-hlo", default=None, help="count an HLO file written before (no compile)")
     args = p.parse_args(argv)

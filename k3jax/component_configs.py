@@ -11,8 +11,6 @@ import dataclasses
 import enum
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
-# MoEConfig.decode_implementation: also "pallas-fused" (router and LatentMoE tail as kernels too)
-_DECODE_IMPLEMENTATIONS = _IMPLEMENTATIONS + ("pallas-fused",)
 
 
 class LayerKind(str, enum.Enum):
@@ -167,8 +165,7 @@ class MoEConfig:
     implementation: str | None = None
     # routed experts of a decode step on the gather path (batch 1, k3jax/layers/moe_decode.py):
     # "pallas" is the fused GPU kernel (pallas_kernels/moe/kernel_gpu_decode.py; MXFP4 experts stay on
-    # "xla"); None picks it on a CUDA GPU where it takes the shapes, else "xla"; "pallas-fused" (opt-in,
-    # untimed) also runs the router and the rest of a LatentMoE layer as kernels (k3jax/layers/moe_decode_fused.py)
+    # "xla"); None picks it on a CUDA GPU where it takes the shapes, else "xla"
     decode_implementation: str | None = None
     # MoonEP (sharding/moonep.py): redundant copies of hot experts per layer on an expert-parallel
     # mesh (a multiple of the expert axis size), re-planned from QB's loads every placement_every steps.
@@ -190,8 +187,8 @@ class MoEConfig:
                  "latent_norm=True needs latent_dim (the norm acts on the latent)")
         _require(self.implementation in _IMPLEMENTATIONS,
                  f"implementation={self.implementation!r} must be one of {_IMPLEMENTATIONS}")
-        _require(self.decode_implementation in _DECODE_IMPLEMENTATIONS,
-                 f"decode_implementation={self.decode_implementation!r} must be one of {_DECODE_IMPLEMENTATIONS}")
+        _require(self.decode_implementation in _IMPLEMENTATIONS,
+                 f"decode_implementation={self.decode_implementation!r} must be one of {_IMPLEMENTATIONS}")
 
     @property
     def shared_width(self) -> int:

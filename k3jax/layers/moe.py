@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax import balance
 from k3jax.config import ModelConfig
-from k3jax.layers import moe_decode, moe_decode_fused, mxfp4
+from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
@@ -106,8 +106,7 @@ class MoE(nn.Module):
 
     cfg: ModelConfig
 
-    def _router(self, xt: Float[Array, "T D"], fused: bool = False) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
-        """``fused``: a decode step on ``moe_decode_fused``'s path, routed by its one kernel."""
+    def _router(self, xt: Float[Array, "T D"]) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
         cfg, m = self.cfg, self.cfg.moe
         wide = cfg.fp32_dtype
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
@@ -116,9 +115,6 @@ class MoE(nn.Module):
         # variables hold params and balance only; sown into an immutable collection (decode), the
         # statistics would be computed and dropped
         with_stats = not self.is_initializing() and self.is_mutable_collection("stats")
-        if fused and not with_stats:
-            return moe_decode_fused.route(xt, self._kernel("router").astype(wide), bias, top_k=m.top_k,
-                                          renormalize=m.renormalize, scaling=m.routed_scaling_factor)
         logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
         scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
         ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
@@ -150,9 +146,8 @@ class MoE(nn.Module):
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
             if path == "gather":  # the decode kernel takes plain weights; MXFP4 experts stay on XLA
                 plain = not any(isinstance(w, mxfp4.Mxfp4) for w in ws)
-                impl = "pallas" if m.decode_implementation == "pallas-fused" else m.decode_implementation
                 return moe_decode.gathered_experts(u.astype(dt), ids, weights, *ws, **act,
-                                                   implementation=impl if plain else "xla")
+                                                   implementation=m.decode_implementation if plain else "xla")
             return moe_decode.dense_experts(u.astype(dt), ids, weights, *ws, **act)
         # stacks stored in the compute dtype (bf16 working copies, serving): nothing to fuse a
         # [W1 | W3] concatenation into, so the gate and up products run apart (moe_ffn's gate_up)
@@ -173,49 +168,6 @@ class MoE(nn.Module):
             self.sow("stats", name, value)
         return y
 
-    def _fused_decode(self, tokens: int) -> bool:
-        """A decode call of ``tokens`` tokens that takes ``moe_decode_fused``'s kernels."""
-        m = self.cfg.moe
-        return (m.decode_implementation == "pallas-fused" and parallel_context() is None
-                and not self.is_initializing() and moe_decode.decode_path(tokens, m.top_k, m.num_experts) == "gather")
-
-    def _whole_layer_fusable(self, xt) -> bool:
-        """``moe_decode_fused.latent_moe`` applies: a normed latent, plain experts, x in the compute dtype."""
-        m = self.cfg.moe
-        return (m.latent_dim is not None and m.latent_norm and not self.has_variable(mxfp4.COLLECTION, "w1")
-                and xt.dtype == self.cfg.compute_dtype)
-
-    def _kernel(self, *path: str, transposed: bool = False) -> Array:
-        """A submodule's kernel read without calling it: ``decode``'s ``kernel_t`` where ``decode_layout``
-        put one (``transposed``: the output axis first either way), else ``params``' ``kernel``."""
-        if transposed and self.has_variable("decode", path[0]):
-            node = self.get_variable("decode", path[0])
-            for name in path[1:]:
-                node = node[name]
-            return node["kernel_t"]
-        node = nn.meta.unbox(self.get_variable("params", path[0]))
-        for name in path[1:]:
-            node = node[name]
-        return jnp.moveaxis(node["kernel"], -1, 0) if transposed else node["kernel"]
-
-    def _fused_latent_moe(self, xt: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        """The whole layer (router, latent experts, norm, ``up_proj``, shared experts) by
-        ``moe_decode_fused.latent_moe``, reading the variables of the modules it replaces."""
-        cfg, m = self.cfg, self.cfg.moe
-        dt, wide = cfg.compute_dtype, cfg.fp32_dtype
-        bias = jax.lax.stop_gradient(nn.meta.unbox(self.get_variable("balance", "bias")).astype(wide))
-        w1, w3, w2 = (w.astype(dt) for w in self._expert_weights())
-        shared = None
-        if m.num_shared_experts:
-            shared = (self._kernel("shared", "gate").astype(dt), self._kernel("shared", "up").astype(dt),
-                      self._kernel("shared", "down", transposed=True).astype(dt))
-        scale = nn.meta.unbox(self.get_variable("params", "latent_norm"))["scale"]
-        return moe_decode_fused.latent_moe(
-            xt, self._kernel("router").astype(wide), bias, self._kernel("down_proj").astype(dt), w1, w3, w2, scale,
-            self._kernel("up_proj", transposed=True).astype(dt), shared, top_k=m.top_k, renormalize=m.renormalize,
-            scaling=m.routed_scaling_factor, eps=cfg.rms_norm_eps, activation=cfg.mlp.activation,
-            situ_beta=cfg.mlp.situ_beta, situ_linear_beta=cfg.mlp.situ_linear_beta)
-
     def _placement(self) -> tuple[Int[Array, "R"], Float[Array, "R"]]:
         """The MoonEP plan (``balance`` collection; the train step re-plans from ``placement_loads``)."""
         m = self.cfg.moe
@@ -233,12 +185,8 @@ class MoE(nn.Module):
         cfg, m = self.cfg, self.cfg.moe
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
-        fused = decode and self._fused_decode(B * T)
-        if fused and self._whole_layer_fusable(xt):
-            with jax.named_scope("moe_fused"):
-                return self._fused_latent_moe(xt).reshape(B, T, D)
         with jax.named_scope("moe_route"):
-            ids, weights = self._router(xt, fused)
+            ids, weights = self._router(xt)
         if m.latent_dim is None:
             y = self._experts(xt, ids, weights, decode)  # [T, D]
         else:
