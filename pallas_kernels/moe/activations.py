@@ -74,42 +74,40 @@ def packed_gated_activation(
     """``gated_activation(g, u)`` of the packed product ``gu = [g | u]`` (last axis 2F), cast to
     ``out_dtype`` (default ``gu.dtype``).
 
-    The forward writes only the activation and keeps ``gu`` itself for the backward, which
-    recomputes the two partial derivatives ``∂a/∂g``, ``∂a/∂u`` in >= float32 and writes
-    ``[da·∂a/∂g | da·∂a/∂u]`` in ``gu.dtype`` in one pass (``_derivative_products``). Left to itself
-    XLA shares the backward's recomputation with the forward and has the forward write those terms
-    in float32; storing them in ``gu.dtype`` instead (stops 30–37) cost the forward two extra
-    ``[rows, F]`` writes and the backward the same reads as ``gu`` (1.6 GB per K3 MoE layer at
-    8 K tokens, ``benchmarks/layer_glue.py``); autodiff of two slices of ``gu`` adds two zero-padded
-    half-gradients, and ``jnp.split`` materialises both halves.
+    The forward pass also stores the activation's two partial derivatives ``∂a/∂g`` and ``∂a/∂u``
+    (computed in >= float32, stored in ``gu.dtype``), and the backward is one concatenate
+    ``[da·∂a/∂g | da·∂a/∂u]`` in ``gu.dtype``. Left to itself XLA shares the backward's
+    recomputation with the forward and has the forward write those terms in float32 (twice the
+    bytes; 0.46 + 0.49 ms per ``small()`` MoE layer on the H200, against 0.54 + 0.31 ms this way); autodiff of two slices of ``gu``
+    adds two zero-padded half-gradients, and ``jnp.split`` materialises both halves. In bf16 the
+    stored derivatives add one rounding (2⁻⁹ relative) before the gradient's own bf16 rounding.
     """
     F = gu.shape[-1] // 2
     a = gated_activation(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta)
     return a.astype(gu.dtype if out_dtype is None else out_dtype)
 
 
-def _derivative_products(g, u, da, activation, situ_beta, situ_linear_beta):
-    """``(da·∂a/∂g, da·∂a/∂u)`` in >= float32, with ``∂a/∂g``, ``∂a/∂u`` recomputed from ``g``, ``u``.
-
-    The barrier hides ``g``, ``u`` from XLA's common-subexpression pass, which would otherwise
-    share the recomputation with the forward and have the forward write its terms in float32."""
-    g, u = jax.lax.optimization_barrier((g, u))
+def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
+    """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
     fn = _activation_fn(activation, situ_beta, situ_linear_beta)
     one, zero = jnp.ones_like(g), jnp.zeros_like(g)
-    d_g = jax.jvp(fn, (g, u), (one, zero))[1]  # elementwise: the tangent is ∂a/∂g itself
+    a, d_g = jax.jvp(fn, (g, u), (one, zero))  # elementwise: the tangent is ∂a/∂g itself
     d_u = jax.jvp(fn, (g, u), (zero, one))[1]
-    da = da.astype(d_g.dtype)
-    return da * d_g, da * d_u
+    # the barrier keeps the stored dtype: XLA (excess precision allowed) would fold the cast pair
+    return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
 
 
 def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
-    return packed_gated_activation(gu, activation, situ_beta, situ_linear_beta, out_dtype), gu
-
-
-def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, gu, da):
     F = gu.shape[-1] // 2
-    dg, du = _derivative_products(gu[..., :F], gu[..., F:], da, activation, situ_beta, situ_linear_beta)
-    return (jnp.concatenate([dg, du], axis=-1).astype(gu.dtype),)
+    return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta,
+                             gu.dtype if out_dtype is None else out_dtype, gu.dtype)
+
+
+def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+    d_g, d_u = res
+    wide = jnp.promote_types(d_g.dtype, jnp.float32)
+    da = da.astype(wide)
+    return (jnp.concatenate([da * d_g.astype(wide), da * d_u.astype(wide)], axis=-1).astype(d_g.dtype),)
 
 
 packed_gated_activation.defvjp(_packed_fwd, _packed_bwd)
@@ -124,11 +122,10 @@ def split_gated_activation(
     out_dtype=None,
 ) -> Float[Array, "*B F"]:
     """``gated_activation(g, u)`` cast to ``out_dtype`` (default ``g.dtype``), with the backward of
-    ``packed_gated_activation`` for a gate and an up product made apart (the routed experts' split
-    path, the dense and shared MLPs): the forward keeps ``g`` and ``u``, the backward recomputes the
-    partial derivatives and writes the two input gradients. Autodiff kept seven float32 ``[T, F]``
-    terms instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens, ``benchmarks/bench_layer.py
-    --residuals``).
+    ``packed_gated_activation`` for a gate and an up product made apart (the dense and shared MLPs):
+    the forward stores ``∂a/∂g``, ``∂a/∂u`` in ``g.dtype`` and the backward is two products. Autodiff
+    kept seven float32 ``[T, F]`` terms instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens,
+    ``benchmarks/bench_layer.py --residuals``).
 
     Computed on ``[rows, F]`` views: on the ``[B, T, F]`` outputs of ``[B·T, D]`` GEMMs XLA (H200
     compile) wrote both ``tanh`` terms to fp32 ``[B·T, F]`` buffers in fusions of their own and read
@@ -148,13 +145,15 @@ def _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
 def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
     if g.shape != u.shape:
         raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
-    return _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype), (g, u)
+    return _with_derivatives(g, u, activation, situ_beta, situ_linear_beta,
+                             g.dtype if out_dtype is None else out_dtype, g.dtype)
 
 
 def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
-    g, u = res
-    dg, du = _derivative_products(g, u, da, activation, situ_beta, situ_linear_beta)
-    return dg.astype(g.dtype), du.astype(u.dtype)
+    d_g, d_u = res
+    wide = jnp.promote_types(d_g.dtype, jnp.float32)
+    da = da.astype(wide)
+    return (da * d_g.astype(wide)).astype(d_g.dtype), (da * d_u.astype(wide)).astype(d_u.dtype)
 
 
 _split_gated_rows.defvjp(_split_fwd, _split_bwd)
