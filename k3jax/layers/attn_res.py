@@ -213,8 +213,26 @@ def _mix_grads(groups, d, s, r, p, dh, wide):
     # Contracted without flattening [k, B, T] into rows: a reshape that merges the token axis split
     # over `sequence` with the others made XLA gather whole-length fp32 copies of the buffer
     # (K3 at 1 M tokens: f32[8·1·1048576, 7168], 240 GB per device).
-    dd = sum(jnp.einsum("kbt,kbtd->d", on_d[k], v.astype(wide)) for k, v in zip(rows, groups))
+    dd = sum(_weighted_column_sum(on_d[k], v, wide) for k, v in zip(rows, groups))
     return dgroups, dd
+
+
+def _weighted_column_sum(w: Float[Array, "k B T"], v: Float[Array, "k B T D"], wide) -> Float[Array, "D"]:
+    """``Σ_{k,b,t} w·v`` in ``wide``, reading ``v`` in its own dtype.
+
+    For a source narrower than ``wide`` the weights are split into three terms of ``v``'s dtype
+    (``w = w₁ + w₂ + w₃`` to about 24 bits, exact for float32 weights and bf16 terms) and all three
+    contract with ``v`` in one product (``[3, k·B·T] × [k·B·T, D]``, float32 accumulation). The plain
+    ``einsum`` with ``v.astype(wide)`` made XLA write every source widened to float32 for the GEMM
+    and read it back (per K3 layer at 8 K tokens, five ``f32[8192, 7168]`` copies, each read twice)."""
+    if jnp.dtype(v.dtype) == jnp.dtype(wide) or jnp.finfo(v.dtype).bits >= jnp.finfo(wide).bits:
+        return jnp.einsum("kbt,kbtd->d", w, v.astype(wide))
+    terms, rest = [], w.astype(wide)
+    for _ in range(3):
+        terms.append(rest.astype(v.dtype))
+        rest = rest - terms[-1].astype(wide)
+    split = jnp.einsum("jkbt,kbtd->jd", jnp.stack(terms), v, preferred_element_type=wide)
+    return jnp.sum(split, axis=0)
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)

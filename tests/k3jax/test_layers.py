@@ -290,3 +290,16 @@ def test_k2_mla_with_yarn_matches_transformers_deepseek_v3(tmp_path):
         y, _ = jax.jit(lambda p, x: MLA(cfg).apply({"params": p}, x, mutable=["stats"]))(params, r["x"])
         assert y.dtype == jnp.float64
     assert rel_rmse(y, r["out"]) <= F32_RTOL
+
+
+def test_attn_res_direction_gradient_reads_narrow_sources_as_they_are():
+    """With bf16 sources the direction's gradient contracts them in bf16 (no float32 copy of a
+    source feeds the product) and still equals the float32 contraction to float32 rounding."""
+    from k3jax.layers.attn_res import _weighted_column_sum
+
+    w = jnp.asarray(RNG.normal(size=(2, 1, 64)), jnp.float32)
+    v = jnp.asarray(RNG.normal(size=(2, 1, 64, 32)), jnp.bfloat16)
+    want = jnp.einsum("kbt,kbtd->d", w, v.astype(jnp.float32), precision="highest")
+    assert rel_rmse(_weighted_column_sum(w, v, jnp.float32), want) < 1e-6
+    hlo = jax.jit(lambda w, v: _weighted_column_sum(w, v, jnp.float32)).lower(w, v).as_text()
+    assert "tensor<2x1x64x32xf32>" not in hlo, "a float32 copy of the bf16 source was made"
