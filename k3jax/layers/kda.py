@@ -33,7 +33,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
-from k3jax.layers.gates import sigmoid_gate
 from k3jax.layers.linear import einsum, param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
@@ -260,8 +259,8 @@ class KDA(nn.Module):
             o, _ = chunk_kda(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
-        o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=cfg.fp32_dtype)(o)  # per head
-        o = sigmoid_gate(o, self._output_gate(projected), cfg.fp32_dtype, dt)  # [B, T, H, K]
+        # per-head RMSNorm and the output gate, one checkpointed region: [B, T, H, K] in dt
+        o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt)(o, gate=self._output_gate(projected))
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 

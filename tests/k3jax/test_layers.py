@@ -52,6 +52,28 @@ def test_rms_norm_backward_matches_autodiff_and_keeps_one_row_copy(dtype):
     assert kept == [(2, 6, 1)]
 
 
+def test_gated_rms_norm_equals_norm_then_gate_and_keeps_only_its_inputs():
+    """``gated_rms_norm`` == the norm followed by ``sigmoid_gate`` (values bitwise, gradients to
+    fp32 rounding), and its backward keeps only the arguments: no wide normed copy of ``x``."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from k3jax.layers.gates import sigmoid_gate
+    from k3jax.layers.norm import gated_rms_norm
+
+    x = jnp.asarray(RNG.normal(size=(2, 6, 3, 16)) * 3, jnp.bfloat16)
+    w = jnp.asarray(RNG.uniform(0.5, 1.5, size=16), jnp.float32)
+    z = jnp.asarray(RNG.normal(size=(2, 6, 3, 16)), jnp.bfloat16)
+    dy = jnp.asarray(RNG.normal(size=(2, 6, 3, 16)), jnp.float32)
+    fused = lambda x, w, z: gated_rms_norm(x, w, z, 1e-5, jnp.float32, jnp.bfloat16)
+    apart = lambda x, w, z: sigmoid_gate(rms_norm(x, w, 1e-5, jnp.float32), z, jnp.float32, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(fused(x, w, z), np.float32), np.asarray(apart(x, w, z), np.float32))
+    loss = lambda f: lambda x, w, z: jnp.sum(f(x, w, z).astype(jnp.float32) * dy)
+    for a, b in zip(jax.grad(loss(fused), argnums=(0, 1, 2))(x, w, z), jax.grad(loss(apart), argnums=(0, 1, 2))(x, w, z)):
+        assert a.dtype == b.dtype and rel_rmse(np.asarray(a, np.float64), np.asarray(b, np.float64)) <= 1e-2
+    kept = lambda f: [why for _, why in saved_residuals(loss(f), x, w, z) if why.startswith("output of")]
+    assert kept(fused) == [] and len(kept(apart)) == 2  # apart: the 1/rms rows and the wide normed x
+
+
 def test_decay_gates():
     z = jnp.asarray(RNG.normal(size=(1, 4, 2, 3)) * 3, jnp.float32)
     a_log = jnp.asarray(np.log([1.5, 12.0]), jnp.float32)
