@@ -115,7 +115,7 @@ def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_
             return step.lower(*inputs).compile().as_text()
 
 
-def compile_train(model: str, batch: int, seq: int, micro: int, remat: str) -> str:
+def compile_train(model: str, batch: int, seq: int, micro: int, remat: str, assignments=()) -> str:
     """Optimized HLO of ``Trainer._grads`` (the micro-batch scan of the loss gradient) for a device-less H200."""
     import jax
     import jax.numpy as jnp
@@ -123,7 +123,7 @@ def compile_train(model: str, batch: int, seq: int, micro: int, remat: str) -> s
 
     from k3jax.config import preset
     from k3jax.plan.topology import get_topology
-    from k3jax.train.config import DataConfig, TrainConfig
+    from k3jax.train.config import DataConfig, TrainConfig, override
     from k3jax.train.step import BATCH_KEYS, Trainer
     from pallas_kernels.target import compile_for
 
@@ -131,13 +131,15 @@ def compile_train(model: str, batch: int, seq: int, micro: int, remat: str) -> s
     one = SingleDeviceSharding(device)
     cfg = TrainConfig(model=preset(model), batch_size=batch, seq_len=seq, micro_batches=micro, remat=remat,
                       data=DataConfig(source="random"))
+    cfg = override(cfg, list(assignments))
     with compile_for(device):
         trainer = Trainer(cfg)
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), trainer.abstract_state())
         rows = {k: jax.ShapeDtypeStruct((batch, seq), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=one)
                 for k in BATCH_KEYS}
         with jax.default_device(device):
-            return jax.jit(trainer._grads).lower(state, rows).compile().as_text()
+            grads = jax.jit(trainer._grads, compiler_options=trainer.compiler_options)
+            return grads.lower(state, rows).compile().as_text()
 
 
 def report(rows: list[dict], bandwidth: float, top: int, per: int = 1) -> None:
@@ -182,11 +184,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --train: a TrainConfig override, as bench_train.py's (e.g. excess_precision=true)")
     p.add_argument("--group", action="store_true", help="sum the kernels of one source over the layers")
     a = p.parse_args(argv)
     if a.train:
         path = f"{a.from_hlo or a.hlo}_train_{a.train}.txt"
-        text = Path(path).read_text() if a.from_hlo else compile_train(a.train, a.batch, a.seq, a.micro, a.remat)
+        text = Path(path).read_text() if a.from_hlo else compile_train(a.train, a.batch, a.seq, a.micro, a.remat,
+                                                                                   a.assignments)
         if a.hlo:
             Path(path).write_text(text)
         print(f"== train {a.train}, {a.batch}x{a.seq} tokens in {a.micro} micro-batches, remat {a.remat}")

@@ -193,6 +193,12 @@ class TrainConfig:
     # matmul epilogue emits the logsumexp's partials; pallas_kernels.head_ce), or None: the kernel
     # where it runs (a Hopper GPU, bf16/f16 features, shapes its tiling divides), else XLA
     loss_implementation: str | None = None
+    # XLA's --xla_allow_excess_precision for the train step (its default: True). True lets the GPU
+    # compiler drop the bf16 roundings the model writes (f32 -> bf16 -> f32 pairs): it then keeps
+    # and re-reads fp32 copies of bf16 activations (AttnRes mixes, norm inputs), 17.9 GB more glue
+    # traffic per small() micro-batch of 8 x 4096 tokens (benchmarks/layer_glue.py --train small).
+    # False rounds where the code says, as the CPU backend always does (SPEC §10: bf16 activations).
+    excess_precision: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",

@@ -293,13 +293,18 @@ class Trainer:
 
         return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
+    @property
+    def compiler_options(self) -> dict[str, bool]:
+        """XLA options the train step compiles with (``TrainConfig.excess_precision``)."""
+        return {"xla_allow_excess_precision": self.cfg.excess_precision}
+
     def _build_step(self):
         """``jit(train_step)(state, batch, horizon)``: one program for every run length."""
         if self.shardings is None:
-            return jax.jit(self.train_step, donate_argnums=0)
+            return jax.jit(self.train_step, donate_argnums=0, compiler_options=self.compiler_options)
         s = self.shardings
         return jax.jit(self.train_step, donate_argnums=0, in_shardings=(s["state"], s["batch"], s["replicated"]),
-                       out_shardings=(s["state"], s["replicated"]))
+                       out_shardings=(s["state"], s["replicated"]), compiler_options=self.compiler_options)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted, donated step; ``state`` must not be used afterwards."""
