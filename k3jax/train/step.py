@@ -304,9 +304,13 @@ class Trainer:
         return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
     @property
-    def compiler_options(self) -> dict[str, bool]:
-        """XLA options the train step compiles with (``TrainConfig.excess_precision``)."""
-        return {"xla_allow_excess_precision": self.cfg.excess_precision}
+    def compiler_options(self) -> dict[str, bool | int]:
+        """XLA options the train step compiles with (``TrainConfig.excess_precision``,
+        ``dot_merger_threshold_mb``)."""
+        options = {"xla_allow_excess_precision": self.cfg.excess_precision}
+        if self.cfg.dot_merger_threshold_mb is not None:
+            options["xla_gpu_dot_merger_threshold_mb"] = self.cfg.dot_merger_threshold_mb
+        return options
 
     def _build_step(self):
         """``jit(train_step)(state, batch, horizon)``: one program for every run length."""

@@ -168,20 +168,23 @@ def test_pallas_loss_option_reaches_the_loss():
         jax.make_jaxpr(trainer._grads)(state, next(make_data(cfg)))
 
 
-@pytest.mark.parametrize("excess", [False, True])
-def test_step_compiles_with_the_configured_excess_precision(excess):
+@pytest.mark.parametrize("excess, merger", [(False, None), (True, 0)])
+def test_step_compiles_with_the_configured_xla_options(excess, merger):
     """``excess_precision`` (default False) reaches the step's XLA options: with XLA's default (True) the
     H200 compile of small()'s step keeps fp32 copies of bf16 activations, 17.9 GB more traffic a
-    micro-batch (``benchmarks/layer_glue.py --train small``); the CPU backend rounds either way."""
+    micro-batch (``benchmarks/layer_glue.py --train small``); the CPU backend rounds either way.
+    ``dot_merger_threshold_mb`` (default None: XLA's own) reaches them too."""
     cfg = toy.micro_train_config()
     if excess:
-        cfg = dataclasses.replace(cfg, excess_precision=True)
+        cfg = dataclasses.replace(cfg, excess_precision=True, dot_merger_threshold_mb=merger)
     else:
-        assert cfg.excess_precision is False
+        assert cfg.excess_precision is False and cfg.dot_merger_threshold_mb is None
     trainer = Trainer(cfg)
     batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
     lowered = trainer._jit_step.trace(trainer.abstract_state(), batch, trainer.horizon).lower()
-    assert dict(lowered._lowering._compiler_options_kvs)["xla_allow_excess_precision"] is excess
+    options = dict(lowered._lowering._compiler_options_kvs)
+    assert options["xla_allow_excess_precision"] is excess
+    assert options.get("xla_gpu_dot_merger_threshold_mb") == merger
 
 
 def test_head_is_cast_once_per_step_not_per_micro_batch():
