@@ -14,6 +14,13 @@ ranks the glue; the profile's device time is the measurement. GEMMs are cuBLAS c
 ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (the H200 profile's choice: nvjet kernels); the
 device-less default keeps them as Triton fusions that absorb their elementwise neighbours.
 ``--from-hlo`` re-reads HLO files written by ``--hlo``.
+
+``--train small`` lists instead the glue of the trainer's gradient accumulation (``Trainer._grads``:
+the ``lax.scan`` over ``--micro`` micro-batches of ``jax.grad`` of ``Trainer.loss``, fp32 parameters
+as the trainer holds them, ``segment_ids`` as its batches carry) for ``--batch`` rows of ``--seq``
+tokens: the glue of bench_train's step without the optimizer, reported per micro-batch.
+
+    ... python3 benchmarks/layer_glue.py --train small --batch 64 --seq 4096 --micro 8 --hlo /tmp/train
 """
 
 from __future__ import annotations
@@ -40,6 +47,20 @@ def _operands(rest: str) -> str:
     return rest
 
 
+def _read_bytes(body: list) -> dict[int, int]:
+    """``{parameter number: bytes}`` for a fusion's parameters that only gathers and dynamic slices
+    read (as their first operand): those read what they return, not the whole operand (the head's
+    ``take_along_axis`` of one logit a row from ``[4096, 163840]`` fp32 logits)."""
+    params = {inst: int(re.match(r"(\d+)", rest).group(1)) for inst, op, rest, _ in body if op == "parameter"}
+    users: dict[str, list] = {inst: [] for inst in params}
+    for _, op, rest, shape in body:
+        for i, o in enumerate(re.findall(r"%([\w.-]+)", _operands(rest))):
+            if o in users:
+                users[o].append((op, i, shape))
+    return {params[inst]: sum(shape_bytes(shape) for _, _, shape in uses) for inst, uses in users.items()
+            if uses and all(op in ("gather", "dynamic-slice") and i == 0 for op, i, _ in uses)}
+
+
 def glue(text: str) -> list[dict]:
     """The non-GEMM, non-custom-call kernels of ENTRY and the loops it runs, with bytes, largest first."""
     comps, entry = computations(text)
@@ -62,7 +83,9 @@ def glue(text: str) -> list[dict]:
                 if kind == "gemm" or kind.startswith("custom-call") or any(o == "custom-call" for _, o, _, _ in body):
                     continue  # GEMMs, kernels, and fusions around them (a cuBLAS call in a dynamic-slice fusion)
                 operands = re.findall(r"%([\w.-]+)", _operands(rest))
-                out_b, in_b = shape_bytes(shape), sum(shape_bytes(shapes.get(o, "")) for o in operands)
+                read = _read_bytes(body)
+                out_b = shape_bytes(shape)
+                in_b = sum(read.get(i, shape_bytes(shapes.get(o, ""))) for i, o in enumerate(operands))
                 if body and {o for _, o, _, _ in body} <= {"parameter", "slice", "bitcast"}:
                     in_b = out_b  # a slice reads only what it writes
                 op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -92,13 +115,57 @@ def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_
             return step.lower(*inputs).compile().as_text()
 
 
-def report(rows: list[dict], bandwidth: float, top: int) -> None:
-    total = sum(r["bytes"] for r in rows)
-    print(f"{len(rows)} glue kernels, {total / 1e9:.2f} GB, {total / bandwidth * 1e3:.2f} ms at {bandwidth / 1e12:.1f} TB/s")
+def compile_train(model: str, batch: int, seq: int, micro: int, remat: str, assignments=()) -> str:
+    """Optimized HLO of ``Trainer._grads`` (the micro-batch scan of the loss gradient) for a device-less H200."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from k3jax.config import preset
+    from k3jax.plan.topology import get_topology
+    from k3jax.train.config import DataConfig, TrainConfig, override
+    from k3jax.train.step import BATCH_KEYS, Trainer
+    from pallas_kernels.target import compile_for
+
+    device = get_topology("h200:1x1").devices[0]
+    one = SingleDeviceSharding(device)
+    cfg = TrainConfig(model=preset(model), batch_size=batch, seq_len=seq, micro_batches=micro, remat=remat,
+                      data=DataConfig(source="random"))
+    cfg = override(cfg, list(assignments))
+    with compile_for(device):
+        trainer = Trainer(cfg)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), trainer.abstract_state())
+        rows = {k: jax.ShapeDtypeStruct((batch, seq), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=one)
+                for k in BATCH_KEYS}
+        with jax.default_device(device):
+            grads = jax.jit(trainer._grads, compiler_options=trainer.compiler_options)
+            return grads.lower(state, rows).compile().as_text()
+
+
+def report(rows: list[dict], bandwidth: float, top: int, per: int = 1) -> None:
+    """The ``top`` rows; bytes and times divided by ``per`` (micro-batches)."""
+    total = sum(r["bytes"] for r in rows) / per
+    kernels = sum(r["count"] for r in rows) / per
+    print(f"{kernels:.0f} glue kernels in {len(rows)} rows, {total / 1e9:.2f} GB, {total / bandwidth * 1e3:.2f} ms at {bandwidth / 1e12:.1f} TB/s"
+          + (f" per micro-batch (of {per})" if per > 1 else ""))
     for r in rows[:top]:
         where = re.sub(r"^.*?(jvp\(|transpose\()", r"\1", r["op_name"])[-90:]
-        print(f"{r['bytes'] / 1e6:9.1f} MB {r['bytes'] / bandwidth * 1e3:6.3f} ms  {r['kind']:13s} "
+        n = f"{len(r['layers'])}L" if "layers" in r else f"{r['count'] // per}x"
+        print(f"{r['bytes'] / per / 1e6:9.1f} MB {r['bytes'] / per / bandwidth * 1e3:6.3f} ms {n:>4s} {r['kind'][7:]:7s} "
               f"{r['out'][:44]:44s} {where}")
+
+
+def groups(rows: list[dict]) -> list[dict]:
+    """Rows with the same source (``op_name`` with layer numbers as ``layers_N``), kind and output
+    shape summed, largest first: ``count`` kernels, ``layers`` distinct layers."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (re.sub(r"layers_\d+", "layers_N", r["op_name"]), r["kind"], r["out"])
+        g = out.setdefault(key, {**r, "op_name": key[0], "bytes": 0, "count": 0, "layers": set()})
+        g["bytes"] += r["bytes"]
+        g["count"] += r["count"]
+        g["layers"].update(re.findall(r"layers_(\d+)", r["op_name"])[:1])
+    return sorted(out.values(), key=lambda g: -g["bytes"])
 
 
 def main(argv=None) -> int:
@@ -113,7 +180,24 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--hlo", default=None, help="write the optimized HLO to PREFIX_<kind>.txt")
     p.add_argument("--from-hlo", default=None, help="read PREFIX_<kind>.txt written before (no compile)")
+    p.add_argument("--train", default=None, metavar="PRESET", help="the trainer's micro-batch scan of PRESET instead")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --train: a TrainConfig override, as bench_train.py's (e.g. excess_precision=true)")
+    p.add_argument("--group", action="store_true", help="sum the kernels of one source over the layers")
     a = p.parse_args(argv)
+    if a.train:
+        path = f"{a.from_hlo or a.hlo}_train_{a.train}.txt"
+        text = Path(path).read_text() if a.from_hlo else compile_train(a.train, a.batch, a.seq, a.micro, a.remat,
+                                                                                   a.assignments)
+        if a.hlo:
+            Path(path).write_text(text)
+        print(f"== train {a.train}, {a.batch}x{a.seq} tokens in {a.micro} micro-batches, remat {a.remat}")
+        rows = glue(text)
+        report(groups(rows) if a.group else rows, a.bandwidth, a.top, per=a.micro)
+        return 0
     for kind in a.kinds.split(","):
         if a.from_hlo:
             text = Path(f"{a.from_hlo}_{kind}.txt").read_text()

@@ -193,11 +193,25 @@ class TrainConfig:
     # matmul epilogue emits the logsumexp's partials; pallas_kernels.head_ce), or None: the kernel
     # where it runs (a Hopper GPU, bf16/f16 features, shapes its tiling divides), else XLA
     loss_implementation: str | None = None
+    # XLA's --xla_allow_excess_precision for the train step (its default: True). True lets the GPU
+    # compiler drop the bf16 roundings the model writes (f32 -> bf16 -> f32 pairs): it then keeps
+    # and re-reads fp32 copies of bf16 activations (AttnRes mixes, norm inputs), 17.9 GB more glue
+    # traffic per small() micro-batch of 8 x 4096 tokens (benchmarks/layer_glue.py --train small).
+    # False rounds where the code says, as the CPU backend always does (SPEC §10: bf16 activations).
+    excess_precision: bool = False
+    # XLA's --xla_gpu_dot_merger_threshold_mb for the train step (None: XLA's default). XLA's GPU
+    # dot merger joins products that share an operand into one GEMM by concatenating the others:
+    # for the weight gradients those are activations (bf16[32768,1728] copies a KDA layer, the
+    # shared experts' and MLA's projections), 13.4 GB of copies per small() micro-batch; 0 turns
+    # it off (121 more, smaller cuBLAS calls a micro-batch: a trade only the GPU can time).
+    dot_merger_threshold_mb: int | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
                      "max_consecutive_nonfinite", "loss_chunk"):
             _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        _require(self.dot_merger_threshold_mb is None or self.dot_merger_threshold_mb >= 0,
+                 f"dot_merger_threshold_mb={self.dot_merger_threshold_mb} must be None or >= 0")
         _require(self.batch_size % self.micro_batches == 0,
                  f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")
         _require(self.loss_logits_dtype in LOSS_LOGITS_DTYPES,

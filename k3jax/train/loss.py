@@ -75,7 +75,8 @@ def _chunk_ce(f, head, y, m, logits_dtype, implementation, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"], labels: Int[Array, "B T"],
                        mask: Float[Array, "B T"], chunk: int = 4096, logits_dtype: str | None = None,
-                       implementation: str | None = None, interpret: bool = False) -> Float[Array, ""]:
+                       implementation: str | None = None, interpret: bool = False,
+                       narrow_head: Float[Array, "D V"] | None = None) -> Float[Array, ""]:
     """``Σ_{b,t} mask · CE(softmax(features @ head), labels)`` in fp32, ``chunk`` tokens at a time.
 
     ``features`` are the final-norm outputs in the compute dtype; ``head`` is ``W_head [D, V]``
@@ -87,25 +88,39 @@ def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"
     logsumexp's partials from one Mosaic GPU kernel, ``pallas_kernels.head_ce``; Hopper only, or
     ``interpret=True`` on CPU) or None (default: the kernel where it runs, else XLA; on the H200
     small()'s 8-micro-batch train step takes 1.885 s with it against 1.961 s, benchmarks/RESULTS.md).
+    ``narrow_head``: ``head`` already cast to the features' dtype (gets no gradient; ``head``'s
+    gradient is the same): the trainer casts the fp32 head once per step instead of once per
+    micro-batch (small(): 1.0 GB of traffic a micro-batch, ``benchmarks/layer_glue.py --train``).
     """
     logits_dtype, implementation = _logits_dtype(logits_dtype), _implementation(implementation)
     fs, ys, ms, _ = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
+    w = _narrow(head, features.dtype, narrow_head)
 
     def one(args):
         f, y, m = args
-        return _chunk_ce(f, head, y, m, logits_dtype, implementation, interpret)[1]
+        return _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)[1]
 
     return jnp.sum(jax.lax.map(one, (fs, ys, ms)))
 
 
-def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, interpret):
+def _narrow(head, dtype, narrow_head):
+    """``head`` in ``dtype``: ``narrow_head`` when given (checked), else cast here."""
+    if narrow_head is None:
+        return head.astype(dtype)
+    if narrow_head.shape != head.shape or narrow_head.dtype != dtype:
+        raise ValueError(f"narrow_head must be head {head.shape} in the features' dtype {jnp.dtype(dtype)}, "
+                         f"got {narrow_head.shape} {narrow_head.dtype}")
+    return narrow_head
+
+
+def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, interpret, narrow_head=None):
     logits_dtype, implementation = _logits_dtype(logits_dtype), _implementation(implementation)
     fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
     ms = ms.astype(_wide(features.dtype))
     # The barrier makes the cast happen once: XLA otherwise re-casts the [D, V] head inside every
     # chunk of the loop (8 times per small() step on the H200).
-    w = jax.lax.optimization_barrier(head.astype(features.dtype))
+    w = jax.lax.optimization_barrier(_narrow(head, features.dtype, narrow_head))
     wide = _wide(features.dtype)
 
     def one(d_head, args):
@@ -129,7 +144,7 @@ def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, inte
 def _bwd(chunk, logits_dtype, implementation, interpret, res, ct):
     d_features, d_head, mask, head_like = res
     return ((ct * d_features).astype(d_features.dtype), (ct * d_head).astype(head_like.dtype), None,
-            jnp.zeros_like(mask))
+            jnp.zeros_like(mask), None)
 
 
 head_cross_entropy.defvjp(_fwd, _bwd)

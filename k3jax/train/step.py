@@ -159,29 +159,38 @@ class Trainer:
         return sharding.use_mesh(self.mesh, self.shardings["rules"])
 
     # ---------------------------------------------------------------- loss
-    def _head_ce(self, features, model_params, labels, mask):
+    def _head_ce(self, features, model_params, labels, mask, narrow_head=None):
         """The fused head + CE sum; on a mesh each device walks only its own tokens (under plain
         jit XLA would gather the token-sharded features and run the head for the whole batch on
-        every device)."""
+        every device). ``narrow_head``: the head already in the compute dtype (`_narrow_head`)."""
         head = self._head(model_params)
         if self.mesh is None:
             return head_cross_entropy(features, head, labels, mask, self.cfg.loss_chunk, self.cfg.loss_logits_dtype,
-                                      self.cfg.loss_implementation)
+                                      self.cfg.loss_implementation, False, narrow_head)
         from sharding.reduce import head_cross_entropy_sharded
 
         return head_cross_entropy_sharded(features, head, labels, mask, self.cfg.loss_chunk,
                                           logits_dtype=self.cfg.loss_logits_dtype,
                                           implementation=self.cfg.loss_implementation)
 
-    def loss(self, params, balance, batch, denom, mtp_denoms):
-        """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts."""
+    def _narrow_head(self, params):
+        """The head in the compute dtype, cast once per step for every micro-batch's loss (without a
+        mesh; None on one: the sharded loss casts its own). No gradient flows through it: the
+        loss's gradient reaches the fp32 head itself (`head_cross_entropy`)."""
+        if self.mesh is not None:
+            return None
+        return jax.lax.stop_gradient(self._head(params["model"]).astype(self.cfg.model.compute_dtype))
+
+    def loss(self, params, balance, batch, denom, mtp_denoms, narrow_head=None):
+        """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts.
+        ``narrow_head``: `_narrow_head` of ``params`` (None: cast here)."""
         mcfg = self.cfg.model
         seg = batch["segment_ids"]
         mask = batch["loss_mask"].astype(jnp.float32)
         variables = {"params": params["model"], "balance": balance["model"]}
         (features, hidden), mut = self.model.apply(variables, batch["tokens"], segment_ids=seg,
                                                    method="features", mutable=["stats"])
-        ce = self._head_ce(features, params["model"], batch["labels"], mask)
+        ce = self._head_ce(features, params["model"], batch["labels"], mask, narrow_head)
         stats = {"model": st.combine_stats(mut.get("stats", {}))}
         objective = ce / denom
         mtp_ce = []
@@ -192,7 +201,7 @@ class Trainer:
             weight = mcfg.mtp.loss_weight / mcfg.mtp.num_layers
             for j, depth_features in enumerate(all_features, start=1):
                 _, target, depth_mask = mtp_targets(batch["labels"], mask, seg, j)
-                mtp_ce.append(self._head_ce(depth_features, params["model"], target, depth_mask))
+                mtp_ce.append(self._head_ce(depth_features, params["model"], target, depth_mask, narrow_head))
                 objective = objective + weight * mtp_ce[-1] / mtp_denoms[j - 1]
             stats["mtp"] = st.combine_stats(mut.get("stats", {}))
         aux = {"ce": ce, "mtp_ce": jnp.stack(mtp_ce) if mtp_ce else jnp.zeros([0]), "stats": stats}
@@ -206,9 +215,10 @@ class Trainer:
         mtp_denoms = [jnp.maximum(jnp.sum(mtp_targets(batch["labels"], mask, batch["segment_ids"], j)[2]), 1.0)
                       for j in range(1, cfg.model.mtp.num_layers + 1)]
         grad_fn = jax.grad(self.loss, has_aux=True)
+        narrow_head = self._narrow_head(state.params)  # outside the micro-batch scan: one cast a step
 
         def one(mb):
-            return grad_fn(state.params, state.balance, mb, denom, mtp_denoms)
+            return grad_fn(state.params, state.balance, mb, denom, mtp_denoms, narrow_head)
 
         if cfg.micro_batches == 1:
             return one(batch), denom, mtp_denoms
@@ -293,13 +303,22 @@ class Trainer:
 
         return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
+    @property
+    def compiler_options(self) -> dict[str, bool | int]:
+        """XLA options the train step compiles with (``TrainConfig.excess_precision``,
+        ``dot_merger_threshold_mb``)."""
+        options = {"xla_allow_excess_precision": self.cfg.excess_precision}
+        if self.cfg.dot_merger_threshold_mb is not None:
+            options["xla_gpu_dot_merger_threshold_mb"] = self.cfg.dot_merger_threshold_mb
+        return options
+
     def _build_step(self):
         """``jit(train_step)(state, batch, horizon)``: one program for every run length."""
         if self.shardings is None:
-            return jax.jit(self.train_step, donate_argnums=0)
+            return jax.jit(self.train_step, donate_argnums=0, compiler_options=self.compiler_options)
         s = self.shardings
         return jax.jit(self.train_step, donate_argnums=0, in_shardings=(s["state"], s["batch"], s["replicated"]),
-                       out_shardings=(s["state"], s["replicated"]))
+                       out_shardings=(s["state"], s["replicated"]), compiler_options=self.compiler_options)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """The jitted, donated step; ``state`` must not be used afterwards."""

@@ -100,3 +100,19 @@ def _dot_operand_dtypes(jaxpr) -> list:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             out.extend(_dot_operand_dtypes(sub))
     return out
+
+
+def test_narrow_head_gives_the_same_bits_and_is_checked():
+    """A head cast beforehand (the trainer casts it once per step) gives the loss and the gradients
+    of the head cast inside, bit for bit; a head of the wrong dtype is named."""
+    f, w, y, m = _inputs(jnp.float32)
+    f = f.astype(jnp.bfloat16)
+    narrow = w.astype(jnp.bfloat16)
+    inside = jax.value_and_grad(lambda f, w: head_cross_entropy(f, w, y, m, 4), argnums=(0, 1))(f, w)
+    outside = jax.value_and_grad(lambda f, w: head_cross_entropy(f, w, y, m, 4, narrow_head=narrow),
+                                 argnums=(0, 1))(f, w)
+    for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
+        assert a.dtype == b.dtype and bool(jnp.all(a == b))
+    assert float(head_cross_entropy(f, w, y, m, 4, narrow_head=narrow)) == float(inside[0])
+    with pytest.raises(ValueError, match="narrow_head"):
+        head_cross_entropy(f, w, y, m, 4, narrow_head=w)

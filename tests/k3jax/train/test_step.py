@@ -166,3 +166,38 @@ def test_pallas_loss_option_reaches_the_loss():
     state = trainer.init_state(jax.random.key(0))
     with pytest.raises(ValueError, match="Hopper GPU or interpret=True"):
         jax.make_jaxpr(trainer._grads)(state, next(make_data(cfg)))
+
+
+@pytest.mark.parametrize("excess, merger", [(False, None), (True, 0)])
+def test_step_compiles_with_the_configured_xla_options(excess, merger):
+    """``excess_precision`` (default False) reaches the step's XLA options: with XLA's default (True) the
+    H200 compile of small()'s step keeps fp32 copies of bf16 activations, 17.9 GB more traffic a
+    micro-batch (``benchmarks/layer_glue.py --train small``); the CPU backend rounds either way.
+    ``dot_merger_threshold_mb`` (default None: XLA's own) reaches them too."""
+    cfg = toy.micro_train_config()
+    if excess:
+        cfg = dataclasses.replace(cfg, excess_precision=True, dot_merger_threshold_mb=merger)
+    else:
+        assert cfg.excess_precision is False and cfg.dot_merger_threshold_mb is None
+    trainer = Trainer(cfg)
+    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
+    lowered = trainer._jit_step.trace(trainer.abstract_state(), batch, trainer.horizon).lower()
+    options = dict(lowered._lowering._compiler_options_kvs)
+    assert options["xla_allow_excess_precision"] is excess
+    assert options.get("xla_gpu_dot_merger_threshold_mb") == merger
+
+
+def test_head_is_cast_once_per_step_not_per_micro_batch():
+    """The fp32 head's cast to the compute dtype sits outside the micro-batch scan (small(): 1.0 GB of
+    traffic a micro-batch on the H200, ``benchmarks/layer_glue.py --train small``)."""
+    cfg = dataclasses.replace(toy.micro_train_config(), micro_batches=2, loss_chunk=48)  # [D, V] ≠ [chunk, V]
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=80))  # ≠ hidden, to spot the head
+    trainer = Trainer(cfg)
+    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
+    jaxpr = jax.make_jaxpr(trainer._grads)(trainer.abstract_state(), batch).jaxpr
+    head_shape = (cfg.model.hidden, cfg.model.vocab_size)
+    casts = lambda eqns: [e for e in eqns if e.primitive.name == "convert_element_type"
+                          and e.outvars[0].aval.shape == head_shape and e.outvars[0].aval.dtype == cfg.model.compute_dtype]
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(casts(jaxpr.eqns)) == 1
+    assert not casts(_eqns(scan.params["jaxpr"].jaxpr))
