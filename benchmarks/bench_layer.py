@@ -184,32 +184,43 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> dict:
+EXCESS_PRECISION = {"xla": True, "false": False}  # --excess-precision: XLA's default, the train step's
+
+
+def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> list[dict]:
+    """One row per ``--excess-precision`` variant, the variants timed interleaved in this process."""
     loss, inputs, index = make_case(cfg, kind, tokens, remat, jax.random.key(tokens))
     params, stream, _ = inputs
-    row = {"kind": kind, "index": index, "tokens": tokens, "remat": remat, "param_dtype": str(cfg.param_dtype),
-           "stored_blocks": len(stream.stored), "flops": layer_flops(cfg, params, kind, tokens)}
-    row["activation_gib"] = activation_bytes(loss, inputs) / GiB
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    t0 = time.perf_counter()
-    compiled = step.lower(*inputs).compile()
-    row["compile_s"] = round(time.perf_counter() - t0, 1)
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        row["compiled_temp_gib"] = mem.temp_size_in_bytes / GiB
+    base = {"kind": kind, "index": index, "tokens": tokens, "remat": remat, "param_dtype": str(cfg.param_dtype),
+            "stored_blocks": len(stream.stored), "flops": layer_flops(cfg, params, kind, tokens)}
+    base["activation_gib"] = activation_bytes(loss, inputs) / GiB
     held = measured_activation_bytes(loss, inputs) if tokens <= args.measure_tokens else None
     if held is not None:
-        row["measured_activation_gib"], row["measured_growth_gib"] = held[0] / GiB, held[1] / GiB
-    row["ms"] = timeit_interleaved({"step": (compiled, inputs)}, reps=args.reps, min_ms=1.0)["step"]
+        base["measured_activation_gib"], base["measured_growth_gib"] = held[0] / GiB, held[1] / GiB
+    rows, calls = {}, {}
+    for variant in args.excess_precision:
+        row = dict(base, excess_precision=variant)
+        t0 = time.perf_counter()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*inputs).compile(
+            compiler_options={"xla_allow_excess_precision": EXCESS_PRECISION[variant]})
+        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            row["compiled_temp_gib"] = mem.temp_size_in_bytes / GiB
+        rows[variant], calls[variant] = row, (compiled, inputs)
+    ms = timeit_interleaved(calls, reps=args.reps, min_ms=1.0)
     stats = jax.devices()[0].memory_stats()
-    if stats:
-        row["peak_so_far_gib"] = stats["peak_bytes_in_use"] / GiB
-    row["tflops"] = row["flops"] / row["ms"] / 1e9
     peak = peak_flops(args.peak_flops)
-    row["mfu"] = None if peak is None else row["flops"] / (row["ms"] * 1e-3) / peak
-    if args.profile and tokens == min(args.tokens):
-        row["breakdown"] = breakdown(compiled, inputs, os.path.join(args.profile, f"{kind}_{remat}"))
-    return row
+    for variant, row in rows.items():
+        row["ms"] = ms[variant]
+        if stats:
+            row["peak_so_far_gib"] = stats["peak_bytes_in_use"] / GiB
+        row["tflops"] = row["flops"] / row["ms"] / 1e9
+        row["mfu"] = None if peak is None else row["flops"] / (row["ms"] * 1e-3) / peak
+        if args.profile and tokens == min(args.tokens):
+            row["breakdown"] = breakdown(calls[variant][0], inputs,
+                                         os.path.join(args.profile, f"{kind}_{remat}_{variant}"))
+    return list(rows.values())
 
 
 def main() -> None:
@@ -230,8 +241,15 @@ def main() -> None:
                    help="trace 2 steps of each case at the smallest token count; print the device time per kernel")
     p.add_argument("--residuals", action="store_true",
                    help="only trace each case for an H200 (any host, nothing allocated) and list what its backward keeps")
+    p.add_argument("--excess-precision", default="xla",
+                   help="comma list of XLA's xla_allow_excess_precision settings to compile with, timed "
+                        "interleaved: xla (XLA's default, True), false (the train step's default, "
+                        "TrainConfig.excess_precision); e.g. xla,false for an A/B")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    a.excess_precision = a.excess_precision.split(",")
+    if not set(a.excess_precision) <= set(EXCESS_PRECISION):
+        p.error(f"--excess-precision={','.join(a.excess_precision)} must list values of {sorted(EXCESS_PRECISION)}")
     a.tokens = [int(t) for t in a.tokens.split(",")]
     cfg = layer_config(a.model, a.local_experts, a.top_k, a.param_dtype)
     if a.residuals:
@@ -250,12 +268,13 @@ def main() -> None:
         for kind in a.kinds.split(","):
             for remat in reversed(a.remat.split(",")):
                 try:
-                    row = run_case(a, cfg, kind, tokens, remat)
+                    rows = run_case(a, cfg, kind, tokens, remat)
                 except Exception as ex:  # noqa: BLE001 (an out-of-memory case is recorded, the rest still run)
                     traceback.print_exc()
-                    row = {"kind": kind, "tokens": tokens, "remat": remat, "error": repr(ex)[:400]}
-                result["cases"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
+                    rows = [{"kind": kind, "tokens": tokens, "remat": remat, "error": repr(ex)[:400]}]
+                result["cases"] += rows
+                for row in rows:
+                    print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
                 if a.out:
                     with open(a.out, "w") as f:
                         json.dump(result, f, indent=1)
@@ -263,14 +282,14 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    print("| kind | T | remat | ms | TFLOP/s | MFU | activations GiB (saved / measured) | temp GiB | peak so far GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| kind | T | remat | excess precision | ms | TFLOP/s | MFU | activations GiB (saved / measured) | temp GiB | peak so far GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["cases"]:
         if "error" in r:
             print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | error: {r['error'][:80]} |")
             continue
         f = lambda k, fmt="{:.2f}": "–" if r.get(k) is None else fmt.format(r[k])
-        print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | {f('ms')} | {f('tflops', '{:.0f}')} | "
+        print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | {r['excess_precision']} | {f('ms')} | {f('tflops', '{:.0f}')} | "
               f"{f('mfu', '{:.1%}')} | {f('activation_gib')} / {f('measured_activation_gib')} | "
               f"{f('compiled_temp_gib')} | {f('peak_so_far_gib')} |")
 
