@@ -205,6 +205,11 @@ class TrainConfig:
     # shared experts' and MLA's projections), 13.4 GB of copies per small() micro-batch; 0 turns
     # it off (121 more, smaller cuBLAS calls a micro-batch: a trade only the GPU can time).
     dot_merger_threshold_mb: int | None = None
+    # Cast the fp32 MoE expert stacks to the compute dtype once per step instead of in every
+    # micro-batch (Trainer._narrow_experts; same gradient bits). Stored narrow, the layers take
+    # moe_ffn's split gate/up path: no [W1 | W3] copy and no casts (small(): -2.9 GB of glue a
+    # micro-batch, device-less) but three half-width grouped matmuls for two (untimed, opt-in).
+    narrow_experts: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",

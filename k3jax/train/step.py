@@ -41,6 +41,7 @@ from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
 from k3jax.train.schedule import Horizon, learning_rate, make_horizon
 
 BATCH_KEYS = ("tokens", "segment_ids", "labels", "loss_mask")
+EXPERT_STACKS = ("w1", "w3", "w2")  # the MoE layers' [E, in, out] parameters (docs/params.md)
 _INIT_TOKENS = 64  # parameter shapes do not depend on T; keep init cheap
 
 
@@ -181,6 +182,19 @@ class Trainer:
             return None
         return jax.lax.stop_gradient(self._head(params["model"]).astype(self.cfg.model.compute_dtype))
 
+    def _narrow_experts(self, params):
+        """``params`` with the MoE expert stacks (``w1``, ``w3``, ``w2``) cast to the compute dtype, once
+        per step for every micro-batch (``TrainConfig.narrow_experts``, without a mesh; else ``params``
+        as they are). The layers
+        cast them anyway; stored narrow they take ``moe_ffn``'s split gate/up path (bitwise the
+        packed ``[W1 | W3]`` product) with no per-micro-batch cast or ``[W1 | W3]`` copy. Their
+        gradients come back in the compute dtype: `_grads` widens them, as the cast's transpose did."""
+        if self.cfg.narrow_experts and self.mesh is None:
+            dt = self.cfg.model.compute_dtype
+            narrow = lambda path, p: p.astype(dt) if getattr(path[-1], "key", None) in EXPERT_STACKS else p
+            return jax.tree_util.tree_map_with_path(narrow, params)
+        return params
+
     def loss(self, params, balance, batch, denom, mtp_denoms, narrow_head=None):
         """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts.
         ``narrow_head``: `_narrow_head` of ``params`` (None: cast here)."""
@@ -216,9 +230,11 @@ class Trainer:
                       for j in range(1, cfg.model.mtp.num_layers + 1)]
         grad_fn = jax.grad(self.loss, has_aux=True)
         narrow_head = self._narrow_head(state.params)  # outside the micro-batch scan: one cast a step
+        params = self._narrow_experts(state.params)
 
         def one(mb):
-            return grad_fn(state.params, state.balance, mb, denom, mtp_denoms, narrow_head)
+            grads, aux = grad_fn(params, state.balance, mb, denom, mtp_denoms, narrow_head)
+            return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params), aux
 
         if cfg.micro_batches == 1:
             return one(batch), denom, mtp_denoms

@@ -190,7 +190,8 @@ def test_step_compiles_with_the_configured_xla_options(excess, merger):
 def test_head_is_cast_once_per_step_not_per_micro_batch():
     """The fp32 head's cast to the compute dtype sits outside the micro-batch scan (small(): 1.0 GB of
     traffic a micro-batch on the H200, ``benchmarks/layer_glue.py --train small``)."""
-    cfg = dataclasses.replace(toy.micro_train_config(), micro_batches=2, loss_chunk=48)  # [D, V] ≠ [chunk, V]
+    cfg = dataclasses.replace(toy.micro_train_config(), micro_batches=2, loss_chunk=48,  # [D, V] ≠ [chunk, V]
+                              narrow_experts=True)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=80))  # ≠ hidden, to spot the head
     trainer = Trainer(cfg)
     batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
@@ -201,3 +202,28 @@ def test_head_is_cast_once_per_step_not_per_micro_batch():
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert len(casts(jaxpr.eqns)) == 1
     assert not casts(_eqns(scan.params["jaxpr"].jaxpr))
+    # the expert stacks too (`Trainer._narrow_experts`): no cast of a stack parameter inside the scan
+    # (the weight gradients' casts remain)
+    E, L, F = cfg.model.moe.num_experts, cfg.model.moe_width, cfg.model.moe.expert_intermediate
+    stack = lambda e: (e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float32
+                       and e.outvars[0].aval.shape in ((E, L, F), (E, F, L)))
+    body = scan.params["jaxpr"].jaxpr
+    assert [e for e in jaxpr.eqns if stack(e)]
+    assert not [e for e in body.eqns if stack(e) and e.invars[0] in set(body.invars)]  # casts of the params
+
+
+def test_expert_stacks_cast_once_per_step_give_the_same_gradients():
+    """`_grads` casts the fp32 expert stacks to the compute dtype once per step (the layers then take
+    the split gate/up path; ``narrow_experts=True``) and gives the bits of the gradient of the loss on
+    the fp32 stacks (the packed ``[W1 | W3]`` path, cast in every micro-batch), in the parameters' dtypes."""
+    cfg = dataclasses.replace(toy.micro_train_config(), narrow_experts=True)
+    trainer = Trainer(cfg)
+    state = trainer.init_state(jax.random.key(0))
+    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
+    (grads, _), denom, mtp_denoms = jax.jit(trainer._grads)(state, batch)
+    want, _ = jax.jit(jax.grad(trainer.loss, has_aux=True))(state.params, state.balance, batch, denom, mtp_denoms)
+    stacks = [p for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0] if p[-1].key in ("w1", "w3", "w2")]
+    assert stacks
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want)):
+        assert g.dtype == w.dtype, path
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(path))
