@@ -4,7 +4,8 @@ The product runs in the wide dtype; under autodiff XLA kept the wide ``sigmoid``
 operands for the backward: two fp32 ``[B, T, H, 128]`` arrays per layer (768 MiB per 96-head K3
 layer at 8 K tokens, ``benchmarks/bench_layer.py --residuals``). Under ``jax.checkpoint`` the
 backward keeps only ``o`` and the gate logits as they come in (compute dtype for the logits) and
-recomputes the sigmoid, an elementwise op that fuses into the backward's own pass.
+recomputes the sigmoid, an elementwise op that fuses into the backward's own pass. Gated MLA uses
+it; KDA, whose gate follows a per-head RMSNorm, checkpoints both together (``norm.gated_rms_norm``).
 """
 
 from __future__ import annotations
