@@ -225,7 +225,7 @@ def _weighted_column_sum(w: Float[Array, "k B T"], v: Float[Array, "k B T D"], w
     contract with ``v`` in one product (``[3, k·B·T] × [k·B·T, D]``, float32 accumulation). The plain
     ``einsum`` with ``v.astype(wide)`` made XLA write every source widened to float32 for the GEMM
     and read it back (per K3 layer at 8 K tokens, five ``f32[8192, 7168]`` copies, each read twice)."""
-    if jnp.dtype(v.dtype) == jnp.dtype(wide) or jnp.finfo(v.dtype).bits >= jnp.finfo(wide).bits:
+    if jnp.finfo(v.dtype).bits >= jnp.finfo(wide).bits:
         return jnp.einsum("kbt,kbtd->d", w, v.astype(wide))
     terms, rest = [], w.astype(wide)
     for _ in range(3):

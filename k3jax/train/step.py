@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from k3jax.layers.mxfp4 import EXPERT_WEIGHTS  # the MoE layers' [E, in, out] stacks
 from k3jax.model import Transformer
 from k3jax.train import stats as st
 from k3jax.train.batched_calls import batch_random_draws, batch_scans
@@ -41,7 +42,6 @@ from k3jax.train.qk_clip import max_logits_from_stats, qk_clip
 from k3jax.train.schedule import Horizon, learning_rate, make_horizon
 
 BATCH_KEYS = ("tokens", "segment_ids", "labels", "loss_mask")
-EXPERT_STACKS = ("w1", "w3", "w2")  # the MoE layers' [E, in, out] parameters (docs/params.md)
 _INIT_TOKENS = 64  # parameter shapes do not depend on T; keep init cheap
 
 
@@ -185,13 +185,13 @@ class Trainer:
     def _narrow_experts(self, params):
         """``params`` with the MoE expert stacks (``w1``, ``w3``, ``w2``) cast to the compute dtype, once
         per step for every micro-batch (``TrainConfig.narrow_experts``, without a mesh; else ``params``
-        as they are). The layers
-        cast them anyway; stored narrow they take ``moe_ffn``'s split gate/up path (bitwise the
-        packed ``[W1 | W3]`` product) with no per-micro-batch cast or ``[W1 | W3]`` copy. Their
-        gradients come back in the compute dtype: `_grads` widens them, as the cast's transpose did."""
+        as they are). The layers cast them anyway; stored narrow they take ``moe_ffn``'s split gate/up
+        path (bitwise the packed ``[W1 | W3]`` product) with no per-micro-batch cast or ``[W1 | W3]``
+        copy. Their gradients come back in the compute dtype: `_grads` widens them, as the cast's
+        transpose did."""
         if self.cfg.narrow_experts and self.mesh is None:
             dt = self.cfg.model.compute_dtype
-            narrow = lambda path, p: p.astype(dt) if getattr(path[-1], "key", None) in EXPERT_STACKS else p
+            narrow = lambda path, p: p.astype(dt) if getattr(path[-1], "key", None) in EXPERT_WEIGHTS else p
             return jax.tree_util.tree_map_with_path(narrow, params)
         return params
 
