@@ -4,7 +4,9 @@
 
 Compiles ahead of time (trace, lower and compile seconds printed for the init and the step),
 runs ``--warmup`` untimed steps, then times ``--steps`` steps (blocking on the
-result). MFU = model FLOPs per token (``k3jax.train.metrics.flops_per_token``) × tokens/s ÷ the
+result). ``--variant NAME:KEY=VALUE,…`` adds configurations timed interleaved with the base
+one in this process, one step of each in turn (the GPU's clocks drift too much between processes
+for a 1-2 % A/B). MFU = model FLOPs per token (``k3jax.train.metrics.flops_per_token``) × tokens/s ÷ the
 device's dense bf16 peak (``--peak-flops`` to override). Data: uniform random tokens.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -24,17 +28,34 @@ from k3jax.train.metrics import flops_per_token, peak_flops
 from k3jax.train.step import Trainer
 
 
-def _staged(name, jitted, *args):
-    """``jitted`` compiled ahead of time, printing trace / lower / compile seconds."""
+def _lowered(name, jitted, *args):
+    """``jitted`` traced and lowered, printing the seconds of each."""
     t0 = time.perf_counter()
     traced = jitted.trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
-    t2 = time.perf_counter()
+    print(f"{name}: trace {t1 - t0:.1f} s, lower {time.perf_counter() - t1:.1f} s", flush=True)
+    return lowered, time.perf_counter() - t0
+
+
+def _compiled(name, lowered, seconds):
+    t0 = time.perf_counter()
     compiled = lowered.compile()
-    t3 = time.perf_counter()
-    print(f"{name}: trace {t1 - t0:.1f} s, lower {t2 - t1:.1f} s, compile {t3 - t2:.1f} s", flush=True)
-    return compiled, t3 - t0
+    print(f"{name}: compile {time.perf_counter() - t0:.1f} s", flush=True)
+    return compiled, seconds + time.perf_counter() - t0
+
+
+def _staged(name, jitted, *args):
+    """``jitted`` compiled ahead of time, printing trace / lower / compile seconds."""
+    return _compiled(name, *_lowered(name, jitted, *args))
+
+
+def _variant(spec: str, base: list[str], p: argparse.ArgumentParser) -> tuple[str, list[str]]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` -> (NAME, the base overrides followed by these)."""
+    name, sep, body = spec.partition(":")
+    if not sep or not name or name == "base" or not body:
+        p.error(f"--variant={spec!r} must read NAME:KEY=VALUE[,KEY=VALUE…] with NAME not 'base'")
+    return name, base + body.split(",")
 
 
 def _print_profile(directory: str, top: int = 40, by_op: bool = False) -> None:
@@ -71,51 +92,82 @@ def main() -> None:
                         "op and JAX name stack, and also print the time per name-stack prefix")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig override, e.g. model.moe.implementation=xla")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,…",
+                   help="another configuration (the --set overrides plus these), compiled beside the base "
+                        "one and timed interleaved with it, e.g. xla_excess:excess_precision=true")
     a = p.parse_args()
+    variants = dict(_variant(v, a.assignments, p) for v in a.variants)
+    if len(variants) != len(a.variants):
+        p.error("--variant names must differ")
+    if variants and a.profile:
+        p.error("--profile traces the base configuration alone: leave out --variant")
     if a.profile_ops:  # read when the backend starts, i.e. before the first computation below
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     cfg = TrainConfig(model=preset(a.model), batch_size=a.batch, seq_len=a.seq, micro_batches=a.micro,
                       remat=a.remat, steps=a.warmup + a.steps + 1, data=DataConfig(source="random"))
-    cfg = override(cfg, a.assignments)
-    trainer = Trainer(cfg)
+    configs = {"base": override(cfg, a.assignments)}
+    configs.update({name: override(cfg, sets) for name, sets in variants.items()})
+    trainers = {name: Trainer(c) for name, c in configs.items()}
+    trainer = trainers["base"]
     # Long GPU runs must show where the time goes: each stage is timed and printed as it ends.
     init, _ = _staged("init", jax.jit(trainer._init), jax.random.key(0))
     state = init(jax.random.key(0))
     jax.block_until_ready(state)
-    data = make_data(cfg)
+    data = make_data(configs["base"])
     batch = next(data)
-    with trainer._context():
-        compiled, compile_s = _staged("step", trainer._jit_step, state, batch, trainer.horizon)
-        step = lambda state, batch: compiled(state, batch, trainer.horizon)  # noqa: E731
-        t0 = time.perf_counter()
+    lowered = {}
+    for name, t in trainers.items():
+        with t._context():
+            lowered[name] = _lowered(f"step {name}", t._jit_step, state, batch, t.horizon)
+    with ThreadPoolExecutor(len(lowered)) as pool:  # XLA compiles without the GIL: side by side
+        compiled = dict(zip(lowered, pool.map(lambda n: _compiled(f"step {n}", *lowered[n]), lowered)))
+    steps = {name: (lambda s, b, c=compiled[name][0], t=t: c(s, b, t.horizon)) for name, t in trainers.items()}
+    # Every configuration steps the one state in turn (the same shapes; each step donates it).
+    t0 = time.perf_counter()
+    for step in steps.values():
         state, m = step(state, batch)
-        jax.block_until_ready(m)
-        print(f"first step run {time.perf_counter() - t0:.1f} s", flush=True)
-        for _ in range(a.warmup):
+    jax.block_until_ready(m)
+    print(f"first step of each run {time.perf_counter() - t0:.1f} s", flush=True)
+    for _ in range(a.warmup):
+        for step in steps.values():
             state, m = step(state, next(data))
-        jax.block_until_ready(m)
+    jax.block_until_ready(m)
+    times = {name: [] for name in steps}
+    if variants:  # each step timed alone, the order rotating: the clocks' drift hits every run alike
+        names = list(steps)
+        for r in range(a.steps):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                t0 = time.perf_counter()
+                state, m = steps[name](state, next(data))
+                jax.block_until_ready(m)
+                times[name].append(time.perf_counter() - t0)
+    else:  # back to back, as training runs them
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            state, m = step(state, next(data))
+            state, m = steps["base"](state, next(data))
         jax.block_until_ready(m)
-        seconds = (time.perf_counter() - t0) / a.steps
-        if a.profile:
-            with jax.profiler.trace(a.profile, create_perfetto_trace=True):
-                for _ in range(2):
-                    state, m = step(state, next(data))
-                jax.block_until_ready(m)
-            _print_profile(a.profile, by_op=a.profile_ops)
-    tokens_per_s = cfg.tokens_per_step / seconds
+        times["base"] = [(time.perf_counter() - t0) / a.steps]
+    if a.profile:
+        with trainer._context(), jax.profiler.trace(a.profile, create_perfetto_trace=True):
+            for _ in range(2):
+                state, m = steps["base"](state, next(data))
+            jax.block_until_ready(m)
+        _print_profile(a.profile, by_op=a.profile_ops)
     fpt = flops_per_token(cfg.model, cfg.seq_len, trainer.abstract["params"].get("mtp"))
     peak = peak_flops(a.peak_flops)
-    out = {"model": cfg.model.name, "device": jax.devices()[0].device_kind, "batch": a.batch, "seq": a.seq,
-           "micro_batches": a.micro, "remat": a.remat, "compile_s": round(compile_s, 1),
-           "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_s, 1),
-           "model_tflops_per_s": round(fpt * tokens_per_s / 1e12, 2),
-           "mfu": None if peak is None else round(fpt * tokens_per_s / peak, 4),
-           "loss": float(m["loss"])}
-    print(json.dumps(out))
-
+    for name, t in times.items():
+        seconds = statistics.median(t)
+        tokens_per_s = configs[name].tokens_per_step / seconds
+        out = {"model": cfg.model.name, "device": jax.devices()[0].device_kind, "batch": a.batch, "seq": a.seq,
+               "micro_batches": a.micro, "remat": a.remat, "compile_s": round(compiled[name][1], 1),
+               "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_s, 1),
+               "model_tflops_per_s": round(fpt * tokens_per_s / 1e12, 2),
+               "mfu": None if peak is None else round(fpt * tokens_per_s / peak, 4),
+               "loss": float(m["loss"])}
+        if variants:
+            out = {"variant": name, "sets": variants.get(name, a.assignments), **out,
+                   "vs_base": round(seconds / statistics.median(times["base"]), 4)}
+        print(json.dumps(out))
 
 if __name__ == "__main__":
     main()
