@@ -30,6 +30,11 @@ lists them by origin, traced for an H200 on any host), the same measured on the 
 buffers a jitted ``jax.vjp`` forward returns that are not its inputs, and the growth of bytes in
 use over that call), the compiled fwd+bwd's temporaries (``memory_analysis``) and the device's
 peak so far (monotonic over the process, so cases run in order of growing memory).
+
+**Compiler options.** Each case compiles with the train step's XLA options (``TrainConfig``'s
+``excess_precision`` and ``xla_options`` defaults); ``--variant NAME:OPTION=VALUE,…`` adds builds
+with other options, compiled side by side and timed interleaved with the base one in this process
+(the H200's clocks drift too much between processes for a 1-2 % A/B).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import os
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import flax.linen as nn
 import jax
@@ -53,6 +59,7 @@ from bench_moe import timeit_interleaved  # noqa: E402  (benchmarks/ is the scri
 from k3jax.config import LayerKind, ModelConfig, preset  # noqa: E402
 from k3jax.layers.attn_res import ResidualStream  # noqa: E402
 from k3jax.layers.block import DecoderLayer  # noqa: E402
+from k3jax.train.config import TrainConfig, xla_compiler_options  # noqa: E402
 from k3jax.train.metrics import _active_size, _kda_flops, _mla_flops, peak_flops  # noqa: E402
 from layer_breakdown import breakdown  # noqa: E402
 
@@ -184,11 +191,22 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-EXCESS_PRECISION = {"xla": True, "false": False}  # --excess-precision: XLA's default, the train step's
+def compiler_variants(specs: list[str]) -> dict[str, dict]:
+    """``{"base": the train step's XLA options, NAME: them with OPTION=VALUE, …}`` for each
+    ``NAME:OPTION=VALUE,…`` of ``specs`` (``ValueError`` naming a malformed one)."""
+    base = xla_compiler_options(TrainConfig.excess_precision, TrainConfig.xla_options)
+    variants = {"base": base}
+    for spec in specs:
+        name, sep, body = spec.partition(":")
+        if not sep or not name or name in variants or not body:
+            raise ValueError(f"--variant={spec!r} must read NAME:OPTION=VALUE[,OPTION=VALUE…] with a new NAME "
+                             "(not 'base')")
+        variants[name] = {**base, **xla_compiler_options(base["xla_allow_excess_precision"], body.split(","))}
+    return variants
 
 
 def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> list[dict]:
-    """One row per ``--excess-precision`` variant, the variants timed interleaved in this process."""
+    """One row per compiler variant (``--variant``), the variants timed interleaved in this process."""
     loss, inputs, index = make_case(cfg, kind, tokens, remat, jax.random.key(tokens))
     params, stream, _ = inputs
     base = {"kind": kind, "index": index, "tokens": tokens, "remat": remat, "param_dtype": str(cfg.param_dtype),
@@ -197,17 +215,25 @@ def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> list
     held = measured_activation_bytes(loss, inputs) if tokens <= args.measure_tokens else None
     if held is not None:
         base["measured_activation_gib"], base["measured_growth_gib"] = held[0] / GiB, held[1] / GiB
-    rows, calls = {}, {}
-    for variant in args.excess_precision:
-        row = dict(base, excess_precision=variant)
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*inputs)
+
+    def build(variant):
         t0 = time.perf_counter()
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*inputs).compile(
-            compiler_options={"xla_allow_excess_precision": EXCESS_PRECISION[variant]})
-        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        try:
+            compiled = lowered.compile(compiler_options=args.variants[variant])
+        except Exception as ex:  # noqa: BLE001 (an option XLA rejects is recorded; the other builds still run)
+            return dict(base, variant=variant, error=repr(ex)[:400]), None
+        row = dict(base, variant=variant, compile_s=round(time.perf_counter() - t0, 1))
         mem = compiled.memory_analysis()
         if mem is not None:
             row["compiled_temp_gib"] = mem.temp_size_in_bytes / GiB
-        rows[variant], calls[variant] = row, (compiled, inputs)
+        return row, compiled
+
+    with ThreadPoolExecutor(len(args.variants)) as pool:  # XLA compiles without the GIL: side by side
+        built = dict(zip(args.variants, pool.map(build, args.variants)))
+    failed = [row for row, compiled in built.values() if compiled is None]
+    rows = {variant: row for variant, (row, compiled) in built.items() if compiled is not None}
+    calls = {variant: (compiled, inputs) for variant, (_, compiled) in built.items() if compiled is not None}
     ms = timeit_interleaved(calls, reps=args.reps, min_ms=1.0)
     stats = jax.devices()[0].memory_stats()
     peak = peak_flops(args.peak_flops)
@@ -220,7 +246,7 @@ def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> list
         if args.profile and tokens == min(args.tokens):
             row["breakdown"] = breakdown(calls[variant][0], inputs,
                                          os.path.join(args.profile, f"{kind}_{remat}_{variant}"))
-    return list(rows.values())
+    return list(rows.values()) + failed
 
 
 def main() -> None:
@@ -241,15 +267,15 @@ def main() -> None:
                    help="trace 2 steps of each case at the smallest token count; print the device time per kernel")
     p.add_argument("--residuals", action="store_true",
                    help="only trace each case for an H200 (any host, nothing allocated) and list what its backward keeps")
-    p.add_argument("--excess-precision", default="xla",
-                   help="comma list of XLA's xla_allow_excess_precision settings to compile with, timed "
-                        "interleaved: xla (XLA's default, True), false (the train step's default, "
-                        "TrainConfig.excess_precision); e.g. xla,false for an A/B")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:OPTION=VALUE,…",
+                   help="also compile with these XLA options on top of the train step's and time it interleaved "
+                        "with the base build, e.g. xla_excess:xla_allow_excess_precision=true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    a.excess_precision = a.excess_precision.split(",")
-    if not set(a.excess_precision) <= set(EXCESS_PRECISION):
-        p.error(f"--excess-precision={','.join(a.excess_precision)} must list values of {sorted(EXCESS_PRECISION)}")
+    try:
+        a.variants = compiler_variants(a.variants)
+    except ValueError as e:
+        p.error(str(e))
     a.tokens = [int(t) for t in a.tokens.split(",")]
     cfg = layer_config(a.model, a.local_experts, a.top_k, a.param_dtype)
     if a.residuals:
@@ -282,14 +308,14 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    print("| kind | T | remat | excess precision | ms | TFLOP/s | MFU | activations GiB (saved / measured) | temp GiB | peak so far GiB |")
+    print("| kind | T | remat | variant | ms | TFLOP/s | MFU | activations GiB (saved / measured) | temp GiB | peak so far GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["cases"]:
         if "error" in r:
-            print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | error: {r['error'][:80]} |")
+            print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | {r.get('variant', '')} | error: {r['error'][:80]} |")
             continue
         f = lambda k, fmt="{:.2f}": "–" if r.get(k) is None else fmt.format(r[k])
-        print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | {r['excess_precision']} | {f('ms')} | {f('tflops', '{:.0f}')} | "
+        print(f"| {r['kind']} | {r['tokens']} | {r['remat']} | {r['variant']} | {f('ms')} | {f('tflops', '{:.0f}')} | "
               f"{f('mfu', '{:.1%}')} | {f('activation_gib')} / {f('measured_activation_gib')} | "
               f"{f('compiled_temp_gib')} | {f('peak_so_far_gib')} |")
 

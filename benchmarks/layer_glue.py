@@ -100,7 +100,7 @@ def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from bench_layer import layer_config, make_case
+    from bench_layer import compiler_variants, layer_config, make_case
     from k3jax.plan.topology import get_topology
     from pallas_kernels.target import compile_for
 
@@ -112,7 +112,7 @@ def compile_layer(kind: str, tokens: int, local_experts: int, top_k: int, param_
                               inputs)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         with jax.default_device(device):  # Pallas-Triton kernels (MLA flash) read their target from it
-            return step.lower(*inputs).compile().as_text()
+            return step.lower(*inputs).compile(compiler_options=compiler_variants([])["base"]).as_text()
 
 
 def compile_train(model: str, batch: int, seq: int, micro: int, remat: str, assignments=()) -> str:

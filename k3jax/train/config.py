@@ -199,24 +199,16 @@ class TrainConfig:
     # traffic per small() micro-batch of 8 x 4096 tokens (benchmarks/layer_glue.py --train small).
     # False rounds where the code says, as the CPU backend always does (SPEC §10: bf16 activations).
     excess_precision: bool = False
-    # XLA's --xla_gpu_dot_merger_threshold_mb for the train step (None: XLA's default). XLA's GPU
-    # dot merger joins products that share an operand into one GEMM by concatenating the others:
-    # for the weight gradients those are activations (bf16[32768,1728] copies a KDA layer, the
-    # shared experts' and MLA's projections), 13.4 GB of copies per small() micro-batch; 0 turns
-    # it off (121 more, smaller cuBLAS calls a micro-batch: a trade only the GPU can time).
-    dot_merger_threshold_mb: int | None = None
-    # Cast the fp32 MoE expert stacks to the compute dtype once per step instead of in every
-    # micro-batch (Trainer._narrow_experts; same gradient bits). Stored narrow, the layers take
-    # moe_ffn's split gate/up path: no [W1 | W3] copy and no casts (small(): -2.9 GB of glue a
-    # micro-batch, device-less) but three half-width grouped matmuls for two (untimed, opt-in).
-    narrow_experts: bool = False
+    # More XLA options for the train step, "NAME=VALUE" each (e.g. "xla_gpu_enable_cublaslt=true");
+    # values read as bool, int, float or else string (`xla_compiler_options`). bench_train.py and
+    # bench_layer.py --variant time such options against the defaults in one process.
+    xla_options: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every",
                      "max_consecutive_nonfinite", "loss_chunk"):
             _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
-        _require(self.dot_merger_threshold_mb is None or self.dot_merger_threshold_mb >= 0,
-                 f"dot_merger_threshold_mb={self.dot_merger_threshold_mb} must be None or >= 0")
+        xla_compiler_options(self.excess_precision, self.xla_options)  # names a malformed entry
         _require(self.batch_size % self.micro_batches == 0,
                  f"batch_size={self.batch_size} must be divisible by micro_batches={self.micro_batches}")
         _require(self.loss_logits_dtype in LOSS_LOGITS_DTYPES,
@@ -234,6 +226,30 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+
+def xla_compiler_options(excess_precision: bool = False, xla_options=()) -> dict[str, bool | int | float | str]:
+    """The train step's XLA options: ``xla_allow_excess_precision`` and each ``"NAME=VALUE"`` of
+    ``xla_options`` (``TrainConfig``'s fields), the value as a bool (true / false), an int, a float or
+    else a string. A malformed entry raises ``ValueError`` naming it."""
+    options: dict[str, bool | int | float | str] = {"xla_allow_excess_precision": excess_precision}
+    for entry in xla_options:
+        name, sep, raw = entry.partition("=")
+        _require(isinstance(entry, str) and sep == "=" and name.startswith("xla_") and raw != "",
+                 f"xla_options entry {entry!r} must read NAME=VALUE with NAME an XLA option (xla_…)")
+        options[name] = _option_value(raw)
+    return options
+
+
+def _option_value(raw: str) -> bool | int | float | str:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def override(cfg: Any, assignments: list[str]) -> Any:

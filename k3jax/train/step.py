@@ -29,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from k3jax.layers.mxfp4 import EXPERT_WEIGHTS  # the MoE layers' [E, in, out] stacks
 from k3jax.model import Transformer
 from k3jax.train import stats as st
 from k3jax.train.batched_calls import batch_random_draws, batch_scans
-from k3jax.train.config import TrainConfig
+from k3jax.train.config import TrainConfig, xla_compiler_options
 from k3jax.train.loss import head_cross_entropy
 from k3jax.train.metrics import ep_metrics
 from k3jax.train.mtp import MTP, mtp_targets
@@ -182,19 +181,6 @@ class Trainer:
             return None
         return jax.lax.stop_gradient(self._head(params["model"]).astype(self.cfg.model.compute_dtype))
 
-    def _narrow_experts(self, params):
-        """``params`` with the MoE expert stacks (``w1``, ``w3``, ``w2``) cast to the compute dtype, once
-        per step for every micro-batch (``TrainConfig.narrow_experts``, without a mesh; else ``params``
-        as they are). The layers cast them anyway; stored narrow they take ``moe_ffn``'s split gate/up
-        path (bitwise the packed ``[W1 | W3]`` product) with no per-micro-batch cast or ``[W1 | W3]``
-        copy. Their gradients come back in the compute dtype: `_grads` widens them, as the cast's
-        transpose did."""
-        if self.cfg.narrow_experts and self.mesh is None:
-            dt = self.cfg.model.compute_dtype
-            narrow = lambda path, p: p.astype(dt) if getattr(path[-1], "key", None) in EXPERT_WEIGHTS else p
-            return jax.tree_util.tree_map_with_path(narrow, params)
-        return params
-
     def loss(self, params, balance, batch, denom, mtp_denoms, narrow_head=None):
         """(objective, aux) of one micro-batch; the objective is pre-divided by the global counts.
         ``narrow_head``: `_narrow_head` of ``params`` (None: cast here)."""
@@ -230,10 +216,9 @@ class Trainer:
                       for j in range(1, cfg.model.mtp.num_layers + 1)]
         grad_fn = jax.grad(self.loss, has_aux=True)
         narrow_head = self._narrow_head(state.params)  # outside the micro-batch scan: one cast a step
-        params = self._narrow_experts(state.params)
 
         def one(mb):
-            grads, aux = grad_fn(params, state.balance, mb, denom, mtp_denoms, narrow_head)
+            grads, aux = grad_fn(state.params, state.balance, mb, denom, mtp_denoms, narrow_head)
             return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params), aux
 
         if cfg.micro_batches == 1:
@@ -320,13 +305,9 @@ class Trainer:
         return int(math.prod(self.mesh.shape[a] for a in mesh_axes_of(self.shardings["rules"], "experts")))
 
     @property
-    def compiler_options(self) -> dict[str, bool | int]:
-        """XLA options the train step compiles with (``TrainConfig.excess_precision``,
-        ``dot_merger_threshold_mb``)."""
-        options = {"xla_allow_excess_precision": self.cfg.excess_precision}
-        if self.cfg.dot_merger_threshold_mb is not None:
-            options["xla_gpu_dot_merger_threshold_mb"] = self.cfg.dot_merger_threshold_mb
-        return options
+    def compiler_options(self) -> dict[str, bool | int | float | str]:
+        """XLA options the train step compiles with (``TrainConfig.excess_precision``, ``xla_options``)."""
+        return xla_compiler_options(self.cfg.excess_precision, self.cfg.xla_options)
 
     def _build_step(self):
         """``jit(train_step)(state, batch, horizon)``: one program for every run length."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import MTPConfig
-from k3jax.train.config import DataConfig
+from k3jax.train.config import DataConfig, xla_compiler_options
 from k3jax.train.loop import NonFiniteLossError, make_data, train
 from k3jax.train.mtp import mtp_targets
 from k3jax.train.step import Trainer
@@ -168,30 +168,41 @@ def test_pallas_loss_option_reaches_the_loss():
         jax.make_jaxpr(trainer._grads)(state, next(make_data(cfg)))
 
 
-@pytest.mark.parametrize("excess, merger", [(False, None), (True, 0)])
-def test_step_compiles_with_the_configured_xla_options(excess, merger):
+@pytest.mark.parametrize("excess, extra", [(False, ()), (True, ("xla_gpu_dot_merger_threshold_mb=0",))])
+def test_step_compiles_with_the_configured_xla_options(excess, extra):
     """``excess_precision`` (default False) reaches the step's XLA options: with XLA's default (True) the
     H200 compile of small()'s step keeps fp32 copies of bf16 activations, 17.9 GB more traffic a
     micro-batch (``benchmarks/layer_glue.py --train small``); the CPU backend rounds either way.
-    ``dot_merger_threshold_mb`` (default None: XLA's own) reaches them too."""
+    ``xla_options`` (default none) reach them too, their values typed."""
     cfg = toy.micro_train_config()
     if excess:
-        cfg = dataclasses.replace(cfg, excess_precision=True, dot_merger_threshold_mb=merger)
+        cfg = dataclasses.replace(cfg, excess_precision=True, xla_options=extra)
     else:
-        assert cfg.excess_precision is False and cfg.dot_merger_threshold_mb is None
+        assert cfg.excess_precision is False and cfg.xla_options == ()
     trainer = Trainer(cfg)
     batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
     lowered = trainer._jit_step.trace(trainer.abstract_state(), batch, trainer.horizon).lower()
     options = dict(lowered._lowering._compiler_options_kvs)
     assert options["xla_allow_excess_precision"] is excess
-    assert options.get("xla_gpu_dot_merger_threshold_mb") == merger
+    assert options.get("xla_gpu_dot_merger_threshold_mb") == (0 if extra else None)
+
+
+def test_xla_options_are_typed_and_malformed_ones_named():
+    options = xla_compiler_options(True, ("xla_gpu_enable_cublaslt=true", "xla_gpu_autotune_level=0",
+                                          "xla_gpu_auto_spmd_partitioning_memory_budget_ratio=1.5",
+                                          "xla_dump_to=/tmp/x"))
+    assert options == {"xla_allow_excess_precision": True, "xla_gpu_enable_cublaslt": True,
+                       "xla_gpu_autotune_level": 0, "xla_gpu_auto_spmd_partitioning_memory_budget_ratio": 1.5,
+                       "xla_dump_to": "/tmp/x"}
+    for bad in ("xla_gpu_enable_cublaslt", "enable_cublaslt=true", "xla_gpu_enable_cublaslt="):
+        with pytest.raises(ValueError, match="xla_options entry"):
+            dataclasses.replace(toy.micro_train_config(), xla_options=(bad,))
 
 
 def test_head_is_cast_once_per_step_not_per_micro_batch():
     """The fp32 head's cast to the compute dtype sits outside the micro-batch scan (small(): 1.0 GB of
     traffic a micro-batch on the H200, ``benchmarks/layer_glue.py --train small``)."""
-    cfg = dataclasses.replace(toy.micro_train_config(), micro_batches=2, loss_chunk=48,  # [D, V] ≠ [chunk, V]
-                              narrow_experts=True)
+    cfg = dataclasses.replace(toy.micro_train_config(), micro_batches=2, loss_chunk=48)  # [D, V] ≠ [chunk, V]
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=80))  # ≠ hidden, to spot the head
     trainer = Trainer(cfg)
     batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
@@ -202,28 +213,3 @@ def test_head_is_cast_once_per_step_not_per_micro_batch():
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert len(casts(jaxpr.eqns)) == 1
     assert not casts(_eqns(scan.params["jaxpr"].jaxpr))
-    # the expert stacks too (`Trainer._narrow_experts`): no cast of a stack parameter inside the scan
-    # (the weight gradients' casts remain)
-    E, L, F = cfg.model.moe.num_experts, cfg.model.moe_width, cfg.model.moe.expert_intermediate
-    stack = lambda e: (e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float32
-                       and e.outvars[0].aval.shape in ((E, L, F), (E, F, L)))
-    body = scan.params["jaxpr"].jaxpr
-    assert [e for e in jaxpr.eqns if stack(e)]
-    assert not [e for e in body.eqns if stack(e) and e.invars[0] in set(body.invars)]  # casts of the params
-
-
-def test_expert_stacks_cast_once_per_step_give_the_same_gradients():
-    """`_grads` casts the fp32 expert stacks to the compute dtype once per step (the layers then take
-    the split gate/up path; ``narrow_experts=True``) and gives the bits of the gradient of the loss on
-    the fp32 stacks (the packed ``[W1 | W3]`` path, cast in every micro-batch), in the parameters' dtypes."""
-    cfg = dataclasses.replace(toy.micro_train_config(), narrow_experts=True)
-    trainer = Trainer(cfg)
-    state = trainer.init_state(jax.random.key(0))
-    batch = jax.tree.map(jnp.asarray, next(make_data(cfg)))
-    (grads, _), denom, mtp_denoms = jax.jit(trainer._grads)(state, batch)
-    want, _ = jax.jit(jax.grad(trainer.loss, has_aux=True))(state.params, state.balance, batch, denom, mtp_denoms)
-    stacks = [p for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0] if p[-1].key in ("w1", "w3", "w2")]
-    assert stacks
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want)):
-        assert g.dtype == w.dtype, path
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(path))
