@@ -33,7 +33,7 @@ peak so far (monotonic over the process, so cases run in order of growing memory
 
 **Compiler options.** Each case compiles with the train step's XLA options (``TrainConfig``'s
 ``excess_precision`` and ``xla_options`` defaults); ``--variant NAME:OPTION=VALUE,…`` adds builds
-with other options, compiled side by side and timed interleaved with the base one in this process
+with other options, timed interleaved with the base one in this process
 (the H200's clocks drift too much between processes for a 1-2 % A/B).
 """
 
@@ -46,7 +46,6 @@ import os
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import flax.linen as nn
 import jax
@@ -229,8 +228,9 @@ def run_case(args, cfg: ModelConfig, kind: str, tokens: int, remat: str) -> list
             row["compiled_temp_gib"] = mem.temp_size_in_bytes / GiB
         return row, compiled
 
-    with ThreadPoolExecutor(len(args.variants)) as pool:  # XLA compiles without the GIL: side by side
-        built = dict(zip(args.variants, pool.map(build, args.variants)))
+    # One after another: builds compiled side by side on one GPU broke each other's autotuning (CUDA
+    # stream capture invalidated, an MLA build failed; RESULTS.md, stop 39).
+    built = {variant: build(variant) for variant in args.variants}
     failed = [row for row, compiled in built.values() if compiled is None]
     rows = {variant: row for variant, (row, compiled) in built.items() if compiled is not None}
     calls = {variant: (compiled, inputs) for variant, (_, compiled) in built.items() if compiled is not None}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -55,7 +55,7 @@ def _variant(spec: str, base: list[str], p: argparse.ArgumentParser) -> tuple[st
     name, sep, body = spec.partition(":")
     if not sep or not name or name == "base" or not body:
         p.error(f"--variant={spec!r} must read NAME:KEY=VALUE[,KEY=VALUE…] with NAME not 'base'")
-    return name, base + body.split(",")
+    return name, base + re.split(r",(?=[\w.]+=)", body)  # a comma inside a value (a tuple) stays
 
 
 def _print_profile(directory: str, top: int = 40, by_op: bool = False) -> None:
@@ -93,8 +93,8 @@ def main() -> None:
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig override, e.g. model.moe.implementation=xla")
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,…",
-                   help="another configuration (the --set overrides plus these), compiled beside the base "
-                        "one and timed interleaved with it, e.g. xla_excess:excess_precision=true")
+                   help="another configuration (the --set overrides plus these), timed interleaved with the "
+                        "base one, e.g. xla_excess:excess_precision=true")
     a = p.parse_args()
     variants = dict(_variant(v, a.assignments, p) for v in a.variants)
     if len(variants) != len(a.variants):
@@ -119,8 +119,8 @@ def main() -> None:
     for name, t in trainers.items():
         with t._context():
             lowered[name] = _lowered(f"step {name}", t._jit_step, state, batch, t.horizon)
-    with ThreadPoolExecutor(len(lowered)) as pool:  # XLA compiles without the GIL: side by side
-        compiled = dict(zip(lowered, pool.map(lambda n: _compiled(f"step {n}", *lowered[n]), lowered)))
+    # One after another: compiles side by side on one GPU break each other's autotuning (RESULTS.md, stop 39).
+    compiled = {name: _compiled(f"step {name}", *low) for name, low in lowered.items()}
     steps = {name: (lambda s, b, c=compiled[name][0], t=t: c(s, b, t.horizon)) for name, t in trainers.items()}
     # Every configuration steps the one state in turn (the same shapes; each step donates it).
     t0 = time.perf_counter()
