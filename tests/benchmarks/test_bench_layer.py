@@ -44,3 +44,34 @@ def test_kernel_kinds():
     assert kernel_kind("mla_flash_dq") == "mla flash (Pallas)"
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense matmul (cuBLAS / XLA gemm)"
     assert kernel_kind("loop_multiply_fusion_3") == "XLA glue (fusions, copies, reductions)"
+
+
+def test_compiler_variants_start_from_the_train_steps_options():
+    """Every ``bench_layer.py`` build compiles with the train step's XLA options; a ``--variant`` adds
+    its own on top, typed as ``TrainConfig.xla_options``; a malformed one is named."""
+    from benchmarks.bench_layer import compiler_variants
+    from k3jax.train.config import TrainConfig, xla_compiler_options
+
+    variants = compiler_variants(["lt:xla_gpu_enable_cublaslt=true,xla_gpu_autotune_level=0",
+                                  "xe:xla_allow_excess_precision=true"])
+    base = xla_compiler_options(TrainConfig.excess_precision, TrainConfig.xla_options)
+    assert variants["base"] == base and base["xla_allow_excess_precision"] is False
+    assert variants["lt"] == {**base, "xla_gpu_enable_cublaslt": True, "xla_gpu_autotune_level": 0}
+    assert variants["xe"] == {"xla_allow_excess_precision": True}
+    for bad in ("lt", "base:xla_gpu_enable_cublaslt=true", "lt:", "lt:enable_cublaslt=true"):
+        with pytest.raises(ValueError, match="variant|xla_options entry"):
+            compiler_variants([bad])
+    with pytest.raises(ValueError, match="new NAME"):
+        compiler_variants(["a:xla_gpu_enable_cublaslt=true", "a:xla_gpu_autotune_level=0"])
+
+
+def test_train_variants_keep_a_tuples_commas():
+    import argparse
+
+    from benchmarks.bench_train import _variant
+
+    p = argparse.ArgumentParser()
+    assert _variant('n:xla_options=("xla_a=1","xla_b=2"),remat=layer', ["seq_len=64"], p) == (
+        "n", ["seq_len=64", 'xla_options=("xla_a=1","xla_b=2")', "remat=layer"])
+    with pytest.raises(SystemExit):
+        _variant("base:remat=layer", [], p)
