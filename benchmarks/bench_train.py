@@ -132,7 +132,7 @@ def main() -> None:
         for step in steps.values():
             state, m = step(state, next(data))
     jax.block_until_ready(m)
-    times = {name: [] for name in steps}
+    times, losses = {name: [] for name in steps}, {}
     if variants:  # each step timed alone, the order rotating: the clocks' drift hits every run alike
         names = list(steps)
         for r in range(a.steps):
@@ -141,12 +141,13 @@ def main() -> None:
                 state, m = steps[name](state, next(data))
                 jax.block_until_ready(m)
                 times[name].append(time.perf_counter() - t0)
+                losses[name] = float(m["loss"])
     else:  # back to back, as training runs them
         t0 = time.perf_counter()
         for _ in range(a.steps):
             state, m = steps["base"](state, next(data))
         jax.block_until_ready(m)
-        times["base"] = [(time.perf_counter() - t0) / a.steps]
+        times["base"], losses["base"] = [(time.perf_counter() - t0) / a.steps], float(m["loss"])
     if a.profile:
         with trainer._context(), jax.profiler.trace(a.profile, create_perfetto_trace=True):
             for _ in range(2):
@@ -163,11 +164,12 @@ def main() -> None:
                "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_s, 1),
                "model_tflops_per_s": round(fpt * tokens_per_s / 1e12, 2),
                "mfu": None if peak is None else round(fpt * tokens_per_s / peak, 4),
-               "loss": float(m["loss"])}
+               "loss": losses[name]}
         if variants:
             out = {"variant": name, "sets": variants.get(name, a.assignments), **out,
                    "vs_base": round(seconds / statistics.median(times["base"]), 4)}
         print(json.dumps(out))
+
 
 if __name__ == "__main__":
     main()

@@ -234,8 +234,8 @@ def xla_compiler_options(excess_precision: bool = False, xla_options=()) -> dict
     else a string. A malformed entry raises ``ValueError`` naming it."""
     options: dict[str, bool | int | float | str] = {"xla_allow_excess_precision": excess_precision}
     for entry in xla_options:
-        name, sep, raw = entry.partition("=")
-        _require(isinstance(entry, str) and sep == "=" and name.startswith("xla_") and raw != "",
+        name, sep, raw = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+        _require(sep == "=" and name.startswith("xla_") and raw != "",
                  f"xla_options entry {entry!r} must read NAME=VALUE with NAME an XLA option (xla_…)")
         options[name] = _option_value(raw)
     return options
