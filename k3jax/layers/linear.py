@@ -67,7 +67,19 @@ class Proj(nn.Module):
     out_dtype: Any = None  # accumulate into and return this dtype (fp32 logits); None: ``dtype``
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, split: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``split``: return the outputs of ``kernel[..., :split]`` and ``kernel[..., split:]`` as two
+        products, for consumers that take the halves apart (a packed output would be copied into
+        them, and their gradients joined back, at the activation's size; the weight's halves are
+        copied instead)."""
+        if split is not None:
+            if self.has_variable("decode", "kernel_t"):
+                raise ValueError(f"{self.name}: split={split} reads the kernel as stored, not a decode layout")
+            kernel = param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
+                           self.param_dtype).astype(self.dtype)
+            x = x.astype(self.dtype)
+            return tuple(einsum(self.eq, x, w, preferred_element_type=self.out_dtype)
+                         for w in (kernel[..., :split], kernel[..., split:]))
         if self.has_variable("decode", "kernel_t"):
             inputs, rest = self.eq.split(",")
             w, out = rest.split("->")

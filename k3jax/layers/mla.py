@@ -152,15 +152,17 @@ class MLA(nn.Module):
 
     cfg: ModelConfig
 
-    def _query(self, x):
+    def _query(self, x, split: bool = False):
+        """``q [B,T,H,dn+dr]``, or with ``split`` ``(q_nope, q_rope)`` as two products (`Proj`)."""
         cfg, m = self.cfg, self.cfg.mla
         D, H, Dq = cfg.hidden, m.num_heads, m.qk_head_dim
+        at = m.qk_nope_head_dim if split else None
         if m.q_lora_rank is None:
-            return proj(cfg, "BTD,DHK->BTHK", (D, H, Dq), ("embed", "heads", "head_dim"), "q_proj")(x)
+            return proj(cfg, "BTD,DHK->BTHK", (D, H, Dq), ("embed", "heads", "head_dim"), "q_proj")(x, split=at)
         R = m.q_lora_rank
         c = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "q_lora"), "q_a")(x)
         c = norm(cfg, "q_norm", eps=m.lora_norm_eps, axis="q_lora")(c)
-        return proj(cfg, "BTR,RHK->BTHK", (R, H, Dq), ("q_lora", "heads", "head_dim"), "q_b")(c)
+        return proj(cfg, "BTR,RHK->BTHK", (R, H, Dq), ("q_lora", "heads", "head_dim"), "q_b")(c, split=at)
 
     def _keys_values(self, x):
         """The normalised latent ``c [B,T,Rkv]``, the shared rope key ``[B,T,dr]`` and the ``kv_b``
@@ -206,16 +208,21 @@ class MLA(nn.Module):
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
 
-    def _attend_full(self, q_nope, q_rope, kv, k_rope, segment_ids, scale):
-        """Training / prefill attention: the flash kernel where it runs (k3jax/layers/attention.py),
-        else the XLA attention above; ``kv = [k_nope, v]`` per head, ``k_rope [B,T,1,dr]`` shared."""
+    def _attend_full(self, q_nope, q_rope, c, kv_b, k_rope, segment_ids, scale, flash: bool):
+        """Training / prefill attention: the flash kernel (``flash``, k3jax/layers/attention.py), else
+        the XLA attention above; ``kv_b(c) = [k_nope, v]`` per head, ``k_rope [B,T,1,dr]`` shared."""
         cfg, m = self.cfg, self.cfg.mla
         B, T, H = q_nope.shape[:3]
         dn, wide, dt = m.qk_nope_head_dim, cfg.fp32_dtype, cfg.compute_dtype
-        k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
-        if attention_lib.use_flash(m.attention_implementation, dt, B, H):
+        if flash:
+            # The kernel takes q, k and v apart, so they are separate products (`Proj(split=)`): a
+            # packed output would be copied into the parts forward and joined back backward (K3's
+            # MLA layer at 8 K tokens: 2.2 GB of copies a step, benchmarks/RESULTS.md stop 39).
+            k_nope, v = kv_b(c, split=dn)
             return attention_lib.flash_attention(q_nope.astype(dt), q_rope.astype(dt), k_nope.astype(dt),
                                                  k_rope[:, :, 0].astype(dt), v.astype(dt), segment_ids, scale=scale)
+        kv = kv_b(c)
+        k_nope, v = kv[..., :dn], kv[..., dn:]  # [B, T, H, dn], [B, T, H, dv]
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope.astype(wide), jnp.broadcast_to(k_rope, (B, T, H, k_rope.shape[-1]))], axis=-1)
         return causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
@@ -226,10 +233,16 @@ class MLA(nn.Module):
         cfg, m = self.cfg, self.cfg.mla
         B, T, D = x.shape
         H, dn, dv, wide = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, cfg.fp32_dtype
-        q = self._query(x).astype(wide)  # [B, T, H, dn+dr]
+        ctx = parallel_context()
+        full = cache is None and not (ctx is not None and ctx.sequence_parallel)
+        flash = full and attention_lib.use_flash(m.attention_implementation, cfg.compute_dtype, B, H)
+        if flash:
+            q_nope, q_rope = (q.astype(wide) for q in self._query(x, split=True))
+        else:
+            q = self._query(x).astype(wide)  # [B, T, H, dn+dr]
+            q_nope, q_rope = q[..., :dn], q[..., dn:]
         c, k_rope, kv_b = self._keys_values(x)
         k_rope = k_rope.astype(wide)[:, :, None, :]  # [B, T, 1, dr]
-        q_nope, q_rope = q[..., :dn], q[..., dn:]
         if m.rope is not None:
             # RoPE is relative: within a document only differences matter
             positions = jnp.arange(T)[None] if cache is None else cache.lengths[:, None] + jnp.arange(T)[None]
@@ -237,15 +250,14 @@ class MLA(nn.Module):
             k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
-        ctx = parallel_context()
         if cache is not None:
             o, cache = self._attend_cached(q, c, k_rope, kv_b, cache, scale)
             num_new = T if valid is None else jnp.sum(valid, axis=1, dtype=cache.lengths.dtype)
             cache = cache.replace(lengths=cache.lengths + num_new)
-        elif ctx is not None and ctx.sequence_parallel:
+        elif not full:  # context parallel
             o, max_logit = self._attend_cp(q, c, k_rope, kv_b, segment_ids, scale)
         else:
-            o, max_logit = self._attend_full(q_nope, q_rope, kv_b(c), k_rope, segment_ids, scale)
+            o, max_logit = self._attend_full(q_nope, q_rope, c, kv_b, k_rope, segment_ids, scale, flash)
         if cache is None and not self.is_initializing():
             self.sow("stats", "max_logit", max_logit)
         if m.output_gate:

@@ -13,7 +13,7 @@ from k3jax.layers import KDA, MLA, MoE, attn_res_mix, causal_attention, decay_ga
 from k3jax.layers import mla as mla_lib
 from k3jax.layers import rope
 from k3jax.layers.attn_res import ResidualStream
-from tests.tolerances import F32_RTOL, rel_rmse
+from tests.tolerances import BF16_FWD_RTOL, F32_RTOL, rel_rmse
 
 RNG = np.random.default_rng(0)
 
@@ -325,3 +325,28 @@ def test_attn_res_direction_gradient_reads_narrow_sources_as_they_are():
     assert rel_rmse(_weighted_column_sum(w, v, jnp.float32), want) < 1e-6
     hlo = jax.jit(lambda w, v: _weighted_column_sum(w, v, jnp.float32)).lower(w, v).as_text()
     assert "tensor<2x1x64x32xf32>" not in hlo, "a float32 copy of the bf16 source was made"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_proj_split_gives_the_packed_products_halves(dtype):
+    """``Proj(x, split=s)`` (MLA's flash path: q and kv per part) returns the two halves of the packed
+    product as separate products: the same values, and the same gradients for ``x`` and the one stored
+    kernel (whose halves' gradients land in its halves). A decode-layout kernel is refused."""
+    from k3jax.layers.linear import Proj
+
+    layer = Proj("BTR,RHK->BTHK", (6, 2, 10), (None, None, None), dtype, jnp.float32, name="kv_b")
+    x = jnp.asarray(RNG.normal(size=(2, 3, 6)), dtype)
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
+    packed = layer.apply({"params": params}, x)
+    a, b = layer.apply({"params": params}, x, split=4)
+    tol = F32_RTOL if dtype == jnp.float32 else BF16_FWD_RTOL  # other GEMM shapes: other summation orders
+    assert rel_rmse(a, packed[..., :4]) <= tol and rel_rmse(b, packed[..., 4:]) <= tol
+    w = jnp.asarray(RNG.normal(size=packed.shape), jnp.float32)
+    loss = lambda p, x, s: sum(jnp.sum(y.astype(jnp.float32) * w[..., sl]) for y, sl in zip(
+        layer.apply({"params": p}, x, split=s) if s else [layer.apply({"params": p}, x)],
+        [slice(0, 4), slice(4, None)] if s else [slice(None)]))
+    got, want = jax.grad(loss, argnums=(0, 1))(params, x, 4), jax.grad(loss, argnums=(0, 1))(params, x, None)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_rmse(g, r) <= tol
+    with pytest.raises(ValueError, match="decode layout"):
+        layer.apply({"params": params, "decode": {"kernel_t": params["kernel"]}}, x, split=4)
