@@ -217,7 +217,7 @@ class MLA(nn.Module):
         if flash:
             # The kernel takes q, k and v apart, so they are separate products (`Proj(split=)`): a
             # packed output would be copied into the parts forward and joined back backward (K3's
-            # MLA layer at 8 K tokens: 2.2 GB of copies a step, benchmarks/RESULTS.md stop 39).
+            # MLA layer at 8 K tokens: 2.5 GB of copies a step, benchmarks/RESULTS.md stop 39).
             k_nope, v = kv_b(c, split=dn)
             return attention_lib.flash_attention(q_nope.astype(dt), q_rope.astype(dt), k_nope.astype(dt),
                                                  k_rope[:, :, 0].astype(dt), v.astype(dt), segment_ids, scale=scale)
