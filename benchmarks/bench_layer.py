@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -190,17 +191,23 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
+def parse_variant(spec: str, taken=("base",)) -> tuple[str, list[str]]:
+    """A ``--variant`` of this script or ``bench_train.py``: ``NAME:KEY=VALUE,…`` -> (NAME, the
+    ``KEY=VALUE`` strings; a comma inside a value, as in a tuple, stays), NAME not in ``taken``."""
+    name, sep, body = spec.partition(":")
+    if not sep or not name or name in taken or not body:
+        raise ValueError(f"--variant={spec!r} must read NAME:KEY=VALUE[,KEY=VALUE…] with a new NAME (not 'base')")
+    return name, re.split(r",(?=[\w.]+=)", body)
+
+
 def compiler_variants(specs: list[str]) -> dict[str, dict]:
     """``{"base": the train step's XLA options, NAME: them with OPTION=VALUE, …}`` for each
     ``NAME:OPTION=VALUE,…`` of ``specs`` (``ValueError`` naming a malformed one)."""
     base = xla_compiler_options(TrainConfig.excess_precision, TrainConfig.xla_options)
     variants = {"base": base}
     for spec in specs:
-        name, sep, body = spec.partition(":")
-        if not sep or not name or name in variants or not body:
-            raise ValueError(f"--variant={spec!r} must read NAME:OPTION=VALUE[,OPTION=VALUE…] with a new NAME "
-                             "(not 'base')")
-        variants[name] = {**base, **xla_compiler_options(base["xla_allow_excess_precision"], body.split(","))}
+        name, options = parse_variant(spec, variants)
+        variants[name] = {**base, **xla_compiler_options(base["xla_allow_excess_precision"], options)}
     return variants
 
 

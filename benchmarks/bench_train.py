@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
+import sys
 import time
 
 import jax
@@ -26,6 +26,9 @@ from k3jax.train.config import DataConfig, TrainConfig, override
 from k3jax.train.loop import make_data
 from k3jax.train.metrics import flops_per_token, peak_flops
 from k3jax.train.step import Trainer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import parse_variant  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def _lowered(name, jitted, *args):
@@ -52,10 +55,11 @@ def _staged(name, jitted, *args):
 
 def _variant(spec: str, base: list[str], p: argparse.ArgumentParser) -> tuple[str, list[str]]:
     """``NAME:KEY=VALUE,KEY=VALUE`` -> (NAME, the base overrides followed by these)."""
-    name, sep, body = spec.partition(":")
-    if not sep or not name or name == "base" or not body:
-        p.error(f"--variant={spec!r} must read NAME:KEY=VALUE[,KEY=VALUE…] with NAME not 'base'")
-    return name, base + re.split(r",(?=[\w.]+=)", body)  # a comma inside a value (a tuple) stays
+    try:
+        name, sets = parse_variant(spec)
+    except ValueError as e:
+        p.error(str(e))
+    return name, base + sets
 
 
 def _print_profile(directory: str, top: int = 40, by_op: bool = False) -> None:

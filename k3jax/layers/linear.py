@@ -72,23 +72,20 @@ class Proj(nn.Module):
         products, for consumers that take the halves apart (a packed output would be copied into
         them, and their gradients joined back, at the activation's size; the weight's halves are
         copied instead)."""
-        if split is not None:
-            if self.has_variable("decode", "kernel_t"):
-                raise ValueError(f"{self.name}: split={split} reads the kernel as stored, not a decode layout")
-            kernel = param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
-                           self.param_dtype).astype(self.dtype)
-            x = x.astype(self.dtype)
-            return tuple(einsum(self.eq, x, w, preferred_element_type=self.out_dtype)
-                         for w in (kernel[..., :split], kernel[..., split:]))
         if self.has_variable("decode", "kernel_t"):
+            if split is not None:
+                raise ValueError(f"{self.name}: split={split} reads the kernel as stored, not a decode layout")
             inputs, rest = self.eq.split(",")
             w, out = rest.split("->")
             eq, kernel = f"{inputs},{w[-1] + w[:-1]}->{out}", self.get_variable("decode", "kernel_t")
         else:
             eq, kernel = self.eq, param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
                                         self.param_dtype)
-        return einsum(eq, x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=self.out_dtype)
-
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if split is None:
+            return einsum(eq, x, kernel, preferred_element_type=self.out_dtype)
+        return tuple(einsum(eq, x, w, preferred_element_type=self.out_dtype)
+                     for w in (kernel[..., :split], kernel[..., split:]))
 
 # Projections whose kernels decode reads output axis first (``Proj``, ``decode_layout``): those that
 # contract a kernel's leading axes with a vector computed just before (the layers' output projections).
