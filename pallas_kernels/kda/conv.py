@@ -236,9 +236,10 @@ def _short_convs_fwd(xs, weights, keep, l2_groups, eps, out_dtype, kernel):
 def _short_convs_bwd(l2_groups, eps, out_dtype, kernel, res, dys):
     xs, weights, keep, invs = res
     if kernel[0]:
-        grads = [kernel_gpu_conv.conv_backward(x, w, keep, inv, dy, interpret=kernel[1])
+        grads = [kernel_gpu_conv.conv_dz(x, w, keep, inv, dy, interpret=kernel[1])
                  for x, w, inv, dy in zip(xs, weights, invs, dys)]
-        return tuple(dx for dx, _ in grads), tuple(dw.astype(w.dtype) for (_, dw), w in zip(grads, weights)), None
+        dxs = (_conv_transpose(dz, w.astype(dz.dtype), keep).astype(x.dtype) for (dz, _), x, w in zip(grads, xs, weights))
+        return tuple(dxs), tuple(dw.astype(w.dtype) for (_, dw), w in zip(grads, weights)), None
     wide = lambda dy, x, w: dy.astype(compute_dtype(x, w))  # inside each stage: never written wide
     dots = []
     for x, w, dy, group in zip(xs, weights, dys, l2_groups):  # stage 1: Σ(dy·s) per head

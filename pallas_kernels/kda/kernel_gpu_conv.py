@@ -154,35 +154,26 @@ def _fwd_kernel(x_ref, w_ref, *refs, T: int, BT: int, BC: int, grouped: bool, ha
     _masked_where_needed(body, keep_ref, clean_ref)
 
 
-def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
+def _dz_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: bool, has_keep: bool):
     keep_ref, clean_ref = refs[:2] if has_keep else (None, None)
     inv_ref = refs[2 * has_keep] if grouped else None
-    dx_ref, dw_ref = refs[2 * has_keep + grouped], refs[2 * has_keep + grouped + 1]
+    dz_ref, dw_ref = refs[2 * has_keep + grouped], refs[2 * has_keep + grouped + 1]
     rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
     W, head = len(w), pl.program_id(1)  # program ids are read outside the branches (the interpreter's rule)
 
     def body(keep_ref):
-        xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, W)}  # each x row offset loaded once
-        dx, dz0 = None, None
-        for shift in range(W - 1, -1, -1):  # dz at rows + shift feeds dx through tap j = W-1-shift
-            z = _pre_activation(xd, w, keep_ref, rows, shift)
-            sig = jax.nn.sigmoid(z)
-            dy = _tile(dy_ref, rows, t, cols, shift, T)  # zero past the sequence: dz is zero there
-            if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
-                inv = inv_ref[jnp.minimum(rows + shift, inv_ref.shape[0] - 1), head]
-                dot = jnp.sum(dy * z * sig, axis=1)
-                dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
-            dz = dy * sig * (1.0 + z * (1.0 - sig))
-            j = W - 1 - shift
-            tap = dz
-            if keep_ref is not None and j < W - 1:
-                tap = jnp.where(_keep_rows(keep_ref, rows, shift, j), dz, 0.0)
-            term = tap * w[j]
-            dx = term if dx is None else dx + term
-            dz0 = dz
-        dx_ref[...] = dx.astype(dx_ref.dtype)
+        xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, 1)}
+        z = _pre_activation(xd, w, keep_ref, rows, 0)
+        sig = jax.nn.sigmoid(z)
+        dy = dy_ref[...].astype(jnp.float32)
+        if grouped:  # d(s·inv)/ds: inv·dy − s·inv³·Σ(dy·s)
+            inv = inv_ref[...]
+            dot = jnp.sum(dy * z * sig, axis=1)
+            dy = dy * inv[:, None] - (z * sig) * (dot * inv**3)[:, None]
+        dz = dy * sig * (1.0 + z * (1.0 - sig))
+        dz_ref[...] = dz
         for j in range(W):  # the block's share of dw[:, j] = Σ_t x[t-(W-1)+j] dz[t] over same-document taps
-            term = xd[j - (W - 1)] * dz0
+            term = xd[j - (W - 1)] * dz
             if keep_ref is not None and j < W - 1:
                 term = jnp.where(_keep_rows(keep_ref, rows, 0, j), term, 0.0)
             dw_ref[j, :] = jnp.sum(term, axis=0)
@@ -239,10 +230,11 @@ def conv_forward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, *,
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, inv, dy: Float[Array, "B T C"], *,
-                  tiles: ConvTiles = ConvTiles(), interpret: bool = False):
-    """``(dx [B, T, C] in x's dtype, dw [C, W] fp32)`` for the cotangent ``dy`` of :func:`conv_forward`'s
-    output (``inv`` its saved per-head inverse norms, or None without the norm)."""
+def conv_dz(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, inv, dy: Float[Array, "B T C"], *,
+            tiles: ConvTiles = ConvTiles(), interpret: bool = False):
+    """``(dz [B, T, C] fp32, dw [C, W] fp32)`` for the cotangent ``dy`` of :func:`conv_forward`'s output
+    (``inv`` its saved per-head inverse norms, or None without the norm): ``dz`` the gradient of the
+    conv's pre-activation, from which the caller forms ``dx`` (the transposed conv)."""
     group = None if inv is None else x.shape[2] // inv.shape[2]
     check_inputs(x, weight, keep, group, tiles)
     if dy.shape != x.shape:
@@ -251,19 +243,22 @@ def conv_backward(x: Float[Array, "B T C"], weight: Float[Array, "C W"], keep, i
     W, BT, BC = weight.shape[1], tiles.block_t, tiles.block_c
     whole, block = _specs(tiles)
     operands = [x.reshape(B * T, C), weight, dy.reshape(B * T, C)] + mask_operands(keep, BT)
+    in_specs = [whole((B * T, C)), whole(weight.shape), block]
+    in_specs += [whole(a.shape) for a in operands[3:]]
     if inv is not None:
         operands.append(inv.reshape(B * T, C // BC))
+        in_specs.append(pl.BlockSpec((BT, None), lambda i, c: (i, c)))
     nb = B * T // BT
-    dx, dw = pl.pallas_call(
-        functools.partial(_bwd_kernel, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
+    dz, dw = pl.pallas_call(
+        functools.partial(_dz_kernel, T=T, BT=BT, BC=BC, grouped=inv is not None, has_keep=keep is not None),
         grid=(nb, C // BC),
-        in_specs=[whole(a.shape) for a in operands],
+        in_specs=in_specs,
         out_specs=[block, pl.BlockSpec((None, W, BC), lambda i, c: (i, 0, c))],
-        out_shape=[jax.ShapeDtypeStruct((B * T, C), x.dtype), jax.ShapeDtypeStruct((nb, W, C), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B * T, C), jnp.float32), jax.ShapeDtypeStruct((nb, W, C), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-        interpret=interpret, name="kda_short_conv_bwd",
+        interpret=interpret, name="kda_short_conv_dz",
     )(*operands)
-    return dx.reshape(B, T, C), jnp.sum(dw, axis=0).T
+    return dz.reshape(B, T, C), jnp.sum(dw, axis=0).T
 
 
-__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_backward", "conv_forward", "mask_operands"]
+__all__ = ["ConvTiles", "accepts", "check_inputs", "conv_dz", "conv_forward", "mask_operands"]

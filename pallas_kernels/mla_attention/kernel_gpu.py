@@ -97,12 +97,35 @@ def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_fi
     return (q_pos[:, None] >= k_pos[None, :]) & (q_seg[:, None] == k_seg[None, :])
 
 
+def _tile_full(q_start, k_start, block_k: int, qdoc_ref, qi, kdoc_ref, kj):
+    """Whether every key of a tile is visible from every query: the key block ends at or before the
+    query block's first position and both blocks lie in one document (each block's least and
+    greatest id, :func:`document_blocks`, all equal). Such tiles skip the mask."""
+    doc = qdoc_ref[0, qi]
+    same = (doc == qdoc_ref[1, qi]) & (doc == kdoc_ref[0, kj]) & (doc == kdoc_ref[1, kj])
+    return (k_start + block_k - 1 <= q_start) & same
+
+
+def _masked(s, full, visible):
+    """``s`` where ``visible()`` holds, ``MASK`` elsewhere; ``visible`` (the position and document
+    compares, the segment loads) is only evaluated on tiles that are not ``full``."""
+    return lax.cond(full, lambda s: s, lambda s: jnp.where(visible(), s, MASK), s)
+
+
+def document_blocks(seg: Int[Array, "B L"], block: int) -> Int[Array, "B 2 n"]:
+    """Each ``block`` rows' least and greatest document id ``[B, 2, L/block]`` (equal: one document)."""
+    B, L = seg.shape
+    tiles = seg.reshape(B, L // block, block)
+    return jnp.stack([jnp.min(tiles, axis=-1), jnp.max(tiles, axis=-1)], axis=1)
+
+
 def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     """Key blocks that hold a key at or before position ``q_last``: the causal loop bound."""
     return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
 
 
-def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, mx_ref, *,
+def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, o_ref,
+                lse_ref, mx_ref, *,
                 scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
     q0 = off_ref[0] + i * block_q  # absolute position of the block's first query
@@ -113,7 +136,8 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
         acc, m, l = carry
         keys = pl.ds(j * block_k, block_k)
         s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale)
-        s = jnp.where(_visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k), s, MASK)
+        full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
+        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2((s - m_new[:, None]) * LOG2E)
         fix = jnp.exp2((m - m_new) * LOG2E)
@@ -128,8 +152,8 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
     mx_ref[...] = m
 
 
-def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-                 dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
+def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, do_ref,
+                 lse_ref, delta_ref, dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
     j = pl.program_id(0)
     off = off_ref[0]
     kn, kr, v = kn_ref[...], kr_ref[...], v_ref[...]
@@ -141,8 +165,10 @@ def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_
         qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
         # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
         s_t = _logits(kn, kr, qn, qr, scale)
-        seen = _visible(off + i * block_q, j * block_k, qseg_ref[rows], k_seg, block_q, block_k, keys_first=True)
-        p_t = jnp.exp2((jnp.where(seen, s_t, MASK) - lse_ref[rows][None, :]) * LOG2E)
+        full = _tile_full(off + i * block_q, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
+        s_t = _masked(s_t, full, lambda: _visible(off + i * block_q, j * block_k, qseg_ref[rows], k_seg, block_q,
+                                                  block_k, keys_first=True))
+        p_t = jnp.exp2((s_t - lse_ref[rows][None, :]) * LOG2E)
         dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
         dp_t = plgpu.dot(v, do, trans_b=True)
         ds_t = (p_t * (dp_t - delta_ref[rows][None, :])).astype(qn.dtype)
@@ -158,8 +184,8 @@ def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-               dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
+def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, do_ref,
+               lse_ref, delta_ref, dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)
     q0 = off_ref[0] + i * block_q
     qn, qr, do = qn_ref[...], qr_ref[...], do_ref[...]
@@ -171,8 +197,9 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
         keys = pl.ds(j * block_k, block_k)
         kn, kr = kn_ref[keys, :], kr_ref[keys, :]
         s = _logits(qn, qr, kn, kr, scale)
-        seen = _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k)
-        p = jnp.exp2((jnp.where(seen, s, MASK) - lse[:, None]) * LOG2E)
+        full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
+        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k))
+        p = jnp.exp2((s - lse[:, None]) * LOG2E)
         dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
         ds = (p * (dp - delta[:, None])).astype(kn.dtype)
         return dqn + plgpu.dot(ds, kn), dqr + plgpu.dot(ds, kr)
@@ -200,6 +227,12 @@ def _tiles(length: int, block: int, reverse: bool):
     )
 
 
+def _documents(seg, block: int):
+    """``(document_blocks(seg, block), its BlockSpec)``: the ``[2, n]`` block statistics of row b."""
+    docs = document_blocks(seg, block)
+    return docs, pl.BlockSpec((None,) + docs.shape[1:], lambda i, b, h: (b, 0, 0))
+
+
 def _whole(length: int):
     """BlockSpecs of a whole ``[B,length,...]`` operand per (b, h) program, as in :func:`_tiles`."""
     return dict(
@@ -220,18 +253,19 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
     tile, whole = _tiles(T, bq, True), _whole(S)
+    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
     kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                                num_k_blocks=S // bk)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
     return pl.pallas_call(
         kernel, grid=(T // bq, B, H),
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
-                  whole["heads"](V), _whole(T)["seg"], whole["seg"]],
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"], qdoc_spec, kdoc_spec],
         out_specs=[tile["heads"](V), tile["rows"], tile["rows"]],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), jnp.float32), rows, rows],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret, name="mla_flash_fwd",
-    )(q_start, qn, qr, kn, kr, v, q_seg, k_seg)
+    )(q_start, qn, qr, kn, kr, v, q_seg, k_seg, qdoc, kdoc)
 
 
 def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B T H V"],
@@ -242,32 +276,37 @@ def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B
     B, T, H, N = qn.shape
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
-    operands = (q_start, qn, qr, kn, kr, v, q_seg, k_seg, do, lse, delta)
+    operands = (q_start, qn, qr, kn, kr, v, q_seg, k_seg)
+    cotangents = (do, lse, delta)
 
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     tile, whole = _tiles(S, bk, False), _whole(T)
+    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
     dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
     dkn, dkr, dv = pl.pallas_call(
         dkdv, grid=(S // bk, B, H),
         in_specs=[OFFSET_SPEC, whole["heads"](N), whole["heads"](R), tile["heads"](N), tile["rope"](R),
-                  tile["heads"](V), whole["seg"], _whole(S)["seg"], whole["heads"](V), whole["rows"], whole["rows"]],
+                  tile["heads"](V), whole["seg"], _whole(S)["seg"], qdoc_spec, kdoc_spec, whole["heads"](V),
+                  whole["rows"], whole["rows"]],
         out_specs=[tile["heads"](N), tile["heads"](R), tile["heads"](V)],
         out_shape=[jax.ShapeDtypeStruct(kn.shape, kn.dtype), jax.ShapeDtypeStruct((B, S, H, R), jnp.float32),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dkdv",
-    )(*operands)
+    )(*operands, qdoc, kdoc, *cotangents)
 
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     tile, whole = _tiles(T, bq, True), _whole(S)
+    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
     dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                            num_k_blocks=S // bk)
     dqn, dqr = pl.pallas_call(
         dq, grid=(T // bq, B, H),
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
-                  whole["heads"](V), _whole(T)["seg"], whole["seg"], tile["heads"](V), tile["rows"], tile["rows"]],
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"], qdoc_spec, kdoc_spec, tile["heads"](V),
+                  tile["rows"], tile["rows"]],
         out_specs=[tile["heads"](N), tile["heads"](R)],
         out_shape=[jax.ShapeDtypeStruct(qn.shape, dq_dtype or qn.dtype),
                    jax.ShapeDtypeStruct(qr.shape, dq_dtype or qr.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dq",
-    )(*operands)
+    )(*operands, qdoc, kdoc, *cotangents)
     return dqn, dqr, dkn, dkr, dv

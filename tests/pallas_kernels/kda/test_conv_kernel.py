@@ -110,7 +110,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="power-of-two width W"):
         kernel_gpu_conv.check_inputs(xs[0], ws[0][:, :3], None, 128)
     with pytest.raises(ValueError, match="dy must have x's shape"):
-        kernel_gpu_conv.conv_backward(xs[0], ws[0], None, None, xs[0][:, :32], interpret=True)
+        kernel_gpu_conv.conv_dz(xs[0], ws[0], None, None, xs[0][:, :32], interpret=True)
 
 
 @pytest.mark.gpu

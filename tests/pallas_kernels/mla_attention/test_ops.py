@@ -57,6 +57,16 @@ def test_interpreted_kernel_matches_reference(T, N, R, V, packed):
     _check(args, w, seg, 0.3, interpret=True, blocks=SMALL_BLOCKS)
 
 
+def test_interpreted_kernel_full_tiles_of_other_documents_stay_masked():
+    """Documents aligned to the blocks: whole key blocks of one document lie causally before whole
+    query blocks of another (the skip-the-mask test must see the documents differ) and of the same
+    document (the mask is skipped); against the reference, values and gradients."""
+    T = 128
+    args, w = _inputs(2, T, 2, 16, 16, 16, seed=3)
+    seg = jnp.asarray(np.repeat([[0, 0, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 9, 9]], 16, axis=1), jnp.int32)
+    _check(args, w, seg, 0.3, interpret=True, blocks=SMALL_BLOCKS)
+
+
 def test_max_logit_is_the_visible_maximum():
     """A huge logit placed on a key that only a later document's queries could see if unmasked."""
     args, _ = _inputs(1, 32, 2, 16, 16, 16, seed=1)
