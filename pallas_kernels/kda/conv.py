@@ -138,14 +138,14 @@ def short_convs(
     is fused with another stage's full-size outputs: such multi-output reductions (the convs, the
     norms and their gradients in one) ran ~12x slower than their bandwidth time on the H200.
 
-    ``implementation``: ``"xla"`` those stages; ``"pallas"`` one Pallas-Triton pass each way per
-    tensor (``pallas_kernels.kda.kernel_gpu_conv``, these stages its reference; ``interpret=True``
-    runs it in the CPU interpreter); None: ``"pallas"`` when compiling for a CUDA GPU, the kernels
-    take the shapes (T a multiple of 16, C of 128, each L2 group 128 channels, W a power of two) and
-    there is no document mask ``keep``, else ``"xla"``. On the H200 (stop 37, q, k and v fwd+bwd) the
-    kernels take 1.20 against 1.47 ms at B 8, T 4096, C 1024 and 3.53 against 4.94 ms at K3's
-    B 1, T 8192, C 12288, but 1.62 against 1.54 ms with packed documents, so those stay on XLA (the
-    kernels have skipped the masks in blocks without a document start since; untimed).
+    ``implementation``: ``"xla"`` those stages; ``"pallas"`` per tensor one Pallas-Triton pass forward and
+    one to ``dz`` backward (``pallas_kernels.kda.kernel_gpu_conv``, these stages its reference; ``interpret=True``
+    runs it in the CPU interpreter); None: ``"pallas"`` when compiling for a CUDA GPU and the kernels
+    take the shapes (T a multiple of 16, C of 128, each L2 group 128 channels, W a power of two),
+    else ``"xla"``. On the H200 (q, k and v fwd+bwd) the kernels take 1.20 against 1.47 ms at B 8,
+    T 4096, C 1024 and 3.53 against 4.94 ms at K3's B 1, T 8192, C 12288 (stop 37); since stop 40's
+    backward (``dz`` kernel, XLA transposed conv) 1.29 against 2.09 ms and 3.66 against 5.50 ms with
+    packed documents of ~300 tokens, which had stayed on XLA before.
     """
     if not (len(xs) == len(weights) == len(l2_groups)) or not xs:
         raise ValueError(f"xs, weights and l2_groups must have one entry per conv, got "
@@ -175,7 +175,7 @@ def short_convs(
     elif implementation is None:
         target = current_target()
         cuda = target.platform == "gpu" and target.cuda
-        implementation = "pallas" if fits and cuda and keep is None else "xla"
+        implementation = "pallas" if fits and cuda else "xla"
     kernel = (implementation == "pallas", interpret)
     return _short_convs(tuple(xs), tuple(weights), keep, tuple(l2_groups), eps, out_dtype, kernel)
 

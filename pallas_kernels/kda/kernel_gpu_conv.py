@@ -1,4 +1,5 @@
-"""KDA's short convs on the GPU: ``short_convs``' forward and backward as one Pallas-Triton pass each.
+"""KDA's short convs on the GPU: ``short_convs``' forward as one Pallas-Triton pass, its backward as one
+pass to the pre-activation gradient ``dz`` and the transposed conv in XLA.
 
 The XLA formulation (:func:`pallas_kernels.kda.conv.short_convs`, the reference beside this file)
 runs in stages fenced by ``optimization_barrier`` because XLA's multi-output reductions were slow,
@@ -10,19 +11,20 @@ the L2 norm when it has one, so the per-head sums stay inside the program) and:
 
 - forward: ``z = Σ_j w[:, j] x[t-(W-1)+j]`` over the taps inside the document, ``s = z·σ(z)``, the
   per-head ``inv = 1/sqrt(Σ s² + eps)`` when normalised, ``y = s·inv``; writes y and inv.
-- backward: recomputes ``z`` at the block's rows shifted by ``0 … W-1`` (``dx[u]`` needs ``dz`` at
-  ``u … u+W-1``), ``dz = SiLU'(z)·(inv·dy − s·inv³·Σ(dy·s))`` at each, accumulates
-  ``dx = Σ_j w[:, j] dz[u+W-1-j]`` in the reference's tap order, and writes the block's partial
-  ``Σ_t x[t-(W-1)+j] dz[t]`` per tap; XLA sums the partials.
+- backward (:func:`conv_dz`): recomputes ``z`` at the block's rows, writes ``dz = SiLU'(z)·(inv·dy −
+  s·inv³·Σ(dy·s))`` in fp32 and the block's partial ``Σ_t x[t-(W-1)+j] dz[t]`` per tap (XLA sums
+  the partials); the caller forms ``dx = Σ_j w[:, j] dz[u+W-1-j]`` (a bandwidth-bound XLA fusion).
 
-On the H200 (stop 37, ``bench_kda_conv.py``, q, k and v of B 8, T 4096, C 1024): forward 0.218
-against 0.449 ms, fwd+bwd 1.202 against 1.472 ms; at K3's B 1, T 8192, C 12288 fwd+bwd 3.53 against
-4.94 ms; with packed documents (``keep``) fwd+bwd 1.62 against 1.54 ms, so ``short_convs`` takes these
-kernels by default only without a document mask. Since then a row block whose rows (and the W-1 after
+History on the H200: stop 37's backward was one pass that also formed ``dx``, recomputing ``z`` and
+``dz`` at the block's rows shifted by ``0 … W-1`` (each row's ``dz`` four times). Stop 40 (q, k, v,
+``.stage_dev``-style A/B in one process, bf16): that pass 2.938 ms, this ``dz`` pass plus the XLA
+``dx`` 2.786 ms (16 rows × 4 warps) and **2.710 ms (16 × 2, the default)** at K3's B 1, T 8192,
+C 12288; 1.003 / 0.978 / 0.939 ms at B 8, T 4096, C 1024 (stop 37's forward sweep also favoured
+16 × 2: 0.532 against 0.581 ms at K3). With packed documents (~300 tokens) fwd+bwd 3.659 against
+5.495 ms for the XLA stages at K3 and 1.289 against 2.085 ms at B 8, T 4096, C 1024, so
+``short_convs`` takes these kernels with documents too. A row block whose rows (and the W-1 after
 them) hold no document start skips the per-tap masks (``mask_operands``' flag, one branch per
-program): with documents of a few hundred tokens nearly every block; untimed, so the default for
-masked inputs is still the XLA stages. The kernel forward with the XLA backward was
-slower than either (1.95 ms: the XLA backward then recomputes what the XLA forward shared with it).
+program): with documents of a few hundred tokens nearly every block.
 
 Shifted rows are gathered with row-index vectors (clamped at 0 and masked), which the CPU
 interpreter also runs. Rounding: every sum in fp32 as the reference, σ from each compiler's own
@@ -50,7 +52,7 @@ class ConvTiles:
 
     block_t: int = 16
     block_c: int = 128
-    num_warps: int = 4
+    num_warps: int = 2
 
 
 def check_inputs(x, weight, keep, group: int | None, tiles: ConvTiles = ConvTiles()) -> None:

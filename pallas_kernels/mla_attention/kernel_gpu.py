@@ -107,8 +107,8 @@ def _tile_full(q_start, k_start, block_k: int, qdoc_ref, qi, kdoc_ref, kj):
 
 
 def _masked(s, full, visible):
-    """``s`` where ``visible()`` holds, ``MASK`` elsewhere; ``visible`` (the position and document
-    compares, the segment loads) is only evaluated on tiles that are not ``full``."""
+    """``s`` where ``visible()`` holds, ``MASK`` elsewhere; the position and document compares are
+    only evaluated on tiles that are not ``full``."""
     return lax.cond(full, lambda s: s, lambda s: jnp.where(visible(), s, MASK), s)
 
 
@@ -119,13 +119,25 @@ def document_blocks(seg: Int[Array, "B L"], block: int) -> Int[Array, "B 2 n"]:
     return jnp.stack([jnp.min(tiles, axis=-1), jnp.max(tiles, axis=-1)], axis=1)
 
 
+def document_bounds(qdoc: Int[Array, "B 2 nq"], kdoc: Int[Array, "B 2 nk"]):
+    """``(first key block [B, nq], query block end [B, nk])``: per query block the first key block,
+    and per key block one past the last query block, whose document id ranges meet. Tiles outside
+    hold no visible pair (every id differs), so the loops skip them: with documents in order, the
+    keys of earlier documents and the queries of later ones. A block that meets none keeps the
+    whole range (padding)."""
+    meets = (kdoc[:, None, 1, :] >= qdoc[:, 0, :, None]) & (kdoc[:, None, 0, :] <= qdoc[:, 1, :, None])
+    first = jnp.argmax(meets, axis=2)
+    end = meets.shape[1] - jnp.argmax(meets[:, ::-1, :], axis=1)
+    return first.astype(jnp.int32), jnp.where(jnp.any(meets, axis=1), end, meets.shape[1]).astype(jnp.int32)
+
+
 def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     """Key blocks that hold a key at or before position ``q_last``: the causal loop bound."""
     return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
 
 
-def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, o_ref,
-                lse_ref, mx_ref, *,
+def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, first_ref,
+                o_ref, lse_ref, mx_ref, *,
                 scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
     q0 = off_ref[0] + i * block_q  # absolute position of the block's first query
@@ -135,9 +147,9 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
     def body(j, carry):
         acc, m, l = carry
         keys = pl.ds(j * block_k, block_k)
-        s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale)
+        s, k_seg = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale), kseg_ref[keys]
         full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k))
+        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2((s - m_new[:, None]) * LOG2E)
         fix = jnp.exp2((m - m_new) * LOG2E)
@@ -146,14 +158,16 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
 
     init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks), body, init)
+    num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
+    # From the first key block that can share a document (never past the last one: padded rows)
+    acc, m, l = lax.fori_loop(jnp.minimum(first_ref[i], num_k - 1), num_k, body, init)
     o_ref[...] = acc / l[:, None]
     lse_ref[...] = m + jnp.log(l)
     mx_ref[...] = m
 
 
-def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, do_ref,
-                 lse_ref, delta_ref, dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int):
+def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, end_ref,
+                 do_ref, lse_ref, delta_ref, dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int):
     j = pl.program_id(0)
     off = off_ref[0]
     kn, kr, v = kn_ref[...], kr_ref[...], v_ref[...]
@@ -165,9 +179,10 @@ def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_
         qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
         # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
         s_t = _logits(kn, kr, qn, qr, scale)
+        q_seg = qseg_ref[rows]
         full = _tile_full(off + i * block_q, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s_t = _masked(s_t, full, lambda: _visible(off + i * block_q, j * block_k, qseg_ref[rows], k_seg, block_q,
-                                                  block_k, keys_first=True))
+        s_t = _masked(s_t, full, lambda: _visible(off + i * block_q, j * block_k, q_seg, k_seg, block_q, block_k,
+                                                  keys_first=True))
         p_t = jnp.exp2((s_t - lse_ref[rows][None, :]) * LOG2E)
         dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
         dp_t = plgpu.dot(v, do, trans_b=True)
@@ -178,14 +193,15 @@ def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_
     # The first query block holding a position >= this key block's first key (clamped at 0: a
     # truncating division of a negative numerator is >= the floor, and 0 bounds both).
     first = jnp.maximum(int_ops.div(j * block_k - off, block_q), 0)
-    dkn, dkr, dv = lax.fori_loop(first, num_q_blocks, body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
+    dkn, dkr, dv = lax.fori_loop(first, end_ref[j], body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
     dkn_ref[...] = (dkn * scale).astype(dkn_ref.dtype)
     dkr_ref[...] = dkr * scale
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, do_ref,
-               lse_ref, delta_ref, dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
+def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, first_ref,
+               do_ref, lse_ref, delta_ref, dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int,
+               num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)
     q0 = off_ref[0] + i * block_q
     qn, qr, do = qn_ref[...], qr_ref[...], do_ref[...]
@@ -197,8 +213,9 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
         keys = pl.ds(j * block_k, block_k)
         kn, kr = kn_ref[keys, :], kr_ref[keys, :]
         s = _logits(qn, qr, kn, kr, scale)
+        k_seg = kseg_ref[keys]
         full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k))
+        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
         p = jnp.exp2((s - lse[:, None]) * LOG2E)
         dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
         ds = (p * (dp - delta[:, None])).astype(kn.dtype)
@@ -206,7 +223,7 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
 
     zeros = lambda ref: jnp.zeros((block_q, ref.shape[-1]), jnp.float32)
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    dqn, dqr = lax.fori_loop(0, num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
+    dqn, dqr = lax.fori_loop(jnp.minimum(first_ref[i], num_k - 1), num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
     dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 
@@ -227,10 +244,14 @@ def _tiles(length: int, block: int, reverse: bool):
     )
 
 
-def _documents(seg, block: int):
-    """``(document_blocks(seg, block), its BlockSpec)``: the ``[2, n]`` block statistics of row b."""
-    docs = document_blocks(seg, block)
-    return docs, pl.BlockSpec((None,) + docs.shape[1:], lambda i, b, h: (b, 0, 0))
+def _documents(q_seg, k_seg, block_q: int, block_k: int, keys_major: bool):
+    """``(operands, BlockSpecs)`` of the document tests: both sides' :func:`document_blocks` and the
+    loop bound of :func:`document_bounds` the kernel needs (its first key block per query block, or
+    with ``keys_major`` its query block end per key block), each row b's to every program of it."""
+    qdoc, kdoc = document_blocks(q_seg, block_q), document_blocks(k_seg, block_k)
+    bound = document_bounds(qdoc, kdoc)[1 if keys_major else 0]
+    row = lambda a: pl.BlockSpec((None,) + a.shape[1:], lambda i, b, h: (b,) + (0,) * (a.ndim - 1))
+    return [qdoc, kdoc, bound], [row(qdoc), row(kdoc), row(bound)]
 
 
 def _whole(length: int):
@@ -253,19 +274,19 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
     tile, whole = _tiles(T, bq, True), _whole(S)
-    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
+    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=False)
     kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                                num_k_blocks=S // bk)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
     return pl.pallas_call(
         kernel, grid=(T // bq, B, H),
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
-                  whole["heads"](V), _whole(T)["seg"], whole["seg"], qdoc_spec, kdoc_spec],
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"], *doc_specs],
         out_specs=[tile["heads"](V), tile["rows"], tile["rows"]],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), jnp.float32), rows, rows],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret, name="mla_flash_fwd",
-    )(q_start, qn, qr, kn, kr, v, q_seg, k_seg, qdoc, kdoc)
+    )(q_start, qn, qr, kn, kr, v, q_seg, k_seg, *docs)
 
 
 def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B T H V"],
@@ -281,32 +302,32 @@ def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B
 
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     tile, whole = _tiles(S, bk, False), _whole(T)
-    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
-    dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq)
+    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=True)
+    dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk)
     dkn, dkr, dv = pl.pallas_call(
         dkdv, grid=(S // bk, B, H),
         in_specs=[OFFSET_SPEC, whole["heads"](N), whole["heads"](R), tile["heads"](N), tile["rope"](R),
-                  tile["heads"](V), whole["seg"], _whole(S)["seg"], qdoc_spec, kdoc_spec, whole["heads"](V),
+                  tile["heads"](V), whole["seg"], _whole(S)["seg"], *doc_specs, whole["heads"](V),
                   whole["rows"], whole["rows"]],
         out_specs=[tile["heads"](N), tile["heads"](R), tile["heads"](V)],
         out_shape=[jax.ShapeDtypeStruct(kn.shape, kn.dtype), jax.ShapeDtypeStruct((B, S, H, R), jnp.float32),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dkdv",
-    )(*operands, qdoc, kdoc, *cotangents)
+    )(*operands, *docs, *cotangents)
 
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     tile, whole = _tiles(T, bq, True), _whole(S)
-    (qdoc, qdoc_spec), (kdoc, kdoc_spec) = _documents(q_seg, bq), _documents(k_seg, bk)
+    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=False)
     dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                            num_k_blocks=S // bk)
     dqn, dqr = pl.pallas_call(
         dq, grid=(T // bq, B, H),
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
-                  whole["heads"](V), _whole(T)["seg"], whole["seg"], qdoc_spec, kdoc_spec, tile["heads"](V),
+                  whole["heads"](V), _whole(T)["seg"], whole["seg"], *doc_specs, tile["heads"](V),
                   tile["rows"], tile["rows"]],
         out_specs=[tile["heads"](N), tile["heads"](R)],
         out_shape=[jax.ShapeDtypeStruct(qn.shape, dq_dtype or qn.dtype),
                    jax.ShapeDtypeStruct(qr.shape, dq_dtype or qr.dtype)],
         compiler_params=params, interpret=interpret, name="mla_flash_dq",
-    )(*operands, qdoc, kdoc, *cotangents)
+    )(*operands, *docs, *cotangents)
     return dqn, dqr, dkn, dkr, dv

@@ -90,7 +90,7 @@ def test_default_picks_the_kernels_on_a_cuda_target():
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert _has_pallas_call(xs, ws, None)
         assert not _has_pallas_call(odd, ws, None)
-        assert not _has_pallas_call(xs, ws, keep)  # packed documents: the XLA stages were faster
+        assert _has_pallas_call(xs, ws, keep)  # packed documents too (stop 40: 1.29 against 2.09 ms)
     with compile_for("cpu"):
         assert not _has_pallas_call(xs, ws, None)
 
