@@ -2,7 +2,7 @@
 
 ``y = W_down act(W_gate x, W_up x)`` with ``act`` SiTU-GLU (K3) or SwiGLU (Kimi-Linear, K2); the
 activation runs in fp32 (``pallas_kernels.moe.activations``, shared with the routed experts), and
-its backward keeps the two partial derivatives in the compute dtype (``split_gated_activation``).
+its backward keeps the gate and up products and recomputes the derivatives (``split_gated_activation``).
 """
 
 from __future__ import annotations

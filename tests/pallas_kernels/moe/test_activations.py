@@ -89,14 +89,19 @@ def test_split_equals_autodiff_values_and_grads(activation, dtype):
 
 
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])
-def test_packed_forward_stores_bf16_partial_derivatives(activation):
-    """The backward's residuals are ∂a/∂g and ∂a/∂u in the input dtype (not two float32 terms)."""
-    from pallas_kernels.moe.activations import _packed_fwd
+def test_packed_backward_keeps_only_the_product_and_recomputes(activation):
+    """The backward's one residual is ``gu`` itself (bf16, no float32 term and no stored derivative),
+    and its gradient is ``[da·∂a/∂g | da·∂a/∂u]`` with the derivatives recomputed in float32: equal
+    to float32 autodiff of the bf16 inputs up to the result's one bf16 rounding."""
+    from jax._src.ad_checkpoint import saved_residuals
 
     gu = (jax.random.normal(jax.random.PRNGKey(6), (8, 2 * 16)) * 3).astype(jnp.bfloat16)
-    _, (d_g, d_u) = _packed_fwd(gu, activation, 4.0, 25.0, None)
-    assert d_g.dtype == d_u.dtype == jnp.bfloat16
-    g, u = gu[:, :16].astype(jnp.float32), gu[:, 16:].astype(jnp.float32)
-    fn = lambda g, u: jnp.sum(gated_activation(g, u, activation))
-    want_g, want_u = jax.grad(fn, argnums=(0, 1))(g, u)
-    assert rel_rmse(d_g, want_g) < 4e-3 and rel_rmse(d_u, want_u) < 4e-3
+    da = jax.random.normal(jax.random.PRNGKey(8), (8, 16))
+    loss = lambda gu: jnp.sum(packed_gated_activation(gu, activation, 4.0, 25.0, None).astype(jnp.float32) * da)
+    kept = [(a.shape, a.dtype, why) for a, why in saved_residuals(loss, gu) if not why.startswith("from a constant")]
+    assert kept == [((8, 32), jnp.bfloat16, "from the argument gu")], kept  # (da, the loss's constant, aside)
+    wide = lambda gu: jnp.sum(gated_activation(gu[:, :16], gu[:, 16:], activation) * da)
+    want = jax.grad(wide)(gu.astype(jnp.float32))
+    got = jax.grad(loss)(gu)
+    assert got.dtype == jnp.bfloat16
+    assert rel_rmse(got, want) < 4e-3
