@@ -67,6 +67,27 @@ def test_interpreted_kernel_full_tiles_of_other_documents_stay_masked():
     _check(args, w, seg, 0.3, interpret=True, blocks=SMALL_BLOCKS)
 
 
+def test_interpreted_kernel_skips_the_blocks_of_other_documents():
+    """Two block-aligned documents with NaN in the first one's keys and values (forward) and in the
+    second one's output cotangent (backward): a loop that visited the other document's blocks and
+    masked them would form 0·NaN; the document bounds skip them, so each document's results equal
+    those of the document alone."""
+    T, half = 128, 64
+    args, w = _inputs(1, T, 2, 16, 16, 16, seed=5)
+    seg = jnp.asarray(np.repeat([[1, 2]], half, axis=1), jnp.int32)
+    kernel = lambda *a: mla_attention(*a, seg, scale=0.3, implementation="pallas", interpret=True, blocks=SMALL_BLOCKS)
+    alone = lambda *a: mla_attention(*a, scale=0.3, implementation="xla")
+    first, second = (slice(None, half), slice(half, None))
+    poisoned = [x.at[:, first].set(jnp.nan) if i in (2, 3, 4) else x for i, x in enumerate(args)]
+    o = kernel(*poisoned)[0]
+    assert rel_rmse(o[:, second], alone(*(x[:, second] for x in args))[0]) <= BF16_FWD_RTOL
+    w_nan = w.at[:, second].set(jnp.nan)
+    grads = jax.grad(lambda *a: jnp.sum(kernel(*a)[0] * w_nan), argnums=(2, 3, 4))(*args)
+    want = jax.grad(lambda *a: jnp.sum(alone(*a)[0] * w[:, first]), argnums=(2, 3, 4))(*(x[:, first] for x in args))
+    for name, g, rg in zip(("k_nope", "k_rope", "v"), grads, want):
+        assert rel_rmse(g[:, first], rg) <= BF16_GRAD_RTOL, name
+
+
 def test_max_logit_is_the_visible_maximum():
     """A huge logit placed on a key that only a later document's queries could see if unmasked."""
     args, _ = _inputs(1, 32, 2, 16, 16, 16, seed=1)
