@@ -138,11 +138,11 @@ def short_convs(
     is fused with another stage's full-size outputs: such multi-output reductions (the convs, the
     norms and their gradients in one) ran ~12x slower than their bandwidth time on the H200.
 
-    ``implementation``: ``"xla"`` those stages; ``"pallas"`` per tensor one Pallas-Triton pass forward and
-    one to ``dz`` backward (``pallas_kernels.kda.kernel_gpu_conv``, these stages its reference; ``interpret=True``
-    runs it in the CPU interpreter); None: ``"pallas"`` when compiling for a CUDA GPU and the kernels
-    take the shapes (T a multiple of 16, C of 128, each L2 group 128 channels, W a power of two),
-    else ``"xla"``. On the H200 (q, k and v fwd+bwd) the kernels take 1.20 against 1.47 ms at B 8,
+    ``implementation``: ``"xla"`` those stages; ``"pallas"`` per tensor one Pallas-Triton pass
+    forward and one to ``dz`` backward (``pallas_kernels.kda.kernel_gpu_conv``, these stages its
+    reference; ``interpret=True`` runs it in the CPU interpreter); None: ``"pallas"`` when compiling
+    for a CUDA GPU and the kernels take the shapes (T a multiple of 16, C of 128, each L2 group 128
+    channels, W a power of two), else ``"xla"``. On the H200 (q, k and v fwd+bwd) the kernels take 1.20 against 1.47 ms at B 8,
     T 4096, C 1024 and 3.53 against 4.94 ms at K3's B 1, T 8192, C 12288 (stop 37); since stop 40's
     backward (``dz`` kernel, XLA transposed conv) 1.29 against 2.09 ms and 3.66 against 5.50 ms with
     packed documents of ~300 tokens, which had stayed on XLA before.
@@ -238,7 +238,8 @@ def _short_convs_bwd(l2_groups, eps, out_dtype, kernel, res, dys):
     if kernel[0]:
         grads = [kernel_gpu_conv.conv_dz(x, w, keep, inv, dy, interpret=kernel[1])
                  for x, w, inv, dy in zip(xs, weights, invs, dys)]
-        dxs = (_conv_transpose(dz, w.astype(dz.dtype), keep).astype(x.dtype) for (dz, _), x, w in zip(grads, xs, weights))
+        dxs = (_conv_transpose(dz, w.astype(dz.dtype), keep).astype(x.dtype)  # one XLA fusion per tensor
+               for (dz, _), x, w in zip(grads, xs, weights))
         return tuple(dxs), tuple(dw.astype(w.dtype) for (_, dw), w in zip(grads, weights)), None
     wide = lambda dy, x, w: dy.astype(compute_dtype(x, w))  # inside each stage: never written wide
     dots = []

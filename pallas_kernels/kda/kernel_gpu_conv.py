@@ -161,7 +161,7 @@ def _dz_kernel(x_ref, w_ref, dy_ref, *refs, T: int, BT: int, BC: int, grouped: b
     inv_ref = refs[2 * has_keep] if grouped else None
     dz_ref, dw_ref = refs[2 * has_keep + grouped], refs[2 * has_keep + grouped + 1]
     rows, t, cols, w = _program(x_ref, w_ref, T, BT, BC)
-    W, head = len(w), pl.program_id(1)  # program ids are read outside the branches (the interpreter's rule)
+    W = len(w)
 
     def body(keep_ref):
         xd = {d: _tile(x_ref, rows, t, cols, d, T) for d in range(1 - W, 1)}
