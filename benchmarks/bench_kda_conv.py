@@ -17,8 +17,9 @@ Variants:
   ``segment_index``, SiLU, then the L2 norm; autodiff. XLA fused the q/k convs, SiLU and norms into
   one multi-output reduction (``input_convert_multiply_reduce_fusion``, 1.9 ms per layer).
 - ``repo``: what ``k3jax.layers.kda`` runs now (``short_conv_qkv``: one ``custom_vjp`` op for q, k, v
-  with one shared document mask; on a CUDA GPU without documents the Pallas-Triton kernels of
-  ``pallas_kernels/kda/kernel_gpu_conv.py``, else stages fenced by ``optimization_barrier``).
+  with one shared document mask; on a CUDA GPU the Pallas-Triton kernels of
+  ``pallas_kernels/kda/kernel_gpu_conv.py`` (with documents too since stop 40), else stages fenced by
+  ``optimization_barrier``).
 - ``repo_xla`` / ``repo_pallas``: the same op with ``implementation`` forced to ``"xla"`` (the stages)
   or ``"pallas"`` (the kernels, with documents too).
 - ``repo_per_tensor``: the same op called once per tensor (three ops instead of one).
@@ -103,7 +104,7 @@ def _layout(xs, ws, segment_ids):
 def _repo_with(implementation, xs, ws, segment_ids, out_dtype):
     """``repo`` with ``short_convs(implementation=...)`` forced: ``"xla"`` its staged XLA formulation,
     ``"pallas"`` the Pallas-Triton kernels of ``pallas_kernels/kda/kernel_gpu_conv.py`` (which ``repo``
-    takes on a CUDA GPU without packed documents)."""
+    takes on a CUDA GPU)."""
     B, T, H, K, W, keep, wide = _layout(xs, ws, segment_ids)
     flat = tuple(x.reshape(B, T, H * K) for x in xs)
     ws = tuple(w.reshape(W, H * K).T.astype(wide) for w in ws)
