@@ -12,6 +12,9 @@ First the flash path is checked against the XLA path at full size (output, max_l
 gradient, also with packed documents); then each is timed: forward, and forward+backward
 (``grad`` of ``sum(o·w)``), median of ``--iters`` synchronised calls after a warm-up.
 ``--sweep 1,3`` also times those block configurations of ``SWEEP`` (``--skip-check``: time only).
+``--documents N`` times N documents of equal length per row instead of one (packed training rows:
+the flash kernels skip the other documents' blocks, the XLA path masks them, cuDNN stays causal
+over the whole row); the TFLOP/s columns still count one document's causal work.
 
 Run on the H200 from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_attention.py``
 """
@@ -144,8 +147,11 @@ def main():
                         "at full precision twice)")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the CPU interpreter")
     parser.add_argument("--peers", default="cudnn", help="peers to time beside ours: cudnn, mgpu (forward only), or ''")
+    parser.add_argument("--documents", type=int, default=1, help="documents of equal length per row (timing)")
     parser.add_argument("--out", help="write the results as JSON here")
     a = parser.parse_args()
+    if not 1 <= a.documents <= a.length:
+        parser.error(f"--documents must be in [1, --length={a.length}], got {a.documents}")
     global INTERPRET
     INTERPRET = a.interpret
     B, T, H, scale = a.batch, a.length, a.heads, 192 ** -0.5
@@ -153,7 +159,8 @@ def main():
     args, w = inputs(B, T, H)
     ones = jnp.ones((B, T), jnp.int32)
     packed = ones.at[:, T // 3:].set(2).at[:, T - T // 5:].set(3)
-    results = {"shape": dict(B=B, T=T, H=H), "checks": {}, "ms": {}}
+    timed = jnp.broadcast_to(1 + jnp.arange(T, dtype=jnp.int32) * a.documents // T, (B, T))
+    results = {"shape": dict(B=B, T=T, H=H, documents=a.documents), "checks": {}, "ms": {}}
     for name, seg in () if a.skip_check else (("ones", ones), ("packed", packed)):
         ok, errors = check(args, w, seg, scale, BlockSizes())
         results["checks"][name] = errors
@@ -173,7 +180,7 @@ def main():
         candidates[f"flash {i}: {dataclasses.astuple(SWEEP[i])}"] = flash_attention(SWEEP[i])
     for name, attend in candidates.items():
         ms = []
-        for program in programs(attend, ones, w, scale):
+        for program in programs(attend, timed, w, scale):
             try:
                 ms.append(time_ms(program, args, a.iters))
             except Exception:  # a block configuration that does not compile, a peer without a
