@@ -74,44 +74,60 @@ def packed_gated_activation(
     """``gated_activation(g, u)`` of the packed product ``gu = [g | u]`` (last axis 2F), cast to
     ``out_dtype`` (default ``gu.dtype``).
 
-    The backward keeps ``gu`` itself (the product, already in memory) and recomputes the two
-    partial derivatives ``∂a/∂g``, ``∂a/∂u`` in >= float32 behind an ``optimization_barrier``, so
-    that XLA cannot share that recomputation with the forward: left to itself it had the forward
-    write the terms in float32 (0.46 + 0.49 ms per ``small()`` MoE layer on the H200). The
-    gradient is one concatenate ``[da·∂a/∂g | da·∂a/∂u]`` in ``gu.dtype`` (autodiff of two slices
-    of ``gu`` adds two zero-padded half-gradients, and ``jnp.split`` materialises both halves).
-    Until stop 40 the forward wrote the two derivatives in ``gu.dtype`` as the residuals: 1.6 GB
-    more forward traffic per K3 expert layer at 8 K tokens (``layer_glue.py``) for the same
-    residual bytes, and one more bf16 rounding of the gradient.
+    The forward pass also stores the activation's two partial derivatives ``∂a/∂g`` and ``∂a/∂u``
+    (computed in >= float32, stored in ``gu.dtype``), and the backward is one concatenate
+    ``[da·∂a/∂g | da·∂a/∂u]`` in ``gu.dtype``. Left to itself XLA shares the backward's
+    recomputation with the forward and has the forward write those terms in float32 (twice the
+    bytes; 0.46 + 0.49 ms per ``small()`` MoE layer on the H200, against 0.54 + 0.31 ms this way);
+    autodiff of two slices of ``gu`` adds two zero-padded half-gradients, and ``jnp.split``
+    materialises both halves. In bf16 the stored derivatives add one rounding (2⁻⁹ relative) before
+    the gradient's own bf16 rounding. (Recomputing them in the backward from ``gu``, as
+    ``split_gated_activation`` does, made XLA write the backward's ``tanh`` terms to float32 buffers
+    of their own ahead of the concatenate: small()'s micro-batch glue 202.5 → 220.8 GB device-less,
+    stop 40; the split products have no concatenate and gain.)
     """
     F = gu.shape[-1] // 2
     a = gated_activation(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta)
     return a.astype(gu.dtype if out_dtype is None else out_dtype)
 
 
+def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
+    """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
+    fn = _activation_fn(activation, situ_beta, situ_linear_beta)
+    one, zero = jnp.ones_like(g), jnp.zeros_like(g)
+    a, d_g = jax.jvp(fn, (g, u), (one, zero))  # elementwise: the tangent is ∂a/∂g itself
+    d_u = jax.jvp(fn, (g, u), (zero, one))[1]
+    # the barrier keeps the stored dtype: XLA (excess precision allowed) would fold the cast pair
+    return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
+
+
+def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
+    F = gu.shape[-1] // 2
+    return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta,
+                             gu.dtype if out_dtype is None else out_dtype, gu.dtype)
+
+
+def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+    d_g, d_u = res
+    wide = jnp.promote_types(d_g.dtype, jnp.float32)
+    da = da.astype(wide)
+    return (jnp.concatenate([da * d_g.astype(wide), da * d_u.astype(wide)], axis=-1).astype(d_g.dtype),)
+
+
+packed_gated_activation.defvjp(_packed_fwd, _packed_bwd)
+
+
 def _derivatives(g, u, activation, situ_beta, situ_linear_beta, da):
-    """``(da·∂a/∂g, da·∂a/∂u)`` in >= float32, recomputed from the saved ``g``, ``u`` behind a barrier
-    (XLA would otherwise share the recomputation with the forward and keep its float32 terms)."""
-    g, u = jax.lax.optimization_barrier((g, u))
+    """``(da·∂a/∂g, da·∂a/∂u)`` in >= float32, recomputed from the saved ``g``, ``u``. Callers pass
+    them through an ``optimization_barrier`` first (XLA would otherwise share the recomputation with
+    the forward and keep its float32 terms), and only arrays already in memory (a barrier on slices
+    makes XLA copy them out)."""
     fn = _activation_fn(activation, situ_beta, situ_linear_beta)
     one, zero = jnp.ones_like(g), jnp.zeros_like(g)
     d_g = jax.jvp(fn, (g, u), (one, zero))[1]  # elementwise: the tangent is ∂a/∂g itself
     d_u = jax.jvp(fn, (g, u), (zero, one))[1]
     da = da.astype(d_g.dtype)
     return da * d_g, da * d_u
-
-
-def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
-    return packed_gated_activation(gu, activation, situ_beta, situ_linear_beta, out_dtype), gu
-
-
-def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, gu, da):
-    F = gu.shape[-1] // 2
-    dg, du = _derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta, da)
-    return (jnp.concatenate([dg, du], axis=-1).astype(gu.dtype),)
-
-
-packed_gated_activation.defvjp(_packed_fwd, _packed_bwd)
 
 
 def split_gated_activation(
@@ -122,12 +138,15 @@ def split_gated_activation(
     situ_linear_beta: float = 25.0,
     out_dtype=None,
 ) -> Float[Array, "*B F"]:
-    """``gated_activation(g, u)`` cast to ``out_dtype`` (default ``g.dtype``), with the backward of
-    ``packed_gated_activation`` for a gate and an up product made apart (the dense and shared MLPs,
-    the routed experts' split products): the backward keeps ``g`` and ``u`` and recomputes the two
-    partial derivatives; the gradients are two products. Autodiff kept seven float32 ``[T, F]`` terms
-    instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens,
-    ``benchmarks/bench_layer.py --residuals``).
+    """``gated_activation(g, u)`` cast to ``out_dtype`` (default ``g.dtype``) for a gate and an up
+    product made apart (the dense and shared MLPs, the routed experts' split products): the backward
+    keeps ``g`` and ``u`` (the products, already in memory) and recomputes ``∂a/∂g``, ``∂a/∂u`` in
+    >= float32 behind an ``optimization_barrier``; the gradients are two products. Autodiff kept
+    seven float32 ``[T, F]`` terms instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens,
+    ``benchmarks/bench_layer.py --residuals``). Until stop 40 the forward wrote the two derivatives
+    in ``g.dtype`` as residuals (as ``packed_gated_activation`` still does): 1.6 GB more glue per K3
+    routed-expert layer at 8 K tokens device-less (``layer_glue.py``) for the same residual bytes,
+    and one more bf16 rounding of the gradient.
 
     Computed on ``[rows, F]`` views: on the ``[B, T, F]`` outputs of ``[B·T, D]`` GEMMs XLA (H200
     compile) wrote both ``tanh`` terms to fp32 ``[B·T, F]`` buffers in fusions of their own and read
@@ -151,7 +170,7 @@ def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
 
 
 def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
-    g, u = res
+    g, u = jax.lax.optimization_barrier(res)
     dg, du = _derivatives(g, u, activation, situ_beta, situ_linear_beta, da)
     return dg.astype(g.dtype), du.astype(u.dtype)
 

@@ -89,19 +89,34 @@ def test_split_equals_autodiff_values_and_grads(activation, dtype):
 
 
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])
-def test_packed_backward_keeps_only_the_product_and_recomputes(activation):
-    """The backward's one residual is ``gu`` itself (bf16, no float32 term and no stored derivative),
-    and its gradient is ``[da·∂a/∂g | da·∂a/∂u]`` with the derivatives recomputed in float32: equal
-    to float32 autodiff of the bf16 inputs up to the result's one bf16 rounding."""
-    from jax._src.ad_checkpoint import saved_residuals
+def test_packed_forward_stores_bf16_partial_derivatives(activation):
+    """The backward's residuals are ∂a/∂g and ∂a/∂u in the input dtype (not two float32 terms)."""
+    from pallas_kernels.moe.activations import _packed_fwd
 
     gu = (jax.random.normal(jax.random.PRNGKey(6), (8, 2 * 16)) * 3).astype(jnp.bfloat16)
-    da = jax.random.normal(jax.random.PRNGKey(8), (8, 16))
-    loss = lambda gu: jnp.sum(packed_gated_activation(gu, activation, 4.0, 25.0, None).astype(jnp.float32) * da)
-    kept = [(a.shape, a.dtype, why) for a, why in saved_residuals(loss, gu) if not why.startswith("from a constant")]
-    assert kept == [((8, 32), jnp.bfloat16, "from the argument gu")], kept  # (da, the loss's constant, aside)
-    wide = lambda gu: jnp.sum(gated_activation(gu[:, :16], gu[:, 16:], activation) * da)
-    want = jax.grad(wide)(gu.astype(jnp.float32))
-    got = jax.grad(loss)(gu)
-    assert got.dtype == jnp.bfloat16
-    assert rel_rmse(got, want) < 4e-3
+    _, (d_g, d_u) = _packed_fwd(gu, activation, 4.0, 25.0, None)
+    assert d_g.dtype == d_u.dtype == jnp.bfloat16
+    g, u = gu[:, :16].astype(jnp.float32), gu[:, 16:].astype(jnp.float32)
+    fn = lambda g, u: jnp.sum(gated_activation(g, u, activation))
+    want_g, want_u = jax.grad(fn, argnums=(0, 1))(g, u)
+    assert rel_rmse(d_g, want_g) < 4e-3 and rel_rmse(d_u, want_u) < 4e-3
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+def test_split_backward_keeps_the_products_and_recomputes(activation):
+    """The split form's residuals are ``g`` and ``u`` themselves (no derivative written by the
+    forward), and its gradient, recomputed in float32, matches float32 autodiff of the bf16 inputs
+    to the result's one bf16 rounding."""
+    from pallas_kernels.moe.activations import _split_bwd, _split_fwd
+
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(9), 3)
+    g, u = ((jax.random.normal(k, (16, 24)) * 3).astype(jnp.bfloat16) for k in (k1, k2))
+    da = jax.random.normal(k3, (16, 24)).astype(jnp.bfloat16)
+    _, res = _split_fwd(g, u, activation, 4.0, 25.0, None)
+    assert len(res) == 2 and all(r is x for r, x in zip(res, (g, u)))
+    got = _split_bwd(activation, 4.0, 25.0, None, res, da)
+    fn = lambda g, u: jnp.sum(gated_activation(g, u, activation) * da.astype(jnp.float32))
+    want = jax.grad(fn, argnums=(0, 1))(g.astype(jnp.float32), u.astype(jnp.float32))
+    for a, b in zip(got, want):
+        assert a.dtype == jnp.bfloat16
+        assert rel_rmse(a, b) < 4e-3
