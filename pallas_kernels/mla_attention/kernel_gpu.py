@@ -139,6 +139,14 @@ def document_bounds(qdoc: Int[Array, "B 2 nq"], kdoc: Int[Array, "B 2 nk"]):
     return first.astype(jnp.int32), jnp.where(jnp.any(meets, axis=1), end, meets.shape[1]).astype(jnp.int32)
 
 
+def _first_key_block(first, num_k):
+    """The forward's and dQ's loop start: the first key block that can share a document, but never
+    past the last causal one (a block of padded rows meets no document and still gets one visit,
+    as before the document bounds) and 0 when there is none (a key chunk wholly after the block:
+    no visit, the caller's rule)."""
+    return jnp.minimum(first, jnp.maximum(num_k - 1, 0))
+
+
 def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     """Key blocks that hold a key at or before position ``q_last``: the causal loop bound."""
     return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
@@ -167,8 +175,7 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
     init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    # From the first key block that can share a document (never past the last one: padded rows)
-    acc, m, l = lax.fori_loop(jnp.minimum(first_ref[i], num_k - 1), num_k, body, init)
+    acc, m, l = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
     o_ref[...] = acc / l[:, None]
     lse_ref[...] = m + jnp.log(l)
     mx_ref[...] = m
@@ -231,7 +238,7 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
 
     zeros = lambda ref: jnp.zeros((block_q, ref.shape[-1]), jnp.float32)
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    dqn, dqr = lax.fori_loop(jnp.minimum(first_ref[i], num_k - 1), num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
+    dqn, dqr = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
     dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 

@@ -1,6 +1,9 @@
 """``moe_ffn(gate_up="split")``: the gate and up products apart (no ``[W1 | W3]`` copy in the
-forward, no split of the weight gradient) give the packed path's values bit for bit, forward and
-gradients, on the GPU and TPU kernels (interpreted on CPU) — the products' sums are the same sums."""
+forward, no split of the weight gradient) give the packed path's values bit for bit forward and in
+the gradients that only the forward's products feed (the routing weights, ``w2``), on the GPU and
+TPU kernels (interpreted on CPU) — the products' sums are the same sums. Since stop 40 the split
+form recomputes the activation's derivatives in fp32 in the backward where the packed form stores
+them in bf16, so the gradients of ``x``, ``w1`` and ``w3`` differ by that one rounding."""
 
 import dataclasses
 import functools
@@ -12,6 +15,7 @@ import pytest
 
 from pallas_kernels.moe import kernel_gpu, kernel_gpu_tgmm, kernel_tpu, moe_ffn
 from tests.pallas_kernels.moe.conftest import random_moe_inputs
+from tests.tolerances import BF16_GRAD_RTOL, rel_rmse
 
 SMALL_GPU = kernel_gpu.GpuTiling(tile_m=64, tile_n=64, tile_k=64, stages=2)
 SMALL_TPU = kernel_tpu.TpuTiling(tile_m=32, tile_k=128, tile_n=128)
@@ -48,7 +52,10 @@ def test_split_gate_up_equals_packed_bitwise(backend):
     np.testing.assert_array_equal(np.asarray(y_split, np.float32), np.asarray(y_packed, np.float32))
     for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), g_split, g_packed):
         assert np.any(np.asarray(b, np.float32)), name
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        if name in ("weights", "w2"):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        else:  # the stored bf16 derivatives' rounding apart
+            assert rel_rmse(a, b) <= BF16_GRAD_RTOL, name
 
 
 def test_gate_up_must_be_named():
