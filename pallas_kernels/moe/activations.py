@@ -91,12 +91,17 @@ def packed_gated_activation(
     return a.astype(gu.dtype if out_dtype is None else out_dtype)
 
 
-def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
-    """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
+def _value_and_partials(g, u, activation, situ_beta, situ_linear_beta):
+    """``(a, ∂a/∂g, ∂a/∂u)`` of the activation in >= float32."""
     fn = _activation_fn(activation, situ_beta, situ_linear_beta)
     one, zero = jnp.ones_like(g), jnp.zeros_like(g)
     a, d_g = jax.jvp(fn, (g, u), (one, zero))  # elementwise: the tangent is ∂a/∂g itself
-    d_u = jax.jvp(fn, (g, u), (zero, one))[1]
+    return a, d_g, jax.jvp(fn, (g, u), (zero, one))[1]
+
+
+def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
+    """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
+    a, d_g, d_u = _value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
     # the barrier keeps the stored dtype: XLA (excess precision allowed) would fold the cast pair
     return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
 
@@ -122,10 +127,7 @@ def _derivatives(g, u, activation, situ_beta, situ_linear_beta, da):
     them through an ``optimization_barrier`` first (XLA would otherwise share the recomputation with
     the forward and keep its float32 terms), and only arrays already in memory (a barrier on slices
     makes XLA copy them out)."""
-    fn = _activation_fn(activation, situ_beta, situ_linear_beta)
-    one, zero = jnp.ones_like(g), jnp.zeros_like(g)
-    d_g = jax.jvp(fn, (g, u), (one, zero))[1]  # elementwise: the tangent is ∂a/∂g itself
-    d_u = jax.jvp(fn, (g, u), (zero, one))[1]
+    _, d_g, d_u = _value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
     da = da.astype(d_g.dtype)
     return da * d_g, da * d_u
 
