@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from k3jax.train.config import LOSS_IMPLEMENTATIONS, LOSS_LOGITS_DTYPES
-from pallas_kernels.head_ce import chunk_logits_lse
+from pallas_kernels.head_ce import chunk_exponentials_lse, chunk_logits_lse
+from pallas_kernels.head_ce.reference import CLAMP
 
 
 def _flat_chunks(features, labels, mask, chunk: int):
@@ -125,15 +126,36 @@ def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, inte
 
     def one(d_head, args):
         f, y, m = args
-        logits, ce, lse = _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)
-        logits = logits.astype(wide)
-        # softmax − onehot as one elementwise pass writing the compute dtype (a scatter of the
-        # onehot would materialise the fp32 softmax first: two more passes over 2.7 GB per chunk)
-        p = jnp.exp(logits - lse[:, None])
-        hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]
-        d_logits = (jnp.where(hit, p - 1.0, p) * m[:, None]).astype(features.dtype)
-        d_f = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=wide)
-        d_head = d_head + jnp.einsum("CD,CV->DV", f, d_logits, preferred_element_type=wide)
+        w_y = jnp.take(w, y, axis=1, mode="clip").T.astype(wide)  # [C, D]: each row's label column
+        picked = jnp.sum(f.astype(wide) * w_y, axis=-1)  # the label's logit (exact products, fp32 sum)
+        if logits_dtype is not None:
+            picked = picked.astype(logits_dtype).astype(wide)
+        shift = jnp.where(m > 0, picked, jnp.inf)  # masked rows: no exponentials at all
+        exps, lse, top = chunk_exponentials_lse(f, w, shift, y, logits_dtype, implementation=implementation,
+                                                interpret=interpret)
+        ce = jnp.sum((lse - picked) * m)
+
+        def shifted(d_head):
+            # softmax = exps · exp(picked − lse) off the label; the label's column is m (p_y − 1)
+            # in fp32, outside the bf16 products (no cancellation of p_y against 1 in bf16)
+            scale = m * jnp.exp(picked - lse)
+            label = m * jnp.expm1(picked - lse)
+            d_f = scale[:, None] * jnp.einsum("CV,DV->CD", exps, w, preferred_element_type=wide) + label[:, None] * w_y
+            rows = (f.astype(wide) * scale[:, None]).astype(f.dtype)
+            d_head = d_head + jnp.einsum("CD,CV->DV", rows, exps, preferred_element_type=wide)
+            return d_head.at[:, y].add((label[:, None] * f.astype(wide)).T, mode="clip"), d_f
+
+        def plain(d_head):  # a token whose loss exceeds CLAMP nats: softmax − onehot from the logits
+            logits, _, lse = _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)
+            # one elementwise pass writing the compute dtype (a scatter of the onehot would
+            # materialise the fp32 softmax first: two more passes over the logits)
+            p = jnp.exp(logits.astype(wide) - lse[:, None])
+            hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]
+            d_logits = (jnp.where(hit, p - 1.0, p) * m[:, None]).astype(features.dtype)
+            d_f = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=wide)
+            return d_head + jnp.einsum("CD,CV->DV", f, d_logits, preferred_element_type=wide), d_f
+
+        d_head, d_f = jax.lax.cond(jnp.all(top - shift <= CLAMP), shifted, plain, d_head)
         return d_head, (ce, d_f.astype(features.dtype))
 
     d_head, (ces, d_fs) = jax.lax.scan(one, jnp.zeros(head.shape, wide), (fs, ys, ms))

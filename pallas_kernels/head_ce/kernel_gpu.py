@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.head_ce.reference import CLAMP
 from pallas_kernels.moe.kernel_gpu import _chain_state, _gmm_pipeline
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, GpuTiling, _swizzled, persistent_kernel
 
@@ -66,23 +67,37 @@ _EPI_ROWS = 64  # a WGMMA row group
 _LOG2E = math.log2(math.e)
 
 
-def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem):
-    """One warpgroup's ``tile_m × tile_n`` accumulator → its logits and row partials in HBM."""
-    x = acc[...].astype(out_gmem.dtype)  # [tm, tn]
+def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem, logits_dtype, shifted=None):
+    """One warpgroup's ``tile_m × tile_n`` accumulator → its logits (or, with ``shifted``, its shifted
+    exponentials) and row partials in HBM. ``shifted``: ``(shift ref [tm], label ref [tm], first
+    column)`` of the tile's rows."""
+    x = acc[...].astype(logits_dtype)  # [tm, tn], rounded as the logits are stored
     xr = x.astype(jnp.float32)
     top = xr.max(axis=1)  # [tm]
-    sums = jnp.exp2((xr - lax.broadcast_in_dim(top, xr.shape, [0])) * _LOG2E).sum(axis=1)
+    p = jnp.exp2((xr - lax.broadcast_in_dim(top, xr.shape, [0])) * _LOG2E)
+    sums = p.sum(axis=1)
+    if shifted is None:
+        out = x
+    else:  # exp(x − shift) as exp(x − top) · exp(min(top − shift, CLAMP)), 0 at the label's column
+        shift_ref, label_ref, col0 = shifted
+        row = plgpu.Layout.WGMMA.reduce(1)
+        shift = plgpu.load(shift_ref, layout=row, optimized=False)
+        label = plgpu.load(label_ref, layout=row, optimized=False)
+        scale = jnp.exp2(jnp.minimum(top - shift, CLAMP) * _LOG2E)
+        cols = col0 + plgpu.broadcasted_iota(jnp.int32, xr.shape, 1, layout=plgpu.Layout.WGMMA)
+        hit = cols == lax.broadcast_in_dim(label, xr.shape, [0])
+        out = jnp.where(hit, 0.0, p * lax.broadcast_in_dim(scale, xr.shape, [0])).astype(out_gmem.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
     r_smem[0] = top
     r_smem[1] = sums
-    tm, tn = x.shape
+    tm, tn = out.shape
     em, en = o_smem.shape[1:]
     subs = [(i, j) for i in range(tm // em) for j in range(tn // en)]
     for step, (i, j) in enumerate(subs):
         slot = step % 2
         if step >= 2:
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two sub-tiles back is done
-        o_smem[slot] = x[i * em:(i + 1) * em, j * en:(j + 1) * en]
+        o_smem[slot] = out[i * em:(i + 1) * em, j * en:(j + 1) * en]
         plgpu.commit_smem()
         if step == 0:
             plgpu.copy_smem_to_gmem(r_smem.at[0], pmax_gmem)
@@ -90,7 +105,10 @@ def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem):
         plgpu.copy_smem_to_gmem(o_smem.at[slot], out_gmem.at[pl.ds(i * em, em), pl.ds(j * en, en)])
 
 
-def _body(f_gmem, w_gmem, out_gmem, pmax_gmem, psum_gmem, *, cfg, c, d, v):
+def _body(f_gmem, w_gmem, *refs, cfg, c, d, v, logits_dtype):
+    shifted = len(refs) == 5  # (shift, labels, out, pmax, psum) or (out, pmax, psum)
+    shift_gmem, label_gmem = refs[:2] if shifted else (None, None)
+    out_gmem, pmax_gmem, psum_gmem = refs[-3:]
     tm, tn, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_n()
     grid_m, grid_n = c // tm, v // cta_n
     delay = 1 if cfg.overlap_wgmma else 0  # wgmmas left in flight when a step returns
@@ -119,8 +137,9 @@ def _body(f_gmem, w_gmem, out_gmem, pmax_gmem, psum_gmem, *, cfg, c, d, v):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc):
                     run(acc)
+                    rows_of = (shift_gmem.at[rows], label_gmem.at[rows], vt * tn) if shifted else None
                     _epilogue(acc, o_smem.at[wg], r_smem.at[wg], out_gmem.at[rows, pl.ds(vt * tn, tn)],
-                              pmax_gmem.at[vt, rows], psum_gmem.at[vt, rows])
+                              pmax_gmem.at[vt, rows], psum_gmem.at[vt, rows], logits_dtype, rows_of)
 
             def mma(_, a_smem, b_smem, acc):
                 plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * tn, tn)])
@@ -161,17 +180,30 @@ def check_shapes(c: int, d: int, v: int, tiling: GpuTiling = HEAD_TILING) -> str
 
 # Jitted so that every chunk (and every call with the same shapes) reuses one Mosaic GPU kernel.
 @functools.partial(jax.jit, static_argnames=("logits_dtype", "tiling", "interpret"))
-def logits_partials(f, w, *, logits_dtype=jnp.float32, tiling: GpuTiling | None = None, interpret: bool = False):
+def logits_partials(f, w, shift=None, labels=None, *, logits_dtype=jnp.float32, tiling: GpuTiling | None = None,
+                    interpret: bool = False):
     """``f [C, D]`` (bf16/f16), ``w [D, V]`` (same dtype) → logits ``[C, V]`` in ``logits_dtype``,
-    ``pmax, psum [V/tile_n, C]`` (fp32): per vocabulary tile and row, the max and Σ exp(x − max)."""
+    ``pmax, psum [V/tile_n, C]`` (fp32): per vocabulary tile and row, the max and Σ exp(x − max).
+
+    With ``shift [C]`` (fp32) and ``labels [C]`` (int32) the first output is instead
+    ``exp(min(x − shift, CLAMP))`` in ``f``'s dtype, 0 at each row's label column
+    (``reference.shifted_exponentials``); ``x`` is still rounded to ``logits_dtype`` first."""
     cfg = tiling or HEAD_TILING
     (c, d), v = f.shape, w.shape[1]
     if w.shape[0] != d or w.dtype != f.dtype:
         raise ValueError(f"w must be [D={d}, V] in {f.dtype}, got {w.shape} {w.dtype}")
+    if (shift is None) != (labels is None):
+        raise ValueError("shift and labels must be given together")
+    if shift is not None and (shift.shape != (c,) or shift.dtype != jnp.float32 or labels.shape != (c,)
+                              or labels.dtype != jnp.int32):
+        raise ValueError(f"shift must be float32 [C={c}] and labels int32 [C={c}], got {shift.shape} {shift.dtype}, "
+                         f"{labels.shape} {labels.dtype}")
     why = check_shapes(c, d, v, cfg)
     if why:
         raise ValueError(why)
-    body = functools.partial(_body, cfg=cfg, c=c, d=d, v=v)
+    body = functools.partial(_body, cfg=cfg, c=c, d=d, v=v, logits_dtype=jnp.dtype(logits_dtype))
     part = jax.ShapeDtypeStruct((v // cfg.tile_n, c), jnp.float32)
-    out_type = (jax.ShapeDtypeStruct((c, v), jnp.dtype(logits_dtype)), part, part)
-    return persistent_kernel(body, out_type, interpret=interpret, name="head_logits_lse")(f, w)
+    out_dtype = jnp.dtype(logits_dtype) if shift is None else f.dtype
+    out_type = (jax.ShapeDtypeStruct((c, v), out_dtype), part, part)
+    operands = (f, w) if shift is None else (f, w, shift, labels)
+    return persistent_kernel(body, out_type, interpret=interpret, name="head_logits_lse")(*operands)

@@ -7,11 +7,22 @@
    Each vocabulary tile of ``tile_n`` columns gives, per row, its max ``m_t`` and ``s_t = Σ exp(x − m_t)``;
    ``lse = M + log Σ_t s_t exp(m_t − M)`` with ``M = max_t m_t`` (the online-softmax rescaling of
    Milakov & Gimelshein 2018, "Online normalizer calculation for softmax").
+3. ``shifted_exponentials``: what the training loss's gradient matmuls read instead of
+   ``softmax − onehot``: ``exp(x − shift)`` per row, with ``shift`` the row's label logit, 0 at the
+   label's column. The softmax is that times ``exp(shift − lse)`` (a per-row scale the matmuls'
+   callers apply to their ``[C, D]`` sides), so no pass over the logits waits for the logsumexp.
 """
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
+
+
+# exp(x − shift) is capped at exp(CLAMP): finite in bf16 (max ≈ e^88.7) with room for a row's sum
+# in fp32, and its row scale exp(shift − lse) >= e^-(CLAMP + ln V) stays a normal bf16 number.
+# A row whose max logit exceeds its shift by more (a token with a loss above CLAMP nats) is not
+# represented: k3jax.train.loss then recomputes that chunk the plain way.
+CLAMP = 64.0
 
 
 def wide(dtype) -> jnp.dtype:
@@ -41,10 +52,19 @@ def logits_partials(f: Float[Array, "C D"], w: Float[Array, "D V"], tile_n: int,
     return logits, pmax.T, psum.T
 
 
+def shifted_exponentials(x: Float[Array, "C V"], shift: Float[Array, "C"], labels: Int[Array, "C"],
+                         dtype) -> Float[Array, "C V"]:
+    """``exp(min(x − shift, CLAMP))`` in ``dtype``, 0 at each row's label column (``x`` and ``shift``
+    in the accumulation dtype; a row with ``shift = +inf`` is all zeros)."""
+    hit = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) == labels[:, None]
+    return jnp.where(hit, 0.0, jnp.exp(jnp.minimum(x - shift[:, None], CLAMP))).astype(dtype)
+
+
 def combine_partials(pmax: Float[Array, "Vt C"], psum: Float[Array, "Vt C"]) -> Float[Array, "C"]:
     """The logsumexp per row from the per-tile maxima and sums of exponentials."""
     top = jnp.max(pmax, axis=0)  # [C]
     return top + jnp.log(jnp.sum(psum * jnp.exp(pmax - top), axis=0))
 
 
-__all__ = ["chunk_logits", "chunk_logits_lse", "combine_partials", "logits_partials", "wide"]
+__all__ = ["CLAMP", "chunk_logits", "chunk_logits_lse", "combine_partials", "logits_partials",
+           "shifted_exponentials", "wide"]

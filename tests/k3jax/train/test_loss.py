@@ -8,6 +8,7 @@ import pytest
 
 from k3jax.train.config import TrainConfig
 from k3jax.train.loss import head_cross_entropy
+from pallas_kernels.head_ce.reference import CLAMP
 from tests.tolerances import rel_rmse
 
 B, T, D, V = 2, 10, 8, 37
@@ -42,6 +43,24 @@ def test_value_and_grads_equal_unfused_in_float64(chunk):
         assert float(jnp.max(jnp.abs(got[2]))) == 0.0  # the mask is not a trained input
 
 
+def test_a_loss_beyond_the_clamp_takes_the_plain_path_and_stays_exact():
+    """A token whose label logit lies more than CLAMP below its row's max (its exponentials would
+    be capped) sends its chunk through softmax − onehot: value and gradients still equal the
+    unfused loss in float64, masked rows with any logits included."""
+    with jax.enable_x64(True):
+        f, w, y, m = _inputs(jnp.float64)
+        w = w.at[:, 5].set(40.0 * jnp.sign(f[0, 0]) * jnp.abs(w[:, 5]))  # row (0, 0): logit 5 is huge
+        y = y.at[0, 0].set(6).at[1, 3].set(5)
+        m = m.at[0, 0].set(1.0).at[1, 3].set(0.0)
+        assert float(jnp.max(f[0, 0] @ w) - f[0, 0] @ w[:, 6]) > CLAMP
+        for chunk in (4, 20):  # the plain path for the first chunk only, and for the one chunk
+            fused = lambda f, w: head_cross_entropy(f, w, y, m, chunk)
+            plain = lambda f, w: _unfused(f, w, y, m)
+            assert abs(float(fused(f, w) - plain(f, w))) < 1e-12 * abs(float(plain(f, w)))
+            for a, b in zip(jax.grad(fused, argnums=(0, 1))(f, w), jax.grad(plain, argnums=(0, 1))(f, w)):
+                assert float(jnp.max(jnp.abs(a - b))) < 1e-12 * float(jnp.max(jnp.abs(b)))
+
+
 def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
     f, w, y, m = _inputs(jnp.float32)
     fused = lambda f, w: head_cross_entropy(f.astype(jnp.bfloat16), w, y, m, 8)
@@ -51,7 +70,8 @@ def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
     for a, b in zip(got, want):
         assert rel_rmse(a, b) < 2e-2  # bf16 operands (SPEC §10)
     dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
-    assert len(dots) == 3 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots  # 3 matmuls
+    # the logits, the two gradient products of the shifted exponentials and the plain fallback's three
+    assert len(dots) == 6 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
 
 
 def test_bf16_logits_close_to_fp32_logits():

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.train.loss import head_cross_entropy
-from pallas_kernels.head_ce import chunk_logits_lse, kernel_gpu, reference
+from pallas_kernels.head_ce import chunk_exponentials_lse, chunk_logits_lse, kernel_gpu, reference
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
 # The Pallas GPU interpreter imports the fuser on its first run (see tests/pallas_kernels/moe/conftest.py).
@@ -32,6 +32,15 @@ def _features_head(c, d, v, scale=4.0):
     f = jax.random.normal(k[0], (c, d)).astype(jnp.bfloat16)
     w = (jax.random.normal(k[1], (d, v)) * scale / d ** 0.5).astype(jnp.bfloat16)  # logits ~N(0, 16)
     return f, w
+
+
+def _shift_labels(f, w, logits_dtype):
+    """Random labels, shifts within 2 of each label's logit (row 3: +inf, a masked row) and the logits."""
+    k = jax.random.split(jax.random.key(2), 2)
+    logits = reference.chunk_logits(f, w, logits_dtype).astype(jnp.float32)
+    labels = jax.random.randint(k[0], (f.shape[0],), 0, w.shape[1])
+    shift = logits[jnp.arange(f.shape[0]), labels] + jax.random.uniform(k[1], (f.shape[0],), minval=-2, maxval=2)
+    return labels, shift.at[3].set(jnp.inf), logits
 
 
 def _loss_inputs(n, d, v):
@@ -61,6 +70,33 @@ class KernelCase:
         lse = reference.combine_partials(got[1], got[2])
         exact = jax.nn.logsumexp(got[0].astype(jnp.float32), axis=-1)  # of the logits as stored
         assert rel_rmse(lse, exact) < F32_RTOL
+
+    @pytest.mark.parametrize("logits_dtype", LOGITS_DTYPES)
+    def test_shifted_kernel_equals_reference(self, logits_dtype):
+        """With a shift and labels: exp(x − shift) within a bf16 ulp of the reference, exact zeros at
+        the labels and on a row shifted by +inf, the same partials as without."""
+        f, w = _features_head(self.c, self.d, self.v)
+        labels, shift, logits = _shift_labels(f, w, logits_dtype)
+        got = kernel_gpu.logits_partials(f, w, shift, labels, logits_dtype=logits_dtype, tiling=self.tiling,
+                                         interpret=self.interpret)
+        want = reference.shifted_exponentials(logits, shift, labels, jnp.float32)
+        assert got[0].dtype == f.dtype and got[0].shape == (self.c, self.v)
+        e = got[0].astype(jnp.float32)
+        assert bool(jnp.all(jnp.abs(e - want) <= 2.0 ** -7 * want + 1e-30))
+        assert bool(jnp.all(e[3] == 0.0)) and bool(jnp.all(e[jnp.arange(self.c), labels] == 0.0))
+        _, pmax, psum = reference.logits_partials(f, w, self.tiling.tile_n, logits_dtype)
+        tol = F32_RTOL if logits_dtype == jnp.float32 else BF16_FWD_RTOL
+        assert rel_rmse(got[1], pmax) < tol and rel_rmse(got[2], psum) < tol
+
+    @pytest.mark.parametrize("rows", [128, 100])  # 100: padded to the kernel's 128-row blocks
+    def test_exponentials_op_equals_xla(self, rows):
+        f, w = _features_head(rows, 128, 512)
+        labels, shift, _ = _shift_labels(f, w, jnp.float32)
+        got = chunk_exponentials_lse(f, w, shift, labels, implementation="pallas", interpret=self.interpret)
+        want = chunk_exponentials_lse(f, w, shift, labels, implementation="xla")
+        assert got[0].shape == (rows, 512) and got[1].shape == got[2].shape == (rows,)
+        assert rel_rmse(got[0].astype(jnp.float32), want[0].astype(jnp.float32)) < BF16_FWD_RTOL
+        assert rel_rmse(got[1], want[1]) < F32_RTOL and rel_rmse(got[2], want[2]) < F32_RTOL
 
     @pytest.mark.parametrize("rows", [128, 100])  # 100: padded to the kernel's 128-row blocks
     def test_op_equals_xla(self, rows):
@@ -113,8 +149,8 @@ def test_tiling_options_equal_reference(option, c, v):
 
 @pytest.mark.parametrize("option", [None, *sorted(OPTIONS)])
 def test_no_smem_race(option, monkeypatch):
-    """The interpreter's race detector over the operand slots and the epilogue's two logits slots
-    and partials rows per warpgroup, which the next tile's epilogue rewrites while earlier TMA
+    """The interpreter's race detector over the operand slots and the epilogue's two logits (or
+    shifted exponentials) slots and partials rows per warpgroup, which the next tile's epilogue rewrites while earlier TMA
     stores may still read them (3 tiles per SM)."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
@@ -123,10 +159,12 @@ def test_no_smem_race(option, monkeypatch):
     monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
     tiling = dataclasses.replace(SMALL, tile_m=128, tile_n=128, **OPTIONS.get(option, {}))
     f, w = _features_head(256, 128, 768)
-    for logits_dtype in LOGITS_DTYPES:
-        jax.block_until_ready(kernel_gpu.logits_partials(f, w, logits_dtype=logits_dtype, tiling=tiling,
+    labels, shift, _ = _shift_labels(f, w, jnp.float32)
+    for logits_dtype, shifted in ((jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)):
+        operands = (f, w, shift, labels) if shifted else (f, w)
+        jax.block_until_ready(kernel_gpu.logits_partials(*operands, logits_dtype=logits_dtype, tiling=tiling,
                                                          interpret=True))
-        assert not get_races().races_found, logits_dtype
+        assert not get_races().races_found, (logits_dtype, shifted)
 
 
 def test_bad_arguments_are_named():
