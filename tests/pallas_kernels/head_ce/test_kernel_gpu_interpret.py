@@ -10,6 +10,7 @@ happen (on the GPU, not in the interpreter, whose matmul is XLA's): BF16_GRAD_RT
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +35,13 @@ def _features_head(c, d, v, scale=4.0):
     return f, w
 
 
-def _shift_labels(f, w, logits_dtype):
-    """Random labels, shifts within 2 of each label's logit (row 3: +inf, a masked row) and the logits."""
+def _shift_labels(logits):
+    """Random labels and shifts within 2 of each label's logit (row 3: +inf, a masked row)."""
     k = jax.random.split(jax.random.key(2), 2)
-    logits = reference.chunk_logits(f, w, logits_dtype).astype(jnp.float32)
-    labels = jax.random.randint(k[0], (f.shape[0],), 0, w.shape[1])
-    shift = logits[jnp.arange(f.shape[0]), labels] + jax.random.uniform(k[1], (f.shape[0],), minval=-2, maxval=2)
-    return labels, shift.at[3].set(jnp.inf), logits
+    c, v = logits.shape
+    labels = jax.random.randint(k[0], (c,), 0, v)
+    shift = logits[jnp.arange(c), labels].astype(jnp.float32) + jax.random.uniform(k[1], (c,), minval=-2, maxval=2)
+    return labels, shift.at[3].set(jnp.inf)
 
 
 def _loss_inputs(n, d, v):
@@ -76,9 +77,13 @@ class KernelCase:
         """With a shift and labels: exp(x − shift) within a bf16 ulp of the reference, exact zeros at
         the labels and on a row shifted by +inf, the same partials as without."""
         f, w = _features_head(self.c, self.d, self.v)
-        labels, shift, logits = _shift_labels(f, w, logits_dtype)
-        got = kernel_gpu.logits_partials(f, w, shift, labels, logits_dtype=logits_dtype, tiling=self.tiling,
-                                         interpret=self.interpret)
+        run = functools.partial(kernel_gpu.logits_partials, logits_dtype=logits_dtype, tiling=self.tiling,
+                                interpret=self.interpret)
+        # the same accumulation: the same rounded logits (ready before the next dispatch: on a
+        # 2-core host the interpreter's callbacks and a queued XLA op can wait on each other)
+        logits = jax.block_until_ready(run(f, w)[0].astype(jnp.float32))
+        labels, shift = _shift_labels(logits)
+        got = run(f, w, shift, labels)
         want = reference.shifted_exponentials(logits, shift, labels, jnp.float32)
         assert got[0].dtype == f.dtype and got[0].shape == (self.c, self.v)
         e = got[0].astype(jnp.float32)
@@ -91,7 +96,7 @@ class KernelCase:
     @pytest.mark.parametrize("rows", [128, 100])  # 100: padded to the kernel's 128-row blocks
     def test_exponentials_op_equals_xla(self, rows):
         f, w = _features_head(rows, 128, 512)
-        labels, shift, _ = _shift_labels(f, w, jnp.float32)
+        labels, shift = _shift_labels(reference.chunk_logits(f, w))
         got = chunk_exponentials_lse(f, w, shift, labels, implementation="pallas", interpret=self.interpret)
         want = chunk_exponentials_lse(f, w, shift, labels, implementation="xla")
         assert got[0].shape == (rows, 512) and got[1].shape == got[2].shape == (rows,)
@@ -159,7 +164,7 @@ def test_no_smem_race(option, monkeypatch):
     monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
     tiling = dataclasses.replace(SMALL, tile_m=128, tile_n=128, **OPTIONS.get(option, {}))
     f, w = _features_head(256, 128, 768)
-    labels, shift, _ = _shift_labels(f, w, jnp.float32)
+    labels, shift = _shift_labels(reference.chunk_logits(f, w))
     for logits_dtype, shifted in ((jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)):
         operands = (f, w, shift, labels) if shifted else (f, w)
         jax.block_until_ready(kernel_gpu.logits_partials(*operands, logits_dtype=logits_dtype, tiling=tiling,
