@@ -1,6 +1,7 @@
 """One chunk's output-head logits with their logsumexp partials, for Hopper in Pallas Mosaic GPU.
 
-``logits_partials(f [C, D], w [D, V])`` → ``logits [C, V]`` (bf16 or fp32), ``pmax, psum [V/tile_n, C]``.
+``logits_partials(f [C, D], w [D, V])`` → ``logits [C, V]`` (bf16 or fp32), ``pmax, psum [V/tile_n, C]``;
+``logits_partials(f, w, shift [C], labels [C])`` → shifted exponentials ``[C, V]`` (bf16) instead.
 
 The cross-entropy needs each row's logsumexp over V = 163840 logits; XLA computes it with two
 reduction passes over the stored logits (max, then Σ exp), 2 × 2.7 GB of fp32 reads per 4096-token
@@ -18,6 +19,11 @@ chunk. Here the matmul's epilogue computes them from the accumulator while it is
    ``s`` as row ``vocab tile`` of ``pmax`` / ``psum``.
 ``reference.combine_partials`` turns the partials into the logsumexp (a [V/tile_n, C] read, 1.6 %
 of the fp32 logits' bytes at tile_n = 128).
+4. For the training loss's gradients (``shift``, ``labels`` given) the epilogue stores, instead of the
+   logits, ``exp(x − shift)`` in bf16 with the label's column zeroed
+   (``reference.shifted_exponentials``): from the ``exp(x − m)`` it already forms for ``s``, times the
+   row's ``exp(min(m − shift, CLAMP))``; half the bytes of fp32 logits, and no pass over them
+   before the gradient matmuls (``k3jax.train.loss``).
 """
 
 import dataclasses
