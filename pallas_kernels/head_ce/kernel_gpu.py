@@ -75,8 +75,8 @@ _LOG2E = math.log2(math.e)
 
 def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem, logits_dtype, shifted=None):
     """One warpgroup's ``tile_m × tile_n`` accumulator → its logits (or, with ``shifted``, its shifted
-    exponentials) and row partials in HBM. ``shifted``: ``(shift ref [tm], label ref [tm], first
-    column)`` of the tile's rows."""
+    exponentials) and row partials in HBM. ``shifted``: the tile rows' ``(shift, label)`` from
+    :func:`_row_values` and the tile's first column."""
     x = acc[...].astype(logits_dtype)  # [tm, tn], rounded as the logits are stored
     xr = x.astype(jnp.float32)
     top = xr.max(axis=1)  # [tm]
@@ -85,10 +85,7 @@ def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem, logits_dtype,
     if shifted is None:
         out = x
     else:  # exp(x − shift) as exp(x − top) · exp(min(top − shift, CLAMP)), 0 at the label's column
-        shift_ref, label_ref, col0 = shifted
-        row = plgpu.Layout.WGMMA.reduce(1)
-        shift = plgpu.load(shift_ref, layout=row, optimized=False)
-        label = plgpu.load(label_ref, layout=row, optimized=False)
+        (shift, label), col0 = shifted
         scale = jnp.exp2(jnp.minimum(top - shift, CLAMP) * _LOG2E)
         cols = col0 + plgpu.broadcasted_iota(jnp.int32, xr.shape, 1, layout=plgpu.Layout.WGMMA)
         hit = cols == lax.broadcast_in_dim(label, xr.shape, [0])
@@ -109,6 +106,13 @@ def _epilogue(acc, o_smem, r_smem, out_gmem, pmax_gmem, psum_gmem, logits_dtype,
             plgpu.copy_smem_to_gmem(r_smem.at[0], pmax_gmem)
             plgpu.copy_smem_to_gmem(r_smem.at[1], psum_gmem)
         plgpu.copy_smem_to_gmem(o_smem.at[slot], out_gmem.at[pl.ds(i * em, em), pl.ds(j * en, en)])
+
+
+def _row_values(shift_ref, label_ref):
+    """The tile rows' shift and label in the accumulator's row layout, loaded from HBM before the
+    tile's matmul so that their latency hides under it."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    return plgpu.load(shift_ref, layout=row, optimized=False), plgpu.load(label_ref, layout=row, optimized=False)
 
 
 def _body(f_gmem, w_gmem, *refs, cfg, c, d, v, logits_dtype):
@@ -140,10 +144,11 @@ def _body(f_gmem, w_gmem, *refs, cfg, c, d, v, logits_dtype):
             vt = ni * _COMPUTE_WGS + wg  # this warpgroup's vocabulary tile
 
             def compute_context(run):
+                rows_of = (_row_values(shift_gmem.at[rows], label_gmem.at[rows]), vt * tn) if shifted else None
+
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc):
                     run(acc)
-                    rows_of = (shift_gmem.at[rows], label_gmem.at[rows], vt * tn) if shifted else None
                     _epilogue(acc, o_smem.at[wg], r_smem.at[wg], out_gmem.at[rows, pl.ds(vt * tn, tn)],
                               pmax_gmem.at[vt, rows], psum_gmem.at[vt, rows], logits_dtype, rows_of)
 
