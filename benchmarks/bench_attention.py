@@ -42,10 +42,6 @@ SWEEP = (
     BlockSizes(block_q_dkv=32, block_k_dkv=128, block_q_dq=128, block_k_dq=32),
     BlockSizes(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64, num_warps_bwd=4),
     BlockSizes(num_stages_bwd=2),  # the default until stop 34
-    BlockSizes(num_stages=4, num_stages_bwd=4),
-    BlockSizes(block_q_dkv=128, block_k_dkv=128, num_stages_bwd=2),
-    BlockSizes(block_q_dq=64, block_k_dq=128, block_q_dkv=128, block_k_dkv=64),
-    BlockSizes(block_q_dkv=32, block_k_dkv=128, block_q_dq=128, block_k_dq=32, num_warps_bwd=4, num_stages_bwd=4),
 )
 
 
