@@ -16,7 +16,7 @@ The gradient matmuls do not read ``softmax − onehot`` (whose every entry needs
 logsumexp, known only after the whole row): they read ``exp(x − x_y)``, the logits shifted by each
 row's label logit ``x_y`` (computed beforehand as ``f · W[:, y]``), which the head's matmul can write
 as it forms each tile (``pallas_kernels.head_ce.chunk_exponentials_lse``: the Mosaic GPU kernel's
-epilogue on Hopper; XLA's matmul and one elementwise pass elsewhere). The softmax is that times the
+epilogue on Hopper; XLA's path keeps the plain form below, which is faster there). The softmax is that times the
 per-row ``exp(x_y − lse)``, which scales the matmuls' ``[C, D]`` sides (the features' rows before
 ``dW``, the product's rows after ``d_features``); the label's column is zero there and enters as
 ``m · (p_y − 1)`` in fp32 through a gather and a scatter, so the bf16 products never cancel ``p_y``
@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.train.config import LOSS_IMPLEMENTATIONS, LOSS_LOGITS_DTYPES
 from pallas_kernels.head_ce import chunk_exponentials_lse, chunk_logits_lse
+from pallas_kernels.head_ce.ops import resolve_implementation
 from pallas_kernels.head_ce.reference import CLAMP
 
 
@@ -123,6 +124,56 @@ def _narrow(head, dtype, narrow_head):
     return narrow_head
 
 
+def _writes_exponentials(implementation, interpret, dtype, d: int, v: int) -> bool:
+    """Whether the gradient takes the shifted exponentials (``_shifted_chunk``): where the head
+    kernel's epilogue writes them. XLA's path forms ``softmax − onehot`` from its stored logits in
+    one pass instead (``_plain_chunk``): on the H200 (small(), stop 41) the shifted form through XLA
+    took 69.61 ms against 67.64, through the kernel 56.17 against 61.62 (the plain form)."""
+    return resolve_implementation(implementation, interpret, dtype, d, v) == "pallas"
+
+
+def _plain_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret):
+    """``(d_head + this chunk's part, its loss, its d_features)`` (wide dtype) from ``softmax − onehot``."""
+    wide = _wide(f.dtype)
+    logits, ce, lse = _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)
+    # one elementwise pass writing the compute dtype (a scatter of the onehot would materialise
+    # the fp32 softmax first: two more passes over the logits)
+    p = jnp.exp(logits.astype(wide) - lse[:, None])
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]
+    d_logits = (jnp.where(hit, p - 1.0, p) * m[:, None]).astype(f.dtype)
+    return (d_head + jnp.einsum("CD,CV->DV", f, d_logits, preferred_element_type=wide), ce,
+            jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=wide))
+
+
+def _shifted_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret):
+    """``_plain_chunk``'s results from the shifted exponentials (the module docstring), or from
+    ``_plain_chunk`` itself when a real token's loss exceeds CLAMP."""
+    wide = _wide(f.dtype)
+    w_y = jnp.take(w, y, axis=1, mode="clip").T.astype(wide)  # [C, D]: each row's label column
+    picked = jnp.sum(f.astype(wide) * w_y, axis=-1)  # the label's logit (exact products, fp32 sum)
+    if logits_dtype is not None:
+        picked = picked.astype(logits_dtype).astype(wide)
+    shift = jnp.where(m > 0, picked, jnp.inf)  # masked rows: no exponentials at all
+    exps, lse, top = chunk_exponentials_lse(f, w, shift, y, logits_dtype, implementation=implementation,
+                                            interpret=interpret)
+
+    def shifted(d_head):
+        # softmax = exps · exp(picked − lse) off the label; the label's column is m (p_y − 1) in
+        # fp32, outside the bf16 products (no cancellation of p_y against 1 in bf16)
+        scale, label = m * jnp.exp(picked - lse), m * jnp.expm1(picked - lse)
+        d_f = scale[:, None] * jnp.einsum("CV,DV->CD", exps, w, preferred_element_type=wide) + label[:, None] * w_y
+        rows = (f.astype(wide) * scale[:, None]).astype(f.dtype)
+        d_head = d_head + jnp.einsum("CD,CV->DV", rows, exps, preferred_element_type=wide)
+        return d_head.at[:, y].add((label[:, None] * f.astype(wide)).T, mode="clip"), d_f
+
+    def plain(d_head):
+        d_head, _, d_f = _plain_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret)
+        return d_head, d_f
+
+    d_head, d_f = jax.lax.cond(jnp.all(top - shift <= CLAMP), shifted, plain, d_head)
+    return d_head, jnp.sum((lse - picked) * m), d_f
+
+
 def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, interpret, narrow_head=None):
     logits_dtype, implementation = _logits_dtype(logits_dtype), _implementation(implementation)
     fs, ys, ms, N = _flat_chunks(features, labels, mask, chunk)
@@ -130,43 +181,15 @@ def _fwd(features, head, labels, mask, chunk, logits_dtype, implementation, inte
     # The barrier makes the cast happen once: XLA otherwise re-casts the [D, V] head inside every
     # chunk of the loop (8 times per small() step on the H200).
     w = jax.lax.optimization_barrier(_narrow(head, features.dtype, narrow_head))
-    wide = _wide(features.dtype)
+    chunk_grads = _shifted_chunk if _writes_exponentials(implementation, interpret, features.dtype, *w.shape) \
+        else _plain_chunk
 
     def one(d_head, args):
         f, y, m = args
-        w_y = jnp.take(w, y, axis=1, mode="clip").T.astype(wide)  # [C, D]: each row's label column
-        picked = jnp.sum(f.astype(wide) * w_y, axis=-1)  # the label's logit (exact products, fp32 sum)
-        if logits_dtype is not None:
-            picked = picked.astype(logits_dtype).astype(wide)
-        shift = jnp.where(m > 0, picked, jnp.inf)  # masked rows: no exponentials at all
-        exps, lse, top = chunk_exponentials_lse(f, w, shift, y, logits_dtype, implementation=implementation,
-                                                interpret=interpret)
-        ce = jnp.sum((lse - picked) * m)
-
-        def shifted(d_head):
-            # softmax = exps · exp(picked − lse) off the label; the label's column is m (p_y − 1)
-            # in fp32, outside the bf16 products (no cancellation of p_y against 1 in bf16)
-            scale = m * jnp.exp(picked - lse)
-            label = m * jnp.expm1(picked - lse)
-            d_f = scale[:, None] * jnp.einsum("CV,DV->CD", exps, w, preferred_element_type=wide) + label[:, None] * w_y
-            rows = (f.astype(wide) * scale[:, None]).astype(f.dtype)
-            d_head = d_head + jnp.einsum("CD,CV->DV", rows, exps, preferred_element_type=wide)
-            return d_head.at[:, y].add((label[:, None] * f.astype(wide)).T, mode="clip"), d_f
-
-        def plain(d_head):  # a token whose loss exceeds CLAMP nats: softmax − onehot from the logits
-            logits, _, lse = _chunk_ce(f, w, y, m, logits_dtype, implementation, interpret)
-            # one elementwise pass writing the compute dtype (a scatter of the onehot would
-            # materialise the fp32 softmax first: two more passes over the logits)
-            p = jnp.exp(logits.astype(wide) - lse[:, None])
-            hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]
-            d_logits = (jnp.where(hit, p - 1.0, p) * m[:, None]).astype(features.dtype)
-            d_f = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=wide)
-            return d_head + jnp.einsum("CD,CV->DV", f, d_logits, preferred_element_type=wide), d_f
-
-        d_head, d_f = jax.lax.cond(jnp.all(top - shift <= CLAMP), shifted, plain, d_head)
+        d_head, ce, d_f = chunk_grads(d_head, f, w, y, m, logits_dtype, implementation, interpret)
         return d_head, (ce, d_f.astype(features.dtype))
 
-    d_head, (ces, d_fs) = jax.lax.scan(one, jnp.zeros(head.shape, wide), (fs, ys, ms))
+    d_head, (ces, d_fs) = jax.lax.scan(one, jnp.zeros(head.shape, _wide(features.dtype)), (fs, ys, ms))
     d_features = d_fs.reshape(-1, features.shape[-1])[:N].reshape(features.shape)
     return jnp.sum(ces), (d_features, d_head, mask, jnp.zeros((0,), head.dtype))
 

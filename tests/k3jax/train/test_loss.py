@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from k3jax.train.config import TrainConfig
+from k3jax.train import loss
 from k3jax.train.loss import head_cross_entropy
 from pallas_kernels.head_ce.reference import CLAMP
 from tests.tolerances import rel_rmse
@@ -28,8 +29,16 @@ def _unfused(f, w, y, m):
     return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * m)
 
 
+@pytest.fixture(params=["plain", "shifted"])
+def form(request, monkeypatch):
+    """Both gradient forms: XLA's plain softmax − onehot, and the shifted exponentials that the head
+    kernel's path takes (here through XLA)."""
+    monkeypatch.setattr(loss, "_writes_exponentials", lambda *_: request.param == "shifted")
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", [3, 4, 20, 4096])  # padded last chunk, exact chunks, one chunk
-def test_value_and_grads_equal_unfused_in_float64(chunk):
+def test_value_and_grads_equal_unfused_in_float64(chunk, form):
     with jax.enable_x64(True):
         f, w, y, m = _inputs(jnp.float64)
         fused = lambda f, w, m: 2.5 * head_cross_entropy(f, w, y, m, chunk)
@@ -43,10 +52,11 @@ def test_value_and_grads_equal_unfused_in_float64(chunk):
         assert float(jnp.max(jnp.abs(got[2]))) == 0.0  # the mask is not a trained input
 
 
-def test_a_loss_beyond_the_clamp_takes_the_plain_path_and_stays_exact():
+def test_a_loss_beyond_the_clamp_takes_the_plain_path_and_stays_exact(monkeypatch):
     """A token whose label logit lies more than CLAMP below its row's max (its exponentials would
     be capped) sends its chunk through softmax − onehot: value and gradients still equal the
     unfused loss in float64, masked rows with any logits included."""
+    monkeypatch.setattr(loss, "_writes_exponentials", lambda *_: True)
     with jax.enable_x64(True):
         f, w, y, m = _inputs(jnp.float64)
         w = w.at[:, 5].set(40.0 * jnp.sign(f[0, 0]) * jnp.abs(w[:, 5]))  # row (0, 0): logit 5 is huge
@@ -61,7 +71,7 @@ def test_a_loss_beyond_the_clamp_takes_the_plain_path_and_stays_exact():
                 assert float(jnp.max(jnp.abs(a - b))) < 1e-12 * float(jnp.max(jnp.abs(b)))
 
 
-def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
+def test_bf16_features_close_to_fp32_and_matmuls_in_bf16(form):
     f, w, y, m = _inputs(jnp.float32)
     fused = lambda f, w: head_cross_entropy(f.astype(jnp.bfloat16), w, y, m, 8)
     got = jax.grad(fused, argnums=(0, 1))(f, w)
@@ -70,8 +80,9 @@ def test_bf16_features_close_to_fp32_and_matmuls_in_bf16():
     for a, b in zip(got, want):
         assert rel_rmse(a, b) < 2e-2  # bf16 operands (SPEC §10)
     dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
-    # the logits, the two gradient products of the shifted exponentials and the plain fallback's three
-    assert len(dots) == 6 and all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
+    # the logits and the two gradient products (shifted: and the plain fallback's three)
+    assert len(dots) == (6 if form == "shifted" else 3), dots
+    assert all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
 
 
 def test_bf16_logits_close_to_fp32_logits():
