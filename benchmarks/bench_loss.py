@@ -5,18 +5,18 @@ times the loss with its gradients (``value_and_grad`` w.r.t. features and head) 
   - ``fp32``: the default (fp32 logits; the logsumexp's max and sum passes, the softmax − onehot pass);
   - ``bf16``: ``logits_dtype="bfloat16"`` (the matmul stores bf16 logits; every pass moves half);
   - ``pallas_fp32`` / ``pallas_bf16``: ``implementation="pallas"`` (Hopper): one Mosaic GPU kernel
-    (``pallas_kernels.head_ce``) writes the logits and the logsumexp's per-tile partials, so only the
-    softmax − onehot pass reads the logits;
+    (``pallas_kernels.head_ce``) writes the logits' exponentials shifted by each row's label logit
+    (bf16) and the logsumexp's per-tile partials, which the gradient matmuls read directly (since
+    stop 41; before, the kernel wrote the logits and a softmax − onehot pass read them);
   - ``matmuls``: the same chunk loop with the three matmuls alone, the logits matmul writing bf16
     that the other two read directly (the floor: no elementwise pass);
   - ``logits_xla`` / ``logits_pallas`` (bf16 logits): the chunk loop's logits and logsumexp alone,
     XLA's matmul + two-pass logsumexp against the kernel + the partials' combine (the kernel's
     matmul efficiency against cuBLAS).
 All variants are timed round-robin in one process (``bench_moe.timeit_interleaved``). Each
-variant's extra time over ``matmuls`` is the price of its elementwise passes; the GB/s column
-divides the bytes those passes move (XLA: three reads of the logits and the bf16 gradient's write;
-Pallas: one read and the write; the matmul's wider fp32 write hides under its compute) by that
-extra time. Before timing, each variant's loss and gradients are compared with ``fp32``'s
+variant's extra time over ``matmuls`` is the price of its elementwise passes (the kernel's: its
+slower matmul, the label gathers and scatter); the GB/s column divides the bytes XLA's passes
+move (three reads of the logits and the bf16 gradient's write) by that extra time. Before timing, each variant's loss and gradients are compared with ``fp32``'s
 (``pallas_bf16``'s also with ``bf16``'s, the same arithmetic up to the order of fp32 sums).
 
 Run on the H200 from the repo root: ``PYTHONPATH=$PWD python3 benchmarks/bench_loss.py --tilings all``
@@ -121,9 +121,8 @@ def main():
     ms = timeit_interleaved({k: (fns[k], args) for k in names})
     n, v = a.tokens, a.vocab
     # bytes the elementwise passes move: XLA three reads of the logits + the bf16 d_logits write;
-    # the kernel path one read + the write
-    added = {"fp32": n * v * (3 * 4 + 2), "bf16": n * v * (3 * 2 + 2), "pallas_fp32": n * v * (4 + 2),
-             "pallas_bf16": n * v * (2 + 2)}
+    # the kernel path none (its bf16 exponentials' write is part of the kernel)
+    added = {"fp32": n * v * (3 * 4 + 2), "bf16": n * v * (3 * 2 + 2), "pallas_fp32": 0, "pallas_bf16": 0}
     floor = ms.get("matmuls", float("nan"))
     base = ms.get("fp32", float("nan"))
     print(f"{jax.devices()[0].device_kind}: tokens={n} D={a.hidden} V={v} chunk={a.chunk}; "
@@ -136,7 +135,7 @@ def main():
         line = f"{name:26s} {ms[name]:8.2f} {ms[name] / base:7.3f}"
         if name in added:
             extra = ms[name] - floor
-            gbs = added[name] / extra / 1e6 if extra > 0 else float("nan")
+            gbs = added[name] / extra / 1e6 if extra > 0 and added[name] else float("nan")
             errs = _errors(fns[name](*args), want["fp32"])
             row.update(extra_ms=extra, gb_per_s=gbs, rel_vs_fp32=errs)
             line += f" {extra:13.2f} {gbs:7.0f} {errs[0]:9.1e} {errs[1]:8.1e} {errs[2]:8.1e}"
