@@ -12,21 +12,22 @@ backward pass only scales the stored gradients by the incoming cotangent. Withou
 the forward computes the loss alone. Peak extra memory: one chunk of logits (fp32; bf16
 exponentials on the gradient path).
 
-The gradient matmuls do not read ``softmax − onehot`` (whose every entry needs the row's
-logsumexp, known only after the whole row): they read ``exp(x − x_y)``, the logits shifted by each
-row's label logit ``x_y`` (computed beforehand as ``f · W[:, y]``), which the head's matmul can write
-as it forms each tile (``pallas_kernels.head_ce.chunk_exponentials_lse``: the Mosaic GPU kernel's
-epilogue on Hopper; XLA's path keeps the plain form below, which is faster there). The softmax is that times the
-per-row ``exp(x_y − lse)``, which scales the matmuls' ``[C, D]`` sides (the features' rows before
-``dW``, the product's rows after ``d_features``); the label's column is zero there and enters as
-``m · (p_y − 1)`` in fp32 through a gather and a scatter, so the bf16 products never cancel ``p_y``
-against 1. The exponentials are capped at ``exp(CLAMP)`` (``pallas_kernels.head_ce.reference``): a
-chunk holding a real token whose loss exceeds CLAMP = 64 nats takes the plain path instead (the
-stored logits, then ``softmax − onehot`` as one elementwise pass), so both are exact to bf16
-rounding. On the H200 at small()'s 8 × 4096 tokens this removed the softmax − onehot pass over fp32
-logits: 62.00 → 59.00 ms for the loss and its gradients, and the kernel stores bf16 instead of fp32
-(benchmarks/RESULTS.md, stop 41). With ``logits_dtype="bfloat16"`` the logits are rounded to bf16
-before the softmax (as a PyTorch bf16 ``lm_head`` followed by ``logits.float()``).
+The gradient matmuls do not read ``softmax − onehot`` (whose every entry needs the row's logsumexp,
+known only after the whole row): they read ``exp(x − x_y)``, the logits shifted by each row's label
+logit ``x_y`` (computed beforehand as ``f · W[:, y]``), which the head's matmul can write as it
+forms each tile (``pallas_kernels.head_ce.chunk_exponentials_lse``: the Mosaic GPU kernel's epilogue
+on Hopper; XLA's path keeps the plain form below, which is faster there). The softmax is that times
+the per-row ``exp(x_y − lse)``, which scales the matmuls' ``[C, D]`` sides (the features' rows
+before ``dW``, the product's rows after ``d_features``); the label's column is zero there and enters
+as ``m · (p_y − 1)`` in fp32 through a gather and a scatter, so the bf16 products never cancel
+``p_y`` against 1. The exponentials are capped at ``exp(CLAMP)``
+(``pallas_kernels.head_ce.reference``): a chunk holding a real token whose loss exceeds CLAMP = 64
+nats takes the plain path instead (the stored logits, then ``softmax − onehot`` as one elementwise
+pass), so both are exact to bf16 rounding. On the H200 at small()'s 8 × 4096 tokens this removed the
+softmax − onehot pass over fp32 logits: 61.62 → 56.17 ms for the loss and its gradients, the kernel
+storing bf16 instead of fp32 (benchmarks/RESULTS.md, stop 41). With ``logits_dtype="bfloat16"`` the
+logits are rounded to bf16 before the softmax (as a PyTorch bf16 ``lm_head`` followed by
+``logits.float()``).
 """
 
 from __future__ import annotations

@@ -155,8 +155,8 @@ def test_tiling_options_equal_reference(option, c, v):
 @pytest.mark.parametrize("option", [None, *sorted(OPTIONS)])
 def test_no_smem_race(option, monkeypatch):
     """The interpreter's race detector over the operand slots and the epilogue's two logits (or
-    shifted exponentials) slots and partials rows per warpgroup, which the next tile's epilogue rewrites while earlier TMA
-    stores may still read them (3 tiles per SM)."""
+    shifted exponentials) slots and partials rows per warpgroup, which the next tile's epilogue
+    rewrites while earlier TMA stores may still read them (3 tiles per SM)."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.moe import kernel_gpu_base
