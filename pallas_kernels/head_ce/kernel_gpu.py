@@ -217,4 +217,5 @@ def logits_partials(f, w, shift=None, labels=None, *, logits_dtype=jnp.float32, 
     out_dtype = jnp.dtype(logits_dtype) if shift is None else f.dtype
     out_type = (jax.ShapeDtypeStruct((c, v), out_dtype), part, part)
     operands = (f, w) if shift is None else (f, w, shift, labels)
-    return persistent_kernel(body, out_type, interpret=interpret, name="head_logits_lse")(*operands)
+    name = "head_logits_lse" if shift is None else "head_exps_lse"
+    return persistent_kernel(body, out_type, interpret=interpret, name=name)(*operands)
