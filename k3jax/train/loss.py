@@ -95,10 +95,12 @@ def head_cross_entropy(features: Float[Array, "B T D"], head: Float[Array, "D V"
     ``logits_dtype``: the dtype the head's matmul stores its fp32-accumulated logits in before the
     fp32 softmax; None keeps the accumulation dtype, "bfloat16" halves the traffic of every pass
     over the logits (as a PyTorch bf16 ``lm_head`` followed by ``logits.float()`` does).
-    ``implementation``: "xla" (XLA's matmul and logsumexp), "pallas" (the logits and the
-    logsumexp's partials from one Mosaic GPU kernel, ``pallas_kernels.head_ce``; Hopper only, or
-    ``interpret=True`` on CPU) or None (default: the kernel where it runs, else XLA; on the H200
-    small()'s 8-micro-batch train step takes 1.885 s with it against 1.961 s, benchmarks/RESULTS.md).
+    ``implementation``: "xla" (XLA's matmul and logsumexp, then ``softmax − onehot``), "pallas" (the
+    shifted exponentials and the logsumexp's partials from one Mosaic GPU kernel,
+    ``pallas_kernels.head_ce``; Hopper only, or ``interpret=True`` on CPU) or None (default: the
+    kernel where it runs, else XLA; on the H200 small()'s 8-micro-batch train step took 1.885 s with
+    the kernel against 1.961 s in stop 36, and 1.757 s since stop 41's exponentials,
+    benchmarks/RESULTS.md).
     ``narrow_head``: ``head`` already cast to the features' dtype (gets no gradient; ``head``'s
     gradient is the same): the trainer casts the fp32 head once per step instead of once per
     micro-batch (small(): 1.0 GB of traffic a micro-batch, ``benchmarks/layer_glue.py --train``).

@@ -6,7 +6,8 @@ the logits their exponentials shifted by a per-row value, ``chunk_exponentials_l
 matmul epilogue emits per-tile partials that a small XLA op combines (no pass over the logits);
 it needs a Hopper GPU (or ``interpret=True``), bf16/f16 features and shapes the tiling divides;
 ``None`` takes the kernel where it can run, else XLA. Not differentiable: ``k3jax.train.loss``
-forms the gradients itself (``softmax − onehot``), so no VJP is wired here.
+forms the gradients itself (from the shifted exponentials, or ``softmax − onehot``), so no VJP
+is wired here.
 """
 
 import jax
