@@ -31,6 +31,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import ResidualStream, attn_res
 from k3jax.layers.block import DecoderLayer
+from k3jax.layers.embed import TokenEmbed
 from k3jax.layers.linear import constrain, einsum, proj
 from k3jax.layers.norm import norm
 from k3jax.layers.stack import layer_stack, run_stack
@@ -84,7 +85,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         if self.remat not in REMAT:
             raise ValueError(f"remat={self.remat!r} must be one of {REMAT}")
-        self.embed = nn.Embed(
+        self.embed = TokenEmbed(
             cfg.vocab_size, cfg.hidden, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.initializer_range),
                                                         ("vocab", "embed")),
