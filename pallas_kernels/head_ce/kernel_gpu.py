@@ -69,19 +69,6 @@ HEAD_CANDIDATES = {
     "overlap4": dataclasses.replace(HEAD_TILING, stages=4, overlap_wgmma=True, epi_cols=32),  # bf16 only
     "chain4": dataclasses.replace(HEAD_TILING, stages=4, chain_tiles=True, epi_cols=32),  # bf16 only
 }
-# The shifted exponentials' tiling (bf16 out): four operand stages chained across a CTA's tiles, so
-# the next tile's loads run under this tile's epilogue. On the H200 (stop 42, small()'s 8 × 4096
-# tokens, the kernel alone): 20.56 ms against 23.56 at HEAD_TILING (overlap4 20.71, chain2 22.15,
-# overlap 22.92). It leaves no SMEM for fp32 logits slots, so the plain form keeps HEAD_TILING.
-EXPS_TILING = HEAD_CANDIDATES["chain4"]
-
-
-def exps_tiling(d: int, v: int) -> GpuTiling:
-    """The shifted exponentials' tiling for ``[·, d] @ [d, v]``: EXPS_TILING where it divides the
-    shapes (a chain needs ``d / tile_k`` a multiple of its stages), else HEAD_TILING."""
-    return HEAD_TILING if check_shapes(EXPS_TILING.tile_m, d, v, EXPS_TILING) else EXPS_TILING
-
-
 _EPI_ROWS = 64  # a WGMMA row group
 _LOG2E = math.log2(math.e)
 

@@ -74,8 +74,7 @@ def chunk_exponentials_lse(f: Float[Array, "C D"], w: Float[Array, "D V"], shift
     ``[C]`` and row max ``[C]`` in fp32). The logits are rounded to ``logits_dtype`` (None: fp32)
     first, as ``chunk_logits_lse`` stores them; the kernel never stores them. Where a row's max
     exceeds its shift by more than ``reference.CLAMP`` the kernel's exponentials differ from the
-    reference's (both are capped, per vocabulary tile in the kernel): callers check the row max.
-    ``tiling``: None takes ``kernel_gpu.exps_tiling(d, v)`` (read at trace time)."""
+    reference's (both are capped, per vocabulary tile in the kernel): callers check the row max."""
     (c, d), v = f.shape, w.shape[1]
     wide = reference.wide(f.dtype)
     shift, labels = shift.astype(wide), labels.astype(jnp.int32)
@@ -84,7 +83,7 @@ def chunk_exponentials_lse(f: Float[Array, "C D"], w: Float[Array, "D V"], shift
         exps = reference.shifted_exponentials(x, shift, labels, f.dtype)
         return exps, jax.nn.logsumexp(x, axis=-1), jnp.max(x, axis=-1)
     k = _kernel()
-    tiling = tiling or k.exps_tiling(d, v)
+    tiling = tiling or k.HEAD_TILING
     pad = -c % tiling.tile_m
     if pad:  # padded rows: shift +inf, all zeros
         f, shift, labels = jnp.pad(f, ((0, pad), (0, 0))), jnp.pad(shift, (0, pad), constant_values=jnp.inf), \

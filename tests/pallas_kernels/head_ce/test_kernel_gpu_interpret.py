@@ -193,24 +193,3 @@ class TestGpuCompiled(KernelCase):
     c, d, v = 1024, 1024, 163840
     loss_shape = (5000, 1024, 16384)
     chunk = 4096
-
-
-def test_exps_tiling_equals_xla_without_races(monkeypatch):
-    """The shifted exponentials' own tiling (``EXPS_TILING``: 4 stages chained across tiles, 64 × 32
-    epilogue slots) at a D it divides, 3 chained tiles per SM, against XLA and the race detector;
-    where it does not divide D the op takes HEAD_TILING."""
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    from pallas_kernels.moe import kernel_gpu_base
-
-    monkeypatch.setattr(kernel_gpu_base, "_DETECT_RACES", True)
-    assert kernel_gpu.exps_tiling(256, 768) == kernel_gpu.EXPS_TILING
-    assert kernel_gpu.exps_tiling(128, 768) == kernel_gpu.HEAD_TILING  # 2 D steps, 4 stages
-    f, w = _features_head(256, 256, 768)
-    labels, shift = _shift_labels(reference.chunk_logits(f, w))
-    got = chunk_exponentials_lse(f, w, shift, labels, implementation="pallas", interpret=True)
-    jax.block_until_ready(got)
-    assert not get_races().races_found
-    want = chunk_exponentials_lse(f, w, shift, labels, implementation="xla")
-    assert rel_rmse(got[0].astype(jnp.float32), want[0].astype(jnp.float32)) < BF16_FWD_RTOL
-    assert rel_rmse(got[1], want[1]) < F32_RTOL and rel_rmse(got[2], want[2]) < F32_RTOL
