@@ -2,9 +2,10 @@
 
 Flax's ``nn.Embed`` casts the whole table to ``dtype`` and then takes the rows, so under ``jax.grad``
 the table's gradient is a scatter-add in that dtype: in bf16 every repeat of a token adds its row's
-cotangent to a bf16 running sum, which stops growing once a term is below half of its ulp. A token
-seen 4096 times with cotangents near 1 got 512 instead of 4094 (``tests/k3jax/test_embed.py``), and a
-frequent token in a 32 K-token micro-batch is seen thousands of times. Taking the rows from the
+cotangent to a bf16 running sum, which stops growing once a term is below half of its ulp. On the
+CPU a token seen 4096 times with cotangents near 1 got 512 instead of 4094 (``tests/k3jax/
+test_embed.py`` checks a 3510-fold repeat against the fp32 sum), and a frequent token in a 32 K-token
+micro-batch is seen thousands of times. Taking the rows from the
 stored (fp32) table and casting them after gives the same forward bit for bit and a scatter-add in
 the table's dtype; it also reads only the taken rows where the cast read the whole table.
 """
