@@ -11,6 +11,12 @@ picked by timing first (``moe_tuning.py``; a candidate whose result differs is n
 Each table is timed interleaved (``timeit_interleaved``): clock drift under the power cap falls
 on every implementation alike.
 
+Group sizes (``--groups``): ``uneven`` draws them with weights in [0.5, 1.5] (the default); ``router``
+gives the counts a fresh router gives, each of ``M / 8`` tokens sending its rows to 8 distinct
+experts uniformly (all groups within a few % of ``M / E``). The tilings' ranking depends on it: at
+small()'s shapes (GMM_SHAPES 3 and 4) the weight gradient's best tiling under uneven groups lost to
+the default under the router's, and the train step showed no gain (benchmarks/RESULTS.md, stop 43).
+
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
 
@@ -30,7 +36,10 @@ from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm, moe_
 from pallas_kernels.moe.activations import situ_glu
 from pallas_kernels.moe.reference import grouped_matmul_dense
 
-GMM_SHAPES = [(65536, 64, 3584, 3072), (65536, 64, 3072, 3584), (32768, 128, 2048, 1024)]
+# K3-width shapes, the E = 128 tuning shape, then small()'s routed experts (8 × 4096 tokens, top-8): gate/up, down
+GMM_SHAPES = [(65536, 64, 3584, 3072), (65536, 64, 3072, 3584), (32768, 128, 2048, 1024), (262144, 64, 512, 1024),
+              (262144, 64, 512, 512)]
+GROUPS = "uneven"  # ``--groups``: how ``random_group_sizes`` spreads the rows
 LAYER = dict(T=8192, D=7168, L=3584, F=3072, E=56, k=16)
 
 
@@ -86,10 +95,24 @@ def rel(a, b):
 
 
 def random_group_sizes(key, m, e):
-    """Uneven sizes summing to m: a multinomial draw with probabilities in [0.5, 1.5]/Σ."""
+    """Sizes summing to m: with ``GROUPS == "router"`` the counts of m / 8 tokens each sending rows to
+    8 distinct experts drawn uniformly (``router_group_sizes``), else uneven: a multinomial draw with
+    probabilities in [0.5, 1.5]/Σ."""
+    if GROUPS == "router":
+        return router_group_sizes(key, m, e)
     p = np.asarray(jax.random.uniform(key, (e,), minval=0.5, maxval=1.5), np.float64)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     return jnp.asarray(rng.multinomial(m, p / p.sum()), jnp.int32)
+
+
+def router_group_sizes(key, m, e, top_k=8):
+    """Group sizes of ``m`` rows routed as a fresh router routes them: ``m / top_k`` tokens, each to
+    ``top_k`` distinct experts drawn uniformly (the rest of the rows, if ``m`` does not divide, to expert 0)."""
+    top_k = min(top_k, e)
+    tokens = m // top_k
+    ids = jnp.argsort(jax.random.uniform(key, (tokens, e)), axis=1)[:, :top_k]
+    sizes = jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    return sizes.at[0].add(m - tokens * top_k)
 
 
 def peers():
@@ -327,7 +350,11 @@ def main():
     ap.add_argument("--shapes", default="0,1,2", help="indices into GMM_SHAPES, in run order")
     ap.add_argument("--skip", default="", help="comma list of: checks, layer, lax.ragged_dot, tokamax, jla, torch")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip stages that start after this")
+    ap.add_argument("--groups", default="uneven", choices=("uneven", "router"),
+                    help="group sizes: uneven weights in [0.5, 1.5], or a fresh router's near-even counts")
     args = ap.parse_args()
+    global GROUPS
+    GROUPS = args.groups
     import moe_tuning  # benchmarks/ is the script's directory
 
     start = time.perf_counter()
