@@ -187,6 +187,9 @@ def _check_tiling(cfg: GpuTiling, k: int, n: int) -> None:
     if cfg.ring and (cfg.chain_tiles or cfg.cluster_n or cfg.stages < 2):
         raise ValueError(f"tiling.ring needs chain_tiles=False, cluster_n=False and stages >= 2, got "
                          f"chain_tiles={cfg.chain_tiles}, cluster_n={cfg.cluster_n}, stages={cfg.stages}")
+    if cfg.ping_pong and (not cfg.ring or cfg.tile_m * cfg.cta_n() > 64 * 256):
+        raise ValueError(f"tiling.ping_pong needs ring=True and tile_m x 2·tile_n <= 64 x 256 (one warpgroup's "
+                         f"float32 accumulator), got ring={cfg.ring}, {cfg.tile_m} x {cfg.cta_n()}")
     if cfg.cluster_n and (n // cfg.cta_n()) % 2:
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
 

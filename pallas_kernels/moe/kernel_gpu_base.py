@@ -43,6 +43,10 @@ class GpuTiling:
     pipeline per tile, so a tile's loads start while the previous tile's last wgmma and store
     finish; one wgmma stays in flight. ``store_rows`` (ring tgmm only, a multiple of 64 dividing
     ``tile_k``; 0: all): the output tile goes through a staging tile of that many rows.
+    ``ping_pong`` (ring gmm only, ``tile_m · 2·tile_n <= 64 · 256``): the two compute warpgroups take
+    alternate tiles whole, each from a ring of ``stages`` slots of its own, so one warpgroup's epilogue
+    runs while the other issues wgmmas (CUTLASS's ping-pong schedule); each holds a ``tile_m × 2·tile_n``
+    float32 accumulator.
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -68,6 +72,7 @@ class GpuTiling:
     group_run: int = 1  # per-group tgmm only: tiles of this many groups per (K tile, N tile) in a row
     ring: bool = False  # gmm, per-group tgmm: one slot ring across a CTA's tiles (no drain per tile)
     store_rows: int = 0  # ring tgmm only: stage the output tile this many rows at a time (0: all)
+    ping_pong: bool = False  # ring gmm only: the compute warpgroups take alternate tiles, each from its own ring
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

@@ -11,6 +11,10 @@ warpgroups finish a tile and store it. Work tiles, their rows and stores are ``k
 Several ``(lhs, rhs)`` pairs (``kernel_gpu.gmm_sum``) share one accumulator: a tile's steps run over
 pair 0's K, then pair 1's, ..., the memory warpgroup switching source between them, so the compute
 side sees the K steps of the product of the concatenated operands, in the same order.
+
+``ping_pong``: the compute warpgroups take the CTA's tiles in turn, each tile whole, and each has a
+ring of its own (a warpgroup must wait on every step of a ring it waits on: ``slot_ring``); the
+memory warpgroup fills them alternately, so one warpgroup's epilogue overlaps the other's wgmmas.
 """
 
 import functools
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int_ops
 from pallas_kernels.moe import slot_ring
 from pallas_kernels.moe.gmm_tiles import gmm_epilogue, half_or_full_wgmma
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled
@@ -52,56 +57,82 @@ def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs):
 
         return _tiles
 
+    # ping-pong: each compute warpgroup takes every other tile whole (all cta_n columns), from a ring
+    # of its own, so one warpgroup's epilogue runs under the other's wgmmas
+    rings, acc_n = (2, cta_n) if cfg.ping_pong else (1, tn)
+
     @slot_ring.scoped(
         stages,
-        a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_swizzled(tk, dtype)),
-        b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, tn), out_gmem.dtype),
+        rings=rings,
+        a_smem=plgpu.SMEM((rings * stages, tm, tk), dtype, transforms=_swizzled(tk, dtype)),
+        b_smem=plgpu.SMEM((rings * stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, acc_n), out_gmem.dtype),
     )
     def _scope(ring, a_smem, b_smem, o_smem):
-        def load_pair(step0, lhs, rhs, row0, g, cols, steps):
+        def tile_ring(step0):
+            """(the ring of the tile starting at CTA step ``step0``, its first step in that ring)."""
+            if not cfg.ping_pong:
+                return ring, step0
+            t = int_ops.div(step0, ksteps)  # the CTA's t-th tile
+            return ring.part(int_ops.rem(t, 2)), int_ops.div(t, 2) * ksteps
+
+        def load_pair(r, step0, lhs, rhs, row0, g, cols, steps):
             @pl.loop(0, steps)
             def _(kk):
                 kcols = pl.ds(kk * tk, tk)
                 b_src = rhs.at[g, cols, kcols] if transpose_rhs else rhs.at[g, kcols, cols]
                 # unaligned tiles may run past M: TMA zero-fills those rows
-                ring.load(step0 + kk, [(lhs.at[pl.ds(row0, tm), kcols], a_smem), (b_src, b_smem)])
+                r.load(step0 + kk, [(lhs.at[pl.ds(row0, tm), kcols], a_smem), (b_src, b_smem)])
 
         def memory():
             def per_tile(step0, row0, grp, lo, count, g, ni):
                 del grp, lo, count
                 cols = pl.ds(ni * cta_n, cta_n)
-                first = step0
+                r, first = tile_ring(step0)
                 for (lhs, rhs), k_pair in zip(pairs, ks):
-                    load_pair(first, lhs, rhs, row0, g, cols, k_pair // tk)
+                    load_pair(r, first, lhs, rhs, row0, g, cols, k_pair // tk)
                     first = first + k_pair // tk
 
-            ring.drain(for_each_tile(per_tile))
+            steps = for_each_tile(per_tile)
+            if cfg.ping_pong:  # ring 0 took the even tiles, ring 1 the odd ones
+                tiles = int_ops.div(steps, ksteps)
+                ring.part(0).drain(int_ops.div(tiles + 1, 2) * ksteps)
+                ring.part(1).drain(int_ops.div(tiles, 2) * ksteps)
+            else:
+                ring.drain(steps)
 
         def compute(wg):
-            wg_n = pl.ds(wg * tn, tn)
+            wg_n = pl.ds(0, cta_n) if cfg.ping_pong else pl.ds(wg * tn, tn)
 
-            def per_tile(step0, row0, grp, lo, count, g, ni):
-                del g
+            def tile(r, step0, row0, grp, lo, count, ni):
                 half = fits_half(lo, count, tm) if cfg.half_tiles else None
 
                 def step_body(acc, kk):
-                    slot = ring.take(step0 + kk)
+                    slot = r.take(step0 + kk)
                     b = b_smem.at[slot, wg_n].T if transpose_rhs else b_smem.at[slot, :, wg_n]
                     if cfg.half_tiles:
                         half_or_full_wgmma(acc, a_smem.at[slot], b, half)
                     else:
                         plgpu.wgmma(acc, a_smem.at[slot], b)
-                    ring.release_previous(step0 + kk, kk == 0)
+                    r.release_previous(step0 + kk, kk == 0)
 
-                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, acc_n), jnp.float32))
                 def _acc(acc):
                     pl.loop(0, ksteps)(functools.partial(step_body, acc))
                     plgpu.wgmma_wait(0)
-                    ring.release(step0 + ksteps - 1)
-                    out_cols = pl.ds(ni * cta_n + wg * tn, tn)
+                    r.release(step0 + ksteps - 1)
+                    out_cols = pl.ds(ni * cta_n + (0 if cfg.ping_pong else wg * tn), acc_n)
                     is_tail = grp == rhs_gmem.shape[0]
                     gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
+
+            def per_tile(step0, row0, grp, lo, count, g, ni):
+                del g
+                r, first = tile_ring(step0)
+                if cfg.ping_pong:  # this warpgroup's tiles only
+                    mine = int_ops.rem(int_ops.div(step0, ksteps), 2) == wg
+                    pl.when(mine)(lambda: tile(r, first, row0, grp, lo, count, ni))
+                else:
+                    tile(r, first, row0, grp, lo, count, ni)
 
             for_each_tile(per_tile)
 
