@@ -25,16 +25,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int_ops
 from pallas_kernels.moe import slot_ring
-from pallas_kernels.moe.gmm_tiles import gmm_epilogue, half_or_full_wgmma
+from pallas_kernels.moe.gmm_tiles import glu_epilogue, gmm_epilogue, half_or_full_wgmma
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled
 from pallas_kernels.moe.schedule import fits_half
 
 
-def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs):
+def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs, glu=None):
     """Kernel body over ``meta`` (``schedule.tile_schedule`` rows: group, block, lo, count, weight
     group; the ``num_active[0]`` active tiles first), as ``kernel_gpu._gmm_body``. ``refs``:
-    ``lhs_0, rhs_0, lhs_1, rhs_1, ..., out``; ``k``: each pair's contraction length (int or tuple)."""
-    *in_refs, out_gmem = refs
+    ``lhs_0, rhs_0, lhs_1, rhs_1, ..., out``; ``k``: each pair's contraction length (int or tuple).
+    ``glu`` (``kernel_gpu.gmm_glu``, ping-pong only): the outputs are ``a, d`` from ``glu_epilogue``."""
+    *in_refs, out_gmem, d_gmem = refs if glu is not None else (*refs, None)
     pairs = list(zip(in_refs[0::2], in_refs[1::2]))
     ks = k if isinstance(k, tuple) else (k,) * len(pairs)
     lhs_gmem, rhs_gmem = pairs[0]
@@ -66,7 +67,9 @@ def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs):
         rings=rings,
         a_smem=plgpu.SMEM((rings * stages, tm, tk), dtype, transforms=_swizzled(tk, dtype)),
         b_smem=plgpu.SMEM((rings * stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, acc_n), out_gmem.dtype),
+        # gmm_glu: two staging tiles of half the accumulator's width (three outputs, in turn)
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, acc_n) if glu is None else (_COMPUTE_WGS, 2, tm, acc_n // 2),
+                          out_gmem.dtype),
     )
     def _scope(ring, a_smem, b_smem, o_smem):
         def tile_ring(step0):
@@ -121,9 +124,13 @@ def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs):
                     pl.loop(0, ksteps)(functools.partial(step_body, acc))
                     plgpu.wgmma_wait(0)
                     r.release(step0 + ksteps - 1)
-                    out_cols = pl.ds(ni * cta_n + (0 if cfg.ping_pong else wg * tn), acc_n)
-                    is_tail = grp == rhs_gmem.shape[0]
-                    gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, out_cols, min(tm, m))
+                    col0, is_tail = ni * cta_n + (0 if cfg.ping_pong else wg * tn), grp == rhs_gmem.shape[0]
+                    if glu is None:
+                        gmm_epilogue(acc, o_smem.at[wg], out_gmem, is_tail, row0, lo, count, pl.ds(col0, acc_n),
+                                     min(tm, m))
+                    else:
+                        glu_epilogue(acc, o_smem.at[wg], out_gmem, d_gmem, is_tail, row0, lo, count, col0, min(tm, m),
+                                     glu)
 
             def per_tile(step0, row0, grp, lo, count, g, ni):
                 del g
