@@ -198,7 +198,7 @@ def _glu_pallas_fwd(lhs, w1, w3, group_sizes, glu, interpret):
 
 def _glu_pallas_bwd(glu, interpret, res, da):
     lhs, w13, d, group_sizes = res
-    (k, f), block = (lhs.shape[1], da.shape[1]), _glu_block()
+    k, f, block = lhs.shape[1], da.shape[1], _glu_block()
     gmm, tgmm = _kernels("gpu", interpret)
     da = _pad_to(da, 1, d.shape[1] // 2).astype(jnp.float32)
     dgu = (interleave(da, da, block) * d.astype(jnp.float32)).astype(d.dtype)  # da under both its derivatives
@@ -296,7 +296,7 @@ def moe_ffn(
     on the GPU (the TPU ``gmm_sum`` still concatenates). Same values either way
     (``tests/pallas_kernels/moe/test_gate_up.py``, ``test_gmm_sum.py``). "fused" (the Hopper kernel
     only; opt-in, untimed in a train step: benchmarks/RESULTS.md, stop 43): one ``gmm_glu`` writes the
-    activation and its derivatives from its epilogue (ping-pong rings hide the epilogue), no ``[T·k, 2F]``
+    activation and its derivatives from its epilogue (on ping-pong rings, to hide it), no ``[T·k, 2F]``
     product; values within bf16 rounding of "packed" (``test_gmm_glu.py``).
     """
     if gate_up not in ("packed", "split", "fused"):
