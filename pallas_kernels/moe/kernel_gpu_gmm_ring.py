@@ -67,8 +67,8 @@ def gmm_ring_body(meta, num_active, *refs, cfg, m, k, n, transpose_rhs, glu=None
         rings=rings,
         a_smem=plgpu.SMEM((rings * stages, tm, tk), dtype, transforms=_swizzled(tk, dtype)),
         b_smem=plgpu.SMEM((rings * stages, *b_block), dtype, transforms=_swizzled(b_block[1], dtype)),
-        # gmm_glu: two staging tiles of half the accumulator's width (three outputs, in turn)
-        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, acc_n) if glu is None else (_COMPUTE_WGS, 2, tm, acc_n // 2),
+        # gmm_glu: a staging tile of half the accumulator's width for each of its three outputs
+        o_smem=plgpu.SMEM((_COMPUTE_WGS, tm, acc_n) if glu is None else (_COMPUTE_WGS, 3, tm, acc_n // 2),
                           out_gmem.dtype),
     )
     def _scope(ring, a_smem, b_smem, o_smem):
