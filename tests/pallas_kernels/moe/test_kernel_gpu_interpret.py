@@ -160,8 +160,8 @@ def test_ring_refuses_chained_or_clustered_tiles():
     for bad in (dataclasses.replace(SMALL, ring=True, chain_tiles=True), dataclasses.replace(SMALL, ring=True, stages=1)):
         with pytest.raises(ValueError, match="ring needs"):
             kernel_gpu.gmm(lhs, rhs, gs, tiling=bad, interpret=True)
-    for bad in (dataclasses.replace(SMALL, ping_pong=True), dataclasses.replace(SMALL, tile_m=128, ring=True, ping_pong=True,
-                                                                               tile_n=128)):
+    too_wide = dataclasses.replace(SMALL, tile_m=128, tile_n=128, ring=True, ping_pong=True)  # 128 x 256 accumulator
+    for bad in (dataclasses.replace(SMALL, ping_pong=True), too_wide):
         with pytest.raises(ValueError, match="ping_pong needs ring=True and tile_m"):
             kernel_gpu.gmm(lhs, rhs, gs, tiling=bad, interpret=True)
 
