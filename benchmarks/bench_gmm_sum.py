@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_moe import LAYER, random_group_sizes, timeit_interleaved  # noqa: E402
+from bench_moe import LAYER  # noqa: E402
+from benchmarks.timing import timeit_interleaved  # noqa: E402
+from benchmarks.moe_groups import random_group_sizes  # noqa: E402
 from pallas_kernels.moe import kernel_gpu  # noqa: E402
 
 GpuTiling = kernel_gpu.GpuTiling

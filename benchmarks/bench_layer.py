@@ -55,7 +55,7 @@ import numpy as np
 from jax._src.ad_checkpoint import saved_residuals
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import timeit_interleaved  # noqa: E402  (benchmarks/ is the script's directory)
+from benchmarks.timing import timeit_interleaved  # noqa: E402
 from k3jax.config import LayerKind, ModelConfig, preset  # noqa: E402
 from k3jax.layers.attn_res import ResidualStream  # noqa: E402
 from k3jax.layers.block import DecoderLayer  # noqa: E402

@@ -13,7 +13,7 @@ times the loss with its gradients (``value_and_grad`` w.r.t. features and head) 
   - ``logits_xla`` / ``logits_pallas`` (bf16 logits): the chunk loop's logits and logsumexp alone,
     XLA's matmul + two-pass logsumexp against the kernel + the partials' combine (the kernel's
     matmul efficiency against cuBLAS).
-All variants are timed round-robin in one process (``bench_moe.timeit_interleaved``). Each
+All variants are timed round-robin in one process (``timing.timeit_interleaved``). Each
 variant's extra time over ``matmuls`` is the price of its elementwise passes (the kernel's: its
 slower matmul, the label gathers and scatter); the GB/s column divides the bytes XLA's passes
 move (three reads of the logits and the bf16 gradient's write) by that extra time. Before timing, each variant's loss and gradients are compared with ``fp32``'s
@@ -32,7 +32,8 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_moe import rel, timeit_interleaved
+from benchmarks.bench_moe import rel
+from benchmarks.timing import timeit_interleaved
 from k3jax.train import loss
 from pallas_kernels.head_ce import chunk_logits_lse, kernel_gpu
 

@@ -11,11 +11,8 @@ picked by timing first (``moe_tuning.py``; a candidate whose result differs is n
 Each table is timed interleaved (``timeit_interleaved``): clock drift under the power cap falls
 on every implementation alike.
 
-Group sizes (``--groups``): ``uneven`` draws them with weights in [0.5, 1.5] (the default); ``router``
-gives the counts a fresh router gives, each of ``M / 8`` tokens sending its rows to 8 distinct
-experts uniformly (all groups within a few % of ``M / E``). The tilings' ranking depends on it: at
-small()'s shapes (GMM_SHAPES 3 and 4) the weight gradient's best tiling under uneven groups lost to
-the default under the router's, and the train step showed no gain (benchmarks/RESULTS.md, stop 43).
+Group sizes (``--groups``, ``moe_groups.py``): uneven draws (the default) or a fresh router's near-even
+counts; the tilings' ranking depends on it (GMM_SHAPES 3 and 4 are small()'s shapes).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe.py --out $OUT/bench_moe.json
 """
@@ -24,7 +21,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import time
 import traceback
 
@@ -32,6 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import moe_groups
+from benchmarks.moe_groups import random_group_sizes
+from benchmarks.timing import timeit, timeit_interleaved
 from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm, moe_ffn
 from pallas_kernels.moe.activations import situ_glu
 from pallas_kernels.moe.reference import grouped_matmul_dense
@@ -39,80 +38,13 @@ from pallas_kernels.moe.reference import grouped_matmul_dense
 # K3-width shapes, the E = 128 tuning shape, then small()'s routed experts (8 × 4096 tokens, top-8): gate/up, down
 GMM_SHAPES = [(65536, 64, 3584, 3072), (65536, 64, 3072, 3584), (32768, 128, 2048, 1024), (262144, 64, 512, 1024),
               (262144, 64, 512, 512)]
-GROUPS = "uneven"  # ``--groups``: how ``random_group_sizes`` spreads the rows
 LAYER = dict(T=8192, D=7168, L=3584, F=3072, E=56, k=16)
-
-
-def timeit(fn, *args, reps=20, warmup=2, min_ms=20.0):
-    """Median time (ms) of one ``fn(*args)``: each of ``reps`` samples times a burst of
-    back-to-back calls (sized to last about ``min_ms``) so host dispatch overlaps device work."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    burst = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(burst)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) * 1e3 / burst)
-    return statistics.median(times)
-
-
-def timeit_interleaved(calls: dict, reps=20, warmup=2, min_ms=20.0) -> dict:
-    """Median ms of each ``name -> (fn, args)``, timed as ``timeit`` but round-robin: every rep
-    times one burst of each call in turn (the order rotating), so the GPU's power- and
-    clock-state drift (clocks swing 1.1-2.0 GHz under the 700 W cap) hits every call alike.
-
-    Burst sizes come from a single call of each, timed after every call's warmup: a call sized
-    while the GPU was still idle and fast gets a longer burst, which then runs longer at the capped
-    clocks and reads slower (RESULTS.md, MoE run 15: six identical kernels listed first read
-    0.425-0.503 ms in the order they were sized)."""
-    for _ in range(warmup):
-        for fn, args in calls.values():
-            jax.block_until_ready(fn(*args))
-    bursts = {}
-    for name, (fn, args) in calls.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        bursts[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
-    times = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(reps):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            fn, args = calls[name]
-            t0 = time.perf_counter()
-            jax.block_until_ready([fn(*args) for _ in range(bursts[name])])
-            times[name].append((time.perf_counter() - t0) * 1e3 / bursts[name])
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def rel(a, b):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def random_group_sizes(key, m, e):
-    """Sizes summing to m: with ``GROUPS == "router"`` the counts of m / 8 tokens each sending rows to
-    8 distinct experts drawn uniformly (``router_group_sizes``), else uneven: a multinomial draw with
-    probabilities in [0.5, 1.5]/Σ."""
-    if GROUPS == "router":
-        return router_group_sizes(key, m, e)
-    p = np.asarray(jax.random.uniform(key, (e,), minval=0.5, maxval=1.5), np.float64)
-    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
-    return jnp.asarray(rng.multinomial(m, p / p.sum()), jnp.int32)
-
-
-def router_group_sizes(key, m, e, top_k=8):
-    """Group sizes of ``m`` rows routed as a fresh router routes them: ``m / top_k`` tokens, each to
-    ``top_k`` distinct experts drawn uniformly (the rest of the rows, if ``m`` does not divide, to expert 0)."""
-    top_k = min(top_k, e)
-    tokens = m // top_k
-    ids = jnp.argsort(jax.random.uniform(key, (tokens, e)), axis=1)[:, :top_k]
-    sizes = jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
-    return sizes.at[0].add(m - tokens * top_k)
 
 
 def peers():
@@ -353,8 +285,7 @@ def main():
     ap.add_argument("--groups", default="uneven", choices=("uneven", "router"),
                     help="group sizes: uneven weights in [0.5, 1.5], or a fresh router's near-even counts")
     args = ap.parse_args()
-    global GROUPS
-    GROUPS = args.groups
+    moe_groups.GROUPS = args.groups
     import moe_tuning  # benchmarks/ is the script's directory
 
     start = time.perf_counter()

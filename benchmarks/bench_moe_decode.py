@@ -4,7 +4,7 @@ Times ``moe_decode.gathered_experts`` at ``small()``'s shape (T=1, k=8, E=64, L=
 ``implementation="xla"`` and ``"pallas"`` (``pallas_kernels/moe/kernel_gpu_decode.py``) at several
 ``DecodeTiles`` (``block_f``, ``num_warps``), each as ``--steps`` chained calls in one ``fori_loop``
 (the next call's x is this call's output, so calls cannot overlap and host dispatch drops out), timed
-interleaved (``bench_moe.timeit_interleaved``). Each kernel variant is first checked against the XLA
+interleaved (``timing.timeit_interleaved``). Each kernel variant is first checked against the XLA
 path (max |difference| in bf16 ulps of the output's largest element). Needs a CUDA GPU:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_decode.py --out $OUT/bench_moe_decode.json
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_moe import timeit_interleaved
+    from benchmarks.timing import timeit_interleaved
 
     x, ids, weights, ws = _inputs(args.tokens, 8, 64, 512, 512)
     act = dict(activation=args.activation)

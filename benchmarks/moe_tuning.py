@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_moe import fwd_and_train, random_group_sizes, rel, timeit_interleaved
+from bench_moe import fwd_and_train, rel
+from benchmarks.moe_groups import random_group_sizes
+from benchmarks.timing import timeit_interleaved
 from pallas_kernels.moe import grouped_matmul, kernel_gpu, kernel_gpu_tgmm
 
 

@@ -21,7 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_moe import GMM_SHAPES, fwd_and_train, random_group_sizes  # noqa: E402
+from bench_moe import GMM_SHAPES, fwd_and_train  # noqa: E402
+from benchmarks.moe_groups import random_group_sizes  # noqa: E402
 from ncu_kda import profiler_region  # noqa: E402
 from pallas_kernels.moe import grouped_matmul, kernel_gpu_tgmm  # noqa: E402
 

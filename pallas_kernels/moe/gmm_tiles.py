@@ -1,6 +1,8 @@
 """Work-tile pieces of the ``gmm`` kernels (``kernel_gpu``, ``kernel_gpu_gmm_ring``): the wgmma on a
 tile's rows (half height where they fit) and the epilogues that store only its group's rows."""
 
+import math
+
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -50,9 +52,7 @@ def glu_epilogue(acc, o_smem, a_gmem, d_gmem, is_tail, row0, lo, count, col0, ma
     interleaved layout (columns ``col0`` and ``col0 + h``). ``glu``: ``(activation, situ_beta,
     situ_linear_beta)``. The tail group stores zeros."""
     h, dtype = o_smem.shape[-1], a_gmem.dtype
-    chunk = min(chunk, h)
-    if h % chunk:
-        raise ValueError(f"the accumulator's half width {h} must divide by chunk={chunk}")
+    chunk = math.gcd(chunk, h)  # h is a multiple of 8 (gmm_glu checks)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(is_tail)

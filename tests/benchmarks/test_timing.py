@@ -1,8 +1,8 @@
-"""``bench_moe.timeit_interleaved``: round-robin bursts, sized after every call's warmup."""
+"""``benchmarks.timing.timeit_interleaved``: round-robin bursts, sized after every call's warmup."""
 
 import time
 
-from benchmarks.bench_moe import timeit_interleaved
+from benchmarks.timing import timeit_interleaved
 
 
 class Gpu:
