@@ -35,10 +35,6 @@ GMM_CANDIDATES = [
     kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=3, half_tiles=True, ring=True),
     kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=4, half_tiles=True, ring=True),
     kernel_gpu.GpuTiling(tile_m=128, tile_n=128, tile_k=64, stages=2, half_tiles=True, ring=True),
-    # the compute warpgroups take alternate tiles whole, each from a ring of its own (untimed yet: stop 43)
-    kernel_gpu.GpuTiling(tile_m=64, tile_n=128, tile_k=64, stages=2, ring=True, ping_pong=True),
-    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, ring=True, ping_pong=True),
-    kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, half_tiles=True, ring=True, ping_pong=True),
 ]
 
 

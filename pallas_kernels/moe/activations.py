@@ -91,27 +91,17 @@ def packed_gated_activation(
     return a.astype(gu.dtype if out_dtype is None else out_dtype)
 
 
-def value_and_partials(g, u, activation, situ_beta, situ_linear_beta):
-    """``(a, ∂a/∂g, ∂a/∂u)`` of the activation in >= float32, written out (no autodiff, so that the
-    ``gmm_glu`` kernel's epilogue can lower them: Mosaic GPU has no ``add_any``); equal to the
-    activation's autodiff (``tests/pallas_kernels/moe/test_activations.py``)."""
-    dt = _compute_dtype(g, u)
-    g, u = g.astype(dt), u.astype(dt)
-    sig = jax.nn.sigmoid(g)
-    if activation == "swiglu":
-        silu = g * sig
-        return silu * u, sig * (1 + g * (1 - sig)) * u, silu
-    if activation != "situ":
-        raise ValueError(f"activation must be 'situ' or 'swiglu', got {activation!r}")
-    tg, tu = jnp.tanh(g / situ_beta), jnp.tanh(u / situ_linear_beta)
-    gate, lin = situ_beta * tg * sig, situ_linear_beta * tu
-    d_gate = (1 - tg * tg) * sig + gate * (1 - sig)  # d/dg [β1·tanh(g/β1)·σ(g)]
-    return gate * lin, d_gate * lin, gate * (1 - tu * tu)
+def _value_and_partials(g, u, activation, situ_beta, situ_linear_beta):
+    """``(a, ∂a/∂g, ∂a/∂u)`` of the activation in >= float32."""
+    fn = _activation_fn(activation, situ_beta, situ_linear_beta)
+    one, zero = jnp.ones_like(g), jnp.zeros_like(g)
+    a, d_g = jax.jvp(fn, (g, u), (one, zero))  # elementwise: the tangent is ∂a/∂g itself
+    return a, d_g, jax.jvp(fn, (g, u), (zero, one))[1]
 
 
 def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, stored_dtype):
     """The activation cast to ``out_dtype`` and its partial derivatives stored in ``stored_dtype``."""
-    a, d_g, d_u = value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
+    a, d_g, d_u = _value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
     # the barrier keeps the stored dtype: XLA (excess precision allowed) would fold the cast pair
     return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
 
@@ -137,7 +127,7 @@ def _derivatives(g, u, activation, situ_beta, situ_linear_beta, da):
     them through an ``optimization_barrier`` first (XLA would otherwise share the recomputation with
     the forward and keep its float32 terms), and only arrays already in memory (a barrier on slices
     makes XLA copy them out)."""
-    _, d_g, d_u = value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
+    _, d_g, d_u = _value_and_partials(g, u, activation, situ_beta, situ_linear_beta)
     da = da.astype(d_g.dtype)
     return da * d_g, da * d_u
 

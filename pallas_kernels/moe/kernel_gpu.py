@@ -26,6 +26,7 @@ the ring, whose memory warpgroup switches operand pair between K steps: one accu
 steps of the product of the concatenated operands in their order, no concatenated copy.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -46,16 +47,17 @@ from pallas_kernels.moe.schedule import aligned_tile_schedule, fits_half, tile_s
 
 _STATE = plgpu.PipelinePipeline
 
-GMM_TILING = GpuTiling()
+# a tile of 8 K steps or fewer (small()'s routed experts: K = 512) through the slot ring: gate/up
+# 0.490 against 0.541 ms, down 0.270 against 0.288 under a fresh router's groups, the train step
+# 1.7397 against 1.7462 s; at 32 K steps (E = 128) the per-tile pipeline is faster, 0.293 against
+# 0.315 ms (benchmarks/RESULTS.md, MoE run 21 and stop 44)
+GMM_TILING = GpuTiling(ring_k_steps=8)
 # the input gradient (``transpose_rhs``) contracts over N and writes K: its own tiling
 GMM_TILING_T = GpuTiling()
 # ``gmm_sum`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``): the slot ring, whose memory
 # warpgroup switches operand pairs between K steps (the per-tile pipeline streams one pair); half
 # tiles: 8.88 against 9.06 ms at K3's dlhs shape (benchmarks/RESULTS.md "Stop 37", bench_gmm_sum.py)
 GMM_SUM_TILING = GpuTiling(ring=True, half_tiles=True)
-# ``gmm_glu``: ping-pong rings, so that one warpgroup's activation epilogue runs under the other's
-# wgmmas (without them the epilogue cost more than the XLA pass it removes: RESULTS.md, stop 43); untimed
-GLU_TILING = GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, ring=True, ping_pong=True)
 
 
 def required_multiple() -> int:
@@ -190,29 +192,23 @@ def _check_tiling(cfg: GpuTiling, k: int, n: int) -> None:
     if cfg.ring and (cfg.chain_tiles or cfg.cluster_n or cfg.stages < 2):
         raise ValueError(f"tiling.ring needs chain_tiles=False, cluster_n=False and stages >= 2, got "
                          f"chain_tiles={cfg.chain_tiles}, cluster_n={cfg.cluster_n}, stages={cfg.stages}")
-    if cfg.ping_pong and (not cfg.ring or cfg.tile_m * cfg.cta_n() > 64 * 256):
-        raise ValueError(f"tiling.ping_pong needs ring=True and tile_m x 2·tile_n <= 64 x 256 (one warpgroup's "
-                         f"float32 accumulator), got ring={cfg.ring}, {cfg.tile_m} x {cfg.cta_n()}")
     if cfg.cluster_n and (n // cfg.cta_n()) % 2:
         raise ValueError(f"tiling.cluster_n needs an even number of N tiles, got N/{cfg.cta_n()}={n // cfg.cta_n()}")
 
 
-def _run(body, cfg, group_sizes, lhss, rhss, n, name, interpret, widths=None, **static):
-    """``body`` over ``gmm``'s work tiles of ``lhss[0]``'s rows, given ``lhs_0, rhs_0, lhs_1, ...``;
-    one output ``[M, n]``, or one ``[M, w]`` per entry of ``widths`` (a tuple)."""
+def _run(body, cfg, group_sizes, lhss, rhss, n, name, interpret, **static):
+    """``body`` over ``gmm``'s work tiles of ``lhss[0]``'s rows, given ``lhs_0, rhs_0, lhs_1, ...``."""
     m = m_run = lhss[0].shape[0]
     if cfg.aligned:  # tiles start at multiples of 8 and never run past the (padded) rows
         m_run, *lhss = kernel_gpu_base.pad_rows_for_aligned(cfg.tile_m, *lhss)
         meta = aligned_tile_schedule(group_sizes, m_run, cfg.tile_m)
     else:
         meta = m_tile_schedule(group_sizes, m, cfg.tile_m)
-    out_type = tuple(jax.ShapeDtypeStruct((m_run, w), lhss[0].dtype) for w in widths or (n,))
-    outs = kernel_gpu_base.persistent_kernel(
-        functools.partial(body, cfg=cfg, m=m_run, n=n, **static), out_type if widths else out_type[0],
+    out = kernel_gpu_base.persistent_kernel(
+        functools.partial(body, cfg=cfg, m=m_run, n=n, **static), jax.ShapeDtypeStruct((m_run, n), lhss[0].dtype),
         interpret=interpret, name=name, cluster=2 if cfg.cluster_n else 1,
     )(meta, jnp.sum(meta[0] >= 0, dtype=jnp.int32)[None], *(x for pair in zip(lhss, rhss) for x in pair))
-    trim = lambda out: out[:m] if m_run != m else out
-    return tuple(map(trim, outs)) if widths else trim(outs)
+    return out[:m] if m_run != m else out
 
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr, which JAX lowers once per
@@ -223,6 +219,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, interpret=Fa
     k = lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     cfg = tiling or (GMM_TILING_T if transpose_rhs else GMM_TILING)
+    if k // cfg.tile_k <= cfg.ring_k_steps:
+        cfg = dataclasses.replace(cfg, ring=True)
     _check_tiling(cfg, k, n)
     name = ("moe_gmm_transposed" if transpose_rhs else "moe_gmm") + ("_ring" if cfg.ring else "")
     return _run(gmm_ring_body if cfg.ring else _gmm_body, cfg, group_sizes, [lhs], [rhs], n, name, interpret,
@@ -255,21 +253,3 @@ def gmm_sum(lhss, rhss, group_sizes, *, transpose_rhs=False, tiling=None, interp
     name = "moe_gmm_sum_transposed" if transpose_rhs else "moe_gmm_sum"
     return _run(gmm_ring_body, cfg, group_sizes, list(lhss), list(rhss), n, name, interpret,
                 k=ks, transpose_rhs=transpose_rhs)
-
-
-@functools.partial(jax.jit, static_argnames=("glu", "tiling", "interpret"))
-def gmm_glu(lhs, rhs, group_sizes, *, glu, tiling=None, interpret=False):
-    """``gmm(lhs, rhs)`` with the gated activation in its epilogue. ``rhs [E, K, 2F]``: the gate and up
-    weights interleaved in blocks of ``tiling.cta_n() / 2`` columns (``reference.interleave``), so that
-    each warpgroup's whole-tile accumulator holds matching gate and up columns. Returns ``a [M, F]`` and
-    the partial derivatives ``d [M, 2F]`` in ``rhs``'s interleaved layout, both in ``lhs.dtype`` and
-    computed in float32 from the unrounded products: no ``[M, 2F]`` product is written. ``glu``:
-    ``(activation, situ_beta, situ_linear_beta)``; ``tiling`` a ping-pong ring (default ``GLU_TILING``)."""
-    cfg = tiling or GLU_TILING
-    k, n = lhs.shape[1], rhs.shape[2]
-    if not cfg.ping_pong or cfg.cta_n() % 16:
-        raise ValueError(f"gmm_glu needs a ping-pong tiling (ring=True, ping_pong=True) whose 2·tile_n divides by 16, "
-                         f"got {cfg}")
-    _check_tiling(cfg, k, n)
-    return _run(gmm_ring_body, cfg, group_sizes, [lhs], [rhs], n, "moe_gmm_glu", interpret, widths=(n // 2, n), k=k,
-                transpose_rhs=False, glu=glu)

@@ -41,12 +41,10 @@ class GpuTiling:
     ``ring`` (gmm and per-group tgmm, ``stages`` >= 2): one hand-written producer/consumer ring of
     slots across a CTA's tiles (``kernel_gpu_gmm_ring``, ``kernel_gpu_tgmm_ring``) instead of a
     pipeline per tile, so a tile's loads start while the previous tile's last wgmma and store
-    finish; one wgmma stays in flight. ``store_rows`` (ring tgmm only, a multiple of 64 dividing
+    finish; one wgmma stays in flight. ``ring_k_steps`` (gmm only): the ring is taken when a tile
+    has at most this many K steps (``K / tile_k``), where a per-tile pipeline's ramp and drain weigh
+    most. ``store_rows`` (ring tgmm only, a multiple of 64 dividing
     ``tile_k``; 0: all): the output tile goes through a staging tile of that many rows.
-    ``ping_pong`` (ring gmm only, ``tile_m · 2·tile_n <= 64 · 256``): the two compute warpgroups take
-    alternate tiles whole, each from a ring of ``stages`` slots of its own, so one warpgroup's epilogue
-    runs while the other issues wgmmas (CUTLASS's ping-pong schedule); each holds a ``tile_m × 2·tile_n``
-    float32 accumulator.
     ``cluster_n`` (gmm only): CTAs run in clusters of two that take adjacent N tiles of the same
     work tile, and each lhs block reaches both by one multicast TMA (a sixth less traffic a step).
     ``cluster_k`` (per-group tgmm only): CTAs run in clusters of two that take adjacent output-row
@@ -71,8 +69,8 @@ class GpuTiling:
     chain_tiles: bool = False  # gmm only: one pipeline across a CTA's tiles (next tile's loads overlap the store)
     group_run: int = 1  # per-group tgmm only: tiles of this many groups per (K tile, N tile) in a row
     ring: bool = False  # gmm, per-group tgmm: one slot ring across a CTA's tiles (no drain per tile)
+    ring_k_steps: int = 0  # gmm only: ring=True when K / tile_k <= this (0: as ``ring`` says)
     store_rows: int = 0  # ring tgmm only: stage the output tile this many rows at a time (0: all)
-    ping_pong: bool = False  # ring gmm only: the compute warpgroups take alternate tiles, each from its own ring
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n

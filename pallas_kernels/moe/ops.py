@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from pallas_kernels.moe import validate
 from pallas_kernels.moe.activations import packed_gated_activation, split_gated_activation
 from pallas_kernels.moe.dispatch import combine, permute
-from pallas_kernels.moe.reference import deinterleave, grouped_matmul_ragged, interleave
+from pallas_kernels.moe.reference import grouped_matmul_ragged
 from pallas_kernels.moe.tiled import grouped_matmul_tiled
 from pallas_kernels.target import current_target
 
@@ -172,45 +172,6 @@ def _gate_up_pallas_bwd(path, interpret, tgmm_tiling, res, cts):
 _gate_up_pallas.defvjp(_gate_up_pallas_fwd, _gate_up_pallas_bwd)
 
 
-def _glu_block() -> int:
-    """Columns per gate (and up) block of ``gmm_glu``'s interleaved weights: half a warpgroup's tile."""
-    return _kernel_module("gpu").GLU_TILING.cta_n() // 2
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _glu_pallas(lhs, w1, w3, group_sizes, glu, interpret):
-    """``act(lhs·W1, lhs·W3)`` per group from one ``gmm_glu`` (Hopper): the activation and its stored
-    derivatives come out of the product's epilogue, so the ``[M, 2F]`` product is neither written nor
-    read. The backward is the packed product's, in the interleaved layout: ``dgu = da ⊙ ∂a``, then
-    ``dlhs = gmm(dgu, [W1 | W3]ᵀ)`` and ``d[W1 | W3] = tgmm(lhs, dgu)``, deinterleaved. K is padded to the
-    kernels' tile multiple and F to half of it (zero columns give ``a = 0`` and zero derivatives)."""
-    return _glu_pallas_fwd(lhs, w1, w3, group_sizes, glu, interpret)[0]
-
-
-def _glu_pallas_fwd(lhs, w1, w3, group_sizes, glu, interpret):
-    k = _kernel_module("gpu")
-    mult = k.required_multiple()
-    w1p, w3p = (_pad_to(_pad_to(w, 1, mult), 2, mult // 2) for w in (w1, w3))
-    w13 = interleave(w1p, w3p, _glu_block())
-    a, d = k.gmm_glu(_pad_to(lhs, 1, mult), w13, group_sizes, glu=glu, interpret=interpret)
-    return a[:, : w1.shape[2]], (lhs, w13, d, group_sizes)
-
-
-def _glu_pallas_bwd(glu, interpret, res, da):
-    lhs, w13, d, group_sizes = res
-    k, f, block = lhs.shape[1], da.shape[1], _glu_block()
-    gmm, tgmm = _kernels("gpu", interpret)
-    da = _pad_to(da, 1, d.shape[1] // 2).astype(jnp.float32)
-    dgu = (interleave(da, da, block) * d.astype(jnp.float32)).astype(d.dtype)  # da under both its derivatives
-    dlhs = gmm(dgu, w13, group_sizes, transpose_rhs=True)[:, :k]
-    lhs_p = _pad_to(lhs, 1, _kernel_module("gpu").required_multiple())
-    dw1, dw3 = deinterleave(tgmm(lhs_p, dgu, group_sizes, w13.shape[0]), block)
-    return dlhs, dw1[:, :k, :f].astype(w13.dtype), dw3[:, :k, :f].astype(w13.dtype), None
-
-
-_glu_pallas.defvjp(_glu_pallas_fwd, _glu_pallas_bwd)
-
-
 def grouped_matmul(
     lhs: Float[Array, "M K"],
     rhs: Float[Array, "E K N"],
@@ -294,13 +255,10 @@ def moe_ffn(
     paths) runs the two products apart and its backward's input gradient as one
     ``gmm_sum`` of ``(dg, W1)`` and ``(du, W3)``: no stack or ``[dg | du]`` copy forward or backward
     on the GPU (the TPU ``gmm_sum`` still concatenates). Same values either way
-    (``tests/pallas_kernels/moe/test_gate_up.py``, ``test_gmm_sum.py``). "fused" (the Hopper kernel
-    only; opt-in, untimed in a train step: benchmarks/RESULTS.md, stop 43): one ``gmm_glu`` writes the
-    activation and its derivatives from its epilogue (on ping-pong rings, to hide it), no ``[T·k, 2F]``
-    product; values within bf16 rounding of "packed" (``test_gmm_glu.py``).
+    (``tests/pallas_kernels/moe/test_gate_up.py``, ``test_gmm_sum.py``).
     """
-    if gate_up not in ("packed", "split", "fused"):
-        raise ValueError(f"gate_up must be 'packed', 'split' or 'fused', got {gate_up!r}")
+    if gate_up not in ("packed", "split"):
+        raise ValueError(f"gate_up must be 'packed' or 'split', got {gate_up!r}")
     validate.check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, checked=checked)
     gmm = functools.partial(
         grouped_matmul, implementation=implementation, interpret=interpret, kernel_backend=kernel_backend
@@ -311,13 +269,7 @@ def moe_ffn(
         # packed: gate and up as one product of width 2F, one kernel each way; split: two forward
         # products; either way the backward's two input gradients come out of one dlhs product
         path = resolve_implementation(implementation, interpret, kernel_backend, xs.dtype)
-        if gate_up == "fused" and path != "gpu":
-            raise ValueError(f"gate_up='fused' runs the Hopper GPU kernel (or its interpreter); this call takes the "
-                             f"{path!r} path")
-        if gate_up == "fused":
-            a = _glu_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), (activation, situ_beta, situ_linear_beta),
-                            interpret)
-        elif gate_up == "split" and path in ("gpu", "tpu"):
+        if gate_up == "split" and path in ("gpu", "tpu"):
             g, u = _gate_up_pallas(xs, w1, w3, jnp.asarray(group_sizes, jnp.int32), path, interpret, None)
             a = split_gated_activation(g, u, activation, situ_beta, situ_linear_beta, x.dtype)
         else:

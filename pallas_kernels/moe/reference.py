@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from pallas_kernels.moe.activations import gated_activation, value_and_partials
+from pallas_kernels.moe.activations import gated_activation
 
 
 def accum_dtype(dtype) -> jnp.dtype:
@@ -40,36 +40,6 @@ def grouped_matmul_sum_ragged(
     """``Σ_p lhss[p]·rhss[p][e]`` per group (the Pallas ``gmm_sum``): one ``grouped_matmul_ragged``
     of the operands concatenated along the contraction, so the sum runs in one accumulator."""
     return grouped_matmul_ragged(jnp.concatenate(lhss, axis=1), jnp.concatenate(rhss, axis=1), group_sizes)
-
-
-def interleave(w1: Float[Array, "*E K F"], w3: Float[Array, "*E K F"], block: int) -> Float[Array, "*E K F2"]:
-    """``[W1 | W3]`` interleaved in blocks of ``block`` columns (``F`` a multiple of it): columns
-    ``[2jb, 2jb + b)`` are W1's ``[jb, jb + b)``, the next ``b`` W3's — the layout ``gmm_glu`` takes,
-    where each warpgroup tile holds a block of gate columns beside the matching up columns."""
-    *lead, f = w1.shape
-    return jnp.stack([w1.reshape(*lead, f // block, block), w3.reshape(*lead, f // block, block)],
-                     axis=-2).reshape(*lead, 2 * f)
-
-
-def deinterleave(w: Float[Array, "*E K F2"], block: int) -> tuple[Float[Array, "*E K F"], Float[Array, "*E K F"]]:
-    """The inverse of ``interleave``: ``(W1, W3)``."""
-    *lead, f2 = w.shape
-    blocks = w.reshape(*lead, f2 // (2 * block), 2, block)
-    return blocks[..., 0, :].reshape(*lead, f2 // 2), blocks[..., 1, :].reshape(*lead, f2 // 2)
-
-
-def gmm_glu_ragged(
-    lhs: Float[Array, "M K"], w1: Float[Array, "E K F"], w3: Float[Array, "E K F"], group_sizes: Int[ArrayLike, "E"],
-    glu: tuple, block: int,
-) -> tuple[Float[Array, "M F"], Float[Array, "M F2"]]:
-    """The Pallas ``gmm_glu`` in plain JAX: ``a = act(lhs·W1, lhs·W3)`` per group and its partial
-    derivatives ``interleave(∂a/∂g, ∂a/∂u, block)``, from the float32 (>=) products, in ``lhs.dtype``;
-    rows past ``sum(group_sizes)`` are zero. ``glu``: ``(activation, situ_beta, situ_linear_beta)``."""
-    dt = accum_dtype(lhs.dtype)
-    gs = jnp.asarray(group_sizes, jnp.int32)
-    g, u = (jax.lax.ragged_dot(lhs, w, gs, preferred_element_type=dt) for w in (w1, w3))
-    a, d_g, d_u = (x.astype(lhs.dtype) for x in value_and_partials(g, u, *glu))
-    return a, interleave(d_g, d_u, block)
 
 
 def grouped_matmul_dense(

@@ -9,9 +9,7 @@ Both sides count the same steps over the CTA's tiles, and step ``s`` uses slot `
   previous step's wgmma and releases that step's slot (``release_previous``), so one wgmma stays
   in flight; a tile's last slot is released once its accumulator is read (``release``).
 Each barrier tracks its own phase (Mosaic GPU flips a per-barrier parity bit at every wait), so a
-slot needs no bookkeeping beyond the step count. That bit is kept by each waiting warpgroup, so every
-warpgroup that waits on a slot must wait on each of its steps: a ping-pong kernel, whose compute
-warpgroups take alternate tiles, gives each its own ring (``scoped(rings=2)``, ``SlotRing.part``).
+slot needs no bookkeeping beyond the step count.
 """
 
 import dataclasses
@@ -34,14 +32,9 @@ class SlotRing:
     stages: int
     loaded: Any  # barrier refs, one per slot
     consumed: Any
-    base: Any = 0  # the ring's first slot among the scope's barriers and buffers
 
     def slot(self, step):
-        return self.base + int_ops.rem(step, self.stages)
-
-    def part(self, index):
-        """Ring ``index`` of a scope holding several (``scoped(rings=...)``): its own ``stages`` slots."""
-        return dataclasses.replace(self, base=index * self.stages)
+        return int_ops.rem(step, self.stages)
 
     def load(self, step, copies):
         """Memory side: once the slot is free, ``(gmem source, ring buffer)`` copies into it."""
@@ -75,10 +68,9 @@ class SlotRing:
         plgpu.barrier_arrive(self.consumed.at[self.slot(step)])
 
 
-def scoped(stages: int, copies_per_step: int = 2, rings: int = 1, **smem):
+def scoped(stages: int, copies_per_step: int = 2, **smem):
     """Decorator: runs ``body(ring, **refs)`` with the ring's barriers and the ``smem`` allocations
-    (``name -> plgpu.SMEM``), shared by all warpgroups. ``rings > 1``: that many rings of ``stages``
-    slots each (``ring.part(i)``), each consumed by one compute warpgroup."""
+    (``name -> plgpu.SMEM``), shared by all warpgroups."""
 
     def run(body):
         def with_refs(loaded, consumed, **refs):
@@ -86,8 +78,8 @@ def scoped(stages: int, copies_per_step: int = 2, rings: int = 1, **smem):
 
         return pl.run_scoped(
             with_refs,
-            loaded=plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=rings * stages),
-            consumed=plgpu.Barrier(num_arrivals=_COMPUTE_WGS if rings == 1 else 1, num_barriers=rings * stages),
+            loaded=plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
+            consumed=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
             **smem,
             collective_axes="wg",
         )

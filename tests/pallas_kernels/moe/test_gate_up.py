@@ -61,4 +61,4 @@ def test_split_gate_up_equals_packed_bitwise(backend):
 def test_gate_up_must_be_named():
     x, ids, w, w1, w3, w2 = random_moe_inputs(0, 8, 16, 16, 4, 2, jnp.float32)
     with pytest.raises(ValueError, match="gate_up"):
-        moe_ffn(x, ids, w, w1, w3, w2, gate_up="interleaved")
+        moe_ffn(x, ids, w, w1, w3, w2, gate_up="fused")

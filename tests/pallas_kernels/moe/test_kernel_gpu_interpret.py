@@ -117,10 +117,6 @@ RINGS = {
     # blocks at multiples of 128 rows (the last runs past M: TMA zero-fills it), half-height wgmmas
     "blocks_half": (kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, aligned=False, half_tiles=True,
                                          ring=True), dataclasses.replace(SMALL, aligned=False, stages=3, ring=True)),
-    # the compute warpgroups take alternate tiles whole, each from a 2-slot ring of its own
-    "ping_pong": (dataclasses.replace(SMALL, ring=True, ping_pong=True), dataclasses.replace(SMALL, ring=True)),
-    "ping_pong_half": (kernel_gpu.GpuTiling(tile_m=128, tile_n=64, tile_k=64, stages=2, half_tiles=True, ring=True,
-                                            ping_pong=True), dataclasses.replace(SMALL, ring=True)),
 }
 
 
@@ -136,9 +132,8 @@ class TestGpuInterpretRing(GpuKernelCase):
     pass
 
 
-@pytest.mark.parametrize("ring", ["aligned", "ping_pong"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gmm_ring_has_no_smem_race(transpose_rhs, ring, monkeypatch):
+def test_gmm_ring_has_no_smem_race(transpose_rhs, monkeypatch):
     """The interpreter's race detector over the ring's slots: 2 K steps a tile on 3 slots, so loads
     for the next tile land while a tile's last slots are still read. A slot released before its
     wgmma finished stays invisible here (the interpreter's wgmma is synchronous): the compiled
@@ -149,7 +144,7 @@ def test_gmm_ring_has_no_smem_race(transpose_rhs, ring, monkeypatch):
     lhs, rhs = random_gmm_inputs(0, 150, 128, 128, E, jnp.bfloat16)
     for case in GROUP_CASES:
         out = kernel_gpu.gmm(lhs, rhs, jnp.asarray(case, jnp.int32), transpose_rhs=transpose_rhs,
-                             tiling=RINGS[ring][0], interpret=True)
+                             tiling=RINGS["aligned"][0], interpret=True)
         jax.block_until_ready(out)
         assert not get_races().races_found, case
 
@@ -160,10 +155,20 @@ def test_ring_refuses_chained_or_clustered_tiles():
     for bad in (dataclasses.replace(SMALL, ring=True, chain_tiles=True), dataclasses.replace(SMALL, ring=True, stages=1)):
         with pytest.raises(ValueError, match="ring needs"):
             kernel_gpu.gmm(lhs, rhs, gs, tiling=bad, interpret=True)
-    too_wide = dataclasses.replace(SMALL, tile_m=128, tile_n=128, ring=True, ping_pong=True)  # 128 x 256 accumulator
-    for bad in (dataclasses.replace(SMALL, ping_pong=True), too_wide):
-        with pytest.raises(ValueError, match="ping_pong needs ring=True and tile_m"):
-            kernel_gpu.gmm(lhs, rhs, gs, tiling=bad, interpret=True)
+
+
+def test_default_forward_takes_the_ring_at_few_k_steps():
+    """``GMM_TILING.ring_k_steps``: the forward runs the slot ring at K = 512 (8 steps of 64: small()'s
+    routed experts) and the per-tile pipeline at K = 1024; the input gradient keeps its own tiling."""
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    names = {}
+    for k in (512, 1024):
+        lhs, rhs = random_gmm_inputs(0, 64, k, 256, E, jnp.bfloat16)
+        for tr in (False, True):
+            args = (jnp.zeros((64, 256), jnp.bfloat16), jnp.swapaxes(rhs, 1, 2)) if tr else (lhs, rhs)
+            jaxpr = str(jax.make_jaxpr(lambda a, b: kernel_gpu.gmm(a, b, gs, transpose_rhs=tr, interpret=True))(*args))
+            names[k, tr] = "_ring" in jaxpr
+    assert names == {(512, False): True, (1024, False): False, (512, True): False, (1024, True): False}
 
 
 def test_chained_tiles_need_whole_rounds_of_stages():
