@@ -73,7 +73,12 @@ def glue(text: str) -> list[dict]:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
                 walk(re.search(r"body=%([\w.-]+)", rest).group(1), weight * (int(trips.group(1)) if trips else 1))
             elif op in ("call", "conditional"):
-                for sub in re.findall(r"(?:to_apply|branch_computations)=\{?%([\w.-]+)", rest):
+                # a predicate's conditional: its true branch (the loss's shifted form, the one taken
+                # unless a loss passes CLAMP); an indexed one: every branch
+                subs = re.findall(r"(?:to_apply|true_computation)=%([\w.-]+)", rest)
+                if not subs and (branches := re.search(r"branch_computations=\{([^}]*)\}", rest)):
+                    subs = re.findall(r"%([\w.-]+)", branches.group(1))
+                for sub in subs:
                     walk(sub, weight)
             elif op in FREE or op.endswith("-done") or op == "async-update":
                 continue

@@ -161,13 +161,16 @@ def _shifted_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret):
                                             interpret=interpret)
 
     def shifted(d_head):
-        # softmax = exps · exp(picked − lse) off the label; the label's column is m (p_y − 1) in
-        # fp32, outside the bf16 products (no cancellation of p_y against 1 in bf16)
-        scale, label = m * jnp.exp(picked - lse), m * jnp.expm1(picked - lse)
-        d_f = scale[:, None] * jnp.einsum("CV,DV->CD", exps, w, preferred_element_type=wide) + label[:, None] * w_y
+        # softmax = exps · exp(picked − lse) off the label. The label's column, zero in exps, becomes
+        # 1 − exp(lse − picked) (−expm1 in fp32: no cancellation of p_y against 1), which times the row's
+        # scale is m (p_y − 1): both products then carry the label's term, rounded once to bf16 as the
+        # plain path's softmax − onehot is, and d_head takes no scatter over its [D, V] columns
+        scale = m * jnp.exp(picked - lse)
+        at_label = jnp.where(m > 0, -jnp.expm1(lse - picked), 0.0).astype(exps.dtype)
+        grad_exps = exps.at[jnp.arange(exps.shape[0]), y].set(at_label, mode="clip")
+        d_f = scale[:, None] * jnp.einsum("CV,DV->CD", grad_exps, w, preferred_element_type=wide)
         rows = (f.astype(wide) * scale[:, None]).astype(f.dtype)
-        d_head = d_head + jnp.einsum("CD,CV->DV", rows, exps, preferred_element_type=wide)
-        return d_head.at[:, y].add((label[:, None] * f.astype(wide)).T, mode="clip"), d_f
+        return d_head + jnp.einsum("CD,CV->DV", rows, grad_exps, preferred_element_type=wide), d_f
 
     def plain(d_head):
         d_head, _, d_f = _plain_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret)
