@@ -23,13 +23,13 @@ zero, is set to ``1 − exp(lse − x_y)`` (``−expm1`` in fp32, so ``p_y`` nev
 rounded once to bf16, as the plain path rounds ``softmax − onehot``): times the row's scale it is
 ``m · (p_y − 1)``, so both products carry the label's term and no scatter-add runs over ``d_head``'s
 ``[D, V]`` columns (54.06 against 56.16 ms a micro-batch on the H200, stop 44). The exponentials
-are capped at ``exp(CLAMP)`` (``pallas_kernels.head_ce.reference``): a chunk holding a real token
-whose loss exceeds CLAMP = 64 nats takes the plain path instead (the stored logits, then ``softmax − onehot`` as one elementwise
-pass), so both are exact to bf16 rounding. On the H200 at small()'s 8 × 4096 tokens this removed the
-softmax − onehot pass over fp32 logits: 61.62 → 56.17 ms for the loss and its gradients, the kernel
-storing bf16 instead of fp32 (benchmarks/RESULTS.md, stop 41). With ``logits_dtype="bfloat16"`` the
-logits are rounded to bf16 before the softmax (as a PyTorch bf16 ``lm_head`` followed by
-``logits.float()``).
+are capped at ``exp(CLAMP)`` (``pallas_kernels.head_ce.reference``): a chunk holding a real token whose
+loss exceeds CLAMP = 64 nats takes the plain path instead (the stored logits, then ``softmax − onehot``
+as one elementwise pass), so both are exact to bf16 rounding. On the H200 at small()'s 8 × 4096 tokens
+this removed the softmax − onehot pass over fp32 logits: 61.62 → 56.17 ms for the loss and its
+gradients, the kernel storing bf16 instead of fp32 (benchmarks/RESULTS.md, stop 41). With
+``logits_dtype="bfloat16"`` the logits are rounded to bf16 before the softmax (as a PyTorch bf16
+``lm_head`` followed by ``logits.float()``).
 """
 
 from __future__ import annotations
