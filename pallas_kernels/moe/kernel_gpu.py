@@ -19,7 +19,8 @@ Algorithm of ``gmm``:
    is partial) issues its wgmmas on a half-height slice of the SMEM tile and accumulator; at the
    benchmark's E=128 shape that cuts the issued rows of a gmm by ~10 % (see ``schedule.issued_rows``).
 4. ``ring``: the same tiles through one hand-written slot ring per CTA (``kernel_gpu_gmm_ring``)
-   instead of a pipeline per tile; a tuning candidate (not faster at the benchmark's shapes).
+   instead of a pipeline per tile: the forward's default where a tile has at most 8 K steps
+   (``GpuTiling.ring_k_steps``, small()'s K = 512), slower at 32 K steps and more.
 
 ``gmm_sum`` runs ``Σ_p lhs_p @ rhs_p`` (the split gate/up input gradient ``dg·W1ᵀ + du·W3ᵀ``) through
 the ring, whose memory warpgroup switches operand pair between K steps: one accumulator, the K
