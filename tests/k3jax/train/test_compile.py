@@ -110,9 +110,10 @@ def test_identical_kernels_lower_once():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # KDA: the fused prep forward, the scan, and the default split prep backward (two kernels);
     # MoE: two shapes of each grouped-matmul kernel, the [W1 | W3] product (width 2F) and W2's (the
-    # weight gradient's default tiling is the slot ring); the loss: the head kernel
+    # weight gradient's default tiling is the slot ring, and the forward's at this K of <= 8 steps);
+    # the loss: the head kernel
     # (``loss_implementation=None`` takes it on Hopper) writing the shifted exponentials, and writing
     # the logits for the plain fallback (a loss beyond CLAMP), one module each for every chunk
     assert result["modules"] == {"kda_prep_fwd": 1, "kda_scan_fwd": 1, "kda_scan_bwd": 1, "kda_prep_bwd_wy": 1,
-                                 "kda_prep_bwd_intra": 1, "moe_gmm": 2, "moe_gmm_transposed": 2, "moe_tgmm_ring": 2,
-                                 "head_exps_lse": 1, "head_logits_lse": 1}
+                                 "kda_prep_bwd_intra": 1, "moe_gmm_ring": 2, "moe_gmm_transposed": 2,
+                                 "moe_tgmm_ring": 2, "head_exps_lse": 1, "head_logits_lse": 1}
