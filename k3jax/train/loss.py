@@ -163,10 +163,8 @@ def _shifted_chunk(d_head, f, w, y, m, logits_dtype, implementation, interpret):
                                             interpret=interpret)
 
     def shifted(d_head):
-        # softmax = exps · exp(picked − lse) off the label. The label's column, zero in exps, becomes
-        # 1 − exp(lse − picked) (−expm1 in fp32: no cancellation of p_y against 1), which times the row's
-        # scale is m (p_y − 1): both products then carry the label's term, rounded once to bf16 as the
-        # plain path's softmax − onehot is, and d_head takes no scatter over its [D, V] columns
+        # softmax = exps · scale off the label; the label's column, zero in exps, becomes 1 − exp(lse −
+        # picked), which times scale is m (p_y − 1) (the module docstring)
         scale = m * jnp.exp(picked - lse)
         at_label = jnp.where(m > 0, -jnp.expm1(lse - picked), 0.0).astype(exps.dtype)
         grad_exps = exps.at[jnp.arange(exps.shape[0]), y].set(at_label, mode="clip")

@@ -112,25 +112,21 @@ def test_bad_logits_dtype_is_named():
         head_cross_entropy(f, w, y, m, 8, None, "pallas")
 
 
-def _dot_preferred_dtypes(jaxpr) -> list:
-    out = []
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs (scan bodies, conditional branches)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn.params["preferred_element_type"])
+        yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out.extend(_dot_preferred_dtypes(sub))
-    return out
+            yield from _eqns(sub)
+
+
+def _dot_preferred_dtypes(jaxpr) -> list:
+    return [e.params["preferred_element_type"] for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def _dot_operand_dtypes(jaxpr) -> list:
     """Operand dtypes of every dot_general in ``jaxpr`` and its sub-jaxprs (scan bodies)."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(tuple(v.aval.dtype for v in eqn.invars))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out.extend(_dot_operand_dtypes(sub))
-    return out
+    return [tuple(v.aval.dtype for v in e.invars) for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def test_narrow_head_gives_the_same_bits_and_is_checked():
@@ -149,15 +145,6 @@ def test_narrow_head_gives_the_same_bits_and_is_checked():
         head_cross_entropy(f, w, y, m, 4, narrow_head=w)
 
 
-def _primitive_names(jaxpr) -> list[str]:
-    names = []
-    for eqn in jaxpr.eqns:
-        names.append(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names += _primitive_names(sub)
-    return names
-
-
 def test_shifted_form_puts_the_label_term_in_the_exponentials(monkeypatch):
     """The shifted form writes each row's ``1 − exp(lse − x_y)`` into its exponentials' label column
     (times the row's scale: ``m (p_y − 1)``), so both gradient products carry the label term and no
@@ -171,7 +158,7 @@ def test_shifted_form_puts_the_label_term_in_the_exponentials(monkeypatch):
         monkeypatch.setattr(loss, "_writes_exponentials", lambda *_, form=form: form == "shifted")
         fused = lambda f, w: head_cross_entropy(f.astype(jnp.bfloat16), w, y, m, 8)
         errors[form] = [rel_rmse(a, b) for a, b in zip(jax.grad(fused, argnums=(0, 1))(f, w), want)]
-        names = _primitive_names(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)
+        names = [e.primitive.name for e in _eqns(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(f, w).jaxpr)]
         if form == "shifted":  # the plain fallback inside the conditional has none either
             assert "scatter-add" not in names and "scatter" in names, names
     for shifted, plain in zip(errors["shifted"], errors["plain"]):
