@@ -8,10 +8,29 @@ it back to the matmul dtype.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from pallas_kernels.target import current_target
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def kernel_tiles(rows: int, cols: int, dtype):
+    """The Pallas-Triton pass's tiles (:mod:`pallas_kernels.moe.activation_gpu`) when it runs ``[rows,
+    cols]`` operands of ``dtype``, else None: compiling for a CUDA GPU, outside a mesh that XLA
+    partitions (a custom call would be replicated; inside ``shard_map`` every axis is manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not current_target().cuda or jnp.dtype(dtype) not in _KERNEL_DTYPES:
+        return None
+    if not mesh.empty and not mesh.are_all_axes_manual:
+        return None
+    from pallas_kernels.moe.activation_gpu import tiles_for
+
+    return tiles_for(rows, cols)
 
 
 def _compute_dtype(*xs) -> jnp.dtype:
@@ -86,9 +105,17 @@ def packed_gated_activation(
     of their own ahead of the concatenate: small()'s micro-batch glue 202.5 → 220.8 GB device-less,
     stop 40; the split products have no concatenate and gain.)
     """
-    F = gu.shape[-1] // 2
+    F, out_dtype = gu.shape[-1] // 2, gu.dtype if out_dtype is None else out_dtype
+    rows = math.prod(gu.shape[:-1])
+    if kernel_tiles(rows, F, gu.dtype) is not None:
+        from pallas_kernels.moe.activation_gpu import activation_forward
+
+        flat = gu.reshape(rows, 2 * F)
+        a = activation_forward(flat, flat, activation=activation, beta1=situ_beta, beta2=situ_linear_beta,
+                               out_dtype=out_dtype, cols=F)
+        return a.reshape(gu.shape[:-1] + (F,))
     a = gated_activation(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta)
-    return a.astype(gu.dtype if out_dtype is None else out_dtype)
+    return a.astype(out_dtype)
 
 
 def _value_and_partials(g, u, activation, situ_beta, situ_linear_beta):
@@ -108,6 +135,14 @@ def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, 
 
 def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
     F = gu.shape[-1] // 2
+    rows = math.prod(gu.shape[:-1])
+    if gu.ndim >= 2 and kernel_tiles(rows, F, gu.dtype) is not None:
+        from pallas_kernels.moe.activation_gpu import activation_with_partials
+
+        a, d_g, d_u = activation_with_partials(gu.reshape(rows, 2 * F), activation=activation, beta1=situ_beta,
+                                               beta2=situ_linear_beta,
+                                               out_dtype=gu.dtype if out_dtype is None else out_dtype)
+        return a.reshape(gu.shape[:-1] + (F,)), (d_g.reshape(a.shape), d_u.reshape(a.shape))
     return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta,
                              gu.dtype if out_dtype is None else out_dtype, gu.dtype)
 
@@ -161,8 +196,13 @@ def split_gated_activation(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
-    return gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(
-        g.dtype if out_dtype is None else out_dtype)
+    out_dtype = g.dtype if out_dtype is None else out_dtype
+    if g.dtype == u.dtype and kernel_tiles(*g.shape, g.dtype) is not None:
+        from pallas_kernels.moe.activation_gpu import activation_forward
+
+        return activation_forward(g, u, activation=activation, beta1=situ_beta, beta2=situ_linear_beta,
+                                  out_dtype=out_dtype)
+    return gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(out_dtype)
 
 
 def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
@@ -172,6 +212,11 @@ def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
 
 
 def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+    g, u = res
+    if g.dtype == u.dtype and kernel_tiles(*g.shape, g.dtype) is not None:
+        from pallas_kernels.moe.activation_gpu import activation_backward
+
+        return tuple(activation_backward(g, u, da, activation=activation, beta1=situ_beta, beta2=situ_linear_beta))
     g, u = jax.lax.optimization_barrier(res)
     dg, du = _derivatives(g, u, activation, situ_beta, situ_linear_beta, da)
     return dg.astype(g.dtype), du.astype(u.dtype)
