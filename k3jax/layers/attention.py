@@ -50,7 +50,7 @@ def flash_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H
                     k_nope: Float[Array, "B T H N"], k_rope: Float[Array, "B T R"], v: Float[Array, "B T H V"],
                     segment_ids: Int[Array, "B T"] | None, *, scale: float,
                     interpret: bool = False) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
-    """Causal same-document attention by the flash kernel: ``(o [B,T,H,V] fp32, max_logit [H])``."""
+    """Causal same-document attention by the flash kernel: ``(o [B,T,H,V] in the inputs' dtype, max_logit [H])``."""
     attend = functools.partial(mla_attention, scale=scale, implementation="pallas", interpret=interpret)
     ctx = parallel_context()
     if ctx is None:

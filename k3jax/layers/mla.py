@@ -136,7 +136,7 @@ def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B 
     past its last query. Expanded, a query-key pair costs ``2·(dn+dr) + 2·dv`` FLOPs per head
     against ``2·(Rkv+dr) + 2·Rkv`` absorbed (640 vs 1152 for K3): over a chunk of thousands of
     queries the expansion (``2·Rkv·(dn+dv)`` per key and head) is the cheaper side. The operands
-    are in ``latent``'s dtype (bf16); the output is float32, ``W_v`` applied.
+    are in ``latent``'s dtype (bf16), and so is the output, ``W_v`` applied.
     """
     R, dt = kv_b.shape[0], latent.dtype
     c = latent[..., :R]

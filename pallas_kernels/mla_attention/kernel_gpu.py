@@ -176,7 +176,7 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
             jnp.zeros((block_q,), jnp.float32))
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
     acc, m, l = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
-    o_ref[...] = acc / l[:, None]
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
     mx_ref[...] = m
 
@@ -282,9 +282,10 @@ def _whole(length: int):
 def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: Float[Array, "B S H N"],
                   kr: Float[Array, "B S R"], v: Float[Array, "B S H V"], q_seg: Int[Array, "B T"],
                   k_seg: Int[Array, "B S"], q_start: Int[Array, "B"], *, scale: float, blocks: BlockSizes,
-                  interpret: bool = False):
-    """``(o [B,T,H,V] f32, lse [B,H,T], row max [B,H,T])`` of causal same-document attention, query
-    ``t`` of row ``b`` at position ``q_start[b] + t`` and key ``s`` at ``s``."""
+                  interpret: bool = False, out_dtype=jnp.float32):
+    """``(o [B,T,H,V] in out_dtype, lse [B,H,T], row max [B,H,T])`` of causal same-document attention,
+    query ``t`` of row ``b`` at position ``q_start[b] + t`` and key ``s`` at ``s``. ``out_dtype``: float32
+    for a caller that merges partial outputs (context parallel's key chunks), else the inputs' dtype."""
     B, T, H, N = qn.shape
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
@@ -298,7 +299,7 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
         in_specs=[OFFSET_SPEC, tile["heads"](N), tile["heads"](R), whole["heads"](N), whole["rope"](R),
                   whole["heads"](V), _whole(T)["seg"], whole["seg"], *doc_specs],
         out_specs=[tile["heads"](V), tile["rows"], tile["rows"]],
-        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), jnp.float32), rows, rows],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), out_dtype), rows, rows],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret, name="mla_flash_fwd",
     )(q_start, qn, qr, kn, kr, v, q_seg, k_seg, *docs)

@@ -80,14 +80,14 @@ def pad_axis(x, axis: int, size: int):
 def _flash(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale, blocks, interpret):
     from pallas_kernels.mla_attention import kernel_gpu
     o, _, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
-                                             interpret=interpret)
+                                             interpret=interpret, out_dtype=qn.dtype)
     return o, row_max
 
 
 def _flash_fwd(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale, blocks, interpret):
     from pallas_kernels.mla_attention import kernel_gpu
     o, lse, row_max = kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
-                                               interpret=interpret)
+                                               interpret=interpret, out_dtype=qn.dtype)
     return (o, row_max), (qn, qr, kn, kr, v, q_seg, k_seg, q_start, o, lse)
 
 
@@ -95,7 +95,8 @@ def _flash_bwd(scale, blocks, interpret, res, cotangents):
     from pallas_kernels.mla_attention import kernel_gpu
     qn, qr, kn, kr, v, q_seg, k_seg, q_start, o, lse = res
     do, _ = cotangents  # the row max is a statistic (stop_gradient in mla_attention)
-    delta = jnp.einsum("BTHV,BTHV->BHT", o, do)  # FlashAttention-2 D = rowsum(dO ⊙ O), fp32
+    wide = lambda x: x.astype(jnp.float32)
+    delta = jnp.einsum("BTHV,BTHV->BHT", wide(o), wide(do))  # FlashAttention-2 D = rowsum(dO ⊙ O), fp32
     dqn, dqr, dkn, dkr, dv = kernel_gpu.flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do.astype(v.dtype),
                                                        lse, delta, scale=scale, blocks=blocks, interpret=interpret)
     dkr = jnp.sum(dkr, axis=2).astype(kr.dtype)  # shared rope key: sum over heads
@@ -138,7 +139,9 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
                   key_segment_ids: Int[Array, "B S"] | None = None
                   ) -> tuple[Float[Array, "B T H V"], Float[Array, "H"]]:
     """Causal attention of ``q = [q_nope, q_rope]`` over ``k = [k_nope, k_rope (shared)]`` within each
-    document; returns ``(o [B,T,H,V] in promote(dtype, float32), max_logit [H])``.
+    document; returns ``(o [B,T,H,V] in the inputs' dtype, max_logit [H] in promote(dtype, float32))``:
+    ``o`` is normalised in float32 and rounded once (the kernel writes bf16 ``o`` directly: half the
+    bytes of its write, of the backward's ``rowsum(dO ⊙ O)`` read and of the cotangent).
 
     Self-attention by default (``S == T``). With ``q_start`` (an int or a traced int32 scalar) the
     queries are rows ``q_start .. q_start+T-1`` of the ``S`` keys (``q_start + T <= S``): context
@@ -155,7 +158,7 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
         o, max_logit = mla_attention_reference(q_nope, q_rope, k_nope, k_rope, v, segment_ids, scale=scale,
                                                q_start=0 if q_start is None else q_start,
                                                key_segment_ids=key_seg)
-        return o, jax.lax.stop_gradient(max_logit)
+        return o.astype(q_nope.dtype), jax.lax.stop_gradient(max_logit)
     blocks = (blocks or BlockSizes()).clipped(T, S)
     Tp, Sp = padded_length(blocks, T, keys=False), padded_length(blocks, S, keys=True)
     if q_start is None:  # self-attention: one padded length for both

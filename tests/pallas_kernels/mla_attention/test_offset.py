@@ -43,7 +43,7 @@ def _run(args, k_seg, q_start, implementation, T, interpret=True, blocks=SMALL_B
 
 def _fwd_grads(fn, args, w):
     (o, mx), vjp = jax.vjp(fn, *args)
-    return o, mx, vjp((w, jnp.zeros_like(mx)))
+    return o, mx, vjp((w.astype(o.dtype), jnp.zeros_like(mx)))
 
 
 def _check(T, S, q_start, dims=(H, N, R, V), **kw):
@@ -53,7 +53,7 @@ def _check(T, S, q_start, dims=(H, N, R, V), **kw):
     kernel = jax.jit(lambda start, *a: _run(a, k_seg, start, "pallas", T, **kw))
     o, mx, grads = _fwd_grads(lambda *a: kernel(jnp.int32(q_start), *a), args, w)
     ro, rmx, ref_grads = _fwd_grads(lambda *a: _run(a, k_seg, q_start, "xla", T, **kw), args, w)
-    assert o.dtype == jnp.float32 and o.shape == w.shape
+    assert o.dtype == args[0].dtype and o.shape == w.shape
     assert rel_rmse(o, ro) <= BF16_FWD_RTOL
     assert rel_rmse(mx, rmx) <= F32_RTOL
     for name, g, rg in zip(("q_nope", "q_rope", "k_nope", "k_rope", "v"), grads, ref_grads):
