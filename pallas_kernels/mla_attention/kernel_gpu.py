@@ -179,7 +179,8 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
             fix = jnp.exp2(m - m_new)
             return acc * fix[:, None], l * fix, m_new
 
-        acc, l, m = lax.cond(jnp.any(tile_max > m + RESCALE), raise_max, lambda *a: a, acc, l, m)
+        # max, not any: Pallas-Triton has no reduce_or (m = -inf at first: inf > RESCALE)
+        acc, l, m = lax.cond(jnp.max(tile_max - m) > RESCALE, raise_max, lambda *a: a, acc, l, m)
         p = jnp.exp2(s - m[:, None])
         acc = acc + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
         return acc, m, l + jnp.sum(p, axis=1), jnp.maximum(mx, tile_max)
