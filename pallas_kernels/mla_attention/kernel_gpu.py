@@ -50,11 +50,6 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import int_ops
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-# The forward raises the running max its sums are scaled by only when a tile's row max exceeds it by
-# more than this (log2 units), so most key blocks skip rescaling the [block_q, V] accumulator
-# (FlashAttention-4's conditional rescaling): the probabilities stay <= 2^8, exact in fp32 sums.
-RESCALE = 8.0
 # Finite "minus infinity" for masked logits: (MASK - m) never forms inf - inf (Triton-safe).
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -97,8 +92,8 @@ class BlockSizes:
 
 
 def _logits(qn, qr, kn, kr, scale):
-    """Scaled ``q·kᵀ`` of one tile pair, [rows of q, rows of k] in fp32; the kernels pass ``scale·log2 e``
-    (logits in log2 units: each probability is one ``exp2`` of a difference)."""
+    """Scaled ``q·kᵀ`` of one tile pair, [rows of q, rows of k] in fp32; the backward kernels pass
+    ``scale·log2 e`` (logits in log2 units: each probability is one ``exp2`` of a difference)."""
     return (plgpu.dot(qn, kn, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)) * scale
 
 
@@ -167,32 +162,24 @@ def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_r
     q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
 
     def body(j, carry):
-        acc, m, l, mx = carry  # m: the running max the sums are scaled by; mx: the true row max
+        acc, m, l = carry
         keys = pl.ds(j * block_k, block_k)
-        s, k_seg = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale * LOG2E), kseg_ref[keys]
+        s, k_seg = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale), kseg_ref[keys]
         full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
         s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
-        tile_max = jnp.max(s, axis=1)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2((s - m_new[:, None]) * LOG2E)
+        fix = jnp.exp2((m - m_new) * LOG2E)
+        acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return acc, m_new, l * fix + jnp.sum(p, axis=1)
 
-        def raise_max(acc, l, m):
-            m_new = jnp.maximum(m, tile_max)
-            fix = jnp.exp2(m - m_new)
-            return acc * fix[:, None], l * fix, m_new
-
-        # max, not any: Pallas-Triton has no reduce_or (m = -inf at first: inf > RESCALE)
-        acc, l, m = lax.cond(jnp.max(tile_max - m) > RESCALE, raise_max, lambda *a: a, acc, l, m)
-        p = jnp.exp2(s - m[:, None])
-        acc = acc + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
-        return acc, m, l + jnp.sum(p, axis=1), jnp.maximum(mx, tile_max)
-
-    minus_inf = jnp.full((block_q,), -jnp.inf, jnp.float32)
-    init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), minus_inf, jnp.zeros((block_q,), jnp.float32),
-            minus_inf)
+    init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    acc, m, l, mx = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
+    acc, m, l = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = (m + jnp.log2(l)) * LN2
-    mx_ref[...] = mx * LN2
+    lse_ref[...] = m + jnp.log(l)
+    mx_ref[...] = m
 
 
 def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, end_ref,
