@@ -3,7 +3,7 @@
 XLA's fusions of these activations are bound by arithmetic, not bytes, on the H200: each ``tanh``
 is a rational polynomial with a division, the sigmoid an exponential and an IEEE division, and
 ``u / β2`` another division, so the K3 routed experts' activation (``[131072, 3072]`` bf16 at 8 K
-tokens) took 1.24 ms forward and 1.86 ms backward in the MLA layer's profile (stop 46), where its
+tokens) took 1.24 ms forward and 1.86 ms backward in the MLA layer's profile (stop 45), where its
 bytes alone (2.4 and 4.0 GB) need ~0.7 and ~1.2 ms. Here every transcendental comes from one
 hardware exponential (``ex2``) and one approximate reciprocal (``rcp.approx``, inline PTX) per
 argument:
@@ -50,7 +50,7 @@ class ActTiles:
         return rows % self.block_rows == 0 and cols % self.block_cols == 0
 
 
-PROGRAM_ELEMENTS = 2048  # per program; H200 sweep (RESULTS.md, stop 46): 2 × 1024 with 4 warps won
+PROGRAM_ELEMENTS = 2048  # per program; H200 sweep (RESULTS.md, stop 45): 2 × 1024 with 4 warps won
 
 
 def tiles_for(rows: int, cols: int) -> ActTiles | None:
