@@ -100,9 +100,9 @@ def _sigmoid_slope(x, fast: bool):
 
 
 def _situ(g, u, beta1: float, beta2: float, fast: bool, partials: bool):
-    """SiTU-GLU ``β1·tanh(g/β1)·σ(g) · β2·tanh(u/β2)`` (one reciprocal per term measured faster than
-    one of the three terms' product, split back by multiplications: 0.858 against 0.923 ms forward
-    at K3's routed shape)."""
+    """SiTU-GLU ``β1·tanh(g/β1)·σ(g) · β2·tanh(u/β2)``. One reciprocal per term: one reciprocal of the
+    three terms' product split back by multiplications ran 0.77× XLA's forward at K3's routed shape
+    (0.923 / 1.195 ms), this form 0.73× (0.858 / 1.170 ms, another call; RESULTS.md, stop 45)."""
     (t1, s1), (sig, dsig), (t2, s2) = _tanh_sech2(g * (1.0 / beta1), fast), _sigmoid_slope(g, fast), \
         _tanh_sech2(u * (1.0 / beta2), fast)
     gate, up = beta1 * t1 * sig, beta2 * t2
