@@ -1,4 +1,6 @@
-"""Gated activations of the Kimi K3 MLPs (SPEC §4), pure jnp so every MLP shares them.
+"""Gated activations of the Kimi K3 MLPs (SPEC §4): the jnp forms every MLP shares, and the ops that
+run them as a Pallas-Triton pass on CUDA GPUs (:mod:`pallas_kernels.moe.activation_gpu`, whose
+reference these jnp forms are).
 
 SiTU-GLU is the K3 activation (K3 technical report, "Kimi K3: Open Frontier Intelligence"):
 ``act(g, u) = [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]``, bounded by β1·β2 = 100 and equal to
@@ -17,20 +19,38 @@ from jaxtyping import Array, Float
 from pallas_kernels.target import current_target
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
-def kernel_tiles(rows: int, cols: int, dtype):
-    """The Pallas-Triton pass's tiles (:mod:`pallas_kernels.moe.activation_gpu`) when it runs ``[rows,
-    cols]`` operands of ``dtype``, else None: compiling for a CUDA GPU, outside a mesh that XLA
-    partitions (a custom call would be replicated; inside ``shard_map`` every axis is manual)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not current_target().cuda or jnp.dtype(dtype) not in _KERNEL_DTYPES:
-        return None
-    if not mesh.empty and not mesh.are_all_axes_manual:
+def kernel_tiles(rows: int, cols: int, dtype, implementation: str | None = None, interpret: bool = False):
+    """The tiles of the Pallas-Triton pass (:mod:`pallas_kernels.moe.activation_gpu`) over ``[rows,
+    cols]`` operands of ``dtype`` when it runs, else None (the jnp forms here run).
+
+    ``implementation``: None takes the pass when compiling for a CUDA GPU outside a mesh that XLA
+    partitions (it would replicate a custom call's operands; inside ``shard_map`` every axis is
+    manual) for shapes it tiles; ``"xla"`` never; ``"pallas"`` always, or raises ``ValueError``
+    (it needs a CUDA GPU or ``interpret=True``, a float dtype of at most 32 bits and a shape that tiles).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "xla":
         return None
     from pallas_kernels.moe.activation_gpu import tiles_for
 
-    return tiles_for(rows, cols)
+    tiles, fits_dtype = tiles_for(rows, cols), jnp.dtype(dtype) in _KERNEL_DTYPES
+    if implementation == "pallas":
+        if not (interpret or current_target().cuda):
+            raise ValueError("implementation='pallas' needs a CUDA GPU (or interpret=True); "
+                             f"compiling for {current_target().platform!r}")
+        if not fits_dtype or tiles is None:
+            raise ValueError(f"implementation='pallas' needs bfloat16, float16 or float32 [rows, F] operands whose "
+                             f"F has a power-of-two factor >= 128 dividing the rows' tiles, got {jnp.dtype(dtype)} "
+                             f"[{rows}, {cols}]")
+        return tiles
+    mesh = jax.sharding.get_abstract_mesh()
+    if not current_target().cuda or not fits_dtype or (not mesh.empty and not mesh.are_all_axes_manual):
+        return None
+    return tiles
 
 
 def _compute_dtype(*xs) -> jnp.dtype:
@@ -82,16 +102,19 @@ def gated_activation(
     return _activation_fn(activation, situ_beta, situ_linear_beta)(g, u)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
 def packed_gated_activation(
     gu: Float[Array, "*B F2"],
     activation: str,
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
     out_dtype=None,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> Float[Array, "*B F"]:
     """``gated_activation(g, u)`` of the packed product ``gu = [g | u]`` (last axis 2F), cast to
-    ``out_dtype`` (default ``gu.dtype``).
+    ``out_dtype`` (default ``gu.dtype``); ``implementation`` / ``interpret`` as :func:`kernel_tiles`
+    (on a CUDA GPU the forward, with its stored derivatives, is the Pallas-Triton pass).
 
     The forward pass also stores the activation's two partial derivatives ``∂a/∂g`` and ``∂a/∂u``
     (computed in >= float32, stored in ``gu.dtype``), and the backward is one concatenate
@@ -107,12 +130,12 @@ def packed_gated_activation(
     """
     F, out_dtype = gu.shape[-1] // 2, gu.dtype if out_dtype is None else out_dtype
     rows = math.prod(gu.shape[:-1])
-    if kernel_tiles(rows, F, gu.dtype) is not None:
+    if kernel_tiles(rows, F, gu.dtype, implementation, interpret) is not None:
         from pallas_kernels.moe.activation_gpu import activation_forward
 
         flat = gu.reshape(rows, 2 * F)
         a = activation_forward(flat, flat, activation=activation, beta1=situ_beta, beta2=situ_linear_beta,
-                               out_dtype=out_dtype, cols=F)
+                               out_dtype=out_dtype, cols=F, interpret=interpret)
         return a.reshape(gu.shape[:-1] + (F,))
     a = gated_activation(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta)
     return a.astype(out_dtype)
@@ -133,21 +156,21 @@ def _with_derivatives(g, u, activation, situ_beta, situ_linear_beta, out_dtype, 
     return a.astype(out_dtype), jax.lax.optimization_barrier((d_g.astype(stored_dtype), d_u.astype(stored_dtype)))
 
 
-def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype):
+def _packed_fwd(gu, activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret):
     F = gu.shape[-1] // 2
     rows = math.prod(gu.shape[:-1])
-    if gu.ndim >= 2 and kernel_tiles(rows, F, gu.dtype) is not None:
+    out_dtype = gu.dtype if out_dtype is None else out_dtype
+    if kernel_tiles(rows, F, gu.dtype, implementation, interpret) is not None:
         from pallas_kernels.moe.activation_gpu import activation_with_partials
 
         a, d_g, d_u = activation_with_partials(gu.reshape(rows, 2 * F), activation=activation, beta1=situ_beta,
-                                               beta2=situ_linear_beta,
-                                               out_dtype=gu.dtype if out_dtype is None else out_dtype)
-        return a.reshape(gu.shape[:-1] + (F,)), (d_g.reshape(a.shape), d_u.reshape(a.shape))
-    return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta,
-                             gu.dtype if out_dtype is None else out_dtype, gu.dtype)
+                                               beta2=situ_linear_beta, out_dtype=out_dtype, interpret=interpret)
+        shape = gu.shape[:-1] + (F,)
+        return a.reshape(shape), (d_g.reshape(shape), d_u.reshape(shape))
+    return _with_derivatives(gu[..., :F], gu[..., F:], activation, situ_beta, situ_linear_beta, out_dtype, gu.dtype)
 
 
-def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+def _packed_bwd(activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret, res, da):
     d_g, d_u = res
     wide = jnp.promote_types(d_g.dtype, jnp.float32)
     da = da.astype(wide)
@@ -174,11 +197,14 @@ def split_gated_activation(
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
     out_dtype=None,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> Float[Array, "*B F"]:
     """``gated_activation(g, u)`` cast to ``out_dtype`` (default ``g.dtype``) for a gate and an up
-    product made apart (the dense and shared MLPs, the routed experts' split products): the backward
+    product made apart (the dense and shared MLPs, the routed experts' split products). The backward
     keeps ``g`` and ``u`` (the products, already in memory) and recomputes ``∂a/∂g``, ``∂a/∂u`` in
-    >= float32 behind an ``optimization_barrier``; the gradients are two products. Autodiff kept
+    >= float32 (behind an ``optimization_barrier`` in jnp); on a CUDA GPU both directions are the
+    Pallas-Triton pass (``implementation`` / ``interpret`` as :func:`kernel_tiles`). Autodiff kept
     seven float32 ``[T, F]`` terms instead (1.3 GiB per K3 shared-expert MLP at 8 K tokens,
     ``benchmarks/bench_layer.py --residuals``). Until stop 40 the forward wrote the two derivatives
     in ``g.dtype`` as residuals (as ``packed_gated_activation`` still does): 1.6 GB more glue per K3
@@ -190,33 +216,43 @@ def split_gated_activation(
     them back (1.41 against 0.50 GB per K3 shared-expert forward); same values."""
     if g.shape != u.shape:
         raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
+    if g.dtype != u.dtype and implementation == "pallas":
+        raise ValueError(f"implementation='pallas' needs g and u of one dtype, got {g.dtype} and {u.dtype}")
     rows = lambda x: x.reshape(-1, x.shape[-1])
-    return _split_gated_rows(rows(g), rows(u), activation, situ_beta, situ_linear_beta, out_dtype).reshape(g.shape)
+    return _split_gated_rows(rows(g), rows(u), activation, situ_beta, situ_linear_beta, out_dtype, implementation,
+                             interpret).reshape(g.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
+def _split_pass(g, u, implementation, interpret) -> bool:
+    """Whether the Pallas-Triton pass runs ``[rows, F]`` views ``g``, ``u``."""
+    return g.dtype == u.dtype and kernel_tiles(*g.shape, g.dtype, implementation, interpret) is not None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret):
     out_dtype = g.dtype if out_dtype is None else out_dtype
-    if g.dtype == u.dtype and kernel_tiles(*g.shape, g.dtype) is not None:
+    if _split_pass(g, u, implementation, interpret):
         from pallas_kernels.moe.activation_gpu import activation_forward
 
         return activation_forward(g, u, activation=activation, beta1=situ_beta, beta2=situ_linear_beta,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, interpret=interpret)
     return gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(out_dtype)
 
 
-def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype):
+def _split_fwd(g, u, activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret):
     if g.shape != u.shape:
         raise ValueError(f"u.shape must equal g.shape={g.shape}, got {u.shape}")
-    return _split_gated_rows(g, u, activation, situ_beta, situ_linear_beta, out_dtype), (g, u)
+    args = (activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret)
+    return _split_gated_rows(g, u, *args), (g, u)
 
 
-def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, res, da):
+def _split_bwd(activation, situ_beta, situ_linear_beta, out_dtype, implementation, interpret, res, da):
     g, u = res
-    if g.dtype == u.dtype and kernel_tiles(*g.shape, g.dtype) is not None:
+    if _split_pass(g, u, implementation, interpret):
         from pallas_kernels.moe.activation_gpu import activation_backward
 
-        return tuple(activation_backward(g, u, da, activation=activation, beta1=situ_beta, beta2=situ_linear_beta))
+        return tuple(activation_backward(g, u, da, activation=activation, beta1=situ_beta, beta2=situ_linear_beta,
+                                         interpret=interpret))
     g, u = jax.lax.optimization_barrier(res)
     dg, du = _derivatives(g, u, activation, situ_beta, situ_linear_beta, da)
     return dg.astype(g.dtype), du.astype(u.dtype)

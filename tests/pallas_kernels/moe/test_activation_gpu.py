@@ -71,6 +71,21 @@ def test_interpreted_kernels_match_the_reference(activation, dtype):
     assert rel_rmse(da.astype(jnp.float32) * d_u.astype(jnp.float32), want_du) < tol
 
 
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+def test_ops_through_the_interpreted_pass_match_their_jnp_forms(activation):
+    """``split_gated_activation`` and ``packed_gated_activation`` with ``implementation="pallas"`` (the
+    pass in the interpreter, any target) against ``"xla"``: values and gradients through their VJPs."""
+    g, u, da = (x.reshape(4, 8, 256) for x in _operands((32, 256), jnp.bfloat16, seed=1))  # ops view [rows, F]
+    for op, args in ((split_gated_activation, (g, u)), (packed_gated_activation, (jnp.concatenate([g, u], -1),))):
+        run = lambda impl: jax.vjp(lambda *a: op(*a, activation, 4.0, 25.0, jnp.float32, impl, impl == "pallas"),
+                                   *args)
+        (got, vjp_got), (want, vjp_want) = run("pallas"), run("xla")
+        assert got.dtype == jnp.float32 and got.shape == g.shape
+        assert rel_rmse(got, want) < 1e-5  # the pass and jnp in fp32, one rounding each
+        for a, b in zip(vjp_got(da.astype(jnp.float32)), vjp_want(da.astype(jnp.float32))):
+            assert a.dtype == jnp.bfloat16 and rel_rmse(a, b) < 4e-3  # each rounded once to bf16 (packed: twice)
+
+
 def test_tiles_for_shapes():
     assert K.tiles_for(131072, 3072) == K.ActTiles(2, 1024)
     assert K.tiles_for(262144, 512) == K.ActTiles(4, 512)
@@ -81,6 +96,15 @@ def test_tiles_for_shapes():
                              activation="situ", **BETAS)
     with pytest.raises(ValueError, match="activation must be 'situ' or 'swiglu'"):
         K.value_and_partials(jnp.ones(4), jnp.ones(4), "gelu", fast=False, **BETAS)
+    g, u, _ = _operands((8, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        split_gated_activation(g, u, "situ", implementation="triton")
+    with compile_for("cpu"), pytest.raises(ValueError, match="needs a CUDA GPU"):
+        split_gated_activation(g, u, "situ", implementation="pallas")
+    with pytest.raises(ValueError, match=r"got bfloat16 \[8, 96\]"):
+        split_gated_activation(g[:, :96], u[:, :96], "situ", implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="g and u of one dtype"):
+        split_gated_activation(g, u.astype(jnp.float32), "situ", implementation="pallas", interpret=True)
 
 
 def _has_kernel(fn, *args) -> bool:

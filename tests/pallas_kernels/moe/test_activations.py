@@ -94,7 +94,7 @@ def test_packed_forward_stores_bf16_partial_derivatives(activation):
     from pallas_kernels.moe.activations import _packed_fwd
 
     gu = (jax.random.normal(jax.random.PRNGKey(6), (8, 2 * 16)) * 3).astype(jnp.bfloat16)
-    _, (d_g, d_u) = _packed_fwd(gu, activation, 4.0, 25.0, None)
+    _, (d_g, d_u) = _packed_fwd(gu, activation, 4.0, 25.0, None, "xla", False)
     assert d_g.dtype == d_u.dtype == jnp.bfloat16
     g, u = gu[:, :16].astype(jnp.float32), gu[:, 16:].astype(jnp.float32)
     fn = lambda g, u: jnp.sum(gated_activation(g, u, activation))
@@ -112,9 +112,9 @@ def test_split_backward_keeps_the_products_and_recomputes(activation):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(9), 3)
     g, u = ((jax.random.normal(k, (16, 24)) * 3).astype(jnp.bfloat16) for k in (k1, k2))
     da = jax.random.normal(k3, (16, 24)).astype(jnp.bfloat16)
-    _, res = _split_fwd(g, u, activation, 4.0, 25.0, None)
+    _, res = _split_fwd(g, u, activation, 4.0, 25.0, None, "xla", False)
     assert len(res) == 2 and all(r is x for r, x in zip(res, (g, u)))
-    got = _split_bwd(activation, 4.0, 25.0, None, res, da)
+    got = _split_bwd(activation, 4.0, 25.0, None, "xla", False, res, da)
     fn = lambda g, u: jnp.sum(gated_activation(g, u, activation) * da.astype(jnp.float32))
     want = jax.grad(fn, argnums=(0, 1))(g.astype(jnp.float32), u.astype(jnp.float32))
     for a, b in zip(got, want):
