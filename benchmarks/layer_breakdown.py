@@ -19,6 +19,7 @@ KINDS = (
     ("moe grouped matmul (Pallas)", re.compile(r"^moe_")),
     ("kda kernels (Pallas)", re.compile(r"^kda_")),
     ("mla flash (Pallas)", re.compile(r"^mla_flash")),
+    ("gated activations (Pallas)", re.compile(r"^gated_act")),
     ("dense matmul (cuBLAS / XLA gemm)", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|^dot|_dot", re.I)),
     ("XLA glue (fusions, copies, reductions)", re.compile(r".")),
 )

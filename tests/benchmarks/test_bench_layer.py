@@ -42,6 +42,7 @@ def test_kernel_kinds():
     assert kernel_kind("moe_gmm") == "moe grouped matmul (Pallas)"
     assert kernel_kind("kda_prep_fwd") == "kda kernels (Pallas)"
     assert kernel_kind("mla_flash_dq") == "mla flash (Pallas)"
+    assert kernel_kind("gated_act_bwd") == "gated activations (Pallas)"
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense matmul (cuBLAS / XLA gemm)"
     assert kernel_kind("loop_multiply_fusion_3") == "XLA glue (fusions, copies, reductions)"
 
