@@ -85,7 +85,8 @@ def _cached_block(q_c, q_r, latent, first, last, scale, R):
     return jnp.where((pos[None, None, :] <= last[:, :, None])[:, None], logits * scale, -jnp.inf)
 
 
-def _weighted_latent(p: Float[Array, "B H T S"], latent: Float[Array, "B S C"], dtype, R: int) -> Float[Array, "B T H R"]:
+def _weighted_latent(p: Float[Array, "B H T S"], latent: Float[Array, "B S C"], dtype,
+                     R: int) -> Float[Array, "B T H R"]:
     """``p`` applied to the latent part of the cache rows (their first ``R`` columns).
 
     Contracted over all ``C`` columns and sliced after: an operand sliced to ``R`` columns made XLA

@@ -13,8 +13,9 @@ and the sequences to multiples of the blocks: padded rows come after every real 
 causal mask already hides them from real queries, and their outputs and row maxima are dropped.
 
 ``q_start`` (context parallel, chunked prefill): queries at positions ``q_start + t`` against a longer
-key sequence, the offset traced (a scalar, or one per row; one int32 read by every kernel program), so every shard runs the same
-compiled kernels; the key blocks a shard's queries cannot reach are skipped, not masked.
+key sequence, the offset traced (a scalar, or one per row; one int32 read by every kernel program), so
+every shard runs the same compiled kernels; the key blocks a shard's queries cannot reach are skipped,
+not masked.
 """
 
 from __future__ import annotations
