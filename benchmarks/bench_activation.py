@@ -24,21 +24,16 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.timing import timeit_interleaved  # noqa: E402
 from pallas_kernels.moe.activations import packed_gated_activation, split_gated_activation  # noqa: E402
+from tests.tolerances import rel_rmse  # noqa: E402
 
 
 def _shape(text: str) -> tuple[int, int]:
     rows, cols = (int(x) for x in text.lower().split("x"))
     return rows, cols
-
-
-def _rel(a, b) -> float:
-    a, b = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (a, b))
-    return float(np.sqrt(np.sum((a - b) ** 2) / max(np.sum(b**2), 1e-300)))
 
 
 def programs(op: str, rows: int, cols: int, activation: str, interpret: bool):
@@ -66,7 +61,7 @@ def programs(op: str, rows: int, cols: int, activation: str, interpret: bool):
         floor_f = jax.jit(lambda g, u: g * u)
         floor_b = jax.jit(lambda g, u, da: (da * g, da * u))
     calls["floor forward"], calls["floor backward"] = (floor_f, x), (floor_b, x + (da,))
-    return calls, lambda: [_rel(a, b) for a, b in zip(outs["pallas"], outs["xla"])]
+    return calls, lambda: [rel_rmse(a, b) for a, b in zip(outs["pallas"], outs["xla"])]
 
 
 def run(op: str, rows: int, cols: int, activation: str, reps: int, interpret: bool) -> dict:

@@ -13,9 +13,9 @@ argument:
 - ``σ(x) = 1/(1 + z)`` or ``z/(1 + z)`` and ``σ'(x) = z/(1 + z)²`` with ``z = exp(−|x|)`` (no overflow
   on either side, no ``1 − σ`` cancellation).
 
-On the H200 at that shape (``benchmarks/bench_activation.py``; RESULTS.md, stop 45): forward 0.858 ms
-and backward 1.123 ms against XLA's 1.170 and 1.700 in one call (bytes floor 0.594 and 1.232: the
-backward reads ``g``, ``u`` and the cotangent once, where XLA's floor fusion is slower).
+On the H200 at that shape (one-process A/B, RESULTS.md stop 45; ``benchmarks/bench_activation.py``
+repeats it): forward 0.858 ms and backward 1.123 ms against XLA's 1.170 and 1.700 (an XLA fusion
+moving the same bytes with one multiply each: 0.594 and 1.232 ms).
 
 Every value is fp32 (SPEC §10) and rounded once to the output dtype; against the float64 reference
 the fp32 results are within ~2e-6 relative (``tests/pallas_kernels/moe/test_activation_gpu.py``),
