@@ -14,13 +14,17 @@ query; dK/dV starts at the first query block that reaches the key block), and so
 whose document id ranges cannot meet (:func:`document_bounds`: forward and dQ start at the first
 key block that can share an id with the query block, dK/dV ends after the last such query block;
 with documents in order, the other documents' blocks); blocks in between are computed and masked,
-so any segment ids stay exact. Tiles that lie wholly before the diagonal within one document
-skip the mask's compares (:func:`_tile_full`). Both came in stop 40: on the H200 at K3's width
-(B 1, T 8192, H 96, one process, old kernels against new, bitwise equal outputs and gradients)
-fwd+bwd 21.43 → 20.22 ms without documents, 20.84 → 5.76 ms with 6 and 20.89 → 3.61 ms with 24
-documents. Every real row sees at least its
-own key (callers pass ``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the
-forward also returns that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
+so any segment ids stay exact. Both came in stop 40: on the H200 at K3's width (B 1, T 8192,
+H 96) fwd+bwd 21.43 → 20.22 ms without documents, 20.84 → 5.76 ms with 6 and 20.89 → 3.61 ms with 24
+documents. Within those bounds each kernel's loop runs in three parts: the run of tiles that lie
+wholly before the diagonal within one document (:func:`full_runs`) without the mask's compares, the
+tiles before and after it with them (stop 46, H200, K3 width: fwd 5.73 → 5.42 ms, fwd+bwd 20.33 →
+19.48 ms without documents; with 6 documents 5.50 → 5.59 ms, three pipelined loops per program
+costing more than a per-tile ``lax.cond``, which they replace). The forward, like the backward,
+forms its logits in log2 units (``scale·log2 e`` folded into the product: one ``exp2`` of a
+difference per probability). Every real row sees at least its own key (callers pass
+``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the forward also returns that row max of
+the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
 ``T == S`` with ``q_start = 0`` is plain causal self-attention.
 
 Inputs are bf16 and the matmuls accumulate in fp32; the softmax statistics, the output and the
@@ -106,21 +110,6 @@ def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_fi
     return (q_pos[:, None] >= k_pos[None, :]) & (q_seg[:, None] == k_seg[None, :])
 
 
-def _tile_full(q_start, k_start, block_k: int, qdoc_ref, qi, kdoc_ref, kj):
-    """Whether every key of a tile is visible from every query: the key block ends at or before the
-    query block's first position and both blocks lie in one document (each block's least and
-    greatest id, :func:`document_blocks`, all equal). Such tiles skip the mask."""
-    doc = qdoc_ref[0, qi]
-    same = (doc == qdoc_ref[1, qi]) & (doc == kdoc_ref[0, kj]) & (doc == kdoc_ref[1, kj])
-    return (k_start + block_k - 1 <= q_start) & same
-
-
-def _masked(s, full, visible):
-    """``s`` where ``visible()`` holds, ``MASK`` elsewhere; the position and document compares are
-    only evaluated on tiles that are not ``full``."""
-    return lax.cond(full, lambda s: s, lambda s: jnp.where(visible(), s, MASK), s)
-
-
 def document_blocks(seg: Int[Array, "B L"], block: int) -> Int[Array, "B 2 n"]:
     """Each ``block`` rows' least and greatest document id ``[B, 2, L/block]`` (equal: one document)."""
     B, L = seg.shape
@@ -140,6 +129,43 @@ def document_bounds(qdoc: Int[Array, "B 2 nq"], kdoc: Int[Array, "B 2 nk"]):
     return first.astype(jnp.int32), jnp.where(jnp.any(meets, axis=1), end, meets.shape[1]).astype(jnp.int32)
 
 
+def full_runs(qdoc: Int[Array, "B 2 nq"], kdoc: Int[Array, "B 2 nk"], q_start: Int[Array, "B"], block_q: int,
+              block_k: int, keys_major: bool = False) -> Int[Array, "B 2 n"]:
+    """Per query block the run ``[lo, hi)`` of key blocks (with ``keys_major``, per key block the run
+    of query blocks) from the first whose tile is wholly visible — both blocks in one document, the
+    key block ending at or before the query block's first position — up to the next that is not:
+    the kernels compute those tiles without the mask. Empty ``(0, 0)`` where no tile is wholly
+    visible; tiles outside the run keep the mask, so any segment ids stay exact."""
+    nq, nk = qdoc.shape[-1], kdoc.shape[-1]
+    doc = qdoc[:, 0, :, None]
+    same = (doc == qdoc[:, 1, :, None]) & (doc == kdoc[:, None, 0, :]) & (doc == kdoc[:, None, 1, :])
+    k_last = jnp.arange(nk) * block_k + block_k - 1
+    causal = k_last[None, None, :] <= q_start[:, None, None] + (jnp.arange(nq) * block_q)[None, :, None]
+    full = same & causal  # [B, nq, nk]
+    if keys_major:
+        full = full.transpose(0, 2, 1)
+    lo = jnp.argmax(full, axis=2)
+    after = (jnp.arange(full.shape[2])[None, None, :] >= lo[..., None]) & ~full
+    hi = jnp.where(jnp.any(after, axis=2), jnp.argmax(after, axis=2), full.shape[2])
+    some = jnp.any(full, axis=2)
+    return jnp.stack([jnp.where(some, lo, 0), jnp.where(some, hi, 0)], axis=1).astype(jnp.int32)
+
+
+def _runs(start, stop, full_ref, block):
+    """``(start, lo, hi, stop)`` loop bounds: ``[start, lo)`` and ``[hi, stop)`` masked, ``[lo, hi)``
+    (block ``block``'s :func:`full_runs` entry clipped into ``[start, stop]``) without the mask."""
+    lo = jnp.clip(full_ref[0, block], start, stop)
+    return start, lo, jnp.clip(full_ref[1, block], lo, stop), stop
+
+
+def _loops(bounds, step, init):
+    """The three loops of :func:`_runs`' bounds, ``step(masked)`` giving each one's body."""
+    start, lo, hi, stop = bounds
+    carry = lax.fori_loop(start, lo, step(True), init)
+    carry = lax.fori_loop(lo, hi, step(False), carry)
+    return lax.fori_loop(hi, stop, step(True), carry)
+
+
 def _first_key_block(first, num_k):
     """The forward's and dQ's loop start: the first key block that can share a document, but never
     past the last causal one (a block of padded rows meets no document and still gets one visit,
@@ -153,69 +179,75 @@ def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
 
 
-def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, first_ref,
-                o_ref, lse_ref, mx_ref, *,
-                scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
+def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, first_ref, full_ref,
+                o_ref, lse_ref, mx_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int,
+                num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
     q0 = off_ref[0] + i * block_q  # absolute position of the block's first query
     qn, qr = qn_ref[...], qr_ref[...]
     q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
 
-    def body(j, carry):
-        acc, m, l = carry
-        keys = pl.ds(j * block_k, block_k)
-        s, k_seg = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale), kseg_ref[keys]
-        full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp2((s - m_new[:, None]) * LOG2E)
-        fix = jnp.exp2((m - m_new) * LOG2E)
-        acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
-        return acc, m_new, l * fix + jnp.sum(p, axis=1)
+    def step(masked: bool):
+        def body(j, carry):
+            acc, m, l = carry
+            keys = pl.ds(j * block_k, block_k)
+            s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale * LOG2E)  # log2 units
+            if masked:
+                s = jnp.where(_visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k), s, MASK)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            fix = jnp.exp2(m - m_new)
+            acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+            return acc, m_new, l * fix + jnp.sum(p, axis=1)
+        return body
 
     init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    acc, m, l = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
+    bounds = _runs(_first_key_block(first_ref[i], num_k), num_k, full_ref, i)
+    acc, m, l = _loops(bounds, step, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
-    mx_ref[...] = m
+    lse_ref[...] = (m + jnp.log2(l)) * (1 / LOG2E)
+    mx_ref[...] = m * (1 / LOG2E)
 
 
-def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, end_ref,
+def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, end_ref, full_ref,
                  do_ref, lse_ref, delta_ref, dkn_ref, dkr_ref, dv_ref, *, scale: float, block_q: int, block_k: int):
     j = pl.program_id(0)
     off = off_ref[0]
     kn, kr, v = kn_ref[...], kr_ref[...], v_ref[...]
     k_seg = kseg_ref[pl.ds(j * block_k, block_k)]
 
-    def body(i, carry):
-        dkn, dkr, dv = carry
-        rows = pl.ds(i * block_q, block_q)
-        qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
-        # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
-        s_t = _logits(kn, kr, qn, qr, scale * LOG2E)  # log2 units
-        q_seg = qseg_ref[rows]
-        full = _tile_full(off + i * block_q, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s_t = _masked(s_t, full, lambda: _visible(off + i * block_q, j * block_k, q_seg, k_seg, block_q, block_k,
-                                                  keys_first=True))
-        p_t = jnp.exp2(s_t - (lse_ref[rows] * LOG2E)[None, :])
-        dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-        dp_t = plgpu.dot(v, do, trans_b=True)
-        ds_t = (p_t * (dp_t - delta_ref[rows][None, :])).astype(qn.dtype)
-        return dkn + plgpu.dot(ds_t, qn), dkr + plgpu.dot(ds_t, qr), dv
+    def step(masked: bool):
+        def body(i, carry):
+            dkn, dkr, dv = carry
+            rows = pl.ds(i * block_q, block_q)
+            qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
+            # Transposed tiles [keys, queries]: every product below reads its loaded operands as stored.
+            s_t = _logits(kn, kr, qn, qr, scale * LOG2E)  # log2 units
+            if masked:
+                visible = _visible(off + i * block_q, j * block_k, qseg_ref[rows], k_seg, block_q, block_k,
+                                   keys_first=True)
+                s_t = jnp.where(visible, s_t, MASK)
+            p_t = jnp.exp2(s_t - (lse_ref[rows] * LOG2E)[None, :])
+            dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
+            dp_t = plgpu.dot(v, do, trans_b=True)
+            ds_t = (p_t * (dp_t - delta_ref[rows][None, :])).astype(qn.dtype)
+            return dkn + plgpu.dot(ds_t, qn), dkr + plgpu.dot(ds_t, qr), dv
+        return body
 
     zeros = lambda ref: jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
     # The first query block holding a position >= this key block's first key (clamped at 0: a
     # truncating division of a negative numerator is >= the floor, and 0 bounds both).
     first = jnp.maximum(int_ops.div(j * block_k - off, block_q), 0)
-    dkn, dkr, dv = lax.fori_loop(first, end_ref[j], body, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
+    bounds = _runs(first, jnp.maximum(end_ref[j], first), full_ref, j)
+    dkn, dkr, dv = _loops(bounds, step, (zeros(dkn_ref), zeros(dkr_ref), zeros(dv_ref)))
     dkn_ref[...] = (dkn * scale).astype(dkn_ref.dtype)
     dkr_ref[...] = dkr * scale
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, first_ref,
+def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, first_ref, full_ref,
                do_ref, lse_ref, delta_ref, dqn_ref, dqr_ref, *, scale: float, block_q: int, block_k: int,
                num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)
@@ -224,22 +256,24 @@ def _dq_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_re
     q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
     lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
 
-    def body(j, carry):
-        dqn, dqr = carry
-        keys = pl.ds(j * block_k, block_k)
-        kn, kr = kn_ref[keys, :], kr_ref[keys, :]
-        s = _logits(qn, qr, kn, kr, scale * LOG2E)  # log2 units
-        k_seg = kseg_ref[keys]
-        full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
-        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
-        p = jnp.exp2(s - lse2[:, None])
-        dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
-        ds = (p * (dp - delta[:, None])).astype(kn.dtype)
-        return dqn + plgpu.dot(ds, kn), dqr + plgpu.dot(ds, kr)
+    def step(masked: bool):
+        def body(j, carry):
+            dqn, dqr = carry
+            keys = pl.ds(j * block_k, block_k)
+            kn, kr = kn_ref[keys, :], kr_ref[keys, :]
+            s = _logits(qn, qr, kn, kr, scale * LOG2E)  # log2 units
+            if masked:
+                s = jnp.where(_visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k), s, MASK)
+            p = jnp.exp2(s - lse2[:, None])
+            dp = plgpu.dot(do, v_ref[keys, :], trans_b=True)
+            ds = (p * (dp - delta[:, None])).astype(kn.dtype)
+            return dqn + plgpu.dot(ds, kn), dqr + plgpu.dot(ds, kr)
+        return body
 
     zeros = lambda ref: jnp.zeros((block_q, ref.shape[-1]), jnp.float32)
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    dqn, dqr = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, (zeros(dqn_ref), zeros(dqr_ref)))
+    bounds = _runs(_first_key_block(first_ref[i], num_k), num_k, full_ref, i)
+    dqn, dqr = _loops(bounds, step, (zeros(dqn_ref), zeros(dqr_ref)))
     dqn_ref[...] = (dqn * scale).astype(dqn_ref.dtype)
     dqr_ref[...] = (dqr * scale).astype(dqr_ref.dtype)
 
@@ -260,14 +294,15 @@ def _tiles(length: int, block: int, reverse: bool):
     )
 
 
-def _documents(q_seg, k_seg, block_q: int, block_k: int, keys_major: bool):
-    """``(operands, BlockSpecs)`` of the document tests: both sides' :func:`document_blocks` and the
-    loop bound of :func:`document_bounds` the kernel needs (its first key block per query block, or
-    with ``keys_major`` its query block end per key block), each row b's to every program of it."""
+def _documents(q_seg, k_seg, q_start, block_q: int, block_k: int, keys_major: bool):
+    """``(operands, BlockSpecs)`` of the document tests: the loop bound of :func:`document_bounds` the
+    kernel needs (its first key block per query block, or with ``keys_major`` its query block end per
+    key block) and the :func:`full_runs` of its loop, each row b's to every program of it."""
     qdoc, kdoc = document_blocks(q_seg, block_q), document_blocks(k_seg, block_k)
     bound = document_bounds(qdoc, kdoc)[1 if keys_major else 0]
+    runs = full_runs(qdoc, kdoc, q_start, block_q, block_k, keys_major)
     row = lambda a: pl.BlockSpec((None,) + a.shape[1:], lambda i, b, h: (b,) + (0,) * (a.ndim - 1))
-    return [qdoc, kdoc, bound], [row(qdoc), row(kdoc), row(bound)]
+    return [bound, runs], [row(bound), row(runs)]
 
 
 def _whole(length: int):
@@ -291,7 +326,7 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
     tile, whole = _tiles(T, bq, True), _whole(S)
-    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=False)
+    docs, doc_specs = _documents(q_seg, k_seg, q_start, bq, bk, keys_major=False)
     kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                                num_k_blocks=S // bk)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
@@ -319,7 +354,7 @@ def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B
 
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     tile, whole = _tiles(S, bk, False), _whole(T)
-    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=True)
+    docs, doc_specs = _documents(q_seg, k_seg, q_start, bq, bk, keys_major=True)
     dkdv = functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk)
     dkn, dkr, dv = pl.pallas_call(
         dkdv, grid=(S // bk, B, H),
@@ -334,7 +369,7 @@ def flash_backward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, do: Float[Array, "B
 
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     tile, whole = _tiles(T, bq, True), _whole(S)
-    docs, doc_specs = _documents(q_seg, k_seg, bq, bk, keys_major=False)
+    docs, doc_specs = _documents(q_seg, k_seg, q_start, bq, bk, keys_major=False)
     dq = functools.partial(_dq_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                            num_k_blocks=S // bk)
     dqn, dqr = pl.pallas_call(
