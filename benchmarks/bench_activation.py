@@ -50,10 +50,14 @@ def programs(op: str, rows: int, cols: int, activation: str, interpret: bool):
             f = lambda gu, impl=impl: packed_gated_activation(gu, activation, 4.0, 25.0, None, impl, interpret)
         else:
             f = lambda g, u, impl=impl: split_gated_activation(g, u, activation, 4.0, 25.0, None, impl, interpret)
-        fwd = jax.jit(lambda *a, f=f: jax.vjp(f, *a)[0])
+        if op == "packed":  # the forward as training keeps it: the output and the stored derivatives
+            # (returning only the output would let XLA drop the derivatives it has not written yet)
+            fwd = jax.jit(lambda *a, f=f: (lambda out, vjp: (out, jax.tree.leaves(vjp)))(*jax.vjp(f, *a)))
+        else:
+            fwd = jax.jit(lambda *a, f=f: jax.vjp(f, *a)[0])
         bwd = jax.jit(lambda *a, f=f: jax.vjp(f, *a[:-1])[1](a[-1]))
         calls[f"{impl} forward"], calls[f"{impl} backward"] = (fwd, x), (bwd, x + (da,))
-        outs[impl] = (fwd(*x), *bwd(*x, da))
+        outs[impl] = (jax.tree.leaves(fwd(*x))[0], *bwd(*x, da))
     if op == "packed":  # floor: read [g | u], write a and the two derivatives; read those and da, write [dg | du]
         floor_f = jax.jit(lambda gu: (gu[:, :cols] * gu[:, cols:],) * 3)
         floor_b = jax.jit(lambda gu, da: jnp.concatenate([da * gu[:, :cols], da * gu[:, cols:]], axis=1))
