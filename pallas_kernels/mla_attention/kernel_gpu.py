@@ -16,15 +16,16 @@ key block that can share an id with the query block, dK/dV ends after the last s
 with documents in order, the other documents' blocks); blocks in between are computed and masked,
 so any segment ids stay exact. Both came in stop 40: on the H200 at K3's width (B 1, T 8192,
 H 96) fwd+bwd 21.43 → 20.22 ms without documents, 20.84 → 5.76 ms with 6 and 20.89 → 3.61 ms with 24
-documents. Within those bounds each kernel's loop runs in three parts: the run of tiles that lie
-wholly before the diagonal within one document (:func:`full_runs`) without the mask's compares, the
-tiles before and after it with them (stop 46, H200, K3 width: fwd 5.73 → 5.42 ms, fwd+bwd 20.33 →
-19.48 ms without documents; with 6 documents 5.50 → 5.59 ms, three pipelined loops per program
-costing more than a per-tile ``lax.cond``, which they replace). The forward, like the backward,
-forms its logits in log2 units (``scale·log2 e`` folded into the product: one ``exp2`` of a
-difference per probability). Every real row sees at least its own key (callers pass
-``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the forward also returns that row max of
-the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
+documents. Within those bounds the backward kernels' loops run in three parts: the run of tiles
+that lie wholly before the diagonal within one document (:func:`full_runs`) without the mask's
+compares, the tiles before and after it with them. The forward keeps one loop and tests each tile
+(:func:`_tile_full`, a ``lax.cond`` around the compares): its iterations are light, and restarting
+its pipeline three times cost more than the compares (stop 46, H200, K3 width, one process: three
+loops against one, forward 5.57 / 5.63 ms without documents, 1.58 / 1.51 ms with 6, 0.79 / 0.68 ms
+with 24; three loops in the backward: fwd+bwd 20.27 → 19.48 ms without documents, backward alone
+4.23 → 4.21 ms with 6 and 2.65 → 2.56 ms with 24). Every real row sees at least its own key (callers
+pass ``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the forward also returns
+that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
 ``T == S`` with ``q_start = 0`` is plain causal self-attention.
 
 Inputs are bf16 and the matmuls accumulate in fp32; the softmax statistics, the output and the
@@ -110,6 +111,21 @@ def _visible(q_start, k_start, q_seg, k_seg, block_q: int, block_k: int, keys_fi
     return (q_pos[:, None] >= k_pos[None, :]) & (q_seg[:, None] == k_seg[None, :])
 
 
+def _tile_full(q_start, k_start, block_k: int, qdoc_ref, qi, kdoc_ref, kj):
+    """Whether every key of a tile is visible from every query: the key block ends at or before the
+    query block's first position and both blocks lie in one document (each block's least and
+    greatest id, :func:`document_blocks`, all equal). Such tiles skip the mask."""
+    doc = qdoc_ref[0, qi]
+    same = (doc == qdoc_ref[1, qi]) & (doc == kdoc_ref[0, kj]) & (doc == kdoc_ref[1, kj])
+    return (k_start + block_k - 1 <= q_start) & same
+
+
+def _masked(s, full, visible):
+    """``s`` where ``visible()`` holds, ``MASK`` elsewhere; the position and document compares are
+    only evaluated on tiles that are not ``full``."""
+    return lax.cond(full, lambda s: s, lambda s: jnp.where(visible(), s, MASK), s)
+
+
 def document_blocks(seg: Int[Array, "B L"], block: int) -> Int[Array, "B 2 n"]:
     """Each ``block`` rows' least and greatest document id ``[B, 2, L/block]`` (equal: one document)."""
     B, L = seg.shape
@@ -179,36 +195,33 @@ def _num_key_blocks(q_last, block_k: int, num_k_blocks: int):
     return jnp.minimum(int_ops.div(q_last + block_k, block_k), num_k_blocks)
 
 
-def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, first_ref, full_ref,
-                o_ref, lse_ref, mx_ref, *, scale: float, block_q: int, block_k: int, num_q_blocks: int,
-                num_k_blocks: int):
+def _fwd_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, qdoc_ref, kdoc_ref, first_ref,
+                o_ref, lse_ref, mx_ref, *,
+                scale: float, block_q: int, block_k: int, num_q_blocks: int, num_k_blocks: int):
     i = num_q_blocks - 1 - pl.program_id(0)  # longest rows first: shorter tail
     q0 = off_ref[0] + i * block_q  # absolute position of the block's first query
     qn, qr = qn_ref[...], qr_ref[...]
     q_seg = qseg_ref[pl.ds(i * block_q, block_q)]
 
-    def step(masked: bool):
-        def body(j, carry):
-            acc, m, l = carry
-            keys = pl.ds(j * block_k, block_k)
-            s = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale * LOG2E)  # log2 units
-            if masked:
-                s = jnp.where(_visible(q0, j * block_k, q_seg, kseg_ref[keys], block_q, block_k), s, MASK)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp2(s - m_new[:, None])
-            fix = jnp.exp2(m - m_new)
-            acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
-            return acc, m_new, l * fix + jnp.sum(p, axis=1)
-        return body
+    def body(j, carry):
+        acc, m, l = carry
+        keys = pl.ds(j * block_k, block_k)
+        s, k_seg = _logits(qn, qr, kn_ref[keys, :], kr_ref[keys, :], scale), kseg_ref[keys]
+        full = _tile_full(q0, j * block_k, block_k, qdoc_ref, i, kdoc_ref, j)
+        s = _masked(s, full, lambda: _visible(q0, j * block_k, q_seg, k_seg, block_q, block_k))
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2((s - m_new[:, None]) * LOG2E)
+        fix = jnp.exp2((m - m_new) * LOG2E)
+        acc = acc * fix[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return acc, m_new, l * fix + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((block_q, o_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     num_k = _num_key_blocks(q0 + block_q - 1, block_k, num_k_blocks)
-    bounds = _runs(_first_key_block(first_ref[i], num_k), num_k, full_ref, i)
-    acc, m, l = _loops(bounds, step, init)
+    acc, m, l = lax.fori_loop(_first_key_block(first_ref[i], num_k), num_k, body, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = (m + jnp.log2(l)) * (1 / LOG2E)
-    mx_ref[...] = m * (1 / LOG2E)
+    lse_ref[...] = m + jnp.log(l)
+    mx_ref[...] = m
 
 
 def _dkdv_kernel(off_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, qseg_ref, kseg_ref, end_ref, full_ref,
@@ -294,15 +307,16 @@ def _tiles(length: int, block: int, reverse: bool):
     )
 
 
-def _documents(q_seg, k_seg, q_start, block_q: int, block_k: int, keys_major: bool):
-    """``(operands, BlockSpecs)`` of the document tests: the loop bound of :func:`document_bounds` the
-    kernel needs (its first key block per query block, or with ``keys_major`` its query block end per
-    key block) and the :func:`full_runs` of its loop, each row b's to every program of it."""
+def _documents(q_seg, k_seg, q_start, block_q: int, block_k: int, keys_major: bool, runs: bool = True):
+    """``(operands, BlockSpecs)`` of the document tests, each row b's to every program of it: the
+    loop bound of :func:`document_bounds` the kernel needs (its first key block per query block, or
+    with ``keys_major`` its query block end per key block), and then the backward kernels'
+    :func:`full_runs` or the forward's per-tile test operands (both sides' :func:`document_blocks`)."""
     qdoc, kdoc = document_blocks(q_seg, block_q), document_blocks(k_seg, block_k)
     bound = document_bounds(qdoc, kdoc)[1 if keys_major else 0]
-    runs = full_runs(qdoc, kdoc, q_start, block_q, block_k, keys_major)
     row = lambda a: pl.BlockSpec((None,) + a.shape[1:], lambda i, b, h: (b,) + (0,) * (a.ndim - 1))
-    return [bound, runs], [row(bound), row(runs)]
+    ops = [bound, full_runs(qdoc, kdoc, q_start, block_q, block_k, keys_major)] if runs else [qdoc, kdoc, bound]
+    return ops, [row(a) for a in ops]
 
 
 def _whole(length: int):
@@ -326,7 +340,7 @@ def flash_forward(qn: Float[Array, "B T H N"], qr: Float[Array, "B T H R"], kn: 
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
     bq, bk = blocks.block_q, blocks.block_k
     tile, whole = _tiles(T, bq, True), _whole(S)
-    docs, doc_specs = _documents(q_seg, k_seg, q_start, bq, bk, keys_major=False)
+    docs, doc_specs = _documents(q_seg, k_seg, q_start, bq, bk, keys_major=False, runs=False)
     kernel = functools.partial(_fwd_kernel, scale=scale, block_q=bq, block_k=bk, num_q_blocks=T // bq,
                                num_k_blocks=S // bk)
     rows = jax.ShapeDtypeStruct((B, H, T), jnp.float32)
