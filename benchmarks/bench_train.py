@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,…",
                    help="another configuration (the --set overrides plus these), timed interleaved with the "
                         "base one, e.g. xla_excess:excess_precision=true")
+    p.add_argument("--out", default=None, help="also write the results (one JSON object per configuration) here")
     a = p.parse_args()
     variants = dict(_variant(v, a.assignments, p) for v in a.variants)
     if len(variants) != len(a.variants):
@@ -160,6 +161,7 @@ def main() -> None:
         _print_profile(a.profile, by_op=a.profile_ops)
     fpt = flops_per_token(cfg.model, cfg.seq_len, trainer.abstract["params"].get("mtp"))
     peak = peak_flops(a.peak_flops)
+    results = []
     for name, t in times.items():
         seconds = statistics.median(t)
         tokens_per_s = configs[name].tokens_per_step / seconds
@@ -173,6 +175,10 @@ def main() -> None:
             out = {"variant": name, "sets": variants.get(name, a.assignments), **out,
                    "vs_base": round(seconds / statistics.median(times["base"]), 4)}
         print(json.dumps(out))
+        results.append(out)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
