@@ -6,7 +6,9 @@ XLA path: ``mla.causal_attention`` on fp32 q, k, v with the dense [B,T,S] mask, 
 Flash path: ``pallas_kernels.mla_attention.mla_attention`` on bf16 operands. Peer (``--peers
 cudnn``): cuDNN's flash attention via ``jax.nn.dot_product_attention``, plain causal with v padded
 to the q/k width (it has no document mask or max logit, so it does less than ours); ``--peers
-cudnn,mgpu`` adds JAX's Mosaic GPU flash attention, forward only (its backward has no causal mask).
+cudnn,mgpu`` adds JAX's Mosaic GPU flash attention, forward only (its backward has no causal mask);
+``mgpu-full`` times that one's forward and backward without the causal mask, its TFLOP/s counted on
+its own (full) work: how fast Mosaic GPU backward kernels run, next to ours.
 
 First the flash path is checked against the XLA path at full size (output, max_logit, every
 gradient, also with packed documents); then each is timed: forward, and forward+backward
@@ -94,6 +96,26 @@ def mgpu_attention(block_q, block_kv):
     return attend
 
 
+def mgpu_full_attention(qn, qr, kn, kr, v, seg, scale):
+    """Peer, forward and backward, **not causal**: JAX's Mosaic GPU flash attention whose backward
+    (a dQ kernel and a dK/dV kernel, warp-specialised wgmma pipelines, the same two-kernel split as
+    ours) has no causal mask in JAX 0.11.2. Full attention does twice the causal work and no mask;
+    its TFLOP/s (counted on its own full, v-padded work) says what Mosaic GPU backward kernels reach
+    at these head counts and widths: the question before porting ours."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    del seg
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=False,
+                                         compute_wgs_bwd=2, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                                         block_kv_dq=64)
+    B, T, H, _ = qn.shape
+    q = jnp.concatenate([qn, qr], axis=-1) * jnp.asarray(scale, qn.dtype)
+    k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
+    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+    o = attention_mgpu.attention(*(x.astype(jnp.float16) for x in (q, k, vp)), config)
+    return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
+
+
 INTERPRET = False  # --interpret: the CPU smoke run of this script
 
 
@@ -146,7 +168,8 @@ def main():
     parser.add_argument("--skip-check", action="store_true", help="time only (the check compiles the XLA path "
                         "at full precision twice)")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the CPU interpreter")
-    parser.add_argument("--peers", default="cudnn", help="peers to time beside ours: cudnn, mgpu (forward only), or ''")
+    parser.add_argument("--peers", default="cudnn", help="peers to time beside ours: cudnn, mgpu (forward only), "
+                        "mgpu-full (not causal, forward and backward), or ''")
     parser.add_argument("--documents", type=int, default=1, help="documents of equal length per row (timing)")
     parser.add_argument("--out", help="write the results as JSON here")
     a = parser.parse_args()
@@ -176,6 +199,10 @@ def main():
     if not a.interpret and "mgpu" in a.peers.split(","):
         for bq, bkv in ((64, 64), (64, 128), (128, 64)):
             candidates[f"mgpu {bq}x{bkv}"] = mgpu_attention(bq, bkv)
+    flops = {}  # fwd FLOPs of candidates that do other work than one causal document
+    if not a.interpret and "mgpu-full" in a.peers.split(","):
+        candidates["mgpu-full (not causal)"] = mgpu_full_attention
+        flops["mgpu-full (not causal)"] = B * H * T * T * 2 * (192 + 192)
     for i in (int(i) for i in a.sweep.split(",") if i):
         candidates[f"flash {i}: {dataclasses.astuple(SWEEP[i])}"] = flash_attention(SWEEP[i])
     for name, attend in candidates.items():
@@ -190,9 +217,10 @@ def main():
         if not ms:
             continue
         results["ms"][name] = ms
-        line = f"{name:>8}: fwd {ms[0]:8.3f} ms ({fwd_flops / ms[0] / 1e9:6.1f} TFLOP/s)"
+        f = flops.get(name, fwd_flops)
+        line = f"{name:>8}: fwd {ms[0]:8.3f} ms ({f / ms[0] / 1e9:6.1f} TFLOP/s)"
         if len(ms) > 1:
-            line += f"   fwd+bwd {ms[1]:8.3f} ms ({3.5 * fwd_flops / ms[1] / 1e9:6.1f} TFLOP/s)"
+            line += f"   fwd+bwd {ms[1]:8.3f} ms ({3.5 * f / ms[1] / 1e9:6.1f} TFLOP/s)"
         print(line, flush=True)
     if "xla" in results["ms"] and "flash" in results["ms"] and len(results["ms"]["xla"]) > 1:
         (xf, xb), (ff, fb) = results["ms"]["xla"], results["ms"]["flash"]
