@@ -1,7 +1,8 @@
 """The flash kernels' unmasked loop bounds (:func:`kernel_gpu.full_runs`) against the tiles' masks
 built from the definition, over generated segment ids (sorted, as packing makes them, or not) and
 query offsets: every tile in a run is wholly visible, the run starts at the first such tile and
-ends at the next that is not."""
+ends at the next that is not; and the interpreted kernels that loop by them against the reference
+over generated document layouts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.mla_attention import kernel_gpu
+from tests.pallas_kernels.mla_attention.test_ops import SMALL_BLOCKS, _check, _inputs
 
 
 def _wholly_visible(q_seg, k_seg, q_start, block_q, block_k):
@@ -58,3 +60,28 @@ def test_runs_cover_exactly_a_run_of_wholly_visible_tiles(case, keys_major):
             assert lo == np.argmax(row), (b, i, row, lo)
             assert row[lo:hi].all() and hi > lo
             assert hi == len(row) or not row[hi]
+
+
+@st.composite
+def documents(draw):
+    """``(T, segment ids [2, T])``: each row a run of documents of random lengths, their ids in order,
+    shuffled, or reused (an id recurring after another document)."""
+    T = draw(st.sampled_from([32, 48, 64, 96]))
+    rows = []
+    for _ in range(2):
+        cuts = sorted(draw(st.sets(st.integers(1, T - 1), max_size=5)))
+        lengths = np.diff([0, *cuts, T])
+        ids = draw(st.lists(st.integers(0, 3), min_size=len(lengths), max_size=len(lengths)))
+        rows.append(np.repeat(ids, lengths))
+    return T, jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@settings(max_examples=6, deadline=None)
+@given(documents(), st.integers(0, 2**16))
+def test_interpreted_kernels_match_the_reference_for_any_documents(case, seed):
+    """The three-part loops of the backward kernels (and the forward's per-tile test) over generated
+    document layouts — tiles wholly visible, partly visible and of other documents in every order —
+    against the reference: values and every gradient."""
+    T, seg = case
+    args, w = _inputs(2, T, 2, 16, 16, 16, seed=seed)
+    _check(args, w, seg, 0.3, interpret=True, blocks=SMALL_BLOCKS)
