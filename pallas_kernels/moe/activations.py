@@ -20,6 +20,12 @@ from pallas_kernels.target import current_target
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 IMPLEMENTATIONS = (None, "xla", "pallas")
+# The default takes the pass from this many elements up. Below it the pass saves a few microseconds of
+# arithmetic at most and costs a launch and XLA's fusion of the activation with the slices and casts
+# around it: device-less, small()'s decode step at batch 64 ran 477 kernels with the pass against 441
+# without (benchmarks/decode_kernels.py, stop 46). The shapes it was timed to win at on the H200 hold
+# 50 M elements and more (RESULTS.md, stop 45); every training shape of small() and K3 is above this.
+MIN_ELEMENTS = 1 << 23
 
 
 def kernel_tiles(rows: int, cols: int, dtype, implementation: str | None = None, interpret: bool = False):
@@ -28,8 +34,9 @@ def kernel_tiles(rows: int, cols: int, dtype, implementation: str | None = None,
 
     ``implementation``: None takes the pass when compiling for a CUDA GPU outside a mesh that XLA
     partitions (it would replicate a custom call's operands; inside ``shard_map`` every axis is
-    manual) for shapes it tiles; ``"xla"`` never; ``"pallas"`` always, or raises ``ValueError``
-    (it needs a CUDA GPU or ``interpret=True``, a float dtype of at most 32 bits and a shape that tiles).
+    manual) for shapes it tiles of at least ``MIN_ELEMENTS``; ``"xla"`` never; ``"pallas"`` always
+    (any size), or raises ``ValueError`` (it needs a CUDA GPU or ``interpret=True``, a float dtype of
+    at most 32 bits and a shape that tiles).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -49,6 +56,8 @@ def kernel_tiles(rows: int, cols: int, dtype, implementation: str | None = None,
         return tiles
     mesh = jax.sharding.get_abstract_mesh()
     if not current_target().cuda or not fits_dtype or (not mesh.empty and not mesh.are_all_axes_manual):
+        return None
+    if rows * cols < MIN_ELEMENTS:
         return None
     return tiles
 

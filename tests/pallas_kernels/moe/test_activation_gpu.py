@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import activation_gpu as K
-from pallas_kernels.moe.activations import (_value_and_partials, gated_activation, kernel_tiles,
+from pallas_kernels.moe.activations import (MIN_ELEMENTS, _value_and_partials, gated_activation, kernel_tiles,
                                             packed_gated_activation, split_gated_activation)
 from pallas_kernels.target import Target, compile_for
 from tests.tolerances import F32_RTOL, rel_rmse
@@ -113,22 +113,26 @@ def _has_kernel(fn, *args) -> bool:
 
 
 def test_the_ops_take_the_kernel_on_a_cuda_target_only():
-    g, u, da = _operands((64, 512), jnp.bfloat16)
+    rows, cols = 16384, 512  # MIN_ELEMENTS: traced abstractly, nothing of this size is made
+    g, u, da = (jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),) * 3
+    gu = jax.ShapeDtypeStruct((rows, 2 * cols), jnp.bfloat16)
     split = lambda g, u: split_gated_activation(g, u, "situ")
-    split_grad = lambda g, u: jax.vjp(split, g, u)[1](da)
-    packed_grad = lambda gu: jax.vjp(lambda gu: packed_gated_activation(gu, "situ"), gu)[1](da)
-    gu = jnp.concatenate([g, u], axis=-1)
+    split_grad = lambda g, u, da: jax.vjp(split, g, u)[1](da)
+    packed_grad = lambda gu, da: jax.vjp(lambda gu: packed_gated_activation(gu, "situ"), gu)[1](da)
+    small = jax.ShapeDtypeStruct((64, cols), jnp.bfloat16)  # a decode step's rows
     with compile_for(H200):
-        assert kernel_tiles(64, 512, jnp.bfloat16) == K.ActTiles(4, 512)
-        assert _has_kernel(split, g, u) and _has_kernel(split_grad, g, u)
-        assert _has_kernel(packed_grad, gu) and _has_kernel(lambda gu: packed_gated_activation(gu, "situ"), gu)
-        assert not _has_kernel(split, g[:3], u[:3])  # 3 rows do not tile: the jnp reference
-        assert kernel_tiles(64, 512, jnp.float64) is None
+        assert rows * cols == MIN_ELEMENTS and kernel_tiles(rows, cols, jnp.bfloat16) == K.ActTiles(4, 512)
+        assert _has_kernel(split, g, u) and _has_kernel(split_grad, g, u, da)
+        assert _has_kernel(packed_grad, gu, da) and _has_kernel(lambda gu: packed_gated_activation(gu, "situ"), gu)
+        assert not _has_kernel(split, small, small)  # below MIN_ELEMENTS: XLA's fusion
+        assert _has_kernel(lambda g, u: split_gated_activation(g, u, "situ", implementation="pallas"), small, small)
+        assert kernel_tiles(rows - 8, cols, jnp.bfloat16) is None  # 16376 rows do not tile: the jnp reference
+        assert kernel_tiles(rows, cols, jnp.float64) is None
         mesh = jax.sharding.AbstractMesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
         with jax.sharding.use_abstract_mesh(mesh):
-            assert kernel_tiles(64, 512, jnp.bfloat16) is None  # XLA partitions it: no custom call
+            assert kernel_tiles(rows, cols, jnp.bfloat16) is None  # XLA partitions it: no custom call
     with compile_for("cpu"):
-        assert not _has_kernel(split, g, u) and not _has_kernel(split_grad, g, u)
+        assert not _has_kernel(split, g, u) and not _has_kernel(split_grad, g, u, da)
 
 
 @pytest.mark.gpu
