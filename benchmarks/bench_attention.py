@@ -63,57 +63,49 @@ def xla_attention(qn, qr, kn, kr, v, seg, scale):
     return mla.causal_attention(q, k, wide(v), mla.attention_mask(seg, B, T), scale)
 
 
+def _equal_widths(qn, qr, kn, kr, v):
+    """``(q, k, v)`` of one width for the peers that need it: rope parts appended (the rope key
+    broadcast to every head), ``v`` zero-padded to the q/k width."""
+    B, T, H, _ = qn.shape
+    q = jnp.concatenate([qn, qr], axis=-1)
+    k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
+    return q, k, jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+
+
 def cudnn_attention(qn, qr, kn, kr, v, seg, scale):
     """Peer: cuDNN flash attention through ``jax.nn.dot_product_attention`` (plain causal: no
     document mask, no max logit; it needs equal q/k/v widths, so v is zero-padded to 192)."""
     del seg
-    B, T, H, _ = qn.shape
-    q = jnp.concatenate([qn, qr], axis=-1)
-    k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
-    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+    q, k, vp = _equal_widths(qn, qr, kn, kr, v)
     o = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=True, implementation="cudnn")
-    return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
+    return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((qn.shape[2],), jnp.float32)
 
 
-def mgpu_attention(block_q, block_kv):
-    """Peer, forward only: JAX's Mosaic GPU flash attention (``attention_mgpu``, warp-specialised
-    wgmma; plain causal, equal q/k/v widths so v is zero-padded to 192; its backward has no causal
-    mask yet; its shared-memory buffers are float16, so it runs on float16 copies of the operands).
-    It measures what a Mosaic GPU port of our forward could reach."""
+def mgpu_attention(**config):
+    """Peer: JAX's Mosaic GPU flash attention (``attention_mgpu``, warp-specialised wgmma; equal q/k/v
+    widths so v is zero-padded to 192; its shared-memory buffers are float16, so it runs on float16
+    copies of the operands) with these ``TuningConfig`` fields. Causal it runs forward only (its
+    backward has no causal mask in JAX 0.11.2): what a Mosaic GPU port of our forward could reach.
+    ``MGPU_FULL``, not causal, runs forward and backward (a dQ kernel and a dK/dV kernel, the same
+    split as ours); full attention does twice the causal work and no mask, and its TFLOP/s (counted
+    on its own full, v-padded work) says what Mosaic GPU backward kernels reach at these head counts
+    and widths: the question before porting ours."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
-    config = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=True)
+    config = attention_mgpu.TuningConfig(max_concurrent_steps=2, **config)
 
     def attend(qn, qr, kn, kr, v, seg, scale):
         del seg
-        B, T, H, _ = qn.shape
-        q = jnp.concatenate([qn, qr], axis=-1) * jnp.asarray(scale, qn.dtype)
-        k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
-        vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+        q, k, vp = _equal_widths(qn * jnp.asarray(scale, qn.dtype), qr * jnp.asarray(scale, qr.dtype), kn, kr, v)
         o = attention_mgpu.attention(*(x.astype(jnp.float16) for x in (q, k, vp)), config)
-        return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
+        return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((qn.shape[2],), jnp.float32)
 
     return attend
 
 
-def mgpu_full_attention(qn, qr, kn, kr, v, seg, scale):
-    """Peer, forward and backward, **not causal**: JAX's Mosaic GPU flash attention whose backward
-    (a dQ kernel and a dK/dV kernel, warp-specialised wgmma pipelines, the same two-kernel split as
-    ours) has no causal mask in JAX 0.11.2. Full attention does twice the causal work and no mask;
-    its TFLOP/s (counted on its own full, v-padded work) says what Mosaic GPU backward kernels reach
-    at these head counts and widths: the question before porting ours."""
-    from jax.experimental.pallas.ops.gpu import attention_mgpu
-
-    del seg
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=False,
-                                         compute_wgs_bwd=2, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
-                                         block_kv_dq=64)
-    B, T, H, _ = qn.shape
-    q = jnp.concatenate([qn, qr], axis=-1) * jnp.asarray(scale, qn.dtype)
-    k = jnp.concatenate([kn, jnp.broadcast_to(kr[:, :, None], (B, T, H, kr.shape[-1]))], axis=-1)
-    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
-    o = attention_mgpu.attention(*(x.astype(jnp.float16) for x in (q, k, vp)), config)
-    return o[..., : v.shape[-1]].astype(jnp.float32), jnp.zeros((H,), jnp.float32)
+# Blocks sized by a device-less H200 compile (block_kv=128 needs 248,920 bytes of shared memory of 232,448).
+MGPU_FULL = dict(block_q=64, block_kv=64, causal=False, compute_wgs_bwd=2, block_q_dkv=64, block_kv_dkv=64,
+                 block_q_dq=64, block_kv_dq=64)
 
 
 INTERPRET = False  # --interpret: the CPU smoke run of this script
@@ -198,10 +190,10 @@ def main():
         candidates["cudnn"] = cudnn_attention
     if not a.interpret and "mgpu" in a.peers.split(","):
         for bq, bkv in ((64, 64), (64, 128), (128, 64)):
-            candidates[f"mgpu {bq}x{bkv}"] = mgpu_attention(bq, bkv)
+            candidates[f"mgpu {bq}x{bkv}"] = mgpu_attention(block_q=bq, block_kv=bkv, causal=True)
     flops = {}  # fwd FLOPs of candidates that do other work than one causal document
     if not a.interpret and "mgpu-full" in a.peers.split(","):
-        candidates["mgpu-full (not causal)"] = mgpu_full_attention
+        candidates["mgpu-full (not causal)"] = mgpu_attention(**MGPU_FULL)
         flops["mgpu-full (not causal)"] = B * H * T * T * 2 * (192 + 192)
     for i in (int(i) for i in a.sweep.split(",") if i):
         candidates[f"flash {i}: {dataclasses.astuple(SWEEP[i])}"] = flash_attention(SWEEP[i])
