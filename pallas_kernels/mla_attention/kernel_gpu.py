@@ -25,18 +25,16 @@ loops against one, forward 5.57 / 5.63 ms without documents, 1.58 / 1.51 ms with
 with 24; three loops in the backward: fwd+bwd 20.27 → 19.48 ms without documents, backward alone
 4.23 → 4.21 ms with 6 and 2.65 → 2.56 ms with 24). Every real row sees at least its own key (callers
 pass ``q_seg[t] == k_seg[q_start + t]``), so its running max ends finite: the forward also returns
-that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7).
-``T == S`` with ``q_start = 0`` is plain causal self-attention.
+that row max of the scaled logits (QK-Clip's ``max_logit``, SPEC §7); ``T == S``, ``q_start = 0``: causal.
 
 Inputs are bf16 and the matmuls accumulate in fp32; the softmax statistics, the output and the
 gradient accumulators are fp32 (SPEC §10). ``T`` and ``S`` must be multiples of their blocks;
 head widths powers of two (>= 16): ``ops.py`` pads.
 
-Backend choice: Pallas-Triton (deprecated since JAX 0.11 but present in 0.11.2) runs the
-document mask and the two backward kernels with plain tile code, and runs under the CPU
-interpreter for the default tests; a Mosaic GPU port (wgmma/TMA) is the next step for speed.
-H200, small() shapes B=8 T=4096 H=8 (benchmarks/bench_attention.py): forward 1.46 ms, forward +
-backward 4.93 ms (~240 TFLOP/s) against 9.96 / 32.9 ms for the XLA path.
+Backend: Pallas-Triton (deprecated since JAX 0.11, present in 0.11.2) runs the document mask and
+the backward kernels with plain tile code, and under the CPU interpreter for the default tests. The
+forward has a Mosaic GPU port (:mod:`kernel_gpu_fwd`, the default where it takes the call); this
+one serves float32 outputs (context parallel) and the shapes that one does not take.
 """
 
 from __future__ import annotations
@@ -61,7 +59,8 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile rows of the three kernels (powers of two) and their Triton launch parameters."""
+    """Tile rows of the Triton kernels (powers of two) and their launch parameters; ``mosaic_forward``
+    runs the forward on :mod:`kernel_gpu_fwd` instead where it takes the call (its own tiles)."""
 
     block_q: int = 128  # forward: query rows per program
     block_k: int = 64  # forward: key rows per loop step
@@ -73,6 +72,7 @@ class BlockSizes:
     num_stages: int = 3
     num_warps_bwd: int = 8
     num_stages_bwd: int = 3  # 2 is 7-10 % slower fwd+bwd on the H200 (RESULTS.md, stop 34)
+    mosaic_forward: bool = True  # 1.75x the Triton forward at K3 width on the H200 (RESULTS.md, stop 47)
 
     @property
     def blocks(self) -> tuple[int, ...]:
