@@ -1,6 +1,8 @@
 """Public op: ``mla_attention`` (causal MLA attention with document masks, SPEC §3) and its switch.
 
-``implementation``: ``None`` runs the flash kernel (:mod:`kernel_gpu`) when compiling for a CUDA GPU
+``implementation``: ``None`` runs the flash kernels (the forward in Mosaic GPU, :mod:`kernel_gpu_fwd`,
+where it takes the call; the backward and the other forwards in Pallas-Triton, :mod:`kernel_gpu`) when
+compiling for a CUDA GPU
 (:func:`pallas_kernels.target.current_target`) for
 bf16/f16 inputs and the dense reference otherwise; ``"xla"`` is always the reference;
 ``"pallas"`` needs a CUDA GPU and bf16/f16 inputs, or ``interpret=True`` (the CPU
