@@ -5,8 +5,8 @@ The same op as :func:`kernel_gpu.flash_forward` (masks, query offsets, skipped b
 (arXiv:2407.08608): a CTA owns ``2 × block_q`` query rows of one (row, head); two compute
 warpgroups each hold ``block_q`` of them, and a third (memory) warpgroup streams the key blocks —
 ``k_nope``, the shared ``k_rope``, ``v`` and the key segment ids — through ``stages`` shared-memory
-slots by TMA. The logits are two wgmmas into one accumulator (``q_nope·k_nopeᵀ + q_rope·k_ropeᵀ``,
-the rope key read once for all heads' CTAs of the block from L2), the probabilities stay in
+slots by TMA. The logits are two wgmmas into one accumulator (``q_nope·k_nopeᵀ + q_rope·k_ropeᵀ``;
+the rope key, one for all heads, reaches most heads' CTAs from L2), the probabilities stay in
 registers as the left operand of ``p·v``, and the two compute warpgroups take turns on the tensor
 cores (a "schedule" barrier: one's softmax overlaps the other's products).
 
@@ -227,6 +227,9 @@ def _pv(acc, p16, v, p_s, interpret: bool, then):
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
+# Jitted so that every call with the same shapes reuses one traced jaxpr: the layers' calls (and their
+# remat recomputes) then lower to one Mosaic GPU module, compiled once (tests/k3jax/train/test_compile.py).
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float,
                   blocks: ForwardBlocks = ForwardBlocks(), interpret: bool = False):
     """``(o [B,T,H,V] in qn's dtype, lse [B,H,T], row max [B,H,T])`` as :func:`kernel_gpu.flash_forward`

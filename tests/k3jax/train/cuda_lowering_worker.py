@@ -1,4 +1,4 @@
-"""Lowers a 2-layer train step (KDA + MoE in both layers, Pallas kernels; argv: sequence length, then
+"""Lowers a 4-layer train step (KDA, MLA, KDA, MLA, each with MoE; Pallas kernels; argv: sequence length, then
 optionally the loss implementation) for CUDA on a CPU host and
 prints, as JSON, each Mosaic GPU kernel's name with the number of distinct modules (kernel hashes)
 lowered for it, the number of kernel call sites and the lowering seconds.
@@ -19,22 +19,26 @@ import jax.numpy as jnp
 
 def pretend_hopper() -> None:
     import pallas_kernels.head_ce.ops as head_ops
+    import pallas_kernels.mla_attention.ops as mla_ops
+    from jax._src.pallas.triton import gpu_info
     import pallas_kernels.moe.kernel_gpu_base as moe_kernel
     import pallas_kernels.moe.ops as moe_ops
     from pallas_kernels.target import Target
 
     jax.default_backend = lambda: "gpu"
     moe_ops._hopper_gpu = lambda: True
+    mla_ops._cuda_gpu = lambda: True
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)  # Triton's target
     head_ops.current_target = lambda: Target("gpu", "NVIDIA H200", 132, cuda=True)
     moe_kernel._num_sms = lambda interpret: 132
 
 
-def two_layer_config(seq_len: int):
+def layer_config(seq_len: int):
     from k3jax.config import preset
     from k3jax.train.config import DataConfig, TrainConfig
 
     m = preset("small")
-    m = dataclasses.replace(m, num_layers=2, vocab_size=1024, mla_layers=(),
+    m = dataclasses.replace(m, num_layers=4, vocab_size=1024, mla_layers=(1, 3),
                             mlp=dataclasses.replace(m.mlp, first_dense_layers=0),
                             kda=dataclasses.replace(m.kda, implementation="pallas"),
                             moe=dataclasses.replace(m.moe, implementation="pallas"))
@@ -60,7 +64,7 @@ def main(seq_len: int) -> None:
     pretend_hopper()
     from k3jax.train.step import Trainer
 
-    cfg = two_layer_config(seq_len)
+    cfg = layer_config(seq_len)
     trainer = Trainer(cfg)
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, seq_len), jnp.int32)
              for k in ("tokens", "segment_ids", "labels", "loss_mask")}

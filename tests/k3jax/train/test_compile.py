@@ -101,8 +101,9 @@ def test_batched_muon_update_equals_optax():
 
 
 def test_identical_kernels_lower_once():
-    """A 2-layer step lowered for CUDA holds one Mosaic GPU module per distinct kernel (forward,
-    remat recompute and both layers share it), so the Mosaic GPU runtime compiles each once."""
+    """A 4-layer step (KDA, MLA, KDA, MLA) lowered for CUDA holds one Mosaic GPU module per distinct
+    kernel (forward, remat recompute and both layers of a kind share it), so the Mosaic GPU runtime
+    compiles each once."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "tests/k3jax/train/cuda_lowering_worker.py"), "128"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -111,9 +112,10 @@ def test_identical_kernels_lower_once():
     # KDA: the fused prep forward, the scan, and the default split prep backward (two kernels);
     # MoE: two shapes of each grouped-matmul kernel, the [W1 | W3] product (width 2F) and W2's (the
     # weight gradient's default tiling is the slot ring, and the forward's at this K of <= 8 steps);
-    # the loss: the head kernel
+    # MLA: the flash forward (its backward kernels are Pallas-Triton); the loss: the head kernel
     # (``loss_implementation=None`` takes it on Hopper) writing the shifted exponentials, and writing
     # the logits for the plain fallback (a loss beyond CLAMP), one module each for every chunk
     assert result["modules"] == {"kda_prep_fwd": 1, "kda_scan_fwd": 1, "kda_scan_bwd": 1, "kda_prep_bwd_wy": 1,
                                  "kda_prep_bwd_intra": 1, "moe_gmm_ring": 2, "moe_gmm_transposed": 2,
-                                 "moe_tgmm_ring": 2, "head_exps_lse": 1, "head_logits_lse": 1}
+                                 "moe_tgmm_ring": 2, "mla_flash_fwd_mgpu": 1, "head_exps_lse": 1,
+                                 "head_logits_lse": 1}
