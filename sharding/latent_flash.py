@@ -5,7 +5,8 @@ of the row. Expanding it to per-head keys and values for all ``S`` keys at once 
 ``S × H × (dn + dv)`` values per shard: for K3 at a 1 M-token context ``bf16[1048576, 96, 256]``,
 48 GB per sequence, and the 1 M-token train step then needs 296 GB per H200. Here the keys are
 taken ``key_chunk`` at a time: each chunk's slice of the latent is expanded with ``kv_b`` and the
-flash kernel (:mod:`pallas_kernels.mla_attention.kernel_gpu`) attends the shard's queries over it;
+flash forward (``ops.flash_forward``: the Mosaic GPU kernel with a float32 output where it takes
+the call) attends the shard's queries over it;
 the chunks' outputs combine by their log-sum-exp (the same online softmax as the kernel's key
 blocks, one level up). Only the chunks up to the one holding the last query run (the loop's trip
 count is traced), so a shard's work is still its causal share.
@@ -37,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.mla_attention import kernel_gpu
 from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
-from pallas_kernels.mla_attention.ops import pad_axis, padded_length, pow2_width
+from pallas_kernels.mla_attention.ops import flash_forward, pad_axis, padded_length, pow2_width
 
 PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)  # padded keys' document: no query's
 KEY_CHUNK_CAP = 16384  # keys per chunk: bf16[16384, 96, 256] expanded = 0.8 GB for K3
@@ -97,8 +98,8 @@ def _forward(args, statics):
         _, (kn, kr, v, seg_j) = _chunk(c, k_rope, kv_b, k_seg, j, key_chunk=key_chunk, nope_dim=nope_dim,
                                        blocks=blocks)
         start = jnp.broadcast_to(q_start - j * key_chunk, (B,))
-        o_j, lse_j, max_j = kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg_p, seg_j, start, scale=scale,
-                                                     blocks=blocks, interpret=interpret)
+        o_j, lse_j, max_j = flash_forward(qn, qr, kn, kr, v, q_seg_p, seg_j, start, scale=scale, blocks=blocks,
+                                          interpret=interpret, out_dtype=jnp.float32)
         ran = lse_j > -jnp.inf  # a query block before the chunk runs no key block: 0/0 there
         new = jnp.logaddexp(lse, lse_j)
         base = jnp.where(ran | (lse > -jnp.inf), new, 0.0)

@@ -19,9 +19,9 @@ CTA's key blocks once, whatever the compute warpgroups do with them. Logits are 
 (``scale · log2 e`` folded into one multiply), masked ones set to a finite ``MASK`` so a row whose
 first tiles are all masked never forms ``inf − inf``.
 
-The output is written in the inputs' dtype through the query's shared-memory tile (a float32
-output, context parallel's partial results, stays on the Triton kernel: its tile would not fit
-beside the key slots). Under the CPU interpreter the probabilities go through shared memory and
+The output is written in the inputs' dtype through the query's shared-memory tile, or in float32
+(context parallel's partial results) through a tile of its own, which leaves room for two slots of
+64 keys (:data:`F32_OUTPUT_BLOCKS`). Under the CPU interpreter the probabilities go through shared memory and
 each ``p·v`` into a fresh accumulator (the interpreter's wgmma reads both operands from shared
 memory and has no carried accumulator); compiled, they are the register operand of a wgmma that
 accumulates into ``acc`` — the same products, summed in another order.
@@ -64,11 +64,22 @@ class ForwardBlocks:
         return COMPUTE_WGS * self.block_q
 
 
-def accepts(T: int, S: int, N: int, R: int, V: int, dtype, out_dtype, blocks: ForwardBlocks = ForwardBlocks()) -> bool:
+# A float32 output tile (context parallel's partial results) leaves room for two slots of 64 keys only.
+F32_OUTPUT_BLOCKS = ForwardBlocks(block_k=64, stages=2)
+
+
+def default_blocks(out_dtype) -> ForwardBlocks:
+    """The tiles for an output in ``out_dtype``: 128 keys a step for 16-bit outputs (H200, K3 width:
+    3.46 ms against 4.22 at 64 keys and 3 slots), two slots of 64 keys for float32 outputs."""
+    return F32_OUTPUT_BLOCKS if jnp.dtype(out_dtype) == jnp.float32 else ForwardBlocks()
+
+
+def accepts(T: int, S: int, N: int, R: int, V: int, dtype, out_dtype, blocks: ForwardBlocks | None = None) -> bool:
     """Whether this kernel takes the call (else the Triton forward runs): whole CTAs of query rows and
-    key blocks, head widths the wgmma tiles take, and the output in the inputs' 16-bit dtype."""
-    dtype = jnp.dtype(dtype)
-    return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and jnp.dtype(out_dtype) == dtype
+    key blocks, head widths the wgmma tiles take, 16-bit inputs, the output in their dtype or float32."""
+    dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
+    blocks = blocks or default_blocks(out_dtype)
+    return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and out_dtype in (dtype, jnp.float32)
             and T % blocks.rows == 0 and S % blocks.block_k == 0 and S >= blocks.block_k
             and all(d in (16, 32, 64, 128, 256) for d in (N, R, V)))
 
@@ -229,17 +240,21 @@ def _pv(acc, p16, v, p_s, interpret: bool, then):
 
 # Jitted so that every call with the same shapes reuses one traced jaxpr: the layers' calls (and their
 # remat recomputes) then lower to one Mosaic GPU module, compiled once (tests/k3jax/train/test_compile.py).
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
-def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float,
-                  blocks: ForwardBlocks = ForwardBlocks(), interpret: bool = False):
-    """``(o [B,T,H,V] in qn's dtype, lse [B,H,T], row max [B,H,T])`` as :func:`kernel_gpu.flash_forward`
-    (whose argument shapes it takes); the call must pass :func:`accepts`."""
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret", "out_dtype"))
+def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float, blocks: ForwardBlocks | None = None,
+                  interpret: bool = False, out_dtype=None):
+    """``(o [B,T,H,V] in out_dtype, lse [B,H,T], row max [B,H,T])`` as :func:`kernel_gpu.flash_forward`
+    (whose argument shapes it takes); ``out_dtype`` qn's (the default) or float32; ``blocks`` default
+    :func:`default_blocks`; the call must pass :func:`accepts`."""
     B, Tq, H, N = qn.shape
     S, R, V = kn.shape[1], qr.shape[-1], v.shape[-1]
-    if not accepts(Tq, S, N, R, V, qn.dtype, qn.dtype, blocks):
+    out_dtype = jnp.dtype(out_dtype or qn.dtype)
+    blocks = blocks or default_blocks(out_dtype)
+    if not accepts(Tq, S, N, R, V, qn.dtype, out_dtype, blocks):
         raise ValueError(f"the Mosaic GPU forward needs T % {blocks.rows} == 0, S % {blocks.block_k} == 0, "
-                         f"16-bit inputs and head widths that are powers of two from 16 to 256; got T={Tq}, S={S}, "
-                         f"N={N}, R={R}, V={V}, dtype={qn.dtype}")
+                         f"16-bit inputs, out_dtype theirs or float32 and head widths that are powers of two "
+                         f"from 16 to 256; got T={Tq}, S={S}, N={N}, R={R}, V={V}, dtype={qn.dtype}, "
+                         f"out_dtype={out_dtype}")
     bq, bk, stages = blocks.block_q, blocks.block_k, blocks.stages
     qdoc, kdoc = document_blocks(q_seg, bq), document_blocks(k_seg, bk)
     first = document_bounds(document_blocks(q_seg, blocks.rows), kdoc)[0]
@@ -249,7 +264,8 @@ def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float,
     p_smem = smem((COMPUTE_WGS, bq, bk), bk) if interpret else None
     scratch = [
         smem((COMPUTE_WGS, bq, N), N), smem((COMPUTE_WGS, bq, R), R),
-        None if V == N else smem((COMPUTE_WGS, bq, V), V), plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32),
+        None if (V, out_dtype) == (N, dtype) else smem((COMPUTE_WGS, bq, V), V, out_dtype),
+        plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32),
         smem((stages, bk, N), N), smem((stages, bk, R), R), smem((stages, bk, V), V),
         plgpu.SMEM((stages, bk), jnp.int32), plgpu.SMEM((2, COMPUTE_WGS, bq), jnp.float32), p_smem,
     ]
@@ -266,7 +282,7 @@ def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float,
         def scoped(buffers, bars):
             buffers = list(buffers)
             if buffers[2] is None:
-                buffers[2] = buffers[0]  # o through the q_nope tile (equal widths)
+                buffers[2] = buffers[0]  # o through the q_nope tile (equal widths and dtypes)
             _kernel(*refs, (buffers, bars), scale=scale, blocks=blocks, num_pairs=Tq // blocks.rows,
                     num_k_blocks=S // bk, interpret=interpret)
 
@@ -275,7 +291,7 @@ def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale: float,
     rows = jax.ShapeDtypeStruct((B, H, Tq), jnp.float32)
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
-        entry, out_type=(jax.ShapeDtypeStruct((B, Tq, H, V), dtype), rows, rows),
+        entry, out_type=(jax.ShapeDtypeStruct((B, Tq, H, V), out_dtype), rows, rows),
         grid=(H, Tq // blocks.rows, B), grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name="mla_flash_fwd_mgpu", **extra,

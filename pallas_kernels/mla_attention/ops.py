@@ -79,18 +79,19 @@ def pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale, blocks, interpret):
-    """``(o, lse, row max)`` in the inputs' dtype: the Mosaic GPU forward (:mod:`kernel_gpu_fwd`) where
-    ``blocks.mosaic_forward`` asks for it and it takes the shapes, the Triton one (:mod:`kernel_gpu`)
-    otherwise."""
+def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale, blocks, interpret, out_dtype=None):
+    """``(o in out_dtype (default the inputs'), lse, row max)``: the Mosaic GPU forward
+    (:mod:`kernel_gpu_fwd`) where ``blocks.mosaic_forward`` asks for it and it takes the call, the
+    Triton one (:mod:`kernel_gpu`) otherwise."""
     from pallas_kernels.mla_attention import kernel_gpu, kernel_gpu_fwd
     B, T, H, N = qn.shape
+    out_dtype = out_dtype or qn.dtype
     if blocks.mosaic_forward and kernel_gpu_fwd.accepts(T, kn.shape[1], N, qr.shape[-1], v.shape[-1], qn.dtype,
-                                                        qn.dtype):
+                                                        out_dtype):
         return kernel_gpu_fwd.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale,
-                                            interpret=interpret)
+                                            interpret=interpret, out_dtype=out_dtype)
     return kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
-                                    interpret=interpret, out_dtype=qn.dtype)
+                                    interpret=interpret, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))

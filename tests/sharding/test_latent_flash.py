@@ -23,14 +23,14 @@ from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 B, S, H, R, DR, DN, DV, SCALE = 2, 96, 2, 16, 8, 16, 16, 0.3
 
 
-def _inputs(T):
+def _inputs(T, S=S):
     ks = jax.random.split(jax.random.PRNGKey(11), 4)
     q = jax.random.normal(ks[0], (B, T, H, DN + DR)).astype(jnp.bfloat16)
     c = jax.random.normal(ks[1], (B, S, R)).astype(jnp.bfloat16)
     kr = jax.random.normal(ks[2], (B, S, DR)).astype(jnp.bfloat16)
     kv_b = (0.3 * jax.random.normal(ks[3], (R, H, DN + DV))).astype(jnp.bfloat16)
     s = jnp.arange(S)
-    seg = jnp.stack([(s >= 21) + (s >= 50) + (s >= 70), (s // 9) % 2]).astype(jnp.int32)
+    seg = jnp.stack([(s >= 21) + (s >= 50) + (s >= 70) + (s >= 150), (s // 9) % 2]).astype(jnp.int32)
     return (q, c, kr, kv_b), seg
 
 
@@ -88,10 +88,29 @@ def test_key_chunk_must_divide_the_queries_and_keys():
         latent_flash(*args, seg[:, :24], seg, 0, scale=SCALE, nope_dim=DN, key_chunk=16, interpret=True)
 
 
+@pytest.mark.parametrize("key_chunk", [64, 128])
+def test_chunked_flash_through_the_mosaic_forward(key_chunk):
+    """The default blocks: each chunk's forward is the Mosaic GPU kernel writing float32 partial
+    outputs (64-key blocks; query blocks before a chunk run none), against the reference."""
+    q_start, T, S_ = 128, 128, 256
+    args, seg = _inputs(T, S_)
+    chunked = lambda *a: latent_flash(*a, seg[:, q_start:], seg, jnp.int32(q_start), scale=SCALE, nope_dim=DN,
+                                      key_chunk=key_chunk, interpret=True)
+    assert "mla_flash_fwd_mgpu" in str(jax.make_jaxpr(chunked)(*args))
+    (o, m), grads = _fwd_grad(jax.jit(chunked), args)
+    with jax.default_matmul_precision("highest"):
+        (o_ref, m_ref), grads_ref = _fwd_grad(_expanded(q_start, T, seg, "xla", jnp.float32), [_f32(a) for a in args])
+    assert bool(jnp.all(jnp.isfinite(o))) and o.dtype == jnp.float32
+    assert rel_rmse(o, o_ref) <= BF16_FWD_RTOL and rel_rmse(m, m_ref) <= BF16_FWD_RTOL
+    for name, g, g_ref in zip(("q", "c", "k_rope", "kv_b"), grads, grads_ref):
+        assert rel_rmse(_f32(g), g_ref) <= BF16_GRAD_RTOL, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("key_chunk", [None, 128])
 def test_chunked_flash_on_the_gpu_equals_one_call_over_whole_keys(key_chunk):
-    """Compiled Triton kernels (no interpreter): 8 heads, 256 queries at the end of 2048 keys."""
+    """Compiled kernels (no interpreter; the forward the Mosaic one with float32 outputs): 8 heads, 256
+    queries at the end of 2048 keys."""
     T, S_, heads = 256, 2048, 8
     ks = jax.random.split(jax.random.PRNGKey(5), 4)
     bf = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)

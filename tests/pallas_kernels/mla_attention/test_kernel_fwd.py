@@ -39,7 +39,8 @@ def _reference(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale):
     return np.einsum("bhts,bshv->bthv", e / e.sum(-1, keepdims=True), f(v)), lse, mx
 
 
-def _run_and_check(T, S, q_seg, k_seg, q_start, *, blocks=TEST_BLOCKS, widths=(64, 32, 64), seed=0, scale=0.1):
+def _run_and_check(T, S, q_seg, k_seg, q_start, *, blocks=TEST_BLOCKS, widths=(64, 32, 64), seed=0, scale=0.1,
+                   out_dtype=jnp.bfloat16):
     N, R, V = widths
     ks = jax.random.split(jax.random.key(seed), 5)
     bf = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
@@ -47,9 +48,9 @@ def _run_and_check(T, S, q_seg, k_seg, q_start, *, blocks=TEST_BLOCKS, widths=(6
     kn, kr, v = bf(ks[2], (2, S, 2, N)), bf(ks[3], (2, S, R)), bf(ks[4], (2, S, 2, V))
     start = jnp.asarray(q_start, jnp.int32)
     o, lse, mx = kernel_gpu_fwd.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, start, scale=scale, blocks=blocks,
-                                              interpret=True)
+                                              interpret=True, out_dtype=out_dtype)
     ro, rlse, rmx = _reference(qn, qr, kn, kr, v, q_seg, k_seg, start, scale)
-    assert o.dtype == jnp.bfloat16 and o.shape == (2, T, 2, V)
+    assert o.dtype == out_dtype and o.shape == (2, T, 2, V)
     assert rel_rmse(o, ro) <= BF16_FWD_RTOL
     assert rel_rmse(lse, rlse) <= F32_RTOL and rel_rmse(mx, rmx) <= F32_RTOL
 
@@ -73,10 +74,11 @@ def layouts(draw):
 
 
 @settings(max_examples=4, deadline=None)
-@given(layouts(), st.integers(0, 2**16))
-def test_interpreted_forward_matches_the_definition_for_any_documents(case, seed):
+@given(layouts(), st.integers(0, 2**16), st.booleans())
+def test_interpreted_forward_matches_the_definition_for_any_documents(case, seed, f32_output):
+    """bf16 outputs, or float32 ones through their own tile (context parallel's partial results)."""
     T, S, q_seg, k_seg, q_start = case
-    _run_and_check(T, S, q_seg, k_seg, q_start, seed=seed)
+    _run_and_check(T, S, q_seg, k_seg, q_start, seed=seed, out_dtype=jnp.float32 if f32_output else jnp.bfloat16)
 
 
 def test_interpreted_forward_default_blocks_and_odd_widths():
@@ -103,7 +105,7 @@ def test_interpreted_forward_skips_the_blocks_of_other_documents():
 
 def test_the_op_takes_the_mosaic_forward_where_it_can():
     """``mla_attention``'s switch: the default blocks run this kernel on whole CTAs of rows (the
-    same bits as calling it); ``mosaic_forward=False`` and float32 outputs keep the Triton one."""
+    same bits as calling it); ``mosaic_forward=False`` keeps the Triton one."""
     T = 128
     args, _ = _inputs(1, T, 2, 64, 32, 64, seed=1)
     seg, start = jnp.zeros((1, T), jnp.int32), jnp.zeros((1,), jnp.int32)
@@ -114,7 +116,9 @@ def test_the_op_takes_the_mosaic_forward_where_it_can():
         lambda *a: ops.flash_forward(*a, seg, seg, start, scale=0.2, blocks=blocks, interpret=True))(*args))
     assert "mla_flash_fwd_mgpu" in kernels(BlockSizes())
     assert "mla_flash_fwd_mgpu" not in kernels(BlockSizes(mosaic_forward=False))
-    assert not kernel_gpu_fwd.accepts(T, T, 64, 32, 64, jnp.bfloat16, jnp.float32)  # context parallel's output
+    assert kernel_gpu_fwd.accepts(T, T, 64, 32, 64, jnp.bfloat16, jnp.float32)  # context parallel's output
+    assert not kernel_gpu_fwd.accepts(T, T, 64, 32, 64, jnp.bfloat16, jnp.float16)
+    assert not kernel_gpu_fwd.accepts(T, 96, 64, 32, 64, jnp.bfloat16, jnp.float32)  # 64-key blocks for float32
 
 
 @pytest.mark.parametrize("T,S,dtype,widths", [(192, 256, jnp.bfloat16, (64, 32, 64)),
