@@ -8,7 +8,8 @@ cudnn``): cuDNN's flash attention via ``jax.nn.dot_product_attention``, plain ca
 to the q/k width (it has no document mask or max logit, so it does less than ours); ``--peers
 cudnn,mgpu`` adds JAX's Mosaic GPU flash attention, forward only (its backward has no causal mask);
 ``mgpu-full`` times that one's forward and backward without the causal mask, its TFLOP/s counted on
-its own (full) work: how fast Mosaic GPU backward kernels run, next to ours.
+its own (full) work: how fast Mosaic GPU backward kernels run, next to ours; ``triton-fwd`` times
+ours with the Triton forward (``BlockSizes(mosaic_forward=False)``) against the default Mosaic one.
 
 First the flash path is checked against the XLA path at full size (output, max_logit, every
 gradient, also with packed documents); then each is timed: forward, and forward+backward
@@ -37,10 +38,10 @@ from k3jax.layers import mla
 from pallas_kernels.mla_attention import BlockSizes, mla_attention
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse
 
-SWEEP = (
+SWEEP = (  # the forward's tiles (1, 2) are the Triton forward's: the Mosaic one has its own
     BlockSizes(),
-    BlockSizes(block_k=128, num_stages=2),
-    BlockSizes(block_q=64, block_k=64, num_warps=4),
+    BlockSizes(block_k=128, num_stages=2, mosaic_forward=False),
+    BlockSizes(block_q=64, block_k=64, num_warps=4, mosaic_forward=False),
     BlockSizes(block_q_dkv=32, block_k_dkv=128, block_q_dq=128, block_k_dq=32),
     BlockSizes(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64, num_warps_bwd=4),
     BlockSizes(num_stages_bwd=2),  # the default until stop 34
@@ -161,7 +162,8 @@ def main():
                         "at full precision twice)")
     parser.add_argument("--interpret", action="store_true", help="run the kernels in the CPU interpreter")
     parser.add_argument("--peers", default="cudnn", help="peers to time beside ours: cudnn, mgpu (forward only), "
-                        "mgpu-full (not causal, forward and backward), or ''")
+                        "mgpu-full (not causal, forward and backward), triton-fwd (ours with the Triton "
+                        "forward), or ''")
     parser.add_argument("--documents", type=int, default=1, help="documents of equal length per row (timing)")
     parser.add_argument("--out", help="write the results as JSON here")
     a = parser.parse_args()
@@ -188,6 +190,8 @@ def main():
     candidates = {"xla": xla_attention, "flash": flash_attention(BlockSizes())}
     if not a.interpret and "cudnn" in a.peers.split(","):
         candidates["cudnn"] = cudnn_attention
+    if "triton-fwd" in a.peers.split(","):  # ours with the Triton forward (the Mosaic one's fallback)
+        candidates["flash, Triton fwd"] = flash_attention(BlockSizes(mosaic_forward=False))
     if not a.interpret and "mgpu" in a.peers.split(","):
         for bq, bkv in ((64, 64), (64, 128), (128, 64)):
             candidates[f"mgpu {bq}x{bkv}"] = mgpu_attention(block_q=bq, block_kv=bkv, causal=True)
@@ -220,6 +224,9 @@ def main():
     if "cudnn" in results["ms"] and "flash" in results["ms"] and len(results["ms"]["cudnn"]) > 1:
         (cf, cb), (ff, fb) = results["ms"]["cudnn"], results["ms"]["flash"]
         print(f"flash vs cuDNN (causal only, v padded): fwd {cf / ff:.2f}x   fwd+bwd {cb / fb:.2f}x (>1 = ours faster)")
+    if "flash, Triton fwd" in results["ms"] and "flash" in results["ms"] and len(results["ms"]["flash"]) > 1:
+        (tf, tb), (ff, fb) = results["ms"]["flash, Triton fwd"], results["ms"]["flash"]
+        print(f"Mosaic forward vs Triton forward: fwd {tf / ff:.2f}x   fwd+bwd {tb / fb:.2f}x (>1 = Mosaic faster)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

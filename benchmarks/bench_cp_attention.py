@@ -9,7 +9,9 @@ bf16; ``--key-chunks`` also times the chunked path at other chunk lengths):
 - ``chunked`` (the path): ``sharding.latent_flash.latent_flash``, the flash kernels over key
   chunks expanded one at a time, combined by log-sum-exp;
 - ``whole`` (the path before it): every key expanded at once (``bf16[S, 96, 256]``) and one flash
-  call at the queries' offset — its memory grows with ``S`` (48 GB per sequence at 1 M keys).
+  call at the queries' offset — its memory grows with ``S`` (48 GB per sequence at 1 M keys);
+- ``chunked_triton_fwd`` (``--triton-forward``): the chunked path with the Triton forward kernel
+  instead of the Mosaic GPU one (float32 partial outputs either way).
 
 Each is checked against the other (output and every gradient) and timed forward and forward +
 backward (``grad`` of ``sum(o·w)`` w.r.t. the queries, the latent, the rope key and ``kv_b``),
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_attention import time_ms
-from pallas_kernels.mla_attention import mla_attention
+from pallas_kernels.mla_attention import BlockSizes, mla_attention
 from sharding.latent_flash import latent_flash
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, rel_rmse
 
@@ -48,10 +50,11 @@ def inputs(T, S, seed=0):
     return (q, c, kr, kv_b), jax.random.normal(ks[4], (1, T, H, DV))
 
 
-def chunked(q, c, kr, kv_b, key_chunk=None):
+def chunked(q, c, kr, kv_b, key_chunk=None, blocks=None):
     S, T = c.shape[1], q.shape[1]
     seg = jnp.zeros((1, S), jnp.int32)
-    return latent_flash(q, c, kr, kv_b, seg[:, :T], seg, S - T, scale=SCALE, nope_dim=DN, key_chunk=key_chunk)
+    return latent_flash(q, c, kr, kv_b, seg[:, :T], seg, S - T, scale=SCALE, nope_dim=DN, key_chunk=key_chunk,
+                        blocks=blocks)
 
 
 def whole(q, c, kr, kv_b):
@@ -80,6 +83,8 @@ def main():
     ap.add_argument("--whole-max", type=int, default=262144, help="largest S to run the whole-keys path at")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--key-chunks", default="", help="also time the chunked path at these key chunks (comma list)")
+    ap.add_argument("--triton-forward", action="store_true",
+                    help="also time the chunked path with the Triton forward (BlockSizes(mosaic_forward=False))")
     a = ap.parse_args()
     T = a.queries
     for S in map(int, a.keys.split(",")):
@@ -89,6 +94,8 @@ def main():
         ways = {"chunked": chunked} | ({"whole": whole} if S <= a.whole_max else {})
         for k in filter(None, a.key_chunks.split(",")):
             ways[f"chunked{k}"] = functools.partial(chunked, key_chunk=int(k))
+        if a.triton_forward:
+            ways["chunked_triton_fwd"] = functools.partial(chunked, blocks=BlockSizes(mosaic_forward=False))
         row = {"S": S, "T": T}
         outs = {}
         for name, fn in ways.items():
@@ -106,6 +113,10 @@ def main():
             assert row["o_rel"] <= BF16_FWD_RTOL and row["grad_rel"] <= BF16_GRAD_RTOL, row
             for step in ("fwd", "fwd_bwd"):
                 row[f"chunked_speedup_{step}"] = round(row[f"whole_{step}_ms"] / row[f"chunked_{step}_ms"], 3)
+        if a.triton_forward:  # the Mosaic forward's gain in the chunked path (> 1: Mosaic faster)
+            for step in ("fwd", "fwd_bwd"):
+                row[f"mosaic_over_triton_{step}"] = round(row[f"chunked_triton_fwd_{step}_ms"]
+                                                          / row[f"chunked_{step}_ms"], 3)
         print(json.dumps(row), flush=True)
 
 
