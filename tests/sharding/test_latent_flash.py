@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.mla_attention import mla_attention
-from pallas_kernels.mla_attention.reference import mla_attention_reference
 from sharding.latent_flash import key_chunk_for, latent_flash
 from tests.pallas_kernels.mla_attention.test_ops import SMALL_BLOCKS
 from tests.tolerances import BF16_FWD_RTOL, BF16_GRAD_RTOL, F32_RTOL, rel_rmse

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.mla_attention import BlockSizes, kernel_gpu, kernel_gpu_fwd, mla_attention, ops
+from pallas_kernels.mla_attention import BlockSizes, kernel_gpu_fwd, mla_attention, ops
 from pallas_kernels.mla_attention.reference import visible
 from tests.pallas_kernels.mla_attention.test_ops import _inputs
 from tests.tolerances import BF16_FWD_RTOL, F32_RTOL, rel_rmse
