@@ -1,5 +1,5 @@
-"""Lowers a 4-layer train step (KDA, MLA, KDA, MLA, each with MoE; Pallas kernels; argv: sequence length, then
-optionally the loss implementation) for CUDA on a CPU host and
+"""Lowers a 4-layer train step (KDA, MLA, KDA, MLA, each with MoE; Pallas kernels; argv: sequence length,
+then optionally the loss implementation) for CUDA on a CPU host and
 prints, as JSON, each Mosaic GPU kernel's name with the number of distinct modules (kernel hashes)
 lowered for it, the number of kernel call sites and the lowering seconds.
 
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 
 
 def pretend_hopper() -> None:
+    from jax._src.pallas.triton import gpu_info
+
     import pallas_kernels.head_ce.ops as head_ops
     import pallas_kernels.mla_attention.ops as mla_ops
-    from jax._src.pallas.triton import gpu_info
     import pallas_kernels.moe.kernel_gpu_base as moe_kernel
     import pallas_kernels.moe.ops as moe_ops
     from pallas_kernels.target import Target
