@@ -84,10 +84,9 @@ def flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, *, scale, blocks, in
     (:mod:`kernel_gpu_fwd`) where ``blocks.mosaic_forward`` asks for it and it takes the call, the
     Triton one (:mod:`kernel_gpu`) otherwise."""
     from pallas_kernels.mla_attention import kernel_gpu, kernel_gpu_fwd
-    B, T, H, N = qn.shape
     out_dtype = out_dtype or qn.dtype
-    if blocks.mosaic_forward and kernel_gpu_fwd.accepts(T, kn.shape[1], N, qr.shape[-1], v.shape[-1], qn.dtype,
-                                                        out_dtype):
+    widths = (qn.shape[-1], qr.shape[-1], v.shape[-1])
+    if blocks.mosaic_forward and kernel_gpu_fwd.accepts(qn.shape[1], kn.shape[1], *widths, qn.dtype, out_dtype):
         return kernel_gpu_fwd.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale,
                                             interpret=interpret, out_dtype=out_dtype)
     return kernel_gpu.flash_forward(qn, qr, kn, kr, v, q_seg, k_seg, q_start, scale=scale, blocks=blocks,
