@@ -165,8 +165,7 @@ class MoEConfig:
     implementation: str | None = None
     # routed experts of a decode step on the gather path (batch 1, k3jax/layers/moe_decode.py):
     # "pallas" is the fused GPU kernel (pallas_kernels/moe/kernel_gpu_decode.py; MXFP4 experts stay on
-    # "xla"); None picks it on a CUDA GPU where it takes the shapes, else "xla". A step without balance
-    # statistics routes through pallas_kernels/moe/kernel_gpu_route.py where it runs, unless "xla".
+    # "xla"); None picks it on a CUDA GPU where it takes the shapes, else "xla"
     decode_implementation: str | None = None
     # MoonEP (sharding/moonep.py): redundant copies of hot experts per layer on an expert-parallel
     # mesh (a multiple of the expert axis size), re-planned from QB's loads every placement_every steps.

@@ -28,27 +28,30 @@ from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
 from pallas_kernels.moe import moe_ffn
-from pallas_kernels.moe.routing import route_weights, topk_route
 from sharding import current as parallel_context
 from sharding.ep import moe_ffn_ep
 from sharding.moonep import moe_ffn_moonep
 
+# Guards the renormalisation of the top-k weights against an all-zero row (the references' value).
+RENORM_EPS = 1e-20
+
 
 def route(scores: Float[Array, "T E"], bias: Float[Array, "E"], top_k: int, *, renormalize: bool,
-          scaling: float, with_stats: bool = True, implementation: str | None = None
-          ) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+          scaling: float, with_stats: bool = True) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
     """Expert ids by the biased scores; weights from the unbiased ones (DeepSeek-V3 noaux_tc).
 
     ``with_stats``: the balance statistics are computed beside the route, so the ids come from their
-    top-(k+1) call (one TopK for both); without them (a decode step) from
-    ``pallas_kernels.moe.routing.topk_route``, whose ``implementation`` None takes the one-kernel
-    route on a CUDA GPU where it takes the shapes ("xla" / "pallas" force one)."""
+    top-(k+1) call (one TopK for both); without them (a decode step) from a top-k of their own, with
+    no barrier to copy the ids out of it."""
     bias = jax.lax.stop_gradient(bias)
-    if not with_stats:
-        return topk_route(scores, bias, top_k, renormalize=renormalize, scaling=scaling,
-                          implementation=implementation)
-    ids, _ = balance.biased_topk(scores, bias, top_k)  # [T, k]
-    return ids, route_weights(scores, ids, renormalize=renormalize, scaling=scaling)
+    if with_stats:
+        ids, _ = balance.biased_topk(scores, bias, top_k)  # [T, k]
+    else:
+        ids = jax.lax.top_k(scores + bias, top_k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)  # [T, k]
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + RENORM_EPS)
+    return ids, weights * scaling
 
 
 def _route_and_stats(cfg: ModelConfig, scores, bias, with_stats: bool, token_axes=None):
@@ -58,10 +61,8 @@ def _route_and_stats(cfg: ModelConfig, scores, bias, with_stats: bool, token_axe
         stats = balance.step_statistics(cfg.balance, jax.lax.stop_gradient(scores), bias, m.top_k)
         if token_axes:  # counts add over the devices' tokens; margins stay per token
             stats = {n: v if n == "margins" else jax.lax.psum(v, token_axes) for n, v in stats.items()}
-    # decode_implementation "xla" keeps the router on XLA too; "pallas" forces only the experts' kernel
-    implementation = "xla" if m.decode_implementation == "xla" else None
     ids, weights = route(scores, bias, m.top_k, renormalize=m.renormalize, scaling=m.routed_scaling_factor,
-                         with_stats=with_stats, implementation=implementation)
+                         with_stats=with_stats)
     return ids, weights, stats
 
 
