@@ -8,7 +8,9 @@ and the mean accepted length of a briefly trained speculative draft.
    experts no token of this batch was routed to, counted from the router's loads of one step).
    Steps run as one device-side loop on per-layer weights (as ``generate`` and the serving engine
    run them, ``k3jax.infer.decode.decode_layout``); with ``--host-loop`` the step time of a Python
-   loop of jitted ``decode_step`` calls is printed beside it.
+   loop of jitted ``decode_step`` calls is printed beside it. ``--variant NAME:KEY=VALUE,…`` builds
+   the decode loop again with XLA options (``xla_…``) or ``ModelConfig`` overrides and times every
+   build round-robin in this process, so an A/B of decode does not compare two machines' clocks.
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
    causal attention; ``k3jax.train.metrics``) and their rate against a bf16 matmul measured in the
    same process, peak device memory, and the memory split (KDA states, MLA latents, weights)
@@ -28,6 +30,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 
 import flax.linen as nn
@@ -45,6 +48,11 @@ from k3jax.layers import mxfp4
 from k3jax.model import Transformer
 from k3jax.train.metrics import flops_per_token
 from k3jax.train.batched_calls import batch_random_draws
+from k3jax.train.config import override, xla_compiler_options
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import parse_variant  # noqa: E402  (benchmarks/ is the script's directory)
+from benchmarks.timing import timeit_interleaved  # noqa: E402
 
 
 def build(cfg, seed=0):
@@ -127,32 +135,58 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench_decode(cfg, variables, batch, prompt, steps, hbm, profile=None, host_loop=False):
+def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
+    """``{"base": (cfg, {}), NAME: (cfg', XLA options), …}`` for each ``--variant NAME:KEY=VALUE,…``:
+    a KEY ``xla_…`` is an XLA option of the decode loop's compile, any other a ``ModelConfig``
+    override (``moe.decode_implementation=xla``). ``ValueError`` names a malformed spec."""
+    variants = {"base": (cfg, {})}
+    for spec in specs:
+        name, assignments = parse_variant(spec, variants)
+        xla = [a for a in assignments if a.startswith("xla_")]
+        model = [a for a in assignments if not a.startswith("xla_")]
+        options = xla_compiler_options(False, xla)
+        del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
+        variants[name] = (override(cfg, model) if model else cfg, options)
+    return variants
+
+
+def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False) -> list[dict]:
+    """One row per variant (``decode_variants``); the variants' device-side loops are timed round-robin
+    in this process (``timing.timeit_interleaved``), so each is compared on the same clocks."""
+    cfg = variants["base"][0]
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, batch, prompt + steps + 1)
     _, cache = prefill_jit(variables, cfg, tokens, jnp.full((batch,), prompt, jnp.int32), cache)
-    host_step_s = _host_loop_step(cfg, variables, tokens[:, -1:], cache, steps) if host_loop else float("nan")
-    # The same greedy steps as one device-side loop (as `generate` runs them): no per-step dispatch.
-    loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))
-    jax.block_until_ready(loop(variables, tokens[:, -1:], cache))  # compile
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(variables, tokens[:, -1:], cache))
-    step_s = (time.perf_counter() - t0) / steps
-    if profile:  # one more run of the loop under the profiler (benchmarks/trace_summary.py reads it)
+    args = (variables, tokens[:, -1:], cache)
+    host_step_s = _host_loop_step(cfg, *args, steps) if host_loop else float("nan")
+    # The greedy steps as one device-side loop (as `generate` runs them): no per-step dispatch.
+    calls, last = {}, {}
+    for name, (vcfg, options) in variants.items():
+        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps))
+        calls[name] = (loop.lower(*args).compile(compiler_options=options or None), args)
+        last[name] = np.asarray(calls[name][0](*args))
+    ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)
+    if profile:  # one more run of the base loop under the profiler (benchmarks/trace_summary.py reads it)
         with jax.profiler.trace(profile, create_perfetto_trace=True):
-            jax.block_until_ready(loop(variables, tokens[:, -1:], cache))
+            jax.block_until_ready(calls["base"][0](*args))
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes = cache_read_bytes(cfg, cache, prompt + steps // 2)
     roof = lambda b: b / (hbm * 1e12)
-    return {"batch": batch, "prompt": prompt, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
-            "host_loop_step_ms": host_step_s * 1e3, "experts_touched_per_layer": touched.tolist(),
-            "weight_bytes_all": w_all, "weight_bytes_needed": w_need, "cache_bytes_read": c_bytes,
-            "bytes_per_step_all_weights": w_all + c_bytes, "bytes_per_step_needed_weights": w_need + c_bytes,
-            "roofline_ms_all_weights": 1e3 * roof(w_all + c_bytes),
-            "roofline_ms_needed_weights": 1e3 * roof(w_need + c_bytes),
-            "roofline_pct_all_weights": 100 * roof(w_all + c_bytes) / step_s,
-            "roofline_pct_needed_weights": 100 * roof(w_need + c_bytes) / step_s}
+    rows = []
+    for name in variants:
+        step_s = ms[name] / 1e3 / steps
+        rows.append({"variant": name, "batch": batch, "prompt": prompt, "step_ms": step_s * 1e3,
+                     "tokens_per_s": batch / step_s, "same_tokens_as_base": bool(np.array_equal(last[name], last["base"])),
+                     "host_loop_step_ms": host_step_s * 1e3 if name == "base" else float("nan"),
+                     "experts_touched_per_layer": touched.tolist(),
+                     "weight_bytes_all": w_all, "weight_bytes_needed": w_need, "cache_bytes_read": c_bytes,
+                     "bytes_per_step_all_weights": w_all + c_bytes, "bytes_per_step_needed_weights": w_need + c_bytes,
+                     "roofline_ms_all_weights": 1e3 * roof(w_all + c_bytes),
+                     "roofline_ms_needed_weights": 1e3 * roof(w_need + c_bytes),
+                     "roofline_pct_all_weights": 100 * roof(w_all + c_bytes) / step_s,
+                     "roofline_pct_needed_weights": 100 * roof(w_need + c_bytes) / step_s})
+    return rows
 
 
 def peak_bytes():
@@ -250,9 +284,9 @@ def main():
     ap.add_argument("--mxfp4", action="store_true", help="also time decode with MXFP4 expert weights")
     ap.add_argument("--batches", default=None, help="comma list of decode batch sizes (default 1,64; quick 1,4)")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
-    ap.add_argument("--moe-decode", default=None,
-                    help="comma list of MoEConfig.decode_implementation values to time decode with, each in "
-                         "turn (xla, pallas: the gather path's kernel at batch 1); default: the config's")
+    ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,…",
+                    help="also time decode built with these XLA options (xla_…=VALUE) or ModelConfig overrides "
+                         "(moe.decode_implementation=xla), interleaved with the base build (repeatable)")
     args = ap.parse_args()
     if args.quick:
         cfg = dataclasses.replace(config.tiny(), name="tiny")
@@ -280,22 +314,23 @@ def main():
         t0 = time.perf_counter()
         weights["mxfp4"] = mxfp4.quantize_experts(variables)
         results["mxfp4_quantize_seconds"] = time.perf_counter() - t0
-    impls = [None] if args.moe_decode is None else [s or None for s in args.moe_decode.split(",")]
     for name, v in weights.items():
-        for impl, b in ((i, b) for i in impls for b in batches):
-            run_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation=impl))
-            label = name if args.moe_decode is None else f"{name} moe-decode={impl}"
-            trace = f"{args.profile}/{name}_{impl}_b{b}" if args.profile else None
-            r = dict(bench_decode(run_cfg, v, b, args.prompt, args.decode_steps, args.hbm_tbps, trace,
-                                  args.host_loop), experts=name, moe_decode=impl)
-            results["decode"].append(r)
-            host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop else ""
-            print(f"decode {label} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
-                  f"{host}; bytes/step {r['bytes_per_step_all_weights'] / 1e9:.3f} GB "
-                  f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
-                  f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "
-                  f"{r['roofline_ms_all_weights']:.3f} / {r['roofline_ms_needed_weights']:.3f} ms = "
-                  f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%", flush=True)
+        for b in batches:
+            trace = f"{args.profile}/{name}_b{b}" if args.profile else None
+            rows = bench_decode(decode_variants(cfg, args.variants), v, b, args.prompt, args.decode_steps,
+                                args.hbm_tbps, trace, args.host_loop)
+            for r in rows:
+                r["experts"] = name
+                results["decode"].append(r)
+                label = name if r["variant"] == "base" else f"{name} {r['variant']}"
+                host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop and r["variant"] == "base" else ""
+                same = "" if r["same_tokens_as_base"] else " (last tokens differ from base)"
+                print(f"decode {label} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
+                      f"{host}; bytes/step {r['bytes_per_step_all_weights'] / 1e9:.3f} GB "
+                      f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
+                      f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "
+                      f"{r['roofline_ms_all_weights']:.3f} / {r['roofline_ms_needed_weights']:.3f} ms = "
+                      f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%{same}", flush=True)
     if "prefill" not in skip:
         results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk,
                                                1024 if args.quick else 8192)
