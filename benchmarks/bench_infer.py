@@ -177,7 +177,8 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     for name in variants:
         step_s = ms[name] / 1e3 / steps
         rows.append({"variant": name, "batch": batch, "prompt": prompt, "step_ms": step_s * 1e3,
-                     "tokens_per_s": batch / step_s, "same_tokens_as_base": bool(np.array_equal(last[name], last["base"])),
+                     "tokens_per_s": batch / step_s,
+                     "same_tokens_as_base": bool(np.array_equal(last[name], last["base"])),
                      "host_loop_step_ms": host_step_s * 1e3 if name == "base" else float("nan"),
                      "experts_touched_per_layer": touched.tolist(),
                      "weight_bytes_all": w_all, "weight_bytes_needed": w_need, "cache_bytes_read": c_bytes,
@@ -322,15 +323,17 @@ def main():
             for r in rows:
                 r["experts"] = name
                 results["decode"].append(r)
-                label = name if r["variant"] == "base" else f"{name} {r['variant']}"
-                host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop and r["variant"] == "base" else ""
+                base = r["variant"] == "base"
+                label = name if base else f"{name} {r['variant']}"
+                host = f" (from Python: {r['host_loop_step_ms']:.2f} ms)" if args.host_loop and base else ""
                 same = "" if r["same_tokens_as_base"] else " (last tokens differ from base)"
                 print(f"decode {label} B={r['batch']:3d}: {r['tokens_per_s']:10.1f} tok/s, step {r['step_ms']:.3f} ms"
                       f"{host}; bytes/step {r['bytes_per_step_all_weights'] / 1e9:.3f} GB "
                       f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
                       f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "
                       f"{r['roofline_ms_all_weights']:.3f} / {r['roofline_ms_needed_weights']:.3f} ms = "
-                      f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%{same}", flush=True)
+                      f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%{same}",
+                      flush=True)
     if "prefill" not in skip:
         results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk,
                                                1024 if args.quick else 8192)
