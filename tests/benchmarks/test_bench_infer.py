@@ -1,0 +1,24 @@
+"""benchmarks/bench_infer.py: the decode variants' split into XLA options and model overrides."""
+
+import pytest
+
+from benchmarks.bench_infer import decode_variants
+from k3jax import config
+
+
+def test_decode_variants_split_xla_options_from_model_overrides():
+    """``xla_…`` keys are compile options of the variant's decode loop (typed, no excess-precision
+    default added), any other key overrides the variant's ModelConfig; base keeps the config and no
+    option; a malformed spec or override is named."""
+    cfg = config.tiny()
+    variants = decode_variants(cfg, ["x:moe.decode_implementation=xla,xla_gpu_autotune_level=0",
+                                     "y:xla_gpu_enable_command_buffer=FUSION"])
+    assert variants["base"] == (cfg, {})
+    x_cfg, x_options = variants["x"]
+    assert x_cfg.moe.decode_implementation == "xla" and cfg.moe.decode_implementation is None
+    assert x_options == {"xla_gpu_autotune_level": 0}
+    assert variants["y"] == (cfg, {"xla_gpu_enable_command_buffer": "FUSION"})
+    with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+        decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
+    with pytest.raises(ValueError, match="no field 'nope'"):
+        decode_variants(cfg, ["z:moe.nope=1"])
