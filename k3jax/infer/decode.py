@@ -40,9 +40,10 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
       (384 -> 355 kernels a step at batch 1). Packed here once: made in the decode program, XLA
       would write the concatenation every step at batch 64, so a tree not converted here decodes
       with one product per projection.
-    - ``linear.OUTPUT_FIRST`` kernels are stored output axis first (``Proj``): XLA then sums each
-      product in one pass instead of writing the weight-sized product first (batch 1: 100 -> 32 MB
-      written a step).
+    - ``linear.OUTPUT_FIRST`` kernels (and the packed KDA kernel) are stored output axis first
+      (``Proj``): XLA then sums each product in one pass instead of writing the weight-sized
+      product first (batch 1: 100 -> 32 MB written a step), and the products it fuses with the
+      norm before them read contiguous weight rows, not 32-byte column slabs (untimed: stop 48).
 
     The serving engine and ``generate`` decode through this layout; converting costs one copy of the
     weights it changes, so callers that decode often convert once and pass the result (a result
@@ -62,7 +63,8 @@ def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
 
     def walk(node: Mapping, path: tuple[str, ...]) -> dict:
         if all(name in node for name in names):
-            moved[path + (kda.PACKED,)] = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
+            packed = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
+            moved[path + (kda.PACKED,)] = jnp.swapaxes(packed, -1, -2)  # [N, D], as OUTPUT_FIRST kernels
             node = {k: v for k, v in node.items() if k not in names}
         out = {}
         for k, v in node.items():

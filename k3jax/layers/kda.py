@@ -194,7 +194,8 @@ class KDA(nn.Module):
         """Every projection of the layer input ``x`` by parameter name (``input_projections``).
 
         On ``decode_layout``'s tree (the ``decode`` collection holds the kernels concatenated along
-        their outputs, ``pack_input_kernels``, packed once) they are one product: at batch 1 one
+        their outputs, ``pack_input_kernels``, packed once and stored output axis first) they are one
+        product: at batch 1 one
         matrix-vector kernel instead of one per projection, each recomputing the AttnRes mix and the
         norm of ``x``. Each output is the same sum over ``D`` either way. Without it (training, or a
         caller that decodes the parameters as they are) each projection is its own product:
@@ -206,8 +207,8 @@ class KDA(nn.Module):
             letters = lambda out: "HK" if len(out) == 2 else "R"
             return {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
                                name)(x) for name, out, axes in specs}
-        w = self.get_variable("decode", PACKED)
-        y = einsum("BTD,DN->BTN", x.astype(cfg.compute_dtype), w.astype(cfg.compute_dtype))
+        w = self.get_variable("decode", PACKED)  # [N, D]: output axis first (``linear.OUTPUT_FIRST``)
+        y = einsum("BTD,ND->BTN", x.astype(cfg.compute_dtype), w.astype(cfg.compute_dtype))
         ends = np.cumsum([int(np.prod(out)) for _, out, _ in specs])
         return {name: part.reshape(x.shape[:2] + out)
                 for (name, out, _), part in zip(specs, jnp.split(y, ends[:-1], axis=-1))}

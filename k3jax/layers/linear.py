@@ -52,10 +52,12 @@ class Proj(nn.Module):
 
     Decode layout: where the ``decode`` collection holds ``kernel_t`` here (``k3jax.infer.decode.
     decode_layout`` moves ``OUTPUT_FIRST`` kernels there), that is the kernel with its one output axis
-    moved first, contracted axes last, and the product reads it instead: at batch 1 XLA turns a
-    matrix-vector product into a multiply and a sum over the contracted axes, and over leading axes
-    it wrote the weight-sized product out first (2 MB per ``small()`` ``o_proj``, 68 MB a step);
-    over trailing axes it sums in the same kernel. Same sums, in another order.
+    moved first, contracted axes last, and the product reads it instead. At batch 1 XLA turns a
+    matrix-vector product into a multiply and a sum over the contracted axes: over leading axes it
+    wrote the weight-sized product out first (2 MB per ``small()`` ``o_proj``, 68 MB a step), over
+    trailing axes it sums in the same kernel; and where it fuses the norm before a projection into
+    it (a Triton block-level fusion, each program a tile of outputs), each program reads whole
+    contiguous weight rows instead of a column slab of 32 bytes a row. Same sums, in another order.
     """
 
     eq: str
@@ -88,8 +90,10 @@ class Proj(nn.Module):
                      for w in (kernel[..., :split], kernel[..., split:]))
 
 # Projections whose kernels decode reads output axis first (``Proj``, ``decode_layout``): those that
-# contract a kernel's leading axes with a vector computed just before (the layers' output projections).
-OUTPUT_FIRST = ("o_proj", "down", "up_proj")
+# contract a kernel's leading axes with a vector computed just before (the layers' output projections),
+# and the input projections of one output axis, which XLA fuses with the norm before them (MLPs' gate
+# and up, the router, MoE's latent down_proj, MLA's q_a / kv_a; KDA's packed inputs likewise).
+OUTPUT_FIRST = ("o_proj", "down", "up_proj", "gate", "up", "router", "down_proj", "q_a", "kv_a")
 
 
 def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | None, ...], name: str | None,

@@ -114,7 +114,7 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
 
 def test_decode_layout_decodes_as_the_plain_layout(model):
     """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
-    entry and the output projections' kernels output axis first (``kernel_t``): prefill and decode on
+    entry and the ``OUTPUT_FIRST`` kernels output axis first (``kernel_t``; the KDA entry too): prefill and decode on
     it give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
     from k3jax.layers import kda
@@ -129,11 +129,13 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
     for name in kda_layers:
         assert not set(names) & set(packed["params"][name]["kda"])
         width = sum(np.prod(np.shape(plain["params"][name]["kda"][n]["kernel"])[1:]) for n in names)
-        assert packed["decode"][name]["kda"][kda.PACKED].shape == (cfg.hidden, width)
+        assert packed["decode"][name]["kda"][kda.PACKED].shape == (width, cfg.hidden)
     moved = [path for path, _ in jax.tree_util.tree_flatten_with_path(packed["decode"])[0]
              if path[-1].key == "kernel_t"]
-    # o_proj (KDA and MLA), MLP down; MoE up_proj where the experts run in a latent (tiny(), not Kimi-Linear)
-    assert {"o_proj", "down"} <= {path[-2].key for path in moved} <= set(OUTPUT_FIRST)
+    # the output projections (o_proj of KDA and MLA, the MLPs' down; MoE up_proj where the experts run
+    # in a latent: tiny(), not Kimi-Linear) and the one-output-axis input projections (MLPs' gate and
+    # up, the router, MLA's q_a / kv_a; MoE down_proj with a latent)
+    assert {"o_proj", "down", "gate", "up", "router", "kv_a"} <= {path[-2].key for path in moved} <= set(OUTPUT_FIRST)
     at = lambda tree, keys: tree if not keys else at(tree[keys[0]], keys[1:])
     for path in moved:
         keys = [k.key for k in path]
