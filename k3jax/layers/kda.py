@@ -281,6 +281,11 @@ class KDA(nn.Module):
         tails = conv_tail(windows, num_new, c.conv_size - 1)
         if T < c.chunk_size:  # decode: a few tokens, the plain recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
+            # Where the step runs as XLA ops (few states: batch 1), XLA fused it whole into the output
+            # norm's Triton fusion, one program per head: 14.6 µs a layer of small() on the H200, where
+            # its reductions over the same state take ~2 µs each (benchmarks/RESULTS.md, stop 48). The
+            # barrier keeps o a buffer of its own, so the state update is a reduction fusion of its own.
+            o = jax.lax.optimization_barrier(o)
         else:  # prefill: the chunked kernel from the cached state
             o, state = chunk_from_state(q, k, v, g, beta, cache.state, scale=scale,
                                         implementation=c.scan_implementation, chunk_size=c.chunk_size)
