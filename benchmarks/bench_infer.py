@@ -145,7 +145,8 @@ def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
         xla = [a for a in assignments if a.startswith("xla_")]
         model = [a for a in assignments if not a.startswith("xla_")]
         options = xla_compiler_options(False, xla)
-        del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
+        if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
+            del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
         variants[name] = (override(cfg, model) if model else cfg, options)
     return variants
 

@@ -194,12 +194,12 @@ class KDA(nn.Module):
         """Every projection of the layer input ``x`` by parameter name (``input_projections``).
 
         On ``decode_layout``'s tree (the ``decode`` collection holds the kernels concatenated along
-        their outputs, ``pack_input_kernels``, packed once and stored output axis first) they are one
-        product: at batch 1 one
-        matrix-vector kernel instead of one per projection, each recomputing the AttnRes mix and the
-        norm of ``x``. Each output is the same sum over ``D`` either way. Without it (training, or a
-        caller that decodes the parameters as they are) each projection is its own product:
-        concatenating the kernels inside the program would copy them on every call.
+        their outputs, ``pack_input_kernels``, packed once and stored output axis first) they are
+        one product: at batch 1 one matrix-vector kernel instead of one per projection, each
+        recomputing the AttnRes mix and the norm of ``x``. Each output is the same sum over ``D``
+        either way. Without it (training, or a caller that decodes the parameters as they are) each
+        projection is its own product: concatenating the kernels inside the program would copy them
+        on every call.
         """
         cfg = self.cfg
         specs = input_projections(cfg)

@@ -18,6 +18,8 @@ def test_decode_variants_split_xla_options_from_model_overrides():
     assert x_cfg.moe.decode_implementation == "xla" and cfg.moe.decode_implementation is None
     assert x_options == {"xla_gpu_autotune_level": 0}
     assert variants["y"] == (cfg, {"xla_gpu_enable_command_buffer": "FUSION"})
+    exact = decode_variants(cfg, ["e:xla_allow_excess_precision=false"])["e"]
+    assert exact == (cfg, {"xla_allow_excess_precision": False})  # asked for, so kept
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
     with pytest.raises(ValueError, match="no field 'nope'"):

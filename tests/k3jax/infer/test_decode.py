@@ -114,8 +114,8 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
 
 def test_decode_layout_decodes_as_the_plain_layout(model):
     """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
-    entry and the ``OUTPUT_FIRST`` kernels output axis first (``kernel_t``; the KDA entry too): prefill and decode on
-    it give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
+    entry and the ``OUTPUT_FIRST`` kernels output axis first (``kernel_t``; the KDA entry too):
+    prefill and decode on it give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
     from k3jax.layers import kda
     from k3jax.layers.linear import OUTPUT_FIRST
@@ -135,7 +135,8 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
     # the output projections (o_proj of KDA and MLA, the MLPs' down; MoE up_proj where the experts run
     # in a latent: tiny(), not Kimi-Linear) and the one-output-axis input projections (MLPs' gate and
     # up, the router, MLA's q_a / kv_a; MoE down_proj with a latent)
-    assert {"o_proj", "down", "gate", "up", "router", "kv_a"} <= {path[-2].key for path in moved} <= set(OUTPUT_FIRST)
+    moved_names = {path[-2].key for path in moved}
+    assert {"o_proj", "down", "gate", "up", "router", "kv_a"} <= moved_names <= set(OUTPUT_FIRST)
     at = lambda tree, keys: tree if not keys else at(tree[keys[0]], keys[1:])
     for path in moved:
         keys = [k.key for k in path]
