@@ -13,7 +13,8 @@ Sows ``max_logit [H]`` (the largest scaled pre-softmax logit per head) for QK-Cl
 Decode (SPEC §3): with ``cache`` (any pytree with ``latent [B,Tmax,Rkv+dr]`` and ``lengths [B]``;
 ``k3jax.infer.cache``) the layer writes its new ``[RMSNorm(c), k_r]`` rows at each sequence's
 length, attends over the compressed cache with ``W_kvb`` absorbed into the query and the output
-(the cache is never expanded per head), and returns ``(y, new_cache)``. A call of many new tokens
+(the cache is never expanded per head; on a CUDA GPU a Pallas kernel, ``pallas_kernels.mla_attention.
+cached_attention``), and returns ``(y, new_cache)``. A call of many new tokens
 (chunked prefill, ``PREFILL_FLASH_TOKENS``) runs the flash kernel instead where it can
 (:func:`flash_cached_attention`).
 """
@@ -31,14 +32,14 @@ from k3jax.layers.gates import sigmoid_gate
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, proj
 from k3jax.layers.norm import norm
-from pallas_kernels.mla_attention import mla_attention
+from pallas_kernels.mla_attention import KEY_BLOCK, cached_attention, mla_attention
 from sharding import current as parallel_context
 from sharding.cp_attention import mla_attention_cp
 
+# KEY_BLOCK (imported): cached keys per block of the decode attention's reference; the cache's length
+# rounds up to it (``k3jax.infer.cache.cache_length``).
 # Query rows per attention block when T is long: bounds the [B,H,C,T] logits in memory.
 QUERY_BLOCK = 512
-# Cached keys per block of the decode attention (a longer cache must be a multiple of it).
-KEY_BLOCK = 2048
 # New tokens per row from which a cached call (chunked prefill) runs the flash kernel where it can.
 PREFILL_FLASH_TOKENS = 256
 
@@ -74,57 +75,6 @@ def causal_attention(q: Float[Array, "B T H K"], k: Float[Array, "B S H K"], v: 
     out, max_logit = jax.lax.map(attend, (blocks(q), blocks(mask)))
     out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
     return out, jnp.max(max_logit, axis=0)
-
-
-def _cached_block(q_c, q_r, latent, first, last, scale, R):
-    """Logits of the absorbed query against cache rows, masked to ``first <= s <= last[b, t]``."""
-    S = latent.shape[1]
-    logits = einsum("BTHR,BSR->BHTS", q_c, latent[..., :R].astype(q_c.dtype))
-    logits = logits + einsum("BTHK,BSK->BHTS", q_r, latent[..., R:].astype(q_r.dtype))
-    pos = first + jnp.arange(S)
-    return jnp.where((pos[None, None, :] <= last[:, :, None])[:, None], logits * scale, -jnp.inf)
-
-
-def _weighted_latent(p: Float[Array, "B H T S"], latent: Float[Array, "B S C"], dtype,
-                     R: int) -> Float[Array, "B T H R"]:
-    """``p`` applied to the latent part of the cache rows (their first ``R`` columns).
-
-    Contracted over all ``C`` columns and sliced after: an operand sliced to ``R`` columns made XLA
-    write the whole cache out in fp32 before the product (``small()`` at batch 64: 71 MB per MLA
-    layer and step); each output column is the same sum either way."""
-    return einsum("BHTS,BSC->BTHC", p, latent.astype(dtype))[..., :R]
-
-
-def cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], latent: Float[Array, "B S C"],
-                     last: Int[Array, "B T"], scale: float) -> Float[Array, "B T H R"]:
-    """Softmax attention of absorbed queries over the compressed cache, key position ``<= last``.
-
-    Returns the attention-weighted latent (``W_v`` is applied by the caller). Long caches go block
-    by block with an online softmax over only the blocks some query can see.
-    """
-    R, S = q_c.shape[-1], latent.shape[1]
-    if S <= KEY_BLOCK:
-        p = jax.nn.softmax(_cached_block(q_c, q_r, latent, 0, last, scale, R), axis=-1)
-        return _weighted_latent(p, latent, q_c.dtype, R)
-    if S % KEY_BLOCK:
-        raise ValueError(f"cache length {S} must be <= {KEY_BLOCK} or a multiple of it")
-
-    def body(i, carry):
-        m, l, acc = carry  # running max [B,H,T], normaliser [B,H,T], output [B,T,H,R]
-        rows = jax.lax.dynamic_slice_in_dim(latent, i * KEY_BLOCK, KEY_BLOCK, axis=1)
-        logits = _cached_block(q_c, q_r, rows, i * KEY_BLOCK, last, scale, R)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-        p = jnp.exp(logits - m_new[..., None])
-        fix = jnp.exp(m - m_new)
-        acc = acc * jnp.moveaxis(fix, 1, 2)[..., None] + _weighted_latent(p, rows, q_c.dtype, R)
-        return m_new, l * fix + jnp.sum(p, axis=-1), acc
-
-    B, T, H = q_c.shape[:3]
-    # Block 0 always holds a visible key (position 0), so the running max is finite from the start.
-    init = (jnp.full((B, H, T), -jnp.inf, q_c.dtype), jnp.zeros((B, H, T), q_c.dtype), jnp.zeros_like(q_c))
-    num_blocks = jnp.minimum(jnp.max(last) // KEY_BLOCK + 1, S // KEY_BLOCK)  # rows past the cache see all of it
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    return acc / jnp.moveaxis(l, 1, 2)[..., None]
 
 
 def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B S C"], kv_b: Float[Array, "R H Dkv"],
@@ -205,7 +155,8 @@ class MLA(nn.Module):
             return o, cache.replace(latent=latent)
         kernel = kernel.astype(wide)
         q_c = einsum("BTHK,RHK->BTHR", q[..., :dn], kernel[..., :dn])  # W_k absorbed into the query
-        o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale)  # [B, T, H, Rkv]
+        o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale,  # [B, T, H, Rkv]
+                               implementation=m.attention_implementation)
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
 

@@ -1,4 +1,5 @@
-"""Public op: ``mla_attention`` (causal MLA attention with document masks, SPEC §3) and its switch.
+"""Public ops: ``mla_attention`` (causal MLA attention with document masks, SPEC §3) and its switch;
+``cached_attention`` (decode over the compressed cache, at the end of this file).
 
 ``implementation``: ``None`` runs the flash kernels (the forward in Mosaic GPU, :mod:`kernel_gpu_fwd`,
 where it takes the call; the backward and the other forwards in Pallas-Triton, :mod:`kernel_gpu`) when
@@ -30,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.mla_attention.kernel_gpu import BlockSizes
 from pallas_kernels.mla_attention.reference import mla_attention_reference
+from pallas_kernels.mla_attention.reference_decode import cached_attention_reference
 from pallas_kernels.target import current_target
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -188,3 +190,25 @@ def mla_attention(q_nope: Float[Array, "B T H N"], q_rope: Float[Array, "B T H R
                         float(scale), blocks, interpret)
     max_logit = jnp.max(jax.lax.stop_gradient(row_max)[:, :, :T], axis=(0, 2))
     return o[:, :T, :, :V], max_logit
+
+
+def cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], latent: Float[Array, "B S C"],
+                     last: Int[Array, "B T"], scale: float, *, implementation: str | None = None,
+                     interpret: bool = False) -> Float[Array, "B T H R"]:
+    """Decode's absorbed attention over the compressed cache (``reference_decode`` states the contract).
+
+    ``implementation``: ``None`` runs the decode kernel (:mod:`kernel_gpu_decode`) when compiling for a
+    CUDA GPU and it takes the shapes (power-of-two latent and rope widths), the reference
+    otherwise; ``"xla"`` is the reference; ``"pallas"`` is the kernel (a CUDA GPU or ``interpret=True``),
+    ``ValueError`` naming what it cannot take."""
+    from pallas_kernels.mla_attention import kernel_gpu_decode
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "pallas":
+        kernel_gpu_decode.check_inputs(q_c, q_r, latent, last)
+        if not (interpret or _cuda_gpu()):
+            raise ValueError("implementation='pallas' needs a CUDA GPU (or interpret=True); "
+                             f"compiling for {current_target().platform!r}")
+    elif implementation == "xla" or not (_cuda_gpu() and kernel_gpu_decode.accepts(q_c, q_r, latent, last)):
+        return cached_attention_reference(q_c, q_r, latent, last, scale)
+    return kernel_gpu_decode.cached_attention_pallas(q_c, q_r, latent, last, scale=float(scale), interpret=interpret)

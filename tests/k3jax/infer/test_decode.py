@@ -79,7 +79,7 @@ def test_ragged_chunked_prefill_then_decode(model):
 def test_blocked_cached_attention_equals_dense(monkeypatch):
     """The online-softmax walk over key blocks (long caches) equals one dense softmax, including a
     row whose positions run past the cache (it sees all of it, and no block twice)."""
-    from k3jax.layers import mla
+    from pallas_kernels.mla_attention import reference_decode
 
     B, T, H, R, K, S = 2, 3, 2, 8, 4, 32
     ks = jax.random.split(jax.random.key(0), 3)
@@ -88,9 +88,9 @@ def test_blocked_cached_attention_equals_dense(monkeypatch):
     latent = jax.random.normal(ks[2], (B, S, R + K))
     last = jnp.asarray([[5, 6, 17], [30, 31, 40]])
     with jax.default_matmul_precision("highest"):
-        dense = mla.cached_attention(q_c, q_r, latent, last, 0.3)
-        monkeypatch.setattr(mla, "KEY_BLOCK", 8)
-        blocked = mla.cached_attention(q_c, q_r, latent, last, 0.3)
+        dense = reference_decode.cached_attention_reference(q_c, q_r, latent, last, 0.3)
+        monkeypatch.setattr(reference_decode, "KEY_BLOCK", 8)
+        blocked = reference_decode.cached_attention_reference(q_c, q_r, latent, last, 0.3)
     assert rel_rmse(blocked, dense) <= F32_RTOL
 
 

@@ -1,5 +1,5 @@
 """Chunked prefill's MLA attention by the flash kernel (``mla.flash_cached_attention``, CPU interpreter)
-equals the absorbed attention over the compressed cache (``mla.cached_attention``), with a different
+equals the absorbed attention over the compressed cache (``cached_attention_reference``), with a different
 cache length per row (compiled on a GPU under ``-m gpu``), and the kernel's per-row query offsets
 equal the reference's."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers import mla
-from pallas_kernels.mla_attention import mla_attention
+from pallas_kernels.mla_attention import cached_attention_reference, mla_attention
 from tests.tolerances import BF16_FWD_RTOL, rel_rmse
 
 RNG = np.random.default_rng(0)
@@ -34,7 +34,7 @@ def test_flash_cached_attention_equals_absorbed(interpret):
     w = kv_b.astype(jnp.bfloat16).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         q_c = jnp.einsum("BTHK,RHK->BTHR", q32[..., :DN], w[..., :DN])
-        o_c = mla.cached_attention(q_c, q32[..., DN:], latent, start[:, None] + jnp.arange(T)[None], scale)
+        o_c = cached_attention_reference(q_c, q32[..., DN:], latent, start[:, None] + jnp.arange(T)[None], scale)
         ref = jnp.einsum("BTHR,RHV->BTHV", o_c, w[..., DN:])
     assert got.shape == (B, T, H, DV)
     assert rel_rmse(got, ref) <= BF16_FWD_RTOL
