@@ -1,17 +1,18 @@
 """MLA decode attention on the GPU: absorbed queries over the compressed cache, split along the keys.
 
-XLA runs :func:`reference_decode.cached_attention_reference` as a dozen kernels per MLA layer (the
-two logit products, masks and pads, the softmax, the weighted latent): on ``small()`` at batch 64
-72 µs a layer for the 45 MB of cache it reads (0.6 TB/s; ``benchmarks/RESULTS.md``, stop 49), and at
-batch 1 14.5 µs for 0.7 MB. Here one Pallas-Triton kernel reads each cache row once for all of a
-sequence's query rows (every head, every new token: ``T·H`` rows in groups of a power of two, one
-group for ``small()``'s 8 heads, three of 32 for K3's 96 over its 512-wide latent): program
-``(b, g, s)`` takes row group ``g`` and split ``s`` of the key tiles up to the furthest row any query of ``b`` sees,
-runs the online softmax over them (logits and ``p·c`` as bf16 tensor-core products: the cache rows
-are bf16, the fp32 query and probabilities enter as two bf16 parts each, ~16 mantissa bits) and writes its
-unnormalised output with its row max and sum. A short XLA epilogue merges the splits. Splits are
-chosen so that ``B × groups × splits`` fills the GPU (``SPLIT_PROGRAMS``); a split past every query's reach
-reads nothing.
+XLA runs :func:`reference_decode.cached_attention_reference` as 8–11 kernels per MLA layer (the two
+logit products, masks and pads, the softmax, the weighted latent): on ``small()`` at batch 64, 72 µs
+a layer for the 45 MB of cache it reads (0.6 TB/s; ``benchmarks/RESULTS.md``, stop 49), at batch 1
+14.5 µs for 0.7 MB. Here one Pallas-Triton kernel reads each cache row once for all of a sequence's
+query rows (every head and new token: ``T·H`` rows in groups of a power of two — one group for
+``small()``'s 8 heads, three of 32 for K3's 96 over its 512-wide latent). Program ``(b, g, s)`` takes
+row group ``g`` of sequence ``b`` and split ``s`` of the key tiles up to the furthest row any of its
+queries sees, runs the online softmax over them (logits and ``p·c`` as bf16 tensor-core products:
+the cache rows are bf16, the fp32 query and probabilities enter as two bf16 parts each, ~16 mantissa
+bits) and writes its unnormalised output with its row max and sum; a short XLA epilogue merges the
+splits. Splits are chosen so that ``B × groups × splits`` fills the GPU (``SPLIT_PROGRAMS``); a split
+past every query's reach reads nothing. Against XLA (``benchmarks/bench_mla_decode.py``): 1.6× at
+batch 1, 2.2× at batch 64, 5.6× at K3's widths over a 32 K cache.
 
 Same contract as the reference: keys at ``s <= last[b, t]``, rows past the cache see all of it.
 ``interpret=True`` runs the kernel in the CPU interpreter (the default suite's test).
@@ -32,6 +33,9 @@ from pallas_kernels.triton_blocks import is_block_dim
 SPLIT_PROGRAMS = 256  # programs to aim for over (sequence, split): about two per SM of an H100/H200
 NUM_WARPS = 4  # per 8 K accumulator elements (K3's [32, 512] groups: 8)
 MAX_ACC = 64 * 256  # fp32 accumulator elements per program (query rows × latent width)
+# Query rows (new tokens × heads) up to which ``implementation=None`` takes the kernel: every row group
+# reads the whole cache, and a call of many new tokens is chunked prefill's (timed: T = 1, K3's 96 heads)
+DEFAULT_MAX_ROWS = 512
 
 
 def row_groups(tokens: int, heads: int, width: int) -> tuple[int, int]:
@@ -72,12 +76,13 @@ def check_inputs(q_c, q_r, latent, last) -> None:
 
 
 def accepts(q_c, q_r, latent, last) -> bool:
-    """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
+    """What ``implementation=None`` asks: :func:`check_inputs` takes these inputs and they are a decode
+    call's few rows (``T·H <= DEFAULT_MAX_ROWS``)."""
     try:
         check_inputs(q_c, q_r, latent, last)
     except ValueError:
         return False
-    return True
+    return q_c.shape[1] * q_c.shape[2] <= DEFAULT_MAX_ROWS
 
 
 def splits_for(batch: int, tiles: int) -> tuple[int, int]:
@@ -179,8 +184,9 @@ def split_outputs(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], la
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def cached_attention_pallas(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], latent: Float[Array, "B S C"],
-                            last: Int[Array, "B T"], *, scale: float, interpret: bool = False) -> Float[Array, "B T H R"]:
+def cached_attention_pallas(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"],
+                            latent: Float[Array, "B S C"], last: Int[Array, "B T"], *, scale: float,
+                            interpret: bool = False) -> Float[Array, "B T H R"]:
     """``reference_decode.cached_attention_reference`` (same arguments) by the kernel and a merge of its splits."""
     check_inputs(q_c, q_r, latent, last)
     B, T, H, R = q_c.shape

@@ -59,8 +59,12 @@ def test_splits_cover_the_keys_once():
 
 
 def test_dispatch():
-    """``cached_attention``: the reference on a CPU target (bit-for-bit), the kernel when asked."""
+    """``cached_attention``: the reference on a CPU target (bit-for-bit), the kernel when asked; the
+    default takes a decode call's few query rows, not chunked prefill's many."""
     q_c, q_r, latent, last = _inputs(2, 2, 1, 2, 16, 16, 50, [10, 30])
+    assert kernel_gpu_decode.accepts(q_c, q_r, latent, last)
+    many = jnp.zeros((2, 64, 16, 16))
+    assert not kernel_gpu_decode.accepts(many, jnp.zeros((2, 64, 16, 16)), latent, jnp.zeros((2, 64), jnp.int32))
     with compile_for("cpu"):
         default = cached_attention(q_c, q_r, latent, last, 0.2)
     assert (default == cached_attention_reference(q_c, q_r, latent, last, 0.2)).all()
