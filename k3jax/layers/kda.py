@@ -121,12 +121,11 @@ def short_conv_qkv(xs: Sequence[Float[Array, "B T H K"]], ws: Sequence[Float[Arr
     return tuple(y.reshape(B, T, H, K) for y in ys)
 
 
-def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs):
-    """``chunk_kda`` from a cached state, returning ``(o, final state)``. On a mesh each device scans
-    its own rows and heads inside ``shard_map``: XLA cannot partition a Pallas kernel, and the scan
-    never mixes rows or heads (an axis that does not divide its dimension is left whole)."""
-    run = lambda q, k, v, g, beta, s: chunk_kda(q, k, v, g, beta, initial_state=s, output_final_state=True,
-                                                 **kwargs)
+def per_shard(run, q, k, v, g, beta, state: Float[Array, "B H K V"]):
+    """``run(q, k, v, g, beta, state)`` of a KDA kernel; on a mesh each device runs its own rows and
+    heads inside ``shard_map``: XLA cannot partition a Pallas kernel (a custom call: it would gather
+    every row and head onto each device first), and the recurrence never mixes rows or heads (an axis
+    that does not divide its dimension is left whole)."""
     ctx = parallel_context()
     if ctx is None:
         return run(q, k, v, g, beta, state)
@@ -140,6 +139,13 @@ def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs)
     fn = jax.shard_map(run, mesh=ctx.mesh, in_specs=ctx.in_specs(specs, *args), out_specs=(rows, s_spec),
                        check_vma=False)
     return fn(*args)
+
+
+def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs):
+    """``chunk_kda`` from a cached state, returning ``(o, final state)``, per shard on a mesh (:func:`per_shard`)."""
+    run = lambda q, k, v, g, beta, s: chunk_kda(q, k, v, g, beta, initial_state=s, output_final_state=True,
+                                                 **kwargs)
+    return per_shard(run, q, k, v, g, beta, state)
 
 
 PACKED = "in_proj"  # decode_layout's concatenated input kernel, in the ``decode`` collection
@@ -280,7 +286,8 @@ class KDA(nn.Module):
         num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         tails = conv_tail(windows, num_new, c.conv_size - 1)
         if T < c.chunk_size:  # decode: a few tokens, the plain recurrence
-            o, state = recurrent_kda_step(q, k, v, g, beta, cache.state, scale=scale)
+            step = lambda q, k, v, g, beta, s: recurrent_kda_step(q, k, v, g, beta, s, scale=scale)
+            o, state = per_shard(step, q, k, v, g, beta, cache.state)
             # Where the step runs as XLA ops (few states: batch 1), XLA fused it whole into the output
             # norm's Triton fusion, one program per head: 14.6 µs a layer of small() on the H200, where
             # its reductions over the same state take ~2 µs each (benchmarks/RESULTS.md, stop 48). The

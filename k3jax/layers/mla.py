@@ -77,6 +77,30 @@ def causal_attention(q: Float[Array, "B T H K"], k: Float[Array, "B S H K"], v: 
     return out, jnp.max(max_logit, axis=0)
 
 
+def sharded_cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"],
+                             latent: Float[Array, "B S C"], last: Int[Array, "B T"], scale: float, *,
+                             implementation: str | None = None) -> Float[Array, "B T H R"]:
+    """``cached_attention`` (decode's absorbed attention); on a mesh each device attends with its own
+    rows and heads inside ``shard_map``: XLA cannot partition the decode kernel (a custom call: it
+    would gather every row and head onto each device first), and no row or head reads another's. A
+    mesh that splits the sequence leaves the call to XLA's partitioner; an axis that does not divide
+    its dimension is left whole."""
+    run = lambda q_c, q_r, latent, last: cached_attention(q_c, q_r, latent, last, scale,
+                                                          implementation=implementation)
+    ctx = parallel_context()
+    if ctx is None or ctx.sequence_parallel:
+        return run(q_c, q_r, latent, last)
+    from sharding.init import _fit
+
+    spec = tuple(_fit(ctx.spec("batch", None, "heads", None), q_c.shape, ctx.mesh)) + (None,) * 4
+    b, h = spec[0], spec[2]
+    P = jax.sharding.PartitionSpec
+    rows, args = P(b, None, h, None), (q_c, q_r, latent, last)
+    fn = jax.shard_map(run, mesh=ctx.mesh, in_specs=ctx.in_specs((rows, rows, P(b, None, None), P(b, None)), *args),
+                       out_specs=rows, check_vma=False)
+    return fn(*args)
+
+
 def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B S C"], kv_b: Float[Array, "R H Dkv"],
                            start: Int[Array, "B"], scale: float, *, nope_dim: int,
                            interpret: bool = False) -> Float[Array, "B T H V"]:
@@ -155,8 +179,8 @@ class MLA(nn.Module):
             return o, cache.replace(latent=latent)
         kernel = kernel.astype(wide)
         q_c = einsum("BTHK,RHK->BTHR", q[..., :dn], kernel[..., :dn])  # W_k absorbed into the query
-        o_c = cached_attention(q_c, q[..., dn:], latent, pos, scale,  # [B, T, H, Rkv]
-                               implementation=m.attention_implementation)
+        o_c = sharded_cached_attention(q_c, q[..., dn:], latent, pos, scale,  # [B, T, H, Rkv]
+                                       implementation=m.attention_implementation)
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
 
