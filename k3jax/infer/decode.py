@@ -43,7 +43,8 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
     - ``linear.OUTPUT_FIRST`` kernels (and the packed KDA kernel) are stored output axis first
       (``Proj``): XLA then sums each product in one pass instead of writing the weight-sized
       product first (batch 1: 100 -> 32 MB written a step), and the products it fuses with the
-      norm before them read contiguous weight rows, not 32-byte column slabs (untimed: stop 48).
+      norm before them read contiguous weight rows, not 32-byte column slabs (batch 1: −0.149 ms a
+      token of 1.163; benchmarks/RESULTS.md, stop 49).
 
     The serving engine and ``generate`` decode through this layout; converting costs one copy of the
     weights it changes, so callers that decode often convert once and pass the result (a result

@@ -13,8 +13,8 @@ Sows ``max_logit [H]`` (the largest scaled pre-softmax logit per head) for QK-Cl
 Decode (SPEC §3): with ``cache`` (any pytree with ``latent [B,Tmax,Rkv+dr]`` and ``lengths [B]``;
 ``k3jax.infer.cache``) the layer writes its new ``[RMSNorm(c), k_r]`` rows at each sequence's
 length, attends over the compressed cache with ``W_kvb`` absorbed into the query and the output
-(the cache is never expanded per head; on a CUDA GPU a Pallas kernel, ``pallas_kernels.mla_attention.
-cached_attention``), and returns ``(y, new_cache)``. A call of many new tokens
+(the cache is never expanded per head; on a CUDA GPU by a Pallas kernel, see
+:func:`sharded_cached_attention`), and returns ``(y, new_cache)``. A call of many new tokens
 (chunked prefill, ``PREFILL_FLASH_TOKENS``) runs the flash kernel instead where it can
 (:func:`flash_cached_attention`).
 """
@@ -92,8 +92,7 @@ def sharded_cached_attention(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B 
         return run(q_c, q_r, latent, last)
     from sharding.init import _fit
 
-    spec = tuple(_fit(ctx.spec("batch", None, "heads", None), q_c.shape, ctx.mesh)) + (None,) * 4
-    b, h = spec[0], spec[2]
+    b, _, h, _ = _fit(ctx.spec("batch", None, "heads", None), q_c.shape, ctx.mesh)  # one entry a dimension
     P = jax.sharding.PartitionSpec
     rows, args = P(b, None, h, None), (q_c, q_r, latent, last)
     fn = jax.shard_map(run, mesh=ctx.mesh, in_specs=ctx.in_specs((rows, rows, P(b, None, None), P(b, None)), *args),
