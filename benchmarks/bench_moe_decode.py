@@ -1,13 +1,18 @@
-"""The routed experts of one decode step on the gather path (batch 1), XLA against the Pallas kernel.
+"""The routed experts of one decode step, XLA against the Pallas kernels, on either decode path.
 
-Times ``moe_decode.gathered_experts`` at ``small()``'s shape (T=1, k=8, E=64, L=F=512, bf16) with
-``implementation="xla"`` and ``"pallas"`` (``pallas_kernels/moe/kernel_gpu_decode.py``) at several
-``DecodeTiles`` (``block_f``, ``num_warps``), each as ``--steps`` chained calls in one ``fori_loop``
-(the next call's x is this call's output, so calls cannot overlap and host dispatch drops out), timed
-interleaved (``timing.timeit_interleaved``). Each kernel variant is first checked against the XLA
-path (max |difference| in bf16 ulps of the output's largest element). Needs a CUDA GPU:
+``--path gather`` (batch 1, the default): ``moe_decode.gathered_experts`` at ``small()``'s shape (T=1,
+k=8, E=64, L=F=512, bf16) with ``implementation="xla"`` and ``"pallas"`` (``pallas_kernels/moe/
+kernel_gpu_decode.py``) at several ``DecodeTiles`` (``block_f``, ``num_warps``). ``--path dense``
+(``--tokens 64`` by default): ``moe_decode.dense_experts`` (every expert on every token) with
+``implementation="xla"`` and the two kernels of ``pallas_kernels/moe/kernel_gpu_decode_dense.py`` at
+several ``DenseTiles``. Each variant runs as ``--steps`` chained calls in one ``fori_loop`` (the next
+call's x is this call's output, so calls cannot overlap and host dispatch drops out), timed interleaved
+(``timing.timeit_interleaved``), and is first checked against the XLA path (max |difference| in bf16
+ulps of the output's largest element); printed with its speed-up over XLA and the weight bytes it reads
+per µs. Needs a CUDA GPU:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_decode.py --out $OUT/bench_moe_decode.json
+    PYTHONPATH=$PWD python3 benchmarks/bench_moe_decode.py --path dense --out $OUT/bench_moe_dense.json
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ import numpy as np
 
 from k3jax.layers import moe_decode
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
 
 TILES = [DecodeTiles(16, 4), DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(64, 8), DecodeTiles(16, 2)]
+DENSE_TILES = [DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), DenseTiles(block_n=128, num_warps=8),
+               DenseTiles(num_stages=4), DenseTiles(block_k=128, num_stages=2)]
+E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
 
 
 def _inputs(T, k, E, L, F, seed=0):
@@ -44,7 +53,8 @@ def chained(fn, steps: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--path", choices=("gather", "dense"), default="gather")
+    ap.add_argument("--tokens", type=int, default=None, help="default: 1 (gather), 64 (dense)")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--activation", default="situ")
     ap.add_argument("--out", default=None)
@@ -53,15 +63,25 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from benchmarks.timing import timeit_interleaved
 
-    x, ids, weights, ws = _inputs(args.tokens, 8, 64, 512, 512)
+    tokens = args.tokens or (1 if args.path == "gather" else 64)
+    x, ids, weights, ws = _inputs(tokens, K, E, L, F)
     act = dict(activation=args.activation)
-    fns = {"xla": functools.partial(moe_decode.gathered_experts, **act, implementation="xla")}
-    for t in TILES:
-        fns[f"pallas bf={t.block_f} warps={t.num_warps}"] = functools.partial(gathered_experts_pallas, **act, tiles=t,
-                                                                              interpret=args.interpret)
+    if args.path == "gather":
+        fns = {"xla": functools.partial(moe_decode.gathered_experts, **act, implementation="xla")}
+        for t in TILES:
+            fns[f"pallas bf={t.block_f} warps={t.num_warps}"] = functools.partial(
+                gathered_experts_pallas, **act, tiles=t, interpret=args.interpret)
+        weight_bytes = 3 * len(np.unique(np.asarray(ids))) * L * F * 2
+    else:
+        fns = {"xla": functools.partial(moe_decode.dense_experts, **act, implementation="xla")}
+        for t in DENSE_TILES:
+            name = f"pallas t={t.block_t} n={t.block_n} k={t.block_k} w={t.num_warps} s={t.num_stages}"
+            fns[name] = functools.partial(dense_experts_pallas, **act, tiles=t, interpret=args.interpret)
+        weight_bytes = 3 * E * L * F * 2
     outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
     calls = {name: (chained(fn, args.steps), (x, ids, weights, *ws)) for name, fn in fns.items()}
-    results = {"device": jax.devices()[0].device_kind, "tokens": args.tokens, "steps": args.steps}
+    results = {"device": jax.devices()[0].device_kind, "path": args.path, "tokens": tokens, "steps": args.steps,
+               "weight_bytes": weight_bytes}
     return report(results, outs, timeit_interleaved(calls), args.steps, "us_per_call", args.out)
 
 
@@ -72,8 +92,12 @@ def report(results: dict, outs: dict, ms: dict, steps: int, key: str, out: str |
     ref = outs["xla"]
     results["check"] = {n: float(np.abs(o - ref).max() / (2.0 ** -7 * np.abs(ref).max())) for n, o in outs.items()}
     results[key] = {n: 1e3 * t / steps for n, t in ms.items()}
+    us = results[key]
+    results["speedup_over_xla"] = {n: us["xla"] / us[n] for n in outs}
     for n in outs:
-        print(f"{n:36s} {results[key][n]:8.2f} us   max diff vs xla {results['check'][n]:.2f} ulp(max|y|)", flush=True)
+        rate = f"   {results['weight_bytes'] / us[n] / 1e6:5.2f} TB/s of weights" if "weight_bytes" in results else ""
+        print(f"{n:44s} {us[n]:8.2f} us   {results['speedup_over_xla'][n]:5.2f}x xla{rate}   "
+              f"max diff vs xla {results['check'][n]:.2f} ulp(max|y|)", flush=True)
     if out:
         Path(out).write_text(json.dumps(results, indent=1))
     return 0

@@ -144,11 +144,10 @@ class MoE(nn.Module):
         path = moe_decode.decode_path(u.shape[0], m.top_k, m.num_experts) if decode else "grouped"
         if parallel_context() is None and path != "grouped":
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
-            if path == "gather":  # the decode kernel takes plain weights; MXFP4 experts stay on XLA
-                plain = not any(isinstance(w, mxfp4.Mxfp4) for w in ws)
-                return moe_decode.gathered_experts(u.astype(dt), ids, weights, *ws, **act,
-                                                   implementation=m.decode_implementation if plain else "xla")
-            return moe_decode.dense_experts(u.astype(dt), ids, weights, *ws, **act)
+            # the decode kernels take plain weights; MXFP4 experts stay on XLA
+            impl = m.decode_implementation if not any(isinstance(w, mxfp4.Mxfp4) for w in ws) else "xla"
+            experts = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
+            return experts(u.astype(dt), ids, weights, *ws, **act, implementation=impl)
         # stacks stored in the compute dtype (bf16 working copies, serving): nothing to fuse a
         # [W1 | W3] concatenation into, so the gate and up products run apart (moe_ffn's gate_up)
         stored_narrow = all(not isinstance(w, mxfp4.Mxfp4) and w.dtype == dt for w in ws)

@@ -15,7 +15,11 @@ Two paths replace it there (``decode_path`` picks by the static token count):
 On a CUDA GPU the gather path runs as one Pallas-Triton kernel and an epilogue wherever the kernel
 takes the inputs (``gathered_experts(implementation=None)``, ``MoEConfig.decode_implementation``;
 1.420 → 1.217 ms a ``small()`` decode step at batch 1 on the H200, benchmarks/RESULTS.md "Stop 37"):
-``pallas_kernels/moe/kernel_gpu_decode.py``, with the XLA code here as its reference.
+``pallas_kernels/moe/kernel_gpu_decode.py``, with the XLA code here as its reference. The dense path
+likewise runs as two Pallas-Triton kernels and an epilogue (``dense_experts(implementation=None)``:
+the activation inside the gate/up kernel, so the gate and up products are never written;
+``pallas_kernels/moe/kernel_gpu_decode_dense.py``; 432.4 → 421.4 kernels and 914 → 819 MB written a
+``small()`` step at batch 64, device-less — not yet timed on the H200, RESULTS.md "Stop 50").
 
 Both round where ``moe_ffn`` rounds (gate and up products, the activation, each expert's output,
 in the compute dtype; the weighted sum over the k experts in float32), so decode matches the
@@ -29,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
-from pallas_kernels.moe import kernel_gpu_decode
+from pallas_kernels.moe import kernel_gpu_decode, kernel_gpu_decode_dense
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.reference import accum_dtype
 from pallas_kernels.target import current_target
@@ -91,14 +95,19 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
 
 
-def _gathered_pallas(x, ids, weights, w1, w3, w2, *, interpret: bool, **act) -> Float[Array, "T L"]:
-    if any(isinstance(w, Mxfp4) for w in (w1, w3, w2)):
+def _check_kernel_target(interpret: bool, *ws) -> None:
+    """``implementation='pallas'``'s errors: MXFP4 weights, or no CUDA GPU to compile for."""
+    if any(isinstance(w, Mxfp4) for w in ws):
         raise ValueError("implementation='pallas' takes plain [E, in, out] expert weights; MXFP4 weights "
                          "(k3jax.layers.mxfp4.Mxfp4) take implementation='xla'")
     target = current_target()
     if not (interpret or (target.platform == "gpu" and target.cuda)):
         raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
                          "use implementation='xla' or interpret=True")
+
+
+def _gathered_pallas(x, ids, weights, w1, w3, w2, *, interpret: bool, **act) -> Float[Array, "T L"]:
+    _check_kernel_target(interpret, w1, w3, w2)
     return kernel_gpu_decode.gathered_experts_pallas(x, ids, weights, w1, w3, w2, interpret=interpret, **act)
 
 
@@ -113,9 +122,28 @@ def _expert_products(h: Float[Array, "E T I"], w: Weights) -> Float[Array, "E T 
 
 def dense_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
                   w1: Weights, w3: Weights, w2: Weights, *, activation: str, situ_beta: float = 4.0,
-                  situ_linear_beta: float = 25.0) -> Float[Array, "T L"]:
+                  situ_linear_beta: float = 25.0, implementation: str | None = None,
+                  interpret: bool = False) -> Float[Array, "T L"]:
     """The same sum with every expert applied to every token (each weight read once), then each
-    token's k products picked and weighted."""
+    token's k products picked and weighted.
+
+    ``implementation``: ``"xla"`` the batched matmuls below; ``"pallas"`` the GPU kernels
+    ``pallas_kernels.moe.kernel_gpu_decode_dense`` (the activation inside the gate/up kernel: two
+    kernels and an epilogue instead of three kernels and the pick; 16-bit plain weights only;
+    ``interpret=True`` runs them in the CPU interpreter); None: ``"pallas"`` when compiling for a
+    CUDA GPU and the kernels take these inputs, else ``"xla"``.
+    """
+    if implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation is None:
+        target = current_target()
+        cuda = target.platform == "gpu" and target.cuda
+        implementation = "pallas" if cuda and kernel_gpu_decode_dense.accepts(x, ids, weights, w1, w3, w2) else "xla"
+    if implementation == "pallas":
+        _check_kernel_target(interpret, w1, w3, w2)
+        return kernel_gpu_decode_dense.dense_experts_pallas(
+            x, ids, weights, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+            situ_linear_beta=situ_linear_beta, interpret=interpret)
     dt, wide = x.dtype, accum_dtype(x.dtype)
     E = (w1.packed if isinstance(w1, Mxfp4) else w1).shape[0]
     xe = jnp.broadcast_to(x, (E,) + x.shape)  # [E, T, L]: a batched matmul reads each W_e as stored

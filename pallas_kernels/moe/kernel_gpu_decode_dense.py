@@ -1,0 +1,174 @@
+"""Routed experts of a mid-batch decode step on the GPU: the dense path in two kernels plus one epilogue.
+
+At batch 16–256 a decode step applies every expert to every token (``k3jax.layers.moe_decode.
+dense_experts``, the reference): each weight is read once, so the step costs the weight read. XLA
+compiles it to three kernels a layer — the gate and up products, the activation between them, the down
+product — and the activation kernel writes the ``[E, T, F]`` products back in between (7.3 µs of 47 a
+``small()`` layer at batch 64 on the H200, ``benchmarks/RESULTS.md``, stop 48). Here:
+
+1. ``gate_up``: program ``(e, j, t)`` accumulates ``x_t · W1_e[:, j]`` and ``x_t · W3_e[:, j]`` for a
+   block of ``block_t`` tokens and ``block_n`` intermediate columns over ``block_k``-row slabs of L on the
+   tensor cores (fp32), rounds both to the compute dtype, applies the activation and writes ``a``
+   ``[E, T, F]`` in the compute dtype — each W1 / W3 byte read once, the products never written.
+2. ``down``: program ``(e, j, t)`` computes ``a_e · W2_e[:, j]`` for ``block_n`` latent columns and
+   writes each expert's output ``[E, T, L]`` rounded to the compute dtype.
+3. XLA picks each token's k outputs and takes their weighted sum in fp32 (one small fusion).
+
+Rounding points are the reference's (those of ``moe_ffn``): the gate and up products and each expert's
+output accumulated in fp32 and rounded once, the activation computed in fp32 and rounded; only the fp32
+summation order differs. The token count is padded to a multiple of ``block_t`` (zero rows, whose
+outputs are never picked). 16-bit weights only: Triton's float32 dot would round its inputs to TF32
+(float32 models and MXFP4 experts stay on the reference). ``interpret=True`` runs the kernels in the CPU
+interpreter (the default suite's tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.triton_blocks import is_block_dim
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTiles:
+    """``block_t`` tokens × ``block_n`` output columns a program, reducing over ``block_k`` rows a step.
+
+    ``small()`` at batch 64 (E 64, L = F = 512): 64 × 8 programs per kernel, each streaming 64 KB of
+    every weight it reads (W1 and W3, or W2)."""
+
+    block_t: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _token_block(T: int, tiles: DenseTiles) -> int:
+    """Rows of a program: ``block_t``, or the next power of two >= max(T, 16) below it."""
+    return min(tiles.block_t, max(16, 1 << (T - 1).bit_length()))
+
+
+def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> None:
+    """Raise ``ValueError`` naming the argument when the kernels cannot take these inputs."""
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not isinstance(w, jax.Array | jax.ShapeDtypeStruct) or w.ndim != 3:
+            raise ValueError(f"{name} must be a plain [E, in, out] array for the dense decode kernels "
+                             f"(MXFP4 weights take implementation='xla'), got {type(w).__name__}")
+    if x.ndim != 2 or ids.ndim != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, L], ids and weights [T, k], got x {x.shape}, ids {ids.shape}, "
+                         f"weights {weights.shape}")
+    E, L, F = w1.shape
+    if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
+        raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
+                         f"got {w1.shape}, {w3.shape}, {w2.shape}")
+    for name in ("block_t", "block_n", "block_k"):
+        if not is_block_dim(getattr(tiles, name)):
+            raise ValueError(f"tiles.{name}={getattr(tiles, name)} must be a power of two >= 16")
+    for dim, n in (("L", L), ("F", F)):
+        if n % tiles.block_n or n % tiles.block_k:
+            raise ValueError(f"{dim}={n} must be a multiple of tiles.block_n={tiles.block_n} and "
+                             f"tiles.block_k={tiles.block_k}")
+    dtypes = {jnp.dtype(a.dtype) for a in (x, w1, w3, w2)}
+    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
+        raise ValueError(f"x, w1, w3, w2 must share one 16-bit float dtype (bfloat16 or float16) for the dense "
+                         f"decode kernels, got {sorted(str(d) for d in dtypes)}; use implementation='xla'")
+
+
+def accepts(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> bool:
+    """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
+    try:
+        check_inputs(x, ids, weights, w1, w3, w2, tiles)
+    except ValueError:
+        return False
+    return True
+
+
+def _products(a_ref, w_refs, block_k: int) -> list:
+    """``a · W`` for each ``W`` of ``w_refs`` (``[K, N]`` blocks), fp32, over ``block_k``-row slabs of K."""
+    K = a_ref.shape[1]
+
+    def step(i, accs):
+        ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        a = a_ref[:, ks]
+        return tuple(acc + jax.lax.dot_general(a, w[ks, :], (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+                     for acc, w in zip(accs, w_refs))
+
+    zeros = tuple(jnp.zeros((a_ref.shape[0], w.shape[1]), jnp.float32) for w in w_refs)
+    return list(jax.lax.fori_loop(0, K // block_k, step, zeros))
+
+
+def _gate_up_kernel(x_ref, w1_ref, w3_ref, a_ref, *, block_k, activation, situ_beta, situ_linear_beta):
+    dt = a_ref.dtype
+    g, u = _products(x_ref, (w1_ref, w3_ref), block_k)
+    a_ref[...] = gated_activation(g.astype(dt), u.astype(dt), activation, situ_beta, situ_linear_beta).astype(dt)
+
+
+def _down_kernel(a_ref, w2_ref, y_ref, *, block_k):
+    (y,) = _products(a_ref, (w2_ref,), block_k)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _call(kernel, a, w, out_cols: int, bt: int, tiles: DenseTiles, interpret: bool, name: str, *more_w):
+    """``kernel`` over the grid (expert, column block, token block): ``a [Tp, K]`` (shared by every
+    expert) or ``[E, Tp, K]``, weights ``[E, K, N]``, output ``[E, Tp, N]``."""
+    E, K, N = w.shape
+    Tp = a.shape[-2]
+    grid = (E, N // tiles.block_n, Tp // bt)
+    if a.ndim == 2:
+        a_spec = pl.BlockSpec((bt, K), lambda e, j, t: (t, 0))
+    else:
+        a_spec = pl.BlockSpec((None, bt, K), lambda e, j, t: (e, t, 0))
+    w_spec = pl.BlockSpec((None, K, tiles.block_n), lambda e, j, t: (e, 0, j))
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=[a_spec] + [w_spec] * (1 + len(more_w)),
+        out_specs=pl.BlockSpec((None, bt, tiles.block_n), lambda e, j, t: (e, t, j)),
+        out_shape=jax.ShapeDtypeStruct((E, Tp, out_cols), a.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret, name=name,
+    )(a, w, *more_w)
+
+
+def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[Array, "E L F"],
+                   w2: Float[Array, "E F L"], *, activation: str, situ_beta: float = 4.0,
+                   situ_linear_beta: float = 25.0, tiles: DenseTiles = DenseTiles(),
+                   interpret: bool = False) -> Float[Array, "E T L"]:
+    """The two kernels: every expert's output on every token, ``[E, T, L]`` in ``x``'s dtype."""
+    T, L = x.shape
+    F = w1.shape[2]
+    bt = _token_block(T, tiles)
+    Tp = -(-T // bt) * bt
+    xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
+    gate_up = functools.partial(_gate_up_kernel, block_k=tiles.block_k, activation=activation,
+                                situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    a = _call(gate_up, xp, w1, F, bt, tiles, interpret, "moe_decode_dense_gate_up", w3)  # [E, Tp, F]
+    y = _call(functools.partial(_down_kernel, block_k=tiles.block_k), a, w2, L, bt, tiles, interpret,
+              "moe_decode_dense_down")  # [E, Tp, L]
+    return y[:, :T]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "tiles", "interpret"))
+def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
+                         w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
+                         activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                         tiles: DenseTiles = DenseTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+    """``moe_decode.dense_experts`` (same arguments, same rounding points) by the kernels and an epilogue."""
+    check_inputs(x, ids, weights, w1, w3, w2, tiles)
+    y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                       situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
+    picked = y[ids, jnp.arange(x.shape[0])[:, None]].astype(jnp.float32)  # [T, k, L]
+    # a multiply-and-sum, not a dot: one fusion with the pick instead of a GEMM launch
+    return jnp.sum(picked * weights.astype(jnp.float32)[..., None], axis=1).astype(x.dtype)
+
+
+__all__ = ["DenseTiles", "accepts", "check_inputs", "dense_experts_pallas", "expert_outputs"]
