@@ -6,11 +6,11 @@ compiles it to three kernels a layer — the gate and up products, the activatio
 product — and the activation kernel writes the ``[E, T, F]`` products back in between (7.3 µs of 47 a
 ``small()`` layer at batch 64 on the H200, ``benchmarks/RESULTS.md``, stop 48). Here:
 
-1. ``gate_up``: program ``(e, j, t)`` accumulates ``x_t · W1_e[:, j]`` and ``x_t · W3_e[:, j]`` for a
+1. ``gate_up``: program ``(t, e, j)`` accumulates ``x_t · W1_e[:, j]`` and ``x_t · W3_e[:, j]`` for a
    block of ``block_t`` tokens and ``block_n`` intermediate columns over ``block_k``-row slabs of L on the
    tensor cores (fp32), rounds both to the compute dtype, applies the activation and writes ``a``
    ``[E, T, F]`` in the compute dtype — each W1 / W3 byte read once, the products never written.
-2. ``down``: program ``(e, j, t)`` computes ``a_e · W2_e[:, j]`` for ``block_n`` latent columns and
+2. ``down``: program ``(t, e, j)`` computes ``a_e · W2_e[:, j]`` for ``block_n`` latent columns and
    writes each expert's output ``[E, T, L]`` rounded to the compute dtype.
 3. XLA picks each token's k outputs and takes their weighted sum in fp32 (one small fusion).
 
@@ -120,19 +120,21 @@ def _down_kernel(a_ref, w2_ref, y_ref, *, block_k):
 
 
 def _call(kernel, a, w, out_cols: int, bt: int, tiles: DenseTiles, interpret: bool, name: str, *more_w):
-    """``kernel`` over the grid (expert, column block, token block): ``a [Tp, K]`` (shared by every
-    expert) or ``[E, Tp, K]``, weights ``[E, K, N]``, output ``[E, Tp, N]``."""
+    """``kernel`` over the grid (token block, expert, column block): ``a [Tp, K]`` (shared by every
+    expert) or ``[E, Tp, K]``, weights ``[E, K, N]``, output ``[E, Tp, N]``. The token blocks are the
+    grid's first (fastest-launched) axis, so the programs that read one weight block run together
+    and share it through L2 (a layer's experts exceed L2 from ``small()`` on)."""
     E, K, N = w.shape
     Tp = a.shape[-2]
-    grid = (E, N // tiles.block_n, Tp // bt)
+    grid = (Tp // bt, E, N // tiles.block_n)
     if a.ndim == 2:
-        a_spec = pl.BlockSpec((bt, K), lambda e, j, t: (t, 0))
+        a_spec = pl.BlockSpec((bt, K), lambda t, e, j: (t, 0))
     else:
-        a_spec = pl.BlockSpec((None, bt, K), lambda e, j, t: (e, t, 0))
-    w_spec = pl.BlockSpec((None, K, tiles.block_n), lambda e, j, t: (e, 0, j))
+        a_spec = pl.BlockSpec((None, bt, K), lambda t, e, j: (e, t, 0))
+    w_spec = pl.BlockSpec((None, K, tiles.block_n), lambda t, e, j: (e, 0, j))
     return pl.pallas_call(
         kernel, grid=grid, in_specs=[a_spec] + [w_spec] * (1 + len(more_w)),
-        out_specs=pl.BlockSpec((None, bt, tiles.block_n), lambda e, j, t: (e, t, j)),
+        out_specs=pl.BlockSpec((None, bt, tiles.block_n), lambda t, e, j: (e, t, j)),
         out_shape=jax.ShapeDtypeStruct((E, Tp, out_cols), a.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name=name,
