@@ -6,7 +6,10 @@ kernel_gpu_decode.py``) at several ``DecodeTiles`` (``block_f``, ``num_warps``).
 (``--tokens 64`` by default): ``moe_decode.dense_experts`` (every expert on every token) with
 ``implementation="xla"`` and the two kernels of ``pallas_kernels/moe/kernel_gpu_decode_dense.py`` at
 several ``DenseTiles``. Each variant runs as ``--steps`` chained calls in one ``fori_loop`` (the next
-call's x is this call's output, so calls cannot overlap and host dispatch drops out), timed interleaved
+call's x is this call's output, so calls cannot overlap and host dispatch drops out) cycling through
+``--copies`` weight sets, by default enough that every call reads its weights from HBM as a decode
+step's layers do (stop 38's one-layer timings reused one set, partly resident in the 50 MB L2, and
+ranked the fused MoE layer ahead where the step ranked it behind), timed interleaved
 (``timing.timeit_interleaved``), and is first checked against the XLA path (max |difference| in bf16
 ulps of the output's largest element); printed with its speed-up over XLA and the weight bytes it reads
 per µs. Needs a CUDA GPU:
@@ -46,9 +49,18 @@ def _inputs(T, k, E, L, F, seed=0):
     return x, ids, weights, ws
 
 
-def chained(fn, steps: int):
-    """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output."""
-    return jax.jit(lambda x, *rest: jax.lax.fori_loop(0, steps, lambda _, h: fn(h, *rest), x))
+def chained_copies(fn, steps: int, copies: int):
+    """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output; each loop iteration calling ``fn`` once on each of ``copies`` weight sets
+    ``(w1, w3, w2)`` in turn (``steps`` calls in all, a multiple of ``copies``): with more weight
+    bytes between two reads of one set than the GPU's L2 holds, every call reads its weights from
+    HBM, as each MoE layer of a decode step does."""
+    def run(x, ids, weights, *ws):
+        def body(_, h):
+            for c in range(copies):
+                h = fn(h, ids, weights, *ws[3 * c:3 * c + 3])
+            return h
+        return jax.lax.fori_loop(0, steps // copies, body, x)
+    return jax.jit(run)
 
 
 def main(argv=None) -> int:
@@ -56,6 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--path", choices=("gather", "dense"), default="gather")
     ap.add_argument("--tokens", type=int, default=None, help="default: 1 (gather), 64 (dense)")
     ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--copies", type=int, default=None,
+                    help="weight sets cycled through (default: enough that one loop iteration reads >= 200 MB, "
+                         "at most 32, "
+                         "four times the H200's L2: cold weights, as in a decode step); 1: the same weights "
+                         "every call, mostly L2-resident")
     ap.add_argument("--activation", default="situ")
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
@@ -79,10 +96,13 @@ def main(argv=None) -> int:
             fns[name] = functools.partial(dense_experts_pallas, **act, tiles=t, interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
     outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
-    calls = {name: (chained(fn, args.steps), (x, ids, weights, *ws)) for name, fn in fns.items()}
-    results = {"device": jax.devices()[0].device_kind, "path": args.path, "tokens": tokens, "steps": args.steps,
-               "weight_bytes": weight_bytes}
-    return report(results, outs, timeit_interleaved(calls), args.steps, "us_per_call", args.out)
+    copies = args.copies or min(32, max(1, -(-200_000_000 // weight_bytes)))
+    steps = -(-args.steps // copies) * copies
+    sets = list(ws) + [w for c in range(1, copies) for w in _inputs(tokens, K, E, L, F, seed=c)[3]]
+    calls = {name: (chained_copies(fn, steps, copies), (x, ids, weights, *sets)) for name, fn in fns.items()}
+    results = {"device": jax.devices()[0].device_kind, "path": args.path, "tokens": tokens, "steps": steps,
+               "copies": copies, "weight_bytes": weight_bytes}
+    return report(results, outs, timeit_interleaved(calls), steps, "us_per_call", args.out)
 
 
 def report(results: dict, outs: dict, ms: dict, steps: int, key: str, out: str | None) -> int:
