@@ -50,10 +50,10 @@ def _inputs(T, k, E, L, F, seed=0):
 
 
 def chained_copies(fn, steps: int, copies: int):
-    """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output; each loop iteration calling ``fn`` once on each of ``copies`` weight sets
-    ``(w1, w3, w2)`` in turn (``steps`` calls in all, a multiple of ``copies``): with more weight
-    bytes between two reads of one set than the GPU's L2 holds, every call reads its weights from
-    HBM, as each MoE layer of a decode step does."""
+    """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output, each loop iteration
+    calling ``fn`` once on each of ``copies`` weight sets ``(w1, w3, w2)`` in turn (``steps`` a
+    multiple of ``copies``): with more weight bytes between two reads of one set than the GPU's L2
+    holds, every call reads its weights from HBM, as each MoE layer of a decode step does."""
     def run(x, ids, weights, *ws):
         def body(_, h):
             for c in range(copies):

@@ -39,7 +39,7 @@ from pallas_kernels.moe.reference import accum_dtype
 from pallas_kernels.target import current_target
 
 DENSE_MAX_TOKENS = 256
-DECODE_IMPLEMENTATIONS = (None, "xla", "pallas")  # of the gather path; None: "pallas" where it runs
+DECODE_IMPLEMENTATIONS = (None, "xla", "pallas")  # of the gather and dense paths; None: "pallas" where it runs
 Weights = Float[Array, "E _ _"] | Mxfp4  # w1 / w3 [E, L, F], w2 [E, F, L]
 
 
