@@ -77,15 +77,10 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     at ``small()``'s batch 1; plain weights only; ``interpret=True`` runs it in the CPU interpreter);
     None: ``"pallas"`` when compiling for a CUDA GPU and the kernel takes these inputs, else ``"xla"``.
     """
-    if implementation not in DECODE_IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation is None:
-        target = current_target()
-        cuda = target.platform == "gpu" and target.cuda
-        implementation = "pallas" if cuda and kernel_gpu_decode.accepts(x, ids, weights, w1, w3, w2) else "xla"
-    if implementation == "pallas":
-        return _gathered_pallas(x, ids, weights, w1, w3, w2, activation=activation, situ_beta=situ_beta,
-                                situ_linear_beta=situ_linear_beta, interpret=interpret)
+    args = (x, ids, weights, w1, w3, w2)
+    if _implementation(implementation, kernel_gpu_decode.accepts, args, interpret) == "pallas":
+        return kernel_gpu_decode.gathered_experts_pallas(*args, activation=activation, situ_beta=situ_beta,
+                                                         situ_linear_beta=situ_linear_beta, interpret=interpret)
     dt, wide = x.dtype, accum_dtype(x.dtype)
     h = x.astype(wide)[:, None]  # [T, 1, L]
     g = _routed_product(h, w1, ids).astype(dt)  # [T, k, F]
@@ -95,20 +90,24 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
 
 
-def _check_kernel_target(interpret: bool, *ws) -> None:
-    """``implementation='pallas'``'s errors: MXFP4 weights, or no CUDA GPU to compile for."""
-    if any(isinstance(w, Mxfp4) for w in ws):
-        raise ValueError("implementation='pallas' takes plain [E, in, out] expert weights; MXFP4 weights "
-                         "(k3jax.layers.mxfp4.Mxfp4) take implementation='xla'")
+def _implementation(implementation: str | None, accepts, args: tuple, interpret: bool) -> str:
+    """``"pallas"`` or ``"xla"`` for a decode path whose kernels take ``args`` where ``accepts(*args)``:
+    None picks the kernels when compiling for a CUDA GPU and they take the inputs; ``"pallas"`` raises
+    ``ValueError`` for MXFP4 weights or without a CUDA GPU to compile for (unless ``interpret``)."""
+    if implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
     target = current_target()
-    if not (interpret or (target.platform == "gpu" and target.cuda)):
-        raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
-                         "use implementation='xla' or interpret=True")
-
-
-def _gathered_pallas(x, ids, weights, w1, w3, w2, *, interpret: bool, **act) -> Float[Array, "T L"]:
-    _check_kernel_target(interpret, w1, w3, w2)
-    return kernel_gpu_decode.gathered_experts_pallas(x, ids, weights, w1, w3, w2, interpret=interpret, **act)
+    cuda = target.platform == "gpu" and target.cuda
+    if implementation is None:
+        return "pallas" if cuda and accepts(*args) else "xla"
+    if implementation == "pallas":
+        if any(isinstance(w, Mxfp4) for w in args[3:]):
+            raise ValueError("implementation='pallas' takes plain [E, in, out] expert weights; MXFP4 weights "
+                             "(k3jax.layers.mxfp4.Mxfp4) take implementation='xla'")
+        if not (interpret or cuda):
+            raise ValueError(f"implementation='pallas' needs a CUDA GPU (target {target.platform!r}); "
+                             "use implementation='xla' or interpret=True")
+    return implementation
 
 
 def _expert_products(h: Float[Array, "E T I"], w: Weights) -> Float[Array, "E T O"]:
@@ -133,17 +132,10 @@ def dense_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float
     ``interpret=True`` runs them in the CPU interpreter); None: ``"pallas"`` when compiling for a
     CUDA GPU and the kernels take these inputs, else ``"xla"``.
     """
-    if implementation not in DECODE_IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation is None:
-        target = current_target()
-        cuda = target.platform == "gpu" and target.cuda
-        implementation = "pallas" if cuda and kernel_gpu_decode_dense.accepts(x, ids, weights, w1, w3, w2) else "xla"
-    if implementation == "pallas":
-        _check_kernel_target(interpret, w1, w3, w2)
-        return kernel_gpu_decode_dense.dense_experts_pallas(
-            x, ids, weights, w1, w3, w2, activation=activation, situ_beta=situ_beta,
-            situ_linear_beta=situ_linear_beta, interpret=interpret)
+    args = (x, ids, weights, w1, w3, w2)
+    if _implementation(implementation, kernel_gpu_decode_dense.accepts, args, interpret) == "pallas":
+        return kernel_gpu_decode_dense.dense_experts_pallas(*args, activation=activation, situ_beta=situ_beta,
+                                                            situ_linear_beta=situ_linear_beta, interpret=interpret)
     dt, wide = x.dtype, accum_dtype(x.dtype)
     E = (w1.packed if isinstance(w1, Mxfp4) else w1).shape[0]
     xe = jnp.broadcast_to(x, (E,) + x.shape)  # [E, T, L]: a batched matmul reads each W_e as stored

@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 
@@ -51,17 +52,7 @@ class DecodeTiles:
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
-    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        if not isinstance(w, jax.Array | jax.ShapeDtypeStruct) or w.ndim != 3:
-            raise ValueError(f"{name} must be a plain [E, in, out] array for the decode kernel "
-                             f"(MXFP4 weights take implementation='xla'), got {type(w).__name__}")
-    if x.ndim != 2 or ids.shape != weights.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"x must be [T, L], ids and weights [T, k], got x {x.shape}, ids {ids.shape}, "
-                         f"weights {weights.shape}")
-    E, L, F = w1.shape
-    if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
-        raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
-                         f"got {w1.shape}, {w3.shape}, {w2.shape}")
+    _, L, F = check_decode_expert_args(x, ids, weights, w1, w3, w2, "decode kernel")
     if not is_block_dim(L):
         raise ValueError(f"the decode kernel needs L (x.shape[1]) a power of two >= 16, got {L}")
     if not is_block_dim(tiles.block_f) or F % tiles.block_f:
@@ -72,11 +63,7 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()
 
 def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> bool:
     """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
-    try:
-        check_inputs(x, ids, weights, w1, w3, w2, tiles)
-    except ValueError:
-        return False
-    return True
+    return passes(check_inputs, x, ids, weights, w1, w3, w2, tiles)
 
 
 def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, block_f: int, activation: str,

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -60,17 +61,7 @@ def _token_block(T: int, tiles: DenseTiles) -> int:
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> None:
     """Raise ``ValueError`` naming the argument when the kernels cannot take these inputs."""
-    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        if not isinstance(w, jax.Array | jax.ShapeDtypeStruct) or w.ndim != 3:
-            raise ValueError(f"{name} must be a plain [E, in, out] array for the dense decode kernels "
-                             f"(MXFP4 weights take implementation='xla'), got {type(w).__name__}")
-    if x.ndim != 2 or ids.ndim != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"x must be [T, L], ids and weights [T, k], got x {x.shape}, ids {ids.shape}, "
-                         f"weights {weights.shape}")
-    E, L, F = w1.shape
-    if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
-        raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
-                         f"got {w1.shape}, {w3.shape}, {w2.shape}")
+    _, L, F = check_decode_expert_args(x, ids, weights, w1, w3, w2, "dense decode kernels")
     for name in ("block_t", "block_n", "block_k"):
         if not is_block_dim(getattr(tiles, name)):
             raise ValueError(f"tiles.{name}={getattr(tiles, name)} must be a power of two >= 16")
@@ -86,11 +77,7 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) 
 
 def accepts(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> bool:
     """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
-    try:
-        check_inputs(x, ids, weights, w1, w3, w2, tiles)
-    except ValueError:
-        return False
-    return True
+    return passes(check_inputs, x, ids, weights, w1, w3, w2, tiles)
 
 
 def _products(a_ref, w_refs, block_k: int) -> list:

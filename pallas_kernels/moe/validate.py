@@ -84,3 +84,29 @@ def check_moe_ffn_args(x, topk_ids, topk_weights, w1, w3, w2, activation, *, che
             raise ValueError(f"topk_ids must lie in [0, E={e}), got range [{ids.min()}, {ids.max()}]")
     elif checked:
         checkify.check(jnp.all((topk_ids >= 0) & (topk_ids < e)), f"topk_ids must lie in [0, E={e})")
+
+
+def check_decode_expert_args(x, ids, weights, w1, w3, w2, kernel: str) -> tuple[int, int, int]:
+    """``(E, L, F)`` of a decode kernel's routed-expert operands (``kernel`` names it in the errors),
+    or ``ValueError``: plain ``[E, in, out]`` weights, ``x [T, L]``, ``ids`` / ``weights [T, k]``."""
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not isinstance(w, jax.Array | jax.ShapeDtypeStruct) or w.ndim != 3:
+            raise ValueError(f"{name} must be a plain [E, in, out] array for the {kernel} "
+                             f"(MXFP4 weights take implementation='xla'), got {type(w).__name__}")
+    if x.ndim != 2 or ids.shape != weights.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, L], ids and weights [T, k], got x {x.shape}, ids {ids.shape}, "
+                         f"weights {weights.shape}")
+    E, L, F = w1.shape
+    if w3.shape != (E, L, F) or w2.shape != (E, F, L) or x.shape[1] != L:
+        raise ValueError(f"w1, w3 must be [E, L, F] and w2 [E, F, L] with L = x.shape[1]={x.shape[1]}, "
+                         f"got {w1.shape}, {w3.shape}, {w2.shape}")
+    return E, L, F
+
+
+def passes(check, *args) -> bool:
+    """Whether ``check(*args)`` returns without ``ValueError`` (a kernel's ``accepts``)."""
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True

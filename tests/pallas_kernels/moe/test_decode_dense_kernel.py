@@ -1,25 +1,21 @@
 """The dense path's GPU decode kernels (``kernel_gpu_decode_dense``) against ``moe_decode.dense_experts``,
 interpreted on CPU and compiled on the GPU; the default, the switches and their errors.
 
-The kernels round where the reference does (the gate and up products, the activation and each expert's
-output to bf16, the weighted sum over k in fp32); only fp32 summation orders differ, so against the
-NumPy definition that rounds at those points an output may move by one bf16 ulp, rarely.
+The kernels round where the reference does (the gate and up products, the activation and each
+expert's output to bf16, the weighted sum over k in fp32); only fp32 summation orders differ, so against
+the NumPy definition that rounds at those points an output may move by one bf16 ulp, rarely. The MoE
+layer's switch (``MoEConfig.decode_implementation``) is tested for both paths in ``test_decode_kernel.py``.
 """
 
-import dataclasses
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import config
 from k3jax.layers import moe_decode, mxfp4
-from k3jax.layers.moe import MoE
 from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas, expert_outputs
 from pallas_kernels.target import Target, compile_for
-from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _inputs, _rounded_reference
+from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _inputs, _rounded_reference, check_compiled
 
 
 def _xla(x, ids, weights, ws, activation):
@@ -96,27 +92,8 @@ def test_bad_inputs_raise():
         moe_decode.dense_experts(x, ids, weights, *ws, activation="situ", implementation="pallas")
 
 
-def test_moe_config_reaches_the_dense_path():
-    """``MoEConfig.decode_implementation="pallas"`` at a batch on the dense path takes the kernels (here,
-    a CPU target: their error); MXFP4 experts stay on XLA (the default's output)."""
-    base = dataclasses.replace(config.tiny(), dtype=jnp.float32)
-    cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, decode_implementation="pallas"))
-    T = 2 * cfg.moe.num_experts // cfg.moe.top_k
-    assert moe_decode.decode_path(T, cfg.moe.top_k, cfg.moe.num_experts) == "dense"
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(T, 1, cfg.hidden)), jnp.float32)
-    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
-    with compile_for("cpu"), pytest.raises(ValueError, match="needs a CUDA GPU"):
-        MoE(cfg).apply(variables, x, decode=True)
-    quantized = mxfp4.quantize_experts(variables)
-    np.testing.assert_array_equal(np.asarray(MoE(cfg).apply(quantized, x, decode=True)),
-                                  np.asarray(MoE(base).apply(quantized, x, decode=True)))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,activation", [(64, "situ"), (40, "swiglu")])
 def test_compiled_kernels_match_the_dense_path(T, activation):
-    """``small()``'s experts (64 of 512 × 512) at batch 64, and 40 tokens (a padded block)."""
-    x, ids, weights, ws = _inputs(T, T, 8, 64, 512, 512)
-    got = jax.jit(lambda *a: moe_decode.dense_experts(*a, activation=activation, implementation="pallas"))(
-        x, ids, weights, *ws)
-    _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, activation), max_fraction=0.02)
+    """``small()``'s experts at batch 64, and 40 tokens (a padded block)."""
+    check_compiled(moe_decode.dense_experts, T, activation)

@@ -128,22 +128,30 @@ def test_bad_inputs_raise():
         MoEConfig(decode_implementation="triton")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,activation", [(1, "situ"), (2, "swiglu")])
-def test_compiled_kernel_matches_gather_path(T, activation):
+def check_compiled(experts, T: int, activation: str):
+    """``experts(implementation="pallas")`` compiled for the GPU at ``small()``'s experts (64 of 512 ×
+    512, k = 8) against the exact-rounding reference."""
     x, ids, weights, ws = _inputs(T, T, 8, 64, 512, 512)
-    got = jax.jit(lambda *a: moe_decode.gathered_experts(*a, activation=activation, implementation="pallas"))(
-        x, ids, weights, *ws)
+    got = jax.jit(lambda *a: experts(*a, activation=activation, implementation="pallas"))(x, ids, weights, *ws)
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, activation), max_fraction=0.02)
 
 
-def test_moe_config_reaches_the_gather_path():
-    """``MoEConfig.decode_implementation="pallas"``: a batch-1 decode with plain weights takes the kernel
-    (here, a CPU target: its error), MXFP4 experts stay on the XLA path (same output as the default)."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,activation", [(1, "situ"), (2, "swiglu")])
+def test_compiled_kernel_matches_gather_path(T, activation):
+    check_compiled(moe_decode.gathered_experts, T, activation)
+
+
+@pytest.mark.parametrize("path", ["gather", "dense"])
+def test_moe_config_reaches_the_decode_kernels(path):
+    """``MoEConfig.decode_implementation="pallas"``: a decode with plain weights takes the path's kernels
+    (batch 1: the gather kernel; 2E/k tokens: the dense kernels; here, a CPU target: their error), MXFP4
+    experts stay on the XLA path (same output as the default)."""
     base = dataclasses.replace(config.tiny(), dtype=jnp.float32)
     cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, decode_implementation="pallas"))
-    assert moe_decode.decode_path(1, cfg.moe.top_k, cfg.moe.num_experts) == "gather"
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, cfg.hidden)), jnp.float32)
+    T = 1 if path == "gather" else 2 * cfg.moe.num_experts // cfg.moe.top_k
+    assert moe_decode.decode_path(T, cfg.moe.top_k, cfg.moe.num_experts) == path
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(T, 1, cfg.hidden)), jnp.float32)
     variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
     with compile_for("cpu"), pytest.raises(ValueError, match="needs a CUDA GPU"):
         MoE(cfg).apply(variables, x, decode=True)
