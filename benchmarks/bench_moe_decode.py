@@ -34,7 +34,8 @@ from k3jax.layers import moe_decode
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
 from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
 
-TILES = [DecodeTiles(16, 4), DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(64, 8), DecodeTiles(16, 2)]
+TILES = [DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(16, 4), DecodeTiles(64, 8),
+         DecodeTiles(32, 4, prefetch=False), DecodeTiles(32, 8, prefetch=False), DecodeTiles(16, 4, prefetch=False)]
 DENSE_TILES = [DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), DenseTiles(block_n=128, num_warps=8),
                DenseTiles(num_stages=4), DenseTiles(block_k=128, num_stages=2)]
 E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     if args.path == "gather":
         fns = {"xla": functools.partial(moe_decode.gathered_experts, **act, implementation="xla")}
         for t in TILES:
-            fns[f"pallas bf={t.block_f} warps={t.num_warps}"] = functools.partial(
+            fns[f"pallas bf={t.block_f} warps={t.num_warps}{'' if t.prefetch else ' in place'}"] = functools.partial(
                 gathered_experts_pallas, **act, tiles=t, interpret=args.interpret)
         weight_bytes = 3 * len(np.unique(np.asarray(ids))) * L * F * 2
     else:

@@ -8,8 +8,10 @@ Pallas-Triton kernel does the whole expert FFN: program ``(i, j)`` owns token-sl
 (expert ``e = ids[t, s]``, read from the ids ref and used as a dynamic index into the weight refs, so
 only the routed experts' bytes move) and intermediate block ``j`` of ``block_f`` columns. It reads
 ``x_t``, ``W1_e[:, block]``, ``W3_e[:, block]`` and ``W2_e[block, :]``, and writes the block's fp32
-contribution to the expert's output, ``a_block · W2_e[block, :]``. Splitting F gives
-``T·k·F/block_f`` programs (128 for ``small()`` at batch 1): one program per expert slot would
+contribution to the expert's output, ``a_block · W2_e[block, :]``; it reads all three weight blocks
+into registers before its first product (``DecodeTiles.prefetch``; read where they are used, each
+waits behind the reduction before it: three HBM round trips, ``benchmarks/kernel_resources.py``).
+Splitting F gives ``T·k·F/block_f`` programs (128 for ``small()`` at batch 1): one program per expert slot would
 stream 3 matrices through 8 SMs. A small XLA epilogue sums the blocks, rounds each expert's output
 and takes the weighted sum over k.
 
@@ -44,10 +46,15 @@ from pallas_kernels.triton_blocks import is_block_dim
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTiles:
-    """``block_f``: intermediate columns per program; ``num_warps``: Triton warps per program."""
+    """``block_f``: intermediate columns per program; ``num_warps``: Triton warps per program;
+    ``prefetch``: read the W1, W3 and W2 blocks into registers before the first product, so their
+    reads from HBM overlap (one round trip, not three: Triton issues each load where the program
+    reads it, and the reduction before it holds it back; 255 registers a thread at 4 warps, no
+    spills, ptxas for sm_90a)."""
 
     block_f: int = 32  # small(): 8 slots x 16 blocks = 128 programs, 96 KB of weights each
     num_warps: int = 4
+    prefetch: bool = True
 
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
@@ -67,16 +74,20 @@ def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> 
 
 
 def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, block_f: int, activation: str,
-            situ_beta: float, situ_linear_beta: float):
+            situ_beta: float, situ_linear_beta: float, prefetch: bool):
     f32, dt = jnp.float32, x_ref.dtype
     i, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
     cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
+    w1, w3, w2 = (w1_ref[e, :, cols], w3_ref[e, :, cols], w2_ref[e, cols, :]) if prefetch else (None,) * 3
     h = x_ref[i // top_k, :].astype(f32)  # [L]
-    g = jnp.sum(h[:, None] * w1_ref[e, :, cols].astype(f32), axis=0).astype(dt)  # [BF]
-    u = jnp.sum(h[:, None] * w3_ref[e, :, cols].astype(f32), axis=0).astype(dt)
+    w1 = w1_ref[e, :, cols] if w1 is None else w1
+    g = jnp.sum(h[:, None] * w1.astype(f32), axis=0).astype(dt)  # [BF]
+    w3 = w3_ref[e, :, cols] if w3 is None else w3
+    u = jnp.sum(h[:, None] * w3.astype(f32), axis=0).astype(dt)
     a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt).astype(f32)
-    out_ref[...] = jnp.sum(a[:, None] * w2_ref[e, cols, :].astype(f32), axis=0)  # [L]
+    w2 = w2_ref[e, cols, :] if w2 is None else w2
+    out_ref[...] = jnp.sum(a[:, None] * w2.astype(f32), axis=0)  # [L]
 
 
 def expert_blocks(x: Float[Array, "T L"], ids: Int[Array, "T k"], w1: Float[Array, "E L F"],
@@ -92,7 +103,7 @@ def expert_blocks(x: Float[Array, "T L"], ids: Int[Array, "T k"], w1: Float[Arra
     ids = ids.reshape(T * k).astype(jnp.int32)
     out = pl.pallas_call(
         functools.partial(_kernel, top_k=k, block_f=tiles.block_f, activation=activation,
-                          situ_beta=situ_beta, situ_linear_beta=situ_linear_beta),
+                          situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, prefetch=tiles.prefetch),
         grid=(T * k, nf),
         in_specs=[whole(ids), whole(x), whole(w1), whole(w3), whole(w2)],
         out_specs=pl.BlockSpec((None, None, L), lambda i, j: (i, j, 0)),

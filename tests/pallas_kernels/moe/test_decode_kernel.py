@@ -62,15 +62,15 @@ def _assert_within_ulps(got, ref, max_fraction=1.0):
     assert np.mean(diff > 0) <= max_fraction, np.mean(diff > 0)
 
 
-@pytest.mark.parametrize("T,k,E,L,F,activation,block_f", [
-    (1, 8, 64, 512, 512, "situ", 32),   # small() at batch 1: 8 slots x 16 F blocks
-    (2, 8, 64, 512, 512, "swiglu", 32),  # two tokens
-    (2, 2, 8, 64, 48, "situ", 16),      # small: three F blocks (not a power of two), k = 2
+@pytest.mark.parametrize("T,k,E,L,F,activation,block_f,prefetch", [
+    (1, 8, 64, 512, 512, "situ", 32, True),     # small() at batch 1: 8 slots x 16 F blocks
+    (2, 8, 64, 512, 512, "swiglu", 32, False),  # two tokens, each block read where it is used
+    (2, 2, 8, 64, 48, "situ", 16, True),        # small: three F blocks (not a power of two), k = 2
 ])
-def test_interpreted_kernel_matches_gather_path(T, k, E, L, F, activation, block_f):
+def test_interpreted_kernel_matches_gather_path(T, k, E, L, F, activation, block_f, prefetch):
     x, ids, weights, ws = _inputs(T + k, T, k, E, L, F)
-    got = gathered_experts_pallas(x, ids, weights, *ws, activation=activation, tiles=DecodeTiles(block_f=block_f),
-                                  interpret=True)
+    tiles = DecodeTiles(block_f=block_f, prefetch=prefetch)
+    got = gathered_experts_pallas(x, ids, weights, *ws, activation=activation, tiles=tiles, interpret=True)
     assert got.shape == x.shape and got.dtype == x.dtype
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, activation), max_fraction=0.02)
     xla = jax.jit(lambda *a: moe_decode.gathered_experts(*a, activation=activation))(x, ids, weights, *ws)
