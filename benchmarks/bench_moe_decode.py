@@ -71,9 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--copies", type=int, default=None,
                     help="weight sets cycled through (default: enough that one loop iteration reads >= 200 MB, "
-                         "at most 32, "
-                         "four times the H200's L2: cold weights, as in a decode step); 1: the same weights "
-                         "every call, mostly L2-resident")
+                         "four times the H200's L2, at most 32: cold weights, as in a decode step); 1: the same "
+                         "weights every call, mostly L2-resident")
     ap.add_argument("--activation", default="situ")
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
     outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
     copies = args.copies or min(32, max(1, -(-200_000_000 // weight_bytes)))
     steps = -(-args.steps // copies) * copies
-    sets = list(ws) + [w for c in range(1, copies) for w in _inputs(tokens, K, E, L, F, seed=c)[3]]
+    sets = [w if c == 0 else jnp.array(w, copy=True) for c in range(copies) for w in ws]  # buffers of their own
     calls = {name: (chained_copies(fn, steps, copies), (x, ids, weights, *sets)) for name, fn in fns.items()}
     results = {"device": jax.devices()[0].device_kind, "path": args.path, "tokens": tokens, "steps": steps,
                "copies": copies, "weight_bytes": weight_bytes}

@@ -90,8 +90,9 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
         raise SystemExit(f"kernel_resources: --tiles keys {sorted(unknown)} are not fields of {tile_type.__name__} "
                          f"({sorted(fields)})")
     parsed = {k: v == "True" if fields[k] in ("bool", bool) else int(v) for k, v in values.items()}
+    from bench_moe_decode import E, F, K as k, L  # small()'s routed experts, as the benchmark times them
+
     T = tokens or (1 if op == "gather" else 64)
-    E, L, F, k = 64, 512, 512, 8
     device = get_topology("h200:1x1").devices[0]
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     bf = jnp.bfloat16
