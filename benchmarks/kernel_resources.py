@@ -69,8 +69,8 @@ def resources(dump: Path, ptxas: str) -> dict[str, dict]:
 
 
 def compile_op(op: str, tokens: int | None, tiles: str) -> None:
-    """Compile ``op`` (``gather``, ``dense``: the MoE decode kernels at ``small()``'s experts) for a
-    device-less H200."""
+    """Compile ``op`` (``gather``, ``route`` — the gather kernel routing each token itself — or
+    ``dense``: the MoE decode kernels at ``small()``'s experts) for a device-less H200."""
     import functools
 
     import jax
@@ -78,11 +78,13 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
     from jax.sharding import SingleDeviceSharding
 
     from k3jax.plan.topology import get_topology
-    from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
+    from pallas_kernels.moe.kernel_gpu_decode import (DecodeTiles, Routing, gathered_experts_pallas,
+                                                      routed_experts_pallas)
     from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
     from pallas_kernels.target import compile_for
 
-    fn, tile_type = (gathered_experts_pallas, DecodeTiles) if op == "gather" else (dense_experts_pallas, DenseTiles)
+    fn, tile_type = {"gather": (gathered_experts_pallas, DecodeTiles), "dense": (dense_experts_pallas, DenseTiles),
+                     "route": (routed_experts_pallas, DecodeTiles)}[op]
     values = dict(kv.split("=") for kv in tiles.split(",") if kv)
     fields = {f.name: f.type for f in dataclasses.fields(tile_type)}
     unknown = set(values) - set(fields)
@@ -92,21 +94,23 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
     parsed = {k: v == "True" if fields[k] in ("bool", bool) else int(v) for k, v in values.items()}
     from bench_moe_decode import E, F, K as k, L  # small()'s routed experts, as the benchmark times them
 
-    T = tokens or (1 if op == "gather" else 64)
+    T = tokens or (64 if op == "dense" else 1)
     device = get_topology("h200:1x1").devices[0]
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     bf = jnp.bfloat16
-    args = (spec((T, L), bf), spec((T, k), jnp.int32), spec((T, k), jnp.float32), spec((E, L, F), bf),
-            spec((E, L, F), bf), spec((E, F, L), bf))
+    route = (spec((T, E), jnp.float32), spec((E,), jnp.float32)) if op == "route" else (
+        spec((T, k), jnp.int32), spec((T, k), jnp.float32))
+    args = (spec((T, L), bf), *route, spec((E, L, F), bf), spec((E, L, F), bf), spec((E, F, L), bf))
+    kwargs = dict(activation="situ", tiles=tile_type(**parsed), **({"routing": Routing(k)} if op == "route" else {}))
     with compile_for(device), jax.default_device(device):
-        jax.jit(functools.partial(fn, activation="situ", tiles=tile_type(**parsed))).lower(*args).compile()
+        jax.jit(functools.partial(fn, **kwargs)).lower(*args).compile()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=("gather", "dense", "step"), default="gather")
-    p.add_argument("--tokens", type=int, default=None, help="gather / dense: default 1 / 64")
-    p.add_argument("--tiles", default="", help="gather / dense: KEY=VALUE,… of DecodeTiles / DenseTiles")
+    p.add_argument("--op", choices=("gather", "route", "dense", "step"), default="gather")
+    p.add_argument("--tokens", type=int, default=None, help="gather, route / dense: default 1 / 64")
+    p.add_argument("--tiles", default="", help="gather, route / dense: KEY=VALUE,… of DecodeTiles / DenseTiles")
     p.add_argument("--batch", type=int, default=1, help="step: the decode batch")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--steps", type=int, default=64)

@@ -1,7 +1,8 @@
 """Sigmoid-routed mixture of experts with shared experts; LatentMoE for K3 (SPEC §4).
 
-1. Route (fp32): ``s = sigmoid(x W_r)``; top-k of ``s + b`` (b: the balancing bias, selection only,
-   no gradient); weights = the chosen unbiased ``s`` renormalised ``÷(Σ + 1e-20)``, × scaling factor.
+1. Route (fp32; ``k3jax.layers.routing.route``): ``s = sigmoid(x W_r)``; top-k of ``s + b`` (b: the
+   balancing bias, selection only, no gradient); weights = the chosen unbiased ``s`` renormalised
+   ``÷(Σ + 1e-20)``, × scaling factor. A decode step on the gather path routes inside its expert kernel.
 2. Routed experts (``pallas_kernels.moe.moe_ffn``: permute → grouped GLU FFN → weighted combine,
    the router weight applied after each expert's down projection). LatentMoE runs them in the
    latent: ``W_up RMSNorm(Σ_i w_i E_i(W_down x))``; Kimi-Linear / K2 at full width D, no norm.
@@ -27,32 +28,11 @@ from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
+from k3jax.layers.routing import route
 from pallas_kernels.moe import moe_ffn
 from sharding import current as parallel_context
 from sharding.ep import moe_ffn_ep
 from sharding.moonep import moe_ffn_moonep
-
-# Guards the renormalisation of the top-k weights against an all-zero row (the references' value).
-RENORM_EPS = 1e-20
-
-
-def route(scores: Float[Array, "T E"], bias: Float[Array, "E"], top_k: int, *, renormalize: bool,
-          scaling: float, with_stats: bool = True) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
-    """Expert ids by the biased scores; weights from the unbiased ones (DeepSeek-V3 noaux_tc).
-
-    ``with_stats``: the balance statistics are computed beside the route, so the ids come from their
-    top-(k+1) call (one TopK for both); without them (a decode step) from a top-k of their own, with
-    no barrier to copy the ids out of it."""
-    bias = jax.lax.stop_gradient(bias)
-    if with_stats:
-        ids, _ = balance.biased_topk(scores, bias, top_k)  # [T, k]
-    else:
-        ids = jax.lax.top_k(scores + bias, top_k)[1]
-    weights = jnp.take_along_axis(scores, ids, axis=-1)  # [T, k]
-    if renormalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + RENORM_EPS)
-    return ids, weights * scaling
-
 
 def _route_and_stats(cfg: ModelConfig, scores, bias, with_stats: bool, token_axes=None):
     m = cfg.moe
@@ -106,18 +86,26 @@ class MoE(nn.Module):
 
     cfg: ModelConfig
 
-    def _router(self, xt: Float[Array, "T D"]) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    def _router(self, xt: Float[Array, "T D"]) -> tuple[Float[Array, "T E"], Float[Array, "E"]]:
+        """The router's scores ``sigmoid(x W_r)`` and the balancing bias, in the wide dtype."""
         cfg, m = self.cfg, self.cfg.moe
         wide = cfg.fp32_dtype
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
+        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
+        return jax.nn.sigmoid(logits.astype(wide)), bias  # [T, E], [E]
+
+    def _with_stats(self) -> bool:
         # variables hold params and balance only; sown into an immutable collection (decode), the
         # statistics would be computed and dropped
-        with_stats = not self.is_initializing() and self.is_mutable_collection("stats")
-        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
-        scores = jax.nn.sigmoid(logits.astype(wide))  # [T, E]
-        ids, weights, stats = _route_tokens(cfg, scores, bias, with_stats)
+        return not self.is_initializing() and self.is_mutable_collection("stats")
+
+    def _route(self, scores: Float[Array, "T E"], bias: Float[Array, "E"]) -> tuple[Int[Array, "T k"],
+                                                                                    Float[Array, "T k"]]:
+        """The top-k ids and weights (``routing.route``), the QB statistics sown beside them."""
+        with jax.named_scope("moe_route"):
+            ids, weights, stats = _route_tokens(self.cfg, scores, bias, self._with_stats())
         for name, value in stats.items():
             self.sow("stats", name, value)
         return ids, weights
@@ -135,7 +123,7 @@ class MoE(nn.Module):
         w2 = param(self, "w2", init, (E, F, L), ("experts", "expert_mlp", "latent"), cfg.param_dtype)
         return w1, w3, w2
 
-    def _experts(self, u: Float[Array, "T L"], ids, weights, decode: bool) -> Float[Array, "T L"]:
+    def _experts(self, u: Float[Array, "T L"], scores, bias, decode: bool) -> Float[Array, "T L"]:
         cfg, m = self.cfg, self.cfg.moe
         dt = cfg.compute_dtype
         ws = self._expert_weights()
@@ -146,8 +134,13 @@ class MoE(nn.Module):
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
             # the decode kernels take plain weights; MXFP4 experts stay on XLA
             impl = m.decode_implementation if not any(isinstance(w, mxfp4.Mxfp4) for w in ws) else "xla"
+            if path == "gather" and not self._with_stats():  # routed inside the kernel where it runs
+                return moe_decode.routed_gathered_experts(
+                    u.astype(dt), scores, bias, *ws, top_k=m.top_k, renormalize=m.renormalize,
+                    scaling=m.routed_scaling_factor, **act, implementation=impl)
             experts = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
-            return experts(u.astype(dt), ids, weights, *ws, **act, implementation=impl)
+            return experts(u.astype(dt), *self._route(scores, bias), *ws, **act, implementation=impl)
+        ids, weights = self._route(scores, bias)
         # stacks stored in the compute dtype (bf16 working copies, serving): nothing to fuse a
         # [W1 | W3] concatenation into, so the gate and up products run apart (moe_ffn's gate_up)
         stored_narrow = all(not isinstance(w, mxfp4.Mxfp4) and w.dtype == dt for w in ws)
@@ -185,13 +178,13 @@ class MoE(nn.Module):
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
         with jax.named_scope("moe_route"):
-            ids, weights = self._router(xt)
+            scores, bias = self._router(xt)
         if m.latent_dim is None:
-            y = self._experts(xt, ids, weights, decode)  # [T, D]
+            y = self._experts(xt, scores, bias, decode)  # [T, D]
         else:
             L = m.latent_dim
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
-            y = self._experts(u, ids, weights, decode)  # [T, L]
+            y = self._experts(u, scores, bias, decode)  # [T, L]
             if m.latent_norm:
                 y = norm(cfg, "latent_norm", axis="latent")(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)

@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
+from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe import kernel_gpu_decode, kernel_gpu_decode_dense
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.reference import accum_dtype
@@ -88,6 +89,27 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt)
     y = _routed_product(a.astype(wide), w2, ids).astype(dt)  # [T, k, L]
     return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
+
+
+def routed_gathered_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
+                            w1: Weights, w3: Weights, w2: Weights, *, top_k: int, renormalize: bool, scaling: float,
+                            activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                            implementation: str | None = None, interpret: bool = False) -> Float[Array, "T L"]:
+    """The gather path from the router's scores: :func:`k3jax.layers.routing.route` (no statistics), then
+    :func:`gathered_experts` — the reference. Where the kernel runs and takes these inputs (float32
+    scores, a power of two of at most 256 experts: ``small()``, Kimi-Linear) it routes each token
+    itself (``kernel_gpu_decode.routed_experts_pallas``): the bias add, top-k, weight sum and the
+    ids' copy XLA routes with (4 kernels, 6.1 µs of a batch-1 MoE layer's 8.6 µs router on the H200,
+    RESULTS.md "Stop 49") become a rank computed inside the expert kernel. Same ids, same order, same
+    weights up to the order of the fp32 sum of the k chosen scores."""
+    args = (x, scores, bias, w1, w3, w2)
+    act = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    routing = kernel_gpu_decode.Routing(top_k, renormalize, scaling, RENORM_EPS)
+    accepts = lambda *a: kernel_gpu_decode.accepts_routing(*a, routing)
+    if _implementation(implementation, accepts, args, interpret) == "pallas" and accepts(*args):
+        return kernel_gpu_decode.routed_experts_pallas(*args, routing=routing, **act, interpret=interpret)
+    ids, weights = route(scores, bias, top_k, renormalize=renormalize, scaling=scaling, with_stats=False)
+    return gathered_experts(x, ids, weights, w1, w3, w2, **act, implementation=implementation, interpret=interpret)
 
 
 def _implementation(implementation: str | None, accepts, args: tuple, interpret: bool) -> str:

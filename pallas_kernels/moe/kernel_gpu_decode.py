@@ -57,6 +57,21 @@ class DecodeTiles:
     prefetch: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """``k3jax.layers.routing.route``'s arguments, for the kernel that routes each token itself
+    (:func:`routed_experts_pallas`): ``top_k`` experts of ``scores + bias``, weights ``scores`` of the
+    chosen, renormalised ``÷(Σ + eps)`` when ``renormalize``, times ``scaling``."""
+
+    top_k: int
+    renormalize: bool = True
+    scaling: float = 1.0
+    eps: float = 1e-20
+
+
+RANK_COLUMNS = 64  # experts compared at a time when routing: [E, 64] int32 in registers
+
+
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
     _, L, F = check_decode_expert_args(x, ids, weights, w1, w3, w2, "decode kernel")
@@ -73,11 +88,69 @@ def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> 
     return passes(check_inputs, x, ids, weights, w1, w3, w2, tiles)
 
 
-def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, block_f: int, activation: str,
-            situ_beta: float, situ_linear_beta: float, prefetch: bool):
-    f32, dt = jnp.float32, x_ref.dtype
+def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DecodeTiles = DecodeTiles()) -> None:
+    """:func:`check_inputs` for the kernel that routes: ``scores [T, E]`` and ``bias [E]`` float32, E a
+    power of two from 16 to 256 (``[E, 64]`` comparisons a program), ``0 < routing.top_k < E``."""
+    slots = jax.ShapeDtypeStruct((x.shape[0] if x.ndim else 0, routing.top_k), jnp.int32)
+    check_inputs(x, slots, slots, w1, w3, w2, tiles)
+    E = w1.shape[0]
+    if scores.ndim != 2 or scores.shape != (x.shape[0], E) or bias.shape != (E,):
+        raise ValueError(f"scores must be [T, E] and bias [E] with T = x.shape[0]={x.shape[0]} and E = "
+                         f"w1.shape[0]={E}, got scores {scores.shape}, bias {bias.shape}")
+    if jnp.dtype(scores.dtype) != jnp.float32 or jnp.dtype(bias.dtype) != jnp.float32:
+        raise ValueError(f"the routing decode kernel takes float32 scores and bias, got {scores.dtype}, {bias.dtype}")
+    if not (is_block_dim(E) and E <= 256):
+        raise ValueError(f"the routing decode kernel needs E (w1.shape[0]) a power of two in [16, 256], got {E}")
+    if not 0 < routing.top_k < E:
+        raise ValueError(f"routing.top_k={routing.top_k} must lie in (0, E={E})")
+
+
+def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DecodeTiles = DecodeTiles()) -> bool:
+    """Whether :func:`check_routing_inputs` takes these inputs."""
+    return passes(check_routing_inputs, x, scores, bias, w1, w3, w2, routing, tiles)
+
+
+def _slot_route(scores_ref, bias_ref, t, s, routing: Routing):
+    """Slot ``s`` of token ``t``: its expert and weight as ``k3jax.layers.routing.route`` picks them.
+
+    The top-k of ``scores + bias`` in ``lax.top_k``'s order (descending, the lower index first among
+    equals) is a rank: ``rank_e`` counts the experts that come before e, and slot ``s`` holds the e of
+    rank s. One comparison of every pair and a row sum, where a top-k takes k rounds of a row max (the
+    rounds are a chain of dependent reductions: stop 48's router kernel, as slow as XLA's 4 kernels).
+    The pairs are compared ``RANK_COLUMNS`` experts at a time (``[E, RANK_COLUMNS]`` in registers)."""
+    E = bias_ref.shape[0]
+    f32, i32 = jnp.float32, jnp.int32
+    scores = scores_ref[t, :].astype(f32)  # [E]
+    key = scores + bias_ref[...].astype(f32)
+    idx = jax.lax.broadcasted_iota(i32, (E,), 0)
+    rank = jnp.zeros((E,), i32)
+    for c in range(0, E, min(E, RANK_COLUMNS)):
+        n = min(E, RANK_COLUMNS)
+        other = scores_ref[t, pl.ds(c, n)].astype(f32) + bias_ref[pl.ds(c, n)].astype(f32)  # [n]
+        other_idx = c + jax.lax.broadcasted_iota(i32, (n,), 0)
+        before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None])
+                                                     & (other_idx[None, :] < idx[:, None]))
+        rank = rank + jnp.sum(before.astype(i32), axis=1)
+    mine = rank == s
+    e = jnp.sum(jnp.where(mine, idx, 0))
+    w = jnp.sum(jnp.where(mine, scores, 0.0))
+    if routing.renormalize:
+        w = w / (jnp.sum(jnp.where(rank < routing.top_k, scores, 0.0)) + routing.eps)
+    return e, w * routing.scaling
+
+
+def _kernel(*refs, routing: Routing | None, top_k: int, block_f: int, activation: str, situ_beta: float,
+            situ_linear_beta: float, prefetch: bool):
+    f32 = jnp.float32
     i, j = pl.program_id(0), pl.program_id(1)
-    e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
+    if routing is None:  # the slots' experts given
+        ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref = refs
+        e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
+    else:  # routed here, from the router's scores
+        scores_ref, bias_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, weight_ref = refs
+        e, weight = _slot_route(scores_ref, bias_ref, i // top_k, i % top_k, routing)
+        weight_ref[...] = weight
+    dt = x_ref.dtype
     cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
     w1, w3, w2 = (w1_ref[e, :, cols], w3_ref[e, :, cols], w2_ref[e, cols, :]) if prefetch else (None,) * 3
     h = x_ref[i // top_k, :].astype(f32)  # [L]
@@ -90,28 +163,44 @@ def _kernel(ids_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, *, top_k: int, bloc
     out_ref[...] = jnp.sum(a[:, None] * w2.astype(f32), axis=0)  # [L]
 
 
-def expert_blocks(x: Float[Array, "T L"], ids: Int[Array, "T k"], w1: Float[Array, "E L F"],
+def expert_blocks(x: Float[Array, "T L"], slots: Int[Array, "T k"] | tuple, w1: Float[Array, "E L F"],
                   w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *, activation: str,
                   situ_beta: float = 4.0, situ_linear_beta: float = 25.0, tiles: DecodeTiles = DecodeTiles(),
-                  interpret: bool = False) -> Float[Array, "T k NF L"]:
-    """The kernel: ``[T, k, F/block_f, L]`` fp32, block ``j``'s contribution to each expert's output."""
+                  routing: Routing | None = None, interpret: bool = False):
+    """The kernel: ``[T, k, F/block_f, L]`` fp32, block ``j``'s contribution to each expert's output.
+
+    ``slots``: the experts ``ids [T, k]``; with ``routing``, the router's ``(scores [T, E], bias [E])``,
+    and the kernel also returns the slots' weights ``[T, k]`` (in ``lax.top_k``'s order)."""
     T, L = x.shape
-    k = ids.shape[1]
+    k = slots.shape[1] if routing is None else routing.top_k
     F = w1.shape[2]
     nf = F // tiles.block_f
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
-    ids = ids.reshape(T * k).astype(jnp.int32)
+    route_in = [slots.reshape(T * k).astype(jnp.int32)] if routing is None else list(slots)
+    parts = (pl.BlockSpec((None, None, L), lambda i, j: (i, j, 0)), jax.ShapeDtypeStruct((T * k, nf, L), jnp.float32))
+    weight = (pl.BlockSpec((None, None), lambda i, j: (i, j)), jax.ShapeDtypeStruct((T * k, nf), jnp.float32))
+    outs = [parts] if routing is None else [parts, weight]
     out = pl.pallas_call(
-        functools.partial(_kernel, top_k=k, block_f=tiles.block_f, activation=activation,
+        functools.partial(_kernel, routing=routing, top_k=k, block_f=tiles.block_f, activation=activation,
                           situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, prefetch=tiles.prefetch),
         grid=(T * k, nf),
-        in_specs=[whole(ids), whole(x), whole(w1), whole(w3), whole(w2)],
-        out_specs=pl.BlockSpec((None, None, L), lambda i, j: (i, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((T * k, nf, L), jnp.float32),
+        in_specs=[whole(a) for a in (*route_in, x, w1, w3, w2)],
+        out_specs=[o[0] for o in outs],
+        out_shape=[o[1] for o in outs],
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-        interpret=interpret, name="moe_decode_gather",
-    )(ids, x, w1, w3, w2)
-    return out.reshape(T, k, nf, L)
+        interpret=interpret, name="moe_decode_gather" if routing is None else "moe_decode_route_gather",
+    )(*route_in, x, w1, w3, w2)
+    if routing is None:
+        return out[0].reshape(T, k, nf, L)
+    return out[0].reshape(T, k, nf, L), out[1][:, 0].reshape(T, k)  # every block wrote the slot's weight
+
+
+def _combine(parts: Float[Array, "T k NF L"], weights: Float[Array, "T k"], dt) -> Float[Array, "T L"]:
+    """The epilogue: each expert's output summed over its blocks and rounded, then weighted over k."""
+    wide = jnp.promote_types(dt, jnp.float32)
+    y = _round_to(jnp.sum(parts, axis=2), dt)  # [T, k, L]: each expert's output, rounded, kept wide
+    # a multiply-and-sum, not a dot: XLA fuses it with the block sum instead of launching a GEMM
+    return jnp.sum(y * weights.astype(wide)[..., None], axis=1).astype(dt)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "tiles", "interpret"))
@@ -121,13 +210,25 @@ def gathered_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weig
                             tiles: DecodeTiles = DecodeTiles(), interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.gathered_experts`` (same arguments, same rounding points) by the kernel and an epilogue."""
     check_inputs(x, ids, weights, w1, w3, w2, tiles)
-    dt = x.dtype
-    wide = jnp.promote_types(dt, jnp.float32)
     parts = expert_blocks(x, ids, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                           situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
-    y = _round_to(jnp.sum(parts, axis=2), dt)  # [T, k, L]: each expert's output, rounded, kept wide
-    # a multiply-and-sum, not a dot: XLA fuses it with the block sum instead of launching a GEMM
-    return jnp.sum(y * weights.astype(wide)[..., None], axis=1).astype(dt)
+    return _combine(parts, weights, x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("routing", "activation", "situ_beta", "situ_linear_beta", "tiles",
+                                             "interpret"))
+def routed_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
+                          w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
+                          routing: Routing, activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                          tiles: DecodeTiles = DecodeTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+    """``moe_decode.routed_gathered_experts``: the router's top-k and weights computed inside the kernel
+    (:func:`_slot_route`), so the 4 kernels XLA routes a token with (bias add, top-k, weight sum, the
+    ids' copy for the custom call) are gone; then the same products and epilogue."""
+    check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
+    parts, weights = expert_blocks(x, (scores, bias), w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                                   situ_linear_beta=situ_linear_beta, tiles=tiles, routing=routing,
+                                   interpret=interpret)
+    return _combine(parts, weights, x.dtype)
 
 
 def _round_to(y: Float[Array, "..."], dtype) -> Float[Array, "..."]:
@@ -140,4 +241,5 @@ def _round_to(y: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     return jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-__all__ = ["DecodeTiles", "check_inputs", "expert_blocks", "gathered_experts_pallas"]
+__all__ = ["DecodeTiles", "RANK_COLUMNS", "Routing", "accepts", "accepts_routing", "check_inputs",
+           "check_routing_inputs", "expert_blocks", "gathered_experts_pallas", "routed_experts_pallas"]

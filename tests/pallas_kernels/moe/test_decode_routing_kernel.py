@@ -1,0 +1,140 @@
+"""The gather kernel that routes each token itself (``kernel_gpu_decode.routed_experts_pallas``) against
+``k3jax.layers.routing.route`` followed by the kernel given the ids, interpreted on CPU and compiled on
+the GPU; where ``moe_decode.routed_gathered_experts`` and the MoE layer take it; its errors.
+
+The routing is exact: the kernel's expert blocks equal, bit for bit, those of the kernel given
+``route``'s ids (same experts in the same slots, ties included), and its weights differ from
+``route``'s only by the order of the fp32 sum of the k chosen scores.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config
+from k3jax.layers import moe_decode
+from k3jax.layers.moe import MoE
+from k3jax.layers.routing import RENORM_EPS, route
+from pallas_kernels.moe.kernel_gpu_decode import Routing, expert_blocks, routed_experts_pallas
+from pallas_kernels.target import Target, compile_for
+from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _rounded_reference
+
+H200 = Target("gpu", "NVIDIA H200", cuda=True)
+WEIGHT_RTOL = 1e-6  # a few fp32 ulps: the k chosen scores summed in another order
+
+
+def _inputs(seed, T, k, E, L, F, ties=True):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(T, L)), jnp.bfloat16)
+    scores = rng.uniform(0.0, 1.0, size=(T, E)).astype(np.float32)
+    bias = (rng.normal(size=E) * 0.05).astype(np.float32)
+    if ties:  # equal keys across the k-th place (the lower index goes first) and among the chosen
+        order = np.argsort(-(scores[0] + bias), kind="stable")
+        for a, b in ((order[k - 1], order[k]), (order[0], order[1])):
+            scores[0, max(a, b)], bias[max(a, b)] = scores[0, min(a, b)], bias[min(a, b)]
+    ws = [jnp.asarray(rng.normal(size=s) * L ** -0.5, jnp.bfloat16) for s in ((E, L, F), (E, L, F), (E, F, L))]
+    return x, jnp.asarray(scores), jnp.asarray(bias), ws
+
+
+@pytest.mark.parametrize("T,k,E,L,F,renormalize,scaling", [
+    (1, 8, 64, 128, 64, True, 1.0),     # small()'s routing at batch 1
+    (3, 2, 16, 64, 32, False, 2.5),     # three tokens, unnormalised weights scaled
+    (2, 8, 128, 64, 32, True, 1.0),     # two blocks of RANK_COLUMNS experts
+    (1, 8, 256, 64, 32, True, 2.827),   # Kimi-Linear's 256 experts
+])
+def test_interpreted_routing_matches_route(T, k, E, L, F, renormalize, scaling):
+    x, scores, bias, ws = _inputs(E + T, T, k, E, L, F)
+    ids, weights = route(scores, bias, k, renormalize=renormalize, scaling=scaling, with_stats=False)
+    routing = Routing(k, renormalize, scaling, RENORM_EPS)
+    parts, got_weights = expert_blocks(x, (scores, bias), *ws, activation="situ", routing=routing, interpret=True)
+    given = expert_blocks(x, ids, *ws, activation="situ", interpret=True)
+    np.testing.assert_array_equal(np.asarray(parts), np.asarray(given))  # same experts, same slots
+    np.testing.assert_allclose(np.asarray(got_weights), np.asarray(weights), rtol=WEIGHT_RTOL, atol=0)
+    got = routed_experts_pallas(x, scores, bias, *ws, routing=routing, activation="situ", interpret=True)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
+
+
+def _kernels(fn, *args) -> str:
+    # a fresh function per trace: a traced function's jaxpr is cached regardless of the target
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+
+
+def test_routed_gathered_experts_picks_the_routing_kernel():
+    """None: the routing kernel on a CUDA target where it takes the inputs; for 96 experts (no power of
+    two) XLA routes and the kernel takes the ids; on a CPU target XLA throughout, equal to the
+    kernel's values; ``implementation="pallas"`` with ``interpret`` runs it anywhere."""
+    kw = dict(top_k=4, renormalize=True, scaling=1.0, activation="situ")
+    call = lambda *a: moe_decode.routed_gathered_experts(*a, **kw)
+    fits, wide = _inputs(0, 1, 4, 32, 64, 32), _inputs(0, 1, 4, 96, 64, 32)
+    with compile_for(H200):
+        assert "moe_decode_route_gather" in _kernels(call, *fits[:3], *fits[3])
+        jaxpr = _kernels(call, *wide[:3], *wide[3])
+        assert "moe_decode_gather" in jaxpr and "moe_decode_route_gather" not in jaxpr
+    with compile_for("cpu"):
+        assert "pallas_call" not in _kernels(call, *fits[:3], *fits[3])
+    xla = call(*fits[:3], *fits[3])
+    kernel = moe_decode.routed_gathered_experts(*fits[:3], *fits[3], **kw, implementation="pallas", interpret=True)
+    _assert_within_ulps(kernel, xla)
+
+
+def test_moe_layer_routes_in_the_kernel_at_decode():
+    """The MoE layer's decode call on the gather path takes the routing kernel on a CUDA target, and
+    not when it sows the balance statistics (they need ``route``'s top-(k+1))."""
+    cfg = config.tiny()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, cfg.hidden)), jnp.bfloat16)
+    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
+    with compile_for(H200):
+        assert "moe_decode_route_gather" in _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True), variables, x)
+        stats = _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True, mutable=["stats"]), variables, x)
+        assert "moe_decode_gather" in stats and "moe_decode_route_gather" not in stats
+
+
+@pytest.mark.unchecked
+def test_bad_routing_inputs_raise():
+    x, scores, bias, ws = _inputs(0, 1, 4, 32, 64, 32, ties=False)
+    run = lambda *a, routing=Routing(4): routed_experts_pallas(*a, routing=routing, activation="situ", interpret=True)
+    with pytest.raises(ValueError, match=r"scores must be \[T, E\] and bias \[E\]"):
+        run(x, scores[:, :16], bias, *ws)
+    with pytest.raises(ValueError, match="float32 scores and bias"):
+        run(x, scores.astype(jnp.bfloat16), bias, *ws)
+    with pytest.raises(ValueError, match=r"routing.top_k=32 must lie in \(0, E=32\)"):
+        run(x, scores, bias, *ws, routing=Routing(32))
+    big = _inputs(0, 1, 4, 512, 64, 32, ties=False)
+    with pytest.raises(ValueError, match=r"E \(w1.shape\[0\]\) a power of two in \[16, 256\], got 512"):
+        run(*big[:3], *big[3])
+    with pytest.raises(ValueError, match="block_f=32 must be a power of two >= 16 dividing F=48"):
+        odd = _inputs(0, 1, 4, 32, 64, 48, ties=False)
+        run(*odd[:3], *odd[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_compiled_routing_kernel(T):
+    """Compiled for the GPU at ``small()``'s experts (64 of 512 × 512, k = 8): same experts and weights
+    as ``route``, output within the exact-rounding reference's ulps."""
+    x, scores, bias, ws = _inputs(T, T, 8, 64, 512, 512)
+    ids, weights = route(scores, bias, 8, renormalize=True, scaling=1.0, with_stats=False)
+    routing = Routing(8, True, 1.0, RENORM_EPS)
+    parts, got_weights = jax.jit(lambda *a: expert_blocks(a[0], a[1:3], *a[3:], activation="situ",
+                                                          routing=routing))(x, scores, bias, *ws)
+    given = jax.jit(lambda *a: expert_blocks(*a, activation="situ"))(x, ids, *ws)
+    np.testing.assert_array_equal(np.asarray(parts), np.asarray(given))
+    np.testing.assert_allclose(np.asarray(got_weights), np.asarray(weights), rtol=WEIGHT_RTOL, atol=0)
+    got = jax.jit(lambda *a: routed_experts_pallas(*a, routing=routing, activation="situ"))(x, scores, bias, *ws)
+    _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
+
+
+def test_decode_routing_unchanged_for_dense_batches():
+    """Batches on the dense path still route with ``route`` (the kernel routes only on the gather path)."""
+    cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
+    T = 2 * cfg.moe.num_experts // cfg.moe.top_k
+    assert moe_decode.decode_path(T, cfg.moe.top_k, cfg.moe.num_experts) == "dense"
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(T, 1, cfg.hidden)), jnp.float32)
+    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
+    with compile_for(H200):
+        assert "moe_decode_route_gather" not in _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True), variables, x)
