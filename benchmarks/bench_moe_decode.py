@@ -1,8 +1,10 @@
 """The routed experts of one decode step, XLA against the Pallas kernels, on either decode path.
 
-``--path gather`` (batch 1, the default): ``moe_decode.gathered_experts`` at ``small()``'s shape (T=1,
-k=8, E=64, L=F=512, bf16) with ``implementation="xla"`` and ``"pallas"`` (``pallas_kernels/moe/
-kernel_gpu_decode.py``) at several ``DecodeTiles`` (``block_f``, ``num_warps``). ``--path dense``
+``--path gather`` (batch 1, the default): ``moe_decode.routed_gathered_experts`` — from the router's
+scores, as a decode step calls it — at ``small()``'s shape (T=1, k=8, E=64, L=F=512, bf16) with
+``implementation="xla"`` (XLA's route and gather), XLA's route then the kernel given the ids, and the
+kernel routing each token itself (``pallas_kernels/moe/kernel_gpu_decode.py``, the default) at several
+``DecodeTiles`` (``block_f``, ``num_warps``, ``prefetch``). ``--path dense``
 (``--tokens 64`` by default): ``moe_decode.dense_experts`` (every expert on every token) with
 ``implementation="xla"`` and the two kernels of ``pallas_kernels/moe/kernel_gpu_decode_dense.py`` at
 several ``DenseTiles``. Each variant runs as ``--steps`` chained calls in one ``fori_loop`` (the next
@@ -31,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers import moe_decode
-from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas
+from k3jax.layers.routing import RENORM_EPS, route
+from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, Routing, gathered_experts_pallas, routed_experts_pallas
 from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
 
 TILES = [DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(16, 4), DecodeTiles(64, 8),
@@ -50,15 +53,28 @@ def _inputs(T, k, E, L, F, seed=0):
     return x, ids, weights, ws
 
 
+def _router_outputs(T, E, seed=0):
+    """The router's ``scores [T, E]`` (sigmoid outputs) and a balancing ``bias [E]``."""
+    rng = np.random.default_rng(seed)
+    scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(T, E)), jnp.float32))
+    return scores, jnp.asarray(rng.normal(size=E) * 0.05, jnp.float32)
+
+
+def _route_then_kernel(x, scores, bias, *ws, activation, interpret=False):
+    """XLA's route, then the kernel given the ids (the batch-1 path of stops 37-50)."""
+    ids, weights = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)
+    return gathered_experts_pallas(x, ids, weights, *ws, activation=activation, interpret=interpret)
+
+
 def chained_copies(fn, steps: int, copies: int):
     """``steps`` calls of ``fn(x, ...)`` in one loop, each on the previous output, each loop iteration
     calling ``fn`` once on each of ``copies`` weight sets ``(w1, w3, w2)`` in turn (``steps`` a
     multiple of ``copies``): with more weight bytes between two reads of one set than the GPU's L2
     holds, every call reads its weights from HBM, as each MoE layer of a decode step does."""
-    def run(x, ids, weights, *ws):
+    def run(x, a, b, *ws):  # a, b: ids and weights, or the router's scores and bias
         def body(_, h):
             for c in range(copies):
-                h = fn(h, ids, weights, *ws[3 * c:3 * c + 3])
+                h = fn(h, a, b, *ws[3 * c:3 * c + 3])
             return h
         return jax.lax.fori_loop(0, steps // copies, body, x)
     return jax.jit(run)
@@ -84,11 +100,18 @@ def main(argv=None) -> int:
     x, ids, weights, ws = _inputs(tokens, K, E, L, F)
     act = dict(activation=args.activation)
     if args.path == "gather":
-        fns = {"xla": functools.partial(moe_decode.gathered_experts, **act, implementation="xla")}
+        scores, bias = _router_outputs(tokens, E)
+        ids = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)[0]
+        fns = {"xla": functools.partial(moe_decode.routed_gathered_experts, top_k=K, renormalize=True, scaling=1.0,
+                                        **act, implementation="xla"),
+               "pallas bf=32 warps=4, xla route": functools.partial(_route_then_kernel, **act,
+                                                                     interpret=args.interpret)}
         for t in TILES:
             fns[f"pallas bf={t.block_f} warps={t.num_warps}{'' if t.prefetch else ' in place'}"] = functools.partial(
-                gathered_experts_pallas, **act, tiles=t, interpret=args.interpret)
+                routed_experts_pallas, routing=Routing(K, True, 1.0, RENORM_EPS), **act, tiles=t,
+                interpret=args.interpret)
         weight_bytes = 3 * len(np.unique(np.asarray(ids))) * L * F * 2
+        ids, weights = scores, bias  # what each call takes after x
     else:
         fns = {"xla": functools.partial(moe_decode.dense_experts, **act, implementation="xla")}
         for t in DENSE_TILES:
