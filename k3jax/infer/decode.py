@@ -18,8 +18,8 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, StepCache
-from k3jax.layers import kda
-from k3jax.layers.linear import OUTPUT_FIRST
+from k3jax.layers import kda, mla
+from k3jax.layers.linear import OUTPUT_FIRST, PACKED, pack_kernels
 from k3jax.layout import scan_plan, to_per_layer, unrolled
 from k3jax.model import Transformer
 
@@ -35,11 +35,14 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
     ``decode`` collection takes over kernels from ``params``, laid out for batch-1 products
     (``benchmarks/decode_kernels.py``, ``small()`` on the H200 compiler):
 
-    - KDA decodes its six input projections as one product over their concatenated kernels
-      (``k3jax.layers.kda.pack_input_kernels``): one matrix-vector kernel a step instead of four
-      (384 -> 355 kernels a step at batch 1). Packed here once: made in the decode program, XLA
-      would write the concatenation every step at batch 64, so a tree not converted here decodes
-      with one product per projection.
+    - A layer's input projections are packed into one kernel (``linear.packed_products``): KDA's six
+      (384 -> 355 kernels a step at batch 1), MLA's ``q_a`` and ``kv_a`` (280.7 -> 277.7, device-less,
+      stop 51) — one matrix-vector kernel where XLA ran one per projection, each recomputing the
+      norm before it. Packed here once: made in the decode program, XLA would write the
+      concatenation every step at batch 64, so a tree not converted here decodes with one product
+      per projection. (Not packed: MLA's output gate, whose product XLA fuses with the attention's
+      epilogue — packed, that epilogue split into 5 kernels; and the MoE's ``down_proj`` with the
+      shared gate and up, whose packed product XLA splits back into one per consumer.)
     - ``linear.OUTPUT_FIRST`` kernels (and the packed KDA kernel) are stored output axis first
       (``Proj``): XLA then sums each product in one pass instead of writing the weight-sized
       product first (batch 1: 100 -> 32 MB written a step), and the products it fuses with the
@@ -56,17 +59,44 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
     return _to_decode_collection(variables, cfg), cfg
 
 
+# Each module kind's input projections packed into one kernel (``linear.packed_products``).
+PACKED_INPUTS = (kda.packed_inputs, mla.packed_inputs)
+
+
+def _at(node: Mapping, key: str):
+    """``node``'s entry at a ``/``-separated key path, or None."""
+    for part in key.split("/"):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _without(node: Mapping, keys: list[str]) -> dict:
+    """``node`` without the entries at ``keys`` (``/``-separated paths)."""
+    heads = {k.split("/", 1)[0] for k in keys}
+    out = {}
+    for k, v in node.items():
+        rest = [key.split("/", 1)[1] for key in keys if key.startswith(k + "/")]
+        if rest:
+            out[k] = _without(v, rest)
+        elif k not in heads:
+            out[k] = v
+    return out
+
+
 def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
-    """Move KDA input kernels (packed, ``kda.PACKED``) and ``OUTPUT_FIRST`` kernels (as ``kernel_t``)
-    from ``params`` to the ``decode`` collection at the same module paths; what is moved already stays."""
-    names = [name for name, _, _ in kda.input_projections(cfg)]
+    """Move each module's packed input kernels (``PACKED_INPUTS``, as ``linear.PACKED``) and the other
+    ``OUTPUT_FIRST`` kernels (as ``kernel_t``) from ``params`` to the ``decode`` collection at the same
+    module paths; what is moved already stays."""
+    groups = [outs for outs in (packer(cfg) for packer in PACKED_INPUTS) if len(outs) > 1]
     moved: dict[tuple[str, ...], Array] = {}
 
     def walk(node: Mapping, path: tuple[str, ...]) -> dict:
-        if all(name in node for name in names):
-            packed = kda.pack_input_kernels({name: node[name]["kernel"] for name in names}, cfg)
-            moved[path + (kda.PACKED,)] = jnp.swapaxes(packed, -1, -2)  # [N, D], as OUTPUT_FIRST kernels
-            node = {k: v for k, v in node.items() if k not in names}
+        for outs in groups:
+            entries = [_at(node, name) for name, _ in outs]
+            if all(isinstance(e, Mapping) and set(e) == {"kernel"} for e in entries):
+                moved[path + (PACKED,)] = pack_kernels([e["kernel"] for e in entries], [out for _, out in outs])
+                node = _without(node, [name for name, _ in outs])
+                break
         out = {}
         for k, v in node.items():
             if k in OUTPUT_FIRST and isinstance(v, Mapping) and set(v) == {"kernel"}:

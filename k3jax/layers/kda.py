@@ -22,8 +22,7 @@ tokens without running the layer again (speculative verification; ``k3jax.infer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -33,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
-from k3jax.layers.linear import einsum, param, proj, wide_param_dtype
+from k3jax.layers.linear import packed_products, param, proj, wide_param_dtype
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
 from pallas_kernels.kda.conv import same_document_taps, short_convs
@@ -148,12 +147,9 @@ def chunk_from_state(q, k, v, g, beta, state: Float[Array, "B H K V"], **kwargs)
     return per_shard(run, q, k, v, g, beta, state)
 
 
-PACKED = "in_proj"  # decode_layout's concatenated input kernel, in the ``decode`` collection
-
-
 def input_projections(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     """``(name, output shape, output axes)`` of every projection of the KDA layer's input, in the
-    order ``pack_input_kernels`` concatenates them: q, k, v, β logits, the decay's first factor
+    order ``decode_layout`` packs them: q, k, v, β logits, the decay's first factor
     ``f_a`` and the output gate (``g_proj``, or its first factor ``g_a`` when low rank)."""
     c = cfg.kda
     H, K = c.num_heads, c.head_dim
@@ -163,12 +159,9 @@ def input_projections(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tupl
         ("b_proj", (H,), ("heads",)), ("f_a", (c.decay_rank,), ("decay_rank",)), gate]
 
 
-def pack_input_kernels(kernels: Mapping[str, Any], cfg: ModelConfig) -> Float[Array, "*L D N"]:
-    """The input projections' kernels (``{name: [*L, D, *out]}``, boxed or not) concatenated along
-    their flattened outputs in ``input_projections`` order: ``[*L, D, N]``."""
-    kernels = {name: nn.meta.unbox(k) for name, k in kernels.items()}
-    flat = [kernels[name].reshape(kernels[name].shape[:-len(out)] + (-1,)) for name, out, _ in input_projections(cfg)]
-    return jnp.concatenate(flat, axis=-1)
+def packed_inputs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """What ``decode_layout`` packs into one kernel (``linear.packed_products``): every input projection."""
+    return [(name, out) for name, out, _ in input_projections(cfg)]
 
 
 class KDA(nn.Module):
@@ -199,25 +192,17 @@ class KDA(nn.Module):
     def _input_projections(self, x: Float[Array, "B T D"]) -> dict[str, Array]:
         """Every projection of the layer input ``x`` by parameter name (``input_projections``).
 
-        On ``decode_layout``'s tree (the ``decode`` collection holds the kernels concatenated along
-        their outputs, ``pack_input_kernels``, packed once and stored output axis first) they are
-        one product: at batch 1 one matrix-vector kernel instead of one per projection, each
-        recomputing the AttnRes mix and the norm of ``x``. Each output is the same sum over ``D``
-        either way. Without it (training, or a caller that decodes the parameters as they are) each
-        projection is its own product: concatenating the kernels inside the program would copy them
-        on every call.
+        On ``decode_layout``'s tree (the kernels packed once, ``linear.packed_products``) they are one
+        product: at batch 1 one matrix-vector kernel instead of one per projection, each recomputing
+        the AttnRes mix and the norm of ``x``.
         """
         cfg = self.cfg
-        specs = input_projections(cfg)
-        if not self.has_variable("decode", PACKED):
-            letters = lambda out: "HK" if len(out) == 2 else "R"
-            return {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
-                               name)(x) for name, out, axes in specs}
-        w = self.get_variable("decode", PACKED)  # [N, D]: output axis first (``linear.OUTPUT_FIRST``)
-        y = einsum("BTD,ND->BTN", x.astype(cfg.compute_dtype), w.astype(cfg.compute_dtype))
-        ends = np.cumsum([int(np.prod(out)) for _, out, _ in specs])
-        return {name: part.reshape(x.shape[:2] + out)
-                for (name, out, _), part in zip(specs, jnp.split(y, ends[:-1], axis=-1))}
+        packed = packed_products(self, x, packed_inputs(cfg), cfg.compute_dtype)
+        if packed is not None:
+            return packed
+        letters = lambda out: "HK" if len(out) == 2 else "R"
+        return {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
+                           name)(x) for name, out, axes in input_projections(cfg)}
 
     def _log_decay(self, z: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
         cfg, c = self.cfg, self.cfg.kda

@@ -10,11 +10,13 @@ call in ``jax.default_matmul_precision("highest")``, which also keys the jit cac
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.config import ModelConfig
 
@@ -92,8 +94,8 @@ class Proj(nn.Module):
 # Projections whose kernels decode reads output axis first (``Proj``, ``decode_layout``): those that
 # contract a kernel's leading axes with a vector computed just before (the layers' output projections),
 # and the input projections of one output axis, which XLA fuses with the norm before them (MLPs' gate
-# and up, the router, MoE's latent down_proj, MLA's q_a / kv_a; KDA's packed inputs likewise).
-OUTPUT_FIRST = ("o_proj", "down", "up_proj", "gate", "up", "router", "down_proj", "q_a", "kv_a")
+# and up, the router, MoE's latent down_proj; the packed inputs of KDA and MLA likewise, ``PACKED``).
+OUTPUT_FIRST = ("o_proj", "down", "up_proj", "gate", "up", "router", "down_proj")
 
 
 def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | None, ...], name: str | None,
@@ -102,3 +104,33 @@ def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | No
     dtype = cfg.fp32_dtype if wide else cfg.compute_dtype
     param_dtype = wide_param_dtype(cfg) if wide else cfg.param_dtype
     return Proj(eq, shape, axes, dtype, param_dtype, cfg.initializer_range, out_dtype, name=name)
+
+
+# A module's input projections packed by ``decode_layout`` into one kernel: ``[N, D]`` under this name
+# in its ``decode`` collection, the projections' flattened outputs concatenated in the order the
+# module's ``packed_inputs(cfg)`` lists them ((key path within the module, output shape) pairs).
+PACKED = "in_proj"
+
+
+def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) -> jax.Array:
+    """Kernels ``[*L, D, *out_i]`` (boxed or not) as one ``[*L, N, D]``: each output flattened, the
+    outputs concatenated, output axis first (as ``OUTPUT_FIRST`` kernels are stored for decode)."""
+    flat = [nn.meta.unbox(k).reshape(nn.meta.unbox(k).shape[:-len(out)] + (-1,)) for k, out in zip(kernels, outs)]
+    return jnp.swapaxes(jnp.concatenate(flat, axis=-1), -1, -2)
+
+
+def packed_products(module: nn.Module, x: jax.Array, outs: Sequence[tuple[str, tuple[int, ...]]],
+                    dtype: Any) -> Mapping[str, jax.Array] | None:
+    """On ``decode_layout``'s tree: the projections ``outs`` of ``x [..., D]`` as one product over the
+    module's packed kernel (``PACKED``), ``{key path: [..., *out]}``; None where it holds none (the
+    training tree: concatenating the kernels there would copy them on every call).
+
+    At batch 1 XLA fuses the norm before these projections into each of them, one matrix-vector
+    kernel per projection, each a few µs of latency for its 0.3-4 MB; packed, they are one kernel
+    over the concatenated rows. Each output is the same sum over ``D`` (in another fp32 order)."""
+    if not module.has_variable("decode", PACKED):
+        return None
+    w = module.get_variable("decode", PACKED)  # [N, D]
+    y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))
+    ends = np.cumsum([int(np.prod(out)) for _, out in outs])
+    return {name: part.reshape(x.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}

@@ -30,7 +30,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import attention as attention_lib
 from k3jax.layers.gates import sigmoid_gate
 from k3jax.layers import rope as rope_lib
-from k3jax.layers.linear import einsum, proj
+from k3jax.layers.linear import einsum, packed_products, proj
 from k3jax.layers.norm import norm
 from pallas_kernels.mla_attention import KEY_BLOCK, cached_attention, mla_attention
 from sharding import current as parallel_context
@@ -121,29 +121,42 @@ def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B 
     return o
 
 
+def packed_inputs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """What ``decode_layout`` packs into one kernel (``linear.packed_products``): the query's first
+    projection (``q_a``, or ``q_proj`` without a query LoRA) and ``kv_a``. Not the output gate
+    ``g_proj``: XLA fuses its product into the attention's epilogue, which a packed one splits."""
+    m = cfg.mla
+    query = [("q_a", (m.q_lora_rank,))] if m.q_lora_rank is not None else [("q_proj", (m.num_heads, m.qk_head_dim))]
+    return query + [("kv_a", (m.kv_lora_rank + m.qk_rope_head_dim,))]
+
+
 class MLA(nn.Module):
     """Gated MLA over pre-normed ``x``; ``segment_ids`` masks attention across documents."""
 
     cfg: ModelConfig
 
-    def _query(self, x, split: bool = False):
-        """``q [B,T,H,dn+dr]``, or with ``split`` ``(q_nope, q_rope)`` as two products (`Proj`)."""
+    def _query(self, x, split: bool = False, packed=None):
+        """``q [B,T,H,dn+dr]``, or with ``split`` ``(q_nope, q_rope)`` as two products (`Proj`);
+        ``packed``: ``packed_products``' outputs (decode layout)."""
         cfg, m = self.cfg, self.cfg.mla
         D, H, Dq = cfg.hidden, m.num_heads, m.qk_head_dim
         at = m.qk_nope_head_dim if split else None
         if m.q_lora_rank is None:
+            if packed:
+                return packed["q_proj"]
             return proj(cfg, "BTD,DHK->BTHK", (D, H, Dq), ("embed", "heads", "head_dim"), "q_proj")(x, split=at)
         R = m.q_lora_rank
-        c = proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "q_lora"), "q_a")(x)
+        c = packed["q_a"] if packed else proj(cfg, "BTD,DR->BTR", (D, R), ("embed", "q_lora"), "q_a")(x)
         c = norm(cfg, "q_norm", eps=m.lora_norm_eps, axis="q_lora")(c)
         return proj(cfg, "BTR,RHK->BTHK", (R, H, Dq), ("q_lora", "heads", "head_dim"), "q_b")(c, split=at)
 
-    def _keys_values(self, x):
+    def _keys_values(self, x, packed=None):
         """The normalised latent ``c [B,T,Rkv]``, the shared rope key ``[B,T,dr]`` and the ``kv_b``
         projection that expands ``c`` into per-head ``[k_nope, v]``."""
         cfg, m = self.cfg, self.cfg.mla
         D, H, R, dn, dv = cfg.hidden, m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
-        ckr = proj(cfg, "BTD,DR->BTR", (D, R + m.qk_rope_head_dim), ("embed", "kv_lora"), "kv_a")(x)
+        ckr = packed["kv_a"] if packed else proj(
+            cfg, "BTD,DR->BTR", (D, R + m.qk_rope_head_dim), ("embed", "kv_lora"), "kv_a")(x)
         c, k_rope = ckr[..., :R], ckr[..., R:]  # [B, T, Rkv], [B, T, dr]
         c = norm(cfg, "kv_norm", eps=m.lora_norm_eps, axis="kv_lora")(c)
         kv_b = proj(cfg, "BTR,RHK->BTHK", (R, H, dn + dv), ("kv_lora", "heads", "head_dim"), "kv_b")
@@ -211,12 +224,13 @@ class MLA(nn.Module):
         ctx = parallel_context()
         full = cache is None and not (ctx is not None and ctx.sequence_parallel)
         flash = full and attention_lib.use_flash(m.attention_implementation, cfg.compute_dtype, B, H)
+        packed = packed_products(self, x, packed_inputs(cfg), cfg.compute_dtype)  # decode_layout's tree
         if flash:
             q_nope, q_rope = (q.astype(wide) for q in self._query(x, split=True))
         else:
-            q = self._query(x).astype(wide)  # [B, T, H, dn+dr]
+            q = self._query(x, packed=packed).astype(wide)  # [B, T, H, dn+dr]
             q_nope, q_rope = q[..., :dn], q[..., dn:]
-        c, k_rope, kv_b = self._keys_values(x)
+        c, k_rope, kv_b = self._keys_values(x, packed)
         k_rope = k_rope.astype(wide)[:, :, None, :]  # [B, T, 1, dr]
         if m.rope is not None:
             # RoPE is relative: within a document only differences matter

@@ -113,31 +113,37 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
 
 
 def test_decode_layout_decodes_as_the_plain_layout(model):
-    """``decode_layout`` moves each KDA layer's six input kernels into one concatenated ``decode``
-    entry and the ``OUTPUT_FIRST`` kernels output axis first (``kernel_t``; the KDA entry too):
-    prefill and decode on it give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
+    """``decode_layout`` packs a layer's input projections into one ``decode`` entry (KDA's six, MLA's
+    q_a and kv_a: ``linear.PACKED``, output axis first) and stores the other ``OUTPUT_FIRST`` kernels
+    output axis first (``kernel_t``): prefill and decode on it give the logits of the plain per-layer
+    tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
-    from k3jax.layers import kda
-    from k3jax.layers.linear import OUTPUT_FIRST
+    from k3jax.layers import kda, mla
+    from k3jax.layers.linear import OUTPUT_FIRST, PACKED
     from k3jax.layout import scan_plan, to_per_layer
 
     cfg, variables = model
     packed, dcfg = decode_layout(variables, cfg)
     plain = variables if scan_plan(cfg) is None else to_per_layer(variables, cfg)
-    names = [name for name, _, _ in kda.input_projections(cfg)]
-    kda_layers = [name for name, node in plain["params"].items() if "kda" in node]
-    for name in kda_layers:
-        assert not set(names) & set(packed["params"][name]["kda"])
-        width = sum(np.prod(np.shape(plain["params"][name]["kda"][n]["kernel"])[1:]) for n in names)
-        assert packed["decode"][name]["kda"][kda.PACKED].shape == (width, cfg.hidden)
+    at = lambda tree, keys: tree if not keys else at(tree[keys[0]], keys[1:])
+    kinds = {"kda": kda.packed_inputs(cfg), "mla": mla.packed_inputs(cfg)}
+    seen = set()
+    for layer, node in plain["params"].items():
+        for kind in set(kinds) & set(node):
+            seen.add(kind)
+            kernels = [at(node[kind], name.split("/"))["kernel"] for name, _ in kinds[kind]]
+            rows = np.concatenate([np.reshape(k, (k.shape[0], -1)) for k in kernels], axis=1).T  # [N, D]
+            np.testing.assert_array_equal(packed["decode"][layer][kind][PACKED], rows)
+            left = packed["params"][layer][kind]
+            assert all(at(left, name.split("/")[:-1]).get(name.split("/")[-1]) is None for name, _ in kinds[kind])
+    assert seen == {"kda", "mla"}
     moved = [path for path, _ in jax.tree_util.tree_flatten_with_path(packed["decode"])[0]
              if path[-1].key == "kernel_t"]
     # the output projections (o_proj of KDA and MLA, the MLPs' down; MoE up_proj where the experts run
-    # in a latent: tiny(), not Kimi-Linear) and the one-output-axis input projections (MLPs' gate and
-    # up, the router, MLA's q_a / kv_a; MoE down_proj with a latent)
+    # in a latent: tiny(), not Kimi-Linear) and the one-output-axis input projections not packed (the
+    # MLPs' gate and up, the router, MoE down_proj with a latent)
     moved_names = {path[-2].key for path in moved}
-    assert {"o_proj", "down", "gate", "up", "router", "kv_a"} <= moved_names <= set(OUTPUT_FIRST)
-    at = lambda tree, keys: tree if not keys else at(tree[keys[0]], keys[1:])
+    assert {"o_proj", "down", "gate", "up", "router"} <= moved_names <= set(OUTPUT_FIRST)
     for path in moved:
         keys = [k.key for k in path]
         np.testing.assert_array_equal(at(packed["decode"], keys),
