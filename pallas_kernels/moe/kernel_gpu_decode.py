@@ -20,6 +20,13 @@ A custom call takes only materialised buffers, so the ``[:, :k]`` slice of the r
 354.7 → 341.7 kernels, 32.1 → 17.6 MB written per ``small()`` decode step at batch 1 (device-less H200
 compile, ``benchmarks/decode_kernels.py --moe-decode pallas``).
 
+The decode step calls the variant that routes each token itself (:func:`routed_experts_pallas`, the
+reference ``k3jax.layers.moe_decode.routed_gathered_experts``): it takes the router's scores and the
+balancing bias instead of ids and weights, and each program finds its slot's expert as a rank of
+``scores + bias`` (:func:`_slot_route`) before reading the weights — XLA's bias add, top-k, weight sum
+and the ids' copy (4 kernels and 6.1 µs of a MoE layer's 8.6 µs router at batch 1 on the H200, stop 49)
+are gone: 324.7 → 280.7 kernels a ``small()`` step at batch 1 (device-less).
+
 Rounding points are the reference's (those of ``moe_ffn``): g and u accumulated in fp32 over L and
 rounded to the compute dtype (x's dtype), the activation (``gated_activation``, computed in fp32)
 rounded to it, each expert's output summed in fp32 over F (blocks in the kernel, the block sums in the
@@ -69,7 +76,9 @@ class Routing:
     eps: float = 1e-20
 
 
-RANK_COLUMNS = 64  # experts compared at a time when routing: [E, 64] int32 in registers
+# pairs of experts compared at a time when routing: [E, RANK_PAIRS / E] int32 in registers (4096 over
+# 4 warps: 32 a thread; E = 256 at [256, 64] spilled 228 bytes a thread, ptxas for sm_90a)
+RANK_PAIRS = 4096
 
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
@@ -90,7 +99,7 @@ def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> 
 
 def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DecodeTiles = DecodeTiles()) -> None:
     """:func:`check_inputs` for the kernel that routes: ``scores [T, E]`` and ``bias [E]`` float32, E a
-    power of two from 16 to 256 (``[E, 64]`` comparisons a program), ``0 < routing.top_k < E``."""
+    power of two from 16 to 256 (``E²`` comparisons a program), ``0 < routing.top_k < E``."""
     slots = jax.ShapeDtypeStruct((x.shape[0] if x.ndim else 0, routing.top_k), jnp.int32)
     check_inputs(x, slots, slots, w1, w3, w2, tiles)
     E = w1.shape[0]
@@ -117,15 +126,15 @@ def _slot_route(scores_ref, bias_ref, t, s, routing: Routing):
     equals) is a rank: ``rank_e`` counts the experts that come before e, and slot ``s`` holds the e of
     rank s. One comparison of every pair and a row sum, where a top-k takes k rounds of a row max (the
     rounds are a chain of dependent reductions: stop 48's router kernel, as slow as XLA's 4 kernels).
-    The pairs are compared ``RANK_COLUMNS`` experts at a time (``[E, RANK_COLUMNS]`` in registers)."""
+    The pairs are compared ``RANK_PAIRS / E`` experts at a time (``[E, RANK_PAIRS / E]`` in registers)."""
     E = bias_ref.shape[0]
     f32, i32 = jnp.float32, jnp.int32
     scores = scores_ref[t, :].astype(f32)  # [E]
     key = scores + bias_ref[...].astype(f32)
     idx = jax.lax.broadcasted_iota(i32, (E,), 0)
     rank = jnp.zeros((E,), i32)
-    for c in range(0, E, min(E, RANK_COLUMNS)):
-        n = min(E, RANK_COLUMNS)
+    n = max(1, min(E, RANK_PAIRS // E))
+    for c in range(0, E, n):
         other = scores_ref[t, pl.ds(c, n)].astype(f32) + bias_ref[pl.ds(c, n)].astype(f32)  # [n]
         other_idx = c + jax.lax.broadcasted_iota(i32, (n,), 0)
         before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None])
@@ -241,5 +250,5 @@ def _round_to(y: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     return jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-__all__ = ["DecodeTiles", "RANK_COLUMNS", "Routing", "accepts", "accepts_routing", "check_inputs",
+__all__ = ["DecodeTiles", "RANK_PAIRS", "Routing", "accepts", "accepts_routing", "check_inputs",
            "check_routing_inputs", "expert_blocks", "gathered_experts_pallas", "routed_experts_pallas"]

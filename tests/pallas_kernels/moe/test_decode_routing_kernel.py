@@ -43,8 +43,8 @@ def _inputs(seed, T, k, E, L, F, ties=True):
 @pytest.mark.parametrize("T,k,E,L,F,renormalize,scaling", [
     (1, 8, 64, 128, 64, True, 1.0),     # small()'s routing at batch 1
     (3, 2, 16, 64, 32, False, 2.5),     # three tokens, unnormalised weights scaled
-    (2, 8, 128, 64, 32, True, 1.0),     # two blocks of RANK_COLUMNS experts
-    (1, 8, 256, 64, 32, True, 2.827),   # Kimi-Linear's 256 experts
+    (2, 8, 128, 64, 32, True, 1.0),     # four blocks of RANK_PAIRS / E = 32 experts
+    (1, 8, 256, 64, 32, True, 2.827),   # 256 experts (Kimi-Linear's count), 16 blocks of 16
 ])
 def test_interpreted_routing_matches_route(T, k, E, L, F, renormalize, scaling):
     x, scores, bias, ws = _inputs(E + T, T, k, E, L, F)
