@@ -164,9 +164,9 @@ class MoEConfig:
     renormalize: bool = True
     implementation: str | None = None
     # routed experts of a decode step on the gather and dense paths (k3jax/layers/moe_decode.py):
-    # "pallas" is their GPU kernels (pallas_kernels/moe/kernel_gpu_decode.py, batch 1, and
-    # kernel_gpu_decode_dense.py, 16-256 tokens; MXFP4 experts stay on "xla"); None picks them on a
-    # CUDA GPU where they take the shapes, else "xla"
+    # "pallas" is their GPU kernels (pallas_kernels/moe/kernel_gpu_decode.py, batch 1, routing each
+    # token itself where E is a power of two <= 256, and kernel_gpu_decode_dense.py, 16-256 tokens;
+    # MXFP4 experts stay on "xla"); None picks them on a CUDA GPU where they take the shapes, else "xla"
     decode_implementation: str | None = None
     # MoonEP (sharding/moonep.py): redundant copies of hot experts per layer on an expert-parallel
     # mesh (a multiple of the expert axis size), re-planned from QB's loads every placement_every steps.
