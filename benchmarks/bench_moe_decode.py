@@ -1,12 +1,13 @@
 """The routed experts of one decode step, XLA against the Pallas kernels, on either decode path.
 
-``--path gather`` (batch 1, the default): ``moe_decode.routed_gathered_experts`` — from the router's
-scores, as a decode step calls it — at ``small()``'s shape (T=1, k=8, E=64, L=F=512, bf16) with
-``implementation="xla"`` (XLA's route and gather), XLA's route then the kernel given the ids, and the
-kernel routing each token itself (``pallas_kernels/moe/kernel_gpu_decode.py``, the default) at several
-``DecodeTiles`` (``block_f``, ``num_warps``, ``prefetch``). ``--path dense``
-(``--tokens 64`` by default): ``moe_decode.dense_experts`` (every expert on every token) with
-``implementation="xla"`` and the two kernels of ``pallas_kernels/moe/kernel_gpu_decode_dense.py`` at
+Both paths start from the router's scores, as a decode step's MoE calls them
+(``moe_decode.routed_experts``), at ``small()``'s experts (k=8, E=64, L=F=512, bf16), with
+``implementation="xla"`` (XLA's route and experts), XLA's route then the path's kernels given the ids
+(the step of stops 37-50), and the kernels that route each token themselves (the default) at
+several tilings. ``--path gather`` (batch 1, the default): ``pallas_kernels/moe/kernel_gpu_decode.py``
+at several ``DecodeTiles`` (``block_f``, ``num_warps``, ``prefetch``). ``--path dense`` (``--tokens
+64`` by default; every expert on every token): the two kernels of
+``pallas_kernels/moe/kernel_gpu_decode_dense.py`` and its routing combine at
 several ``DenseTiles``. Each variant runs as ``--steps`` chained calls in one ``fori_loop`` (the next
 call's x is this call's output, so calls cannot overlap and host dispatch drops out) cycling through
 ``--copies`` weight sets, by default enough that every call reads its weights from HBM as a decode
@@ -34,8 +35,9 @@ import numpy as np
 
 from k3jax.layers import moe_decode
 from k3jax.layers.routing import RENORM_EPS, route
-from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, Routing, gathered_experts_pallas, routed_experts_pallas
-from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas, routed_dense_experts_pallas
+from pallas_kernels.moe.rank_routing import Routing
 
 TILES = [DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(16, 4), DecodeTiles(64, 8),
          DecodeTiles(32, 4, prefetch=False), DecodeTiles(32, 8, prefetch=False), DecodeTiles(16, 4, prefetch=False)]
@@ -60,10 +62,11 @@ def _router_outputs(T, E, seed=0):
     return scores, jnp.asarray(rng.normal(size=E) * 0.05, jnp.float32)
 
 
-def _route_then_kernel(x, scores, bias, *ws, activation, interpret=False):
-    """XLA's route, then the kernel given the ids (the batch-1 path of stops 37-50)."""
+def _route_then_kernel(x, scores, bias, *ws, path, activation, interpret=False):
+    """XLA's route, then the path's kernels given the ids (the decode step of stops 37-50)."""
     ids, weights = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)
-    return gathered_experts_pallas(x, ids, weights, *ws, activation=activation, interpret=interpret)
+    kernel = gathered_experts_pallas if path == "gather" else dense_experts_pallas
+    return kernel(x, ids, weights, *ws, activation=activation, interpret=interpret)
 
 
 def chained_copies(fn, steps: int, copies: int):
@@ -97,27 +100,27 @@ def main(argv=None) -> int:
     from benchmarks.timing import timeit_interleaved
 
     tokens = args.tokens or (1 if args.path == "gather" else 64)
-    x, ids, weights, ws = _inputs(tokens, K, E, L, F)
+    x, _, _, ws = _inputs(tokens, K, E, L, F)
+    scores, bias = _router_outputs(tokens, E)  # each call routes, as the decode step's MoE does
     act = dict(activation=args.activation)
+    routing = Routing(K, True, 1.0, RENORM_EPS)
+    fns = {"xla": functools.partial(moe_decode.routed_experts, path=args.path, top_k=K, renormalize=True,
+                                    scaling=1.0, **act, implementation="xla"),
+           "pallas, xla route": functools.partial(_route_then_kernel, path=args.path, **act,
+                                                  interpret=args.interpret)}
     if args.path == "gather":
-        scores, bias = _router_outputs(tokens, E)
-        ids = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)[0]
-        fns = {"xla": functools.partial(moe_decode.routed_gathered_experts, top_k=K, renormalize=True, scaling=1.0,
-                                        **act, implementation="xla"),
-               "pallas bf=32 warps=4, xla route": functools.partial(_route_then_kernel, **act,
-                                                                     interpret=args.interpret)}
         for t in TILES:
             fns[f"pallas bf={t.block_f} warps={t.num_warps}{'' if t.prefetch else ' in place'}"] = functools.partial(
-                routed_experts_pallas, routing=Routing(K, True, 1.0, RENORM_EPS), **act, tiles=t,
-                interpret=args.interpret)
+                routed_experts_pallas, routing=routing, **act, tiles=t, interpret=args.interpret)
+        ids = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)[0]
         weight_bytes = 3 * len(np.unique(np.asarray(ids))) * L * F * 2
-        ids, weights = scores, bias  # what each call takes after x
     else:
-        fns = {"xla": functools.partial(moe_decode.dense_experts, **act, implementation="xla")}
         for t in DENSE_TILES:
             name = f"pallas t={t.block_t} n={t.block_n} k={t.block_k} w={t.num_warps} s={t.num_stages}"
-            fns[name] = functools.partial(dense_experts_pallas, **act, tiles=t, interpret=args.interpret)
+            fns[name] = functools.partial(routed_dense_experts_pallas, routing=routing, **act, tiles=t,
+                                          interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
+    ids, weights = scores, bias  # what each call takes after x
     outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
     copies = args.copies or min(32, max(1, -(-200_000_000 // weight_bytes)))
     steps = -(-args.steps // copies) * copies

@@ -1,7 +1,8 @@
 """Registers, spills and memory instructions of GPU kernels, with no GPU.
 
 Compiles for a device-less H200 with XLA dumping the PTX of every kernel it emits — ``--op gather`` /
-``dense``: the MoE decode kernels alone at ``small()``'s experts (``--tokens``, ``--tiles
+``dense``: the MoE decode kernels alone at ``small()``'s experts, given the ids (``gather_routed`` /
+``dense_routed``: routing each token themselves, as the decode step runs them; ``--tokens``, ``--tiles
 KEY=VALUE,…`` of their ``DecodeTiles`` / ``DenseTiles``; seconds), ``--op step``: the whole decode
 step ``decode_kernels.py`` compiles (minutes: XLA then dumps every emitter) — then assembles each PTX
 file with ``ptxas -v`` for ``sm_90a`` and prints, per kernel entry: registers a thread, spill stores /
@@ -69,8 +70,9 @@ def resources(dump: Path, ptxas: str) -> dict[str, dict]:
 
 
 def compile_op(op: str, tokens: int | None, tiles: str) -> None:
-    """Compile ``op`` (``gather``, ``route`` — the gather kernel routing each token itself — or
-    ``dense``: the MoE decode kernels at ``small()``'s experts) for a device-less H200."""
+    """Compile ``op`` (``gather`` / ``dense``: the MoE decode kernels at ``small()``'s experts, given the
+    ids; ``gather_routed`` / ``dense_routed``: routing each token themselves, as the decode step calls
+    them) for a device-less H200."""
     import functools
 
     import jax
@@ -78,13 +80,14 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
     from jax.sharding import SingleDeviceSharding
 
     from k3jax.plan.topology import get_topology
-    from pallas_kernels.moe.kernel_gpu_decode import (DecodeTiles, Routing, gathered_experts_pallas,
-                                                      routed_experts_pallas)
-    from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas
+    from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
+    from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas, routed_dense_experts_pallas
+    from pallas_kernels.moe.rank_routing import Routing
     from pallas_kernels.target import compile_for
 
     fn, tile_type = {"gather": (gathered_experts_pallas, DecodeTiles), "dense": (dense_experts_pallas, DenseTiles),
-                     "route": (routed_experts_pallas, DecodeTiles)}[op]
+                     "gather_routed": (routed_experts_pallas, DecodeTiles),
+                     "dense_routed": (routed_dense_experts_pallas, DenseTiles)}[op]
     values = dict(kv.split("=") for kv in tiles.split(",") if kv)
     fields = {f.name: f.type for f in dataclasses.fields(tile_type)}
     unknown = set(values) - set(fields)
@@ -94,23 +97,24 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
     parsed = {k: v == "True" if fields[k] in ("bool", bool) else int(v) for k, v in values.items()}
     from bench_moe_decode import E, F, K as k, L  # small()'s routed experts, as the benchmark times them
 
-    T = tokens or (64 if op == "dense" else 1)
+    T = tokens or (64 if op.startswith("dense") else 1)
+    routed = op.endswith("_routed")
     device = get_topology("h200:1x1").devices[0]
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     bf = jnp.bfloat16
-    route = (spec((T, E), jnp.float32), spec((E,), jnp.float32)) if op == "route" else (
+    route = (spec((T, E), jnp.float32), spec((E,), jnp.float32)) if routed else (
         spec((T, k), jnp.int32), spec((T, k), jnp.float32))
     args = (spec((T, L), bf), *route, spec((E, L, F), bf), spec((E, L, F), bf), spec((E, F, L), bf))
-    kwargs = dict(activation="situ", tiles=tile_type(**parsed), **({"routing": Routing(k)} if op == "route" else {}))
+    kwargs = dict(activation="situ", tiles=tile_type(**parsed), **({"routing": Routing(k)} if routed else {}))
     with compile_for(device), jax.default_device(device):
         jax.jit(functools.partial(fn, **kwargs)).lower(*args).compile()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=("gather", "route", "dense", "step"), default="gather")
-    p.add_argument("--tokens", type=int, default=None, help="gather, route / dense: default 1 / 64")
-    p.add_argument("--tiles", default="", help="gather, route / dense: KEY=VALUE,… of DecodeTiles / DenseTiles")
+    p.add_argument("--op", choices=("gather", "gather_routed", "dense", "dense_routed", "step"), default="gather")
+    p.add_argument("--tokens", type=int, default=None, help="gather / dense ops: default 1 / 64")
+    p.add_argument("--tiles", default="", help="gather / dense ops: KEY=VALUE,… of DecodeTiles / DenseTiles")
     p.add_argument("--batch", type=int, default=1, help="step: the decode batch")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--steps", type=int, default=64)

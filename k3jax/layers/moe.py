@@ -2,7 +2,8 @@
 
 1. Route (fp32; ``k3jax.layers.routing.route``): ``s = sigmoid(x W_r)``; top-k of ``s + b`` (b: the
    balancing bias, selection only, no gradient); weights = the chosen unbiased ``s`` renormalised
-   ``÷(Σ + 1e-20)``, × scaling factor. A decode step on the gather path routes inside its expert kernel.
+   ``÷(Σ + 1e-20)``, × scaling factor. A decode step routes inside its expert kernels
+   (``moe_decode.routed_experts``).
 2. Routed experts (``pallas_kernels.moe.moe_ffn``: permute → grouped GLU FFN → weighted combine,
    the router weight applied after each expert's down projection). LatentMoE runs them in the
    latent: ``W_up RMSNorm(Σ_i w_i E_i(W_down x))``; Kimi-Linear / K2 at full width D, no norm.
@@ -134,10 +135,10 @@ class MoE(nn.Module):
             ws = tuple(w if isinstance(w, mxfp4.Mxfp4) else w.astype(dt) for w in ws)
             # the decode kernels take plain weights; MXFP4 experts stay on XLA
             impl = m.decode_implementation if not any(isinstance(w, mxfp4.Mxfp4) for w in ws) else "xla"
-            if path == "gather" and not self._with_stats():  # routed inside the kernel where it runs
-                return moe_decode.routed_gathered_experts(
-                    u.astype(dt), scores, bias, *ws, top_k=m.top_k, renormalize=m.renormalize,
-                    scaling=m.routed_scaling_factor, **act, implementation=impl)
+            if not self._with_stats():  # routed inside the path's kernels where they run
+                return moe_decode.routed_experts(u.astype(dt), scores, bias, *ws, path=path, top_k=m.top_k,
+                                                 renormalize=m.renormalize, scaling=m.routed_scaling_factor, **act,
+                                                 implementation=impl)
             experts = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
             return experts(u.astype(dt), *self._route(scores, bias), *ws, **act, implementation=impl)
         ids, weights = self._route(scores, bias)

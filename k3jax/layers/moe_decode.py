@@ -35,6 +35,7 @@ from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe import kernel_gpu_decode, kernel_gpu_decode_dense
+from pallas_kernels.moe.rank_routing import Routing
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.reference import accum_dtype
 from pallas_kernels.target import current_target
@@ -91,25 +92,31 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
     return einsum("TkL,Tk->TL", y.astype(wide), weights.astype(wide)).astype(dt)
 
 
-def routed_gathered_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
-                            w1: Weights, w3: Weights, w2: Weights, *, top_k: int, renormalize: bool, scaling: float,
-                            activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                            implementation: str | None = None, interpret: bool = False) -> Float[Array, "T L"]:
-    """The gather path from the router's scores: :func:`k3jax.layers.routing.route` (no statistics), then
-    :func:`gathered_experts` — the reference. Where the kernel runs and takes these inputs (float32
-    scores, a power of two of at most 256 experts: ``small()``, Kimi-Linear) it routes each token
-    itself (``kernel_gpu_decode.routed_experts_pallas``): the bias add, top-k, weight sum and the
-    ids' copy XLA routes with (4 kernels, 6.1 µs of a batch-1 MoE layer's 8.6 µs router on the H200,
-    RESULTS.md "Stop 49") become a rank computed inside the expert kernel. Same ids, same order, same
-    weights up to the order of the fp32 sum of the k chosen scores."""
+def routed_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], w1: Weights,
+                   w3: Weights, w2: Weights, *, path: str, top_k: int, renormalize: bool, scaling: float,
+                   activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                   implementation: str | None = None, interpret: bool = False) -> Float[Array, "T L"]:
+    """The ``path`` (``"gather"`` or ``"dense"``) from the router's scores: :func:`k3jax.layers.routing.route`
+    (no statistics), then :func:`gathered_experts` or :func:`dense_experts` — the reference. Where the
+    path's kernels run and take these inputs (float32 scores, a power of two of at most 256 experts:
+    ``small()``'s 64) they route each token themselves (``pallas_kernels/moe/rank_routing.py``): the
+    gather kernel's programs before reading their expert's weights, the dense path in the kernel that
+    combines every expert's outputs. XLA's bias add, top-k, weight sum and the ids' copy (4 kernels,
+    6.1 µs of a batch-1 MoE layer's 8.6 µs router on the H200, RESULTS.md "Stop 49") are gone. Same
+    experts in the same order; the weights equal up to the order of the fp32 sum of the chosen scores."""
+    if path not in ("gather", "dense"):
+        raise ValueError(f"path must be 'gather' or 'dense', got {path!r}")
     args = (x, scores, bias, w1, w3, w2)
     act = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
-    routing = kernel_gpu_decode.Routing(top_k, renormalize, scaling, RENORM_EPS)
-    accepts = lambda *a: kernel_gpu_decode.accepts_routing(*a, routing)
+    kernels = kernel_gpu_decode if path == "gather" else kernel_gpu_decode_dense
+    routing = Routing(top_k, renormalize, scaling, RENORM_EPS)
+    accepts = lambda *a: kernels.accepts_routing(*a, routing)
     if _implementation(implementation, accepts, args, interpret) == "pallas" and accepts(*args):
-        return kernel_gpu_decode.routed_experts_pallas(*args, routing=routing, **act, interpret=interpret)
+        run = kernels.routed_experts_pallas if path == "gather" else kernels.routed_dense_experts_pallas
+        return run(*args, routing=routing, **act, interpret=interpret)
     ids, weights = route(scores, bias, top_k, renormalize=renormalize, scaling=scaling, with_stats=False)
-    return gathered_experts(x, ids, weights, w1, w3, w2, **act, implementation=implementation, interpret=interpret)
+    experts = gathered_experts if path == "gather" else dense_experts
+    return experts(x, ids, weights, w1, w3, w2, **act, implementation=implementation, interpret=interpret)
 
 
 def _implementation(implementation: str | None, accepts, args: tuple, interpret: bool) -> str:

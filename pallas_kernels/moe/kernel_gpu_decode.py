@@ -21,11 +21,11 @@ A custom call takes only materialised buffers, so the ``[:, :k]`` slice of the r
 compile, ``benchmarks/decode_kernels.py --moe-decode pallas``).
 
 The decode step calls the variant that routes each token itself (:func:`routed_experts_pallas`, the
-reference ``k3jax.layers.moe_decode.routed_gathered_experts``): it takes the router's scores and the
-balancing bias instead of ids and weights, and each program finds its slot's expert as a rank of
-``scores + bias`` (:func:`_slot_route`) before reading the weights — XLA's bias add, top-k, weight sum
-and the ids' copy (4 kernels and 6.1 µs of a MoE layer's 8.6 µs router at batch 1 on the H200, stop 49)
-are gone: 324.7 → 280.7 kernels a ``small()`` step at batch 1 (device-less).
+reference ``k3jax.layers.moe_decode.routed_experts``): it takes the router's scores and the balancing
+bias instead of ids and weights, and each program finds its slot's expert as a rank of
+``scores + bias`` (``pallas_kernels/moe/rank_routing.py``) before reading the weights: XLA's bias
+add, top-k, weight sum and the ids' copy are gone, 324.7 → 280.7 kernels a ``small()`` step at
+batch 1 (device-less).
 
 Rounding points are the reference's (those of ``moe_ffn``): g and u accumulated in fp32 over L and
 rounded to the compute dtype (x's dtype), the activation (``gated_activation``, computed in fp32)
@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.triton_blocks import is_block_dim
 
@@ -62,23 +63,6 @@ class DecodeTiles:
     block_f: int = 32  # small(): 8 slots x 16 blocks = 128 programs, 96 KB of weights each
     num_warps: int = 4
     prefetch: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """``k3jax.layers.routing.route``'s arguments, for the kernel that routes each token itself
-    (:func:`routed_experts_pallas`): ``top_k`` experts of ``scores + bias``, weights ``scores`` of the
-    chosen, renormalised ``÷(Σ + eps)`` when ``renormalize``, times ``scaling``."""
-
-    top_k: int
-    renormalize: bool = True
-    scaling: float = 1.0
-    eps: float = 1e-20
-
-
-# pairs of experts compared at a time when routing: [E, RANK_PAIRS / E] int32 in registers (4096 over
-# 4 warps: 32 a thread; E = 256 at [256, 64] spilled 228 bytes a thread, ptxas for sm_90a)
-RANK_PAIRS = 4096
 
 
 def check_inputs(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> None:
@@ -98,54 +82,16 @@ def accepts(x, ids, weights, w1, w3, w2, tiles: DecodeTiles = DecodeTiles()) -> 
 
 
 def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DecodeTiles = DecodeTiles()) -> None:
-    """:func:`check_inputs` for the kernel that routes: ``scores [T, E]`` and ``bias [E]`` float32, E a
-    power of two from 16 to 256 (``E²`` comparisons a program), ``0 < routing.top_k < E``."""
+    """:func:`check_inputs` for the kernel that routes (``rank_routing.check_routing``: float32 ``scores
+    [T, E]`` and ``bias [E]``, E a power of two in [16, 256], ``0 < routing.top_k < E``)."""
     slots = jax.ShapeDtypeStruct((x.shape[0] if x.ndim else 0, routing.top_k), jnp.int32)
     check_inputs(x, slots, slots, w1, w3, w2, tiles)
-    E = w1.shape[0]
-    if scores.ndim != 2 or scores.shape != (x.shape[0], E) or bias.shape != (E,):
-        raise ValueError(f"scores must be [T, E] and bias [E] with T = x.shape[0]={x.shape[0]} and E = "
-                         f"w1.shape[0]={E}, got scores {scores.shape}, bias {bias.shape}")
-    if jnp.dtype(scores.dtype) != jnp.float32 or jnp.dtype(bias.dtype) != jnp.float32:
-        raise ValueError(f"the routing decode kernel takes float32 scores and bias, got {scores.dtype}, {bias.dtype}")
-    if not (is_block_dim(E) and E <= 256):
-        raise ValueError(f"the routing decode kernel needs E (w1.shape[0]) a power of two in [16, 256], got {E}")
-    if not 0 < routing.top_k < E:
-        raise ValueError(f"routing.top_k={routing.top_k} must lie in (0, E={E})")
+    check_routing(scores, bias, x.shape[0], w1.shape[0], routing)
 
 
 def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DecodeTiles = DecodeTiles()) -> bool:
     """Whether :func:`check_routing_inputs` takes these inputs."""
     return passes(check_routing_inputs, x, scores, bias, w1, w3, w2, routing, tiles)
-
-
-def _slot_route(scores_ref, bias_ref, t, s, routing: Routing):
-    """Slot ``s`` of token ``t``: its expert and weight as ``k3jax.layers.routing.route`` picks them.
-
-    The top-k of ``scores + bias`` in ``lax.top_k``'s order (descending, the lower index first among
-    equals) is a rank: ``rank_e`` counts the experts that come before e, and slot ``s`` holds the e of
-    rank s. One comparison of every pair and a row sum, where a top-k takes k rounds of a row max (the
-    rounds are a chain of dependent reductions: stop 48's router kernel, as slow as XLA's 4 kernels).
-    The pairs are compared ``RANK_PAIRS / E`` experts at a time (``[E, RANK_PAIRS / E]`` in registers)."""
-    E = bias_ref.shape[0]
-    f32, i32 = jnp.float32, jnp.int32
-    scores = scores_ref[t, :].astype(f32)  # [E]
-    key = scores + bias_ref[...].astype(f32)
-    idx = jax.lax.broadcasted_iota(i32, (E,), 0)
-    rank = jnp.zeros((E,), i32)
-    n = max(1, min(E, RANK_PAIRS // E))
-    for c in range(0, E, n):
-        other = scores_ref[t, pl.ds(c, n)].astype(f32) + bias_ref[pl.ds(c, n)].astype(f32)  # [n]
-        other_idx = c + jax.lax.broadcasted_iota(i32, (n,), 0)
-        before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None])
-                                                     & (other_idx[None, :] < idx[:, None]))
-        rank = rank + jnp.sum(before.astype(i32), axis=1)
-    mine = rank == s
-    e = jnp.sum(jnp.where(mine, idx, 0))
-    w = jnp.sum(jnp.where(mine, scores, 0.0))
-    if routing.renormalize:
-        w = w / (jnp.sum(jnp.where(rank < routing.top_k, scores, 0.0)) + routing.eps)
-    return e, w * routing.scaling
 
 
 def _kernel(*refs, routing: Routing | None, top_k: int, block_f: int, activation: str, situ_beta: float,
@@ -157,7 +103,7 @@ def _kernel(*refs, routing: Routing | None, top_k: int, block_f: int, activation
         e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
     else:  # routed here, from the router's scores
         scores_ref, bias_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, weight_ref = refs
-        e, weight = _slot_route(scores_ref, bias_ref, i // top_k, i % top_k, routing)
+        e, weight = slot(*token_ranks(scores_ref, bias_ref, i // top_k, routing), i % top_k)
         weight_ref[...] = weight
     dt = x_ref.dtype
     cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
@@ -230,8 +176,8 @@ def routed_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T E"], b
                           w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
                           routing: Routing, activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                           tiles: DecodeTiles = DecodeTiles(), interpret: bool = False) -> Float[Array, "T L"]:
-    """``moe_decode.routed_gathered_experts``: the router's top-k and weights computed inside the kernel
-    (:func:`_slot_route`), so the 4 kernels XLA routes a token with (bias add, top-k, weight sum, the
+    """``moe_decode.routed_experts(path="gather")``: the router's top-k and weights computed inside the kernel
+    (``rank_routing``), so the 4 kernels XLA routes a token with (bias add, top-k, weight sum, the
     ids' copy for the custom call) are gone; then the same products and epilogue."""
     check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
     parts, weights = expert_blocks(x, (scores, bias), w1, w3, w2, activation=activation, situ_beta=situ_beta,
@@ -250,5 +196,5 @@ def _round_to(y: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     return jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-__all__ = ["DecodeTiles", "RANK_PAIRS", "Routing", "accepts", "accepts_routing", "check_inputs",
-           "check_routing_inputs", "expert_blocks", "gathered_experts_pallas", "routed_experts_pallas"]
+__all__ = ["DecodeTiles", "accepts", "accepts_routing", "check_inputs", "check_routing_inputs", "expert_blocks",
+           "gathered_experts_pallas", "routed_experts_pallas"]

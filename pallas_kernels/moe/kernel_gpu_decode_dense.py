@@ -12,7 +12,10 @@ product — and the activation kernel reads the gate and up products back in bet
    ``[E, T, F]`` in the compute dtype — each W1 / W3 byte read once, the products never written.
 2. ``down``: program ``(t, e, j)`` computes ``a_e · W2_e[:, j]`` for ``block_n`` latent columns and
    writes each expert's output ``[E, T, L]`` rounded to the compute dtype.
-3. XLA picks each token's k outputs and takes their weighted sum in fp32 (one small fusion).
+3. XLA picks each token's k outputs and takes their weighted sum in fp32 (one small fusion); or, in
+   the decode step (:func:`routed_dense_experts_pallas`), :func:`routed_combine` routes each token from the
+   router's scores (``rank_routing``) and sums its k outputs: one kernel for XLA's five (bias add,
+   top-k, the chosen scores, their sum, the pick).
 
 Rounding points are the reference's (those of ``moe_ffn``): the gate and up products and each expert's
 output accumulated in fp32 and rounded once, the activation computed in fp32 and rounded; only the fp32
@@ -34,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.triton_blocks import is_block_dim
 
@@ -78,6 +82,18 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) 
 def accepts(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> bool:
     """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
     return passes(check_inputs, x, ids, weights, w1, w3, w2, tiles)
+
+
+def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles = DenseTiles()) -> None:
+    """:func:`check_inputs` for the kernels that route (``rank_routing.check_routing``)."""
+    slots = jax.ShapeDtypeStruct((x.shape[0] if x.ndim else 0, routing.top_k), jnp.int32)
+    check_inputs(x, slots, slots, w1, w3, w2, tiles)
+    check_routing(scores, bias, x.shape[0], w1.shape[0], routing)
+
+
+def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles = DenseTiles()) -> bool:
+    """Whether :func:`check_routing_inputs` takes these inputs."""
+    return passes(check_routing_inputs, x, scores, bias, w1, w3, w2, routing, tiles)
 
 
 def _products(a_ref, w_refs, block_k: int) -> list:
@@ -146,6 +162,36 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
     return y[:, :T]
 
 
+def _combine_kernel(scores_ref, bias_ref, y_ref, out_ref, *, routing: Routing):
+    """Program ``(t, j)``: token t's k experts' outputs in column block j, in ``lax.top_k``'s order,
+    weighted and summed in fp32 — the router's top-k found here (``rank_routing``)."""
+    t, j = pl.program_id(0), pl.program_id(1)
+    bn = out_ref.shape[-1]
+    cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    ranked = token_ranks(scores_ref, bias_ref, t, routing)
+    acc = jnp.zeros((bn,), jnp.float32)
+    for s in range(routing.top_k):
+        e, w = slot(*ranked, s)
+        acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], *,
+                   routing: Routing, tiles: DenseTiles = DenseTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+    """Each token's k picked outputs of ``y`` (every expert on every token), weighted and summed: one
+    kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5."""
+    E, T, L = y.shape
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, routing=routing), grid=(T, L // tiles.block_n),
+        in_specs=[whole(scores), whole(bias), whole(y)],
+        out_specs=pl.BlockSpec((None, tiles.block_n), lambda t, j: (t, j)),
+        out_shape=jax.ShapeDtypeStruct((T, L), y.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="moe_decode_dense_combine",
+    )(scores, bias, y)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "tiles", "interpret"))
 def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
                          w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
@@ -160,4 +206,20 @@ def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights
     return jnp.sum(picked * weights.astype(jnp.float32)[..., None], axis=1).astype(x.dtype)
 
 
-__all__ = ["DenseTiles", "accepts", "check_inputs", "dense_experts_pallas", "expert_outputs"]
+@functools.partial(jax.jit, static_argnames=("routing", "activation", "situ_beta", "situ_linear_beta", "tiles",
+                                             "interpret"))
+def routed_dense_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
+                                w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
+                                routing: Routing, activation: str, situ_beta: float = 4.0,
+                                situ_linear_beta: float = 25.0, tiles: DenseTiles = DenseTiles(),
+                                interpret: bool = False) -> Float[Array, "T L"]:
+    """``moe_decode.routed_experts`` on the dense path: the two kernels, then :func:`routed_combine`
+    (the expert products never wait for the routing: only the combine reads it)."""
+    check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
+    y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                       situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
+    return routed_combine(y, scores, bias, routing=routing, tiles=tiles, interpret=interpret)
+
+
+__all__ = ["DenseTiles", "accepts", "accepts_routing", "check_inputs", "check_routing_inputs", "dense_experts_pallas",
+           "expert_outputs", "routed_combine", "routed_dense_experts_pallas"]

@@ -1,8 +1,10 @@
-"""The gather kernel that routes each token itself (``kernel_gpu_decode.routed_experts_pallas``) against
-``k3jax.layers.routing.route`` followed by the kernel given the ids, interpreted on CPU and compiled on
-the GPU; where ``moe_decode.routed_gathered_experts`` and the MoE layer take it; its errors.
+"""The decode kernels that route each token themselves (``pallas_kernels/moe/rank_routing.py``): the
+gather kernel (``kernel_gpu_decode.routed_experts_pallas``) and the dense path's combine
+(``kernel_gpu_decode_dense.routed_combine``) against ``k3jax.layers.routing.route`` followed by the
+kernels given the ids, interpreted on CPU and compiled on the GPU; where ``moe_decode.routed_experts``
+and the MoE layer take them; their errors.
 
-The routing is exact: the kernel's expert blocks equal, bit for bit, those of the kernel given
+The routing is exact: the gather kernel's expert blocks equal, bit for bit, those of the kernel given
 ``route``'s ids (same experts in the same slots, ties included), and its weights differ from
 ``route``'s only by the order of the fp32 sum of the k chosen scores.
 """
@@ -12,6 +14,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,7 +22,9 @@ from k3jax import config
 from k3jax.layers import moe_decode
 from k3jax.layers.moe import MoE
 from k3jax.layers.routing import RENORM_EPS, route
-from pallas_kernels.moe.kernel_gpu_decode import Routing, expert_blocks, routed_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode import expert_blocks, routed_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode_dense import expert_outputs, routed_combine, routed_dense_experts_pallas
+from pallas_kernels.moe.rank_routing import Routing
 from pallas_kernels.target import Target, compile_for
 from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _rounded_reference
 
@@ -46,7 +51,7 @@ def _inputs(seed, T, k, E, L, F, ties=True):
     (2, 8, 128, 64, 32, True, 1.0),     # four blocks of RANK_PAIRS / E = 32 experts
     (1, 8, 256, 64, 32, True, 2.827),   # 256 experts (Kimi-Linear's count), 16 blocks of 16
 ])
-def test_interpreted_routing_matches_route(T, k, E, L, F, renormalize, scaling):
+def test_interpreted_gather_routing_matches_route(T, k, E, L, F, renormalize, scaling):
     x, scores, bias, ws = _inputs(E + T, T, k, E, L, F)
     ids, weights = route(scores, bias, k, renormalize=renormalize, scaling=scaling, with_stats=False)
     routing = Routing(k, renormalize, scaling, RENORM_EPS)
@@ -59,39 +64,90 @@ def test_interpreted_routing_matches_route(T, k, E, L, F, renormalize, scaling):
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
 
 
+def _picked_sum(y, ids, weights) -> np.ndarray:
+    """Each token's k rows of ``y [E, T, L]`` weighted and summed in fp64 (the combine's definition),
+    rounded to bf16 (as float32)."""
+    y, ids, w = np.asarray(y, np.float64), np.asarray(ids), np.asarray(weights, np.float64)
+    out = np.stack([np.einsum("kL,k->L", y[ids[t], t], w[t]) for t in range(y.shape[1])])
+    return out.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.parametrize("T,k,E,L,renormalize,scaling", [
+    (16, 8, 64, 128, True, 1.0),   # small()'s routing, 16 tokens (the dense path's smallest batch)
+    (5, 2, 16, 64, False, 2.5),    # unnormalised weights scaled
+    (3, 8, 256, 64, True, 1.0),    # 256 experts
+])
+def test_interpreted_dense_combine_matches_route(T, k, E, L, renormalize, scaling):
+    """The combine picks ``route``'s experts with its weights: within an fp32 rounding of the exact
+    weighted sum, then rounded to bf16 as the reference's fusion rounds it."""
+    x, scores, bias, _ = _inputs(E + T, T, k, E, 16, 16)
+    y = jnp.asarray(np.random.default_rng(T).normal(size=(E, T, L)), jnp.bfloat16)
+    ids, weights = route(scores, bias, k, renormalize=renormalize, scaling=scaling, with_stats=False)
+    routing = Routing(k, renormalize, scaling, RENORM_EPS)
+    got = routed_combine(y, scores, bias, routing=routing, interpret=True)
+    assert got.shape == (T, L) and got.dtype == y.dtype
+    _assert_within_ulps(got, _picked_sum(y, ids, weights), max_fraction=0.02)
+    moved = jnp.roll(scores, 1, axis=1)  # another routing: not what the kernel was given
+    assert not np.array_equal(np.asarray(routed_combine(y, moved, bias, routing=routing, interpret=True)),
+                              np.asarray(got))
+
+
+def test_interpreted_dense_routing_matches_route():
+    """The dense path end to end (16 tokens, small()'s 64 experts of 64 × 64): the two kernels and the
+    combine against ``route`` then the kernels given the ids."""
+    T, k, E, L, F = 16, 8, 64, 64, 64
+    x, scores, bias, ws = _inputs(3, T, k, E, L, F)
+    ids, weights = route(scores, bias, k, renormalize=True, scaling=1.0, with_stats=False)
+    got = routed_dense_experts_pallas(x, scores, bias, *ws, routing=Routing(k), activation="situ", interpret=True)
+    y = expert_outputs(x, *ws, activation="situ", interpret=True)
+    _assert_within_ulps(got, _picked_sum(y, ids, weights), max_fraction=0.02)
+    _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"))
+
+
 def _kernels(fn, *args) -> str:
     # a fresh function per trace: a traced function's jaxpr is cached regardless of the target
     return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
 
 
-def test_routed_gathered_experts_picks_the_routing_kernel():
-    """None: the routing kernel on a CUDA target where it takes the inputs; for 96 experts (no power of
-    two) XLA routes and the kernel takes the ids; on a CPU target XLA throughout, equal to the
-    kernel's values; ``implementation="pallas"`` with ``interpret`` runs it anywhere."""
-    kw = dict(top_k=4, renormalize=True, scaling=1.0, activation="situ")
-    call = lambda *a: moe_decode.routed_gathered_experts(*a, **kw)
-    fits, wide = _inputs(0, 1, 4, 32, 64, 32), _inputs(0, 1, 4, 96, 64, 32)
+@pytest.mark.parametrize("path,T,routed,given", [
+    ("gather", 1, "moe_decode_route_gather", "moe_decode_gather"),
+    ("dense", 16, "moe_decode_dense_combine", "moe_decode_dense_down"),
+])
+def test_routed_experts_picks_the_routing_kernels(path, T, routed, given):
+    """None: the routing kernels on a CUDA target where they take the inputs; for 96 experts (no power of
+    two) XLA routes and the kernels take the ids; on a CPU target XLA throughout, equal to the
+    kernels' values; ``implementation="pallas"`` with ``interpret`` runs them anywhere."""
+    kw = dict(path=path, top_k=4, renormalize=True, scaling=1.0, activation="situ")
+    call = lambda *a: moe_decode.routed_experts(*a, **kw)
+    fits, wide = _inputs(0, T, 4, 32, 64, 64), _inputs(0, T, 4, 96, 64, 64)
     with compile_for(H200):
-        assert "moe_decode_route_gather" in _kernels(call, *fits[:3], *fits[3])
+        assert routed in _kernels(call, *fits[:3], *fits[3])
         jaxpr = _kernels(call, *wide[:3], *wide[3])
-        assert "moe_decode_gather" in jaxpr and "moe_decode_route_gather" not in jaxpr
+        assert given in jaxpr and routed not in jaxpr
     with compile_for("cpu"):
         assert "pallas_call" not in _kernels(call, *fits[:3], *fits[3])
     xla = call(*fits[:3], *fits[3])
-    kernel = moe_decode.routed_gathered_experts(*fits[:3], *fits[3], **kw, implementation="pallas", interpret=True)
+    kernel = moe_decode.routed_experts(*fits[:3], *fits[3], **kw, implementation="pallas", interpret=True)
     _assert_within_ulps(kernel, xla)
+    with pytest.raises(ValueError, match="path must be 'gather' or 'dense', got 'grouped'"):
+        moe_decode.routed_experts(*fits[:3], *fits[3], **dict(kw, path="grouped"))
 
 
-def test_moe_layer_routes_in_the_kernel_at_decode():
-    """The MoE layer's decode call on the gather path takes the routing kernel on a CUDA target, and
-    not when it sows the balance statistics (they need ``route``'s top-(k+1))."""
-    cfg = config.tiny()
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, cfg.hidden)), jnp.bfloat16)
+@pytest.mark.parametrize("path", ["gather", "dense"])
+def test_moe_layer_routes_in_the_kernels_at_decode(path):
+    """The MoE layer's decode call takes the path's routing kernel on a CUDA target, and not when it sows
+    the balance statistics (they need ``route``'s top-(k+1))."""
+    base = config.tiny()  # latent and experts widened to 64: the dense kernels' tile
+    cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, latent_dim=64, expert_intermediate=64))
+    T = 1 if path == "gather" else 2 * cfg.moe.num_experts // cfg.moe.top_k
+    assert moe_decode.decode_path(T, cfg.moe.top_k, cfg.moe.num_experts) == path
+    routed = {"gather": "moe_decode_route_gather", "dense": "moe_decode_dense_combine"}[path]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(T, 1, cfg.hidden)), jnp.bfloat16)
     variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
     with compile_for(H200):
-        assert "moe_decode_route_gather" in _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True), variables, x)
+        assert routed in _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True), variables, x)
         stats = _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True, mutable=["stats"]), variables, x)
-        assert "moe_decode_gather" in stats and "moe_decode_route_gather" not in stats
+        assert "pallas_call" in stats and routed not in stats
 
 
 @pytest.mark.unchecked
@@ -110,11 +166,18 @@ def test_bad_routing_inputs_raise():
     with pytest.raises(ValueError, match="block_f=32 must be a power of two >= 16 dividing F=48"):
         odd = _inputs(0, 1, 4, 32, 64, 48, ties=False)
         run(*odd[:3], *odd[3])
+    with pytest.raises(ValueError, match="F=48 must be a multiple of tiles.block_n=64"):
+        odd = _inputs(0, 16, 4, 32, 64, 48, ties=False)
+        routed_dense_experts_pallas(*odd[:3], *odd[3], routing=Routing(4), activation="situ", interpret=True)
+    with pytest.raises(ValueError, match="float32 scores and bias"):
+        dense = _inputs(0, 16, 4, 32, 64, 64, ties=False)
+        routed_dense_experts_pallas(dense[0], dense[1], dense[2].astype(jnp.bfloat16), *dense[3], routing=Routing(4),
+                                    activation="situ", interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4])
-def test_compiled_routing_kernel(T):
+def test_compiled_gather_routing_kernel(T):
     """Compiled for the GPU at ``small()``'s experts (64 of 512 × 512, k = 8): same experts and weights
     as ``route``, output within the exact-rounding reference's ulps."""
     x, scores, bias, ws = _inputs(T, T, 8, 64, 512, 512)
@@ -129,12 +192,12 @@ def test_compiled_routing_kernel(T):
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
 
 
-def test_decode_routing_unchanged_for_dense_batches():
-    """Batches on the dense path still route with ``route`` (the kernel routes only on the gather path)."""
-    cfg = dataclasses.replace(config.tiny(), dtype=jnp.float32)
-    T = 2 * cfg.moe.num_experts // cfg.moe.top_k
-    assert moe_decode.decode_path(T, cfg.moe.top_k, cfg.moe.num_experts) == "dense"
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(T, 1, cfg.hidden)), jnp.float32)
-    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
-    with compile_for(H200):
-        assert "moe_decode_route_gather" not in _kernels(lambda v, x: MoE(cfg).apply(v, x, decode=True), variables, x)
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 64])
+def test_compiled_dense_routing(T):
+    """The dense path compiled for the GPU at ``small()``'s experts against the exact-rounding reference."""
+    x, scores, bias, ws = _inputs(T, T, 8, 64, 512, 512)
+    ids, weights = route(scores, bias, 8, renormalize=True, scaling=1.0, with_stats=False)
+    got = jax.jit(lambda *a: routed_dense_experts_pallas(*a, routing=Routing(8), activation="situ"))(
+        x, scores, bias, *ws)
+    _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
