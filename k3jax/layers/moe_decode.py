@@ -21,6 +21,10 @@ the activation inside the gate/up kernel, so the gate and up products are never 
 ``pallas_kernels/moe/kernel_gpu_decode_dense.py``; 432.4 → 421.4 kernels and 914 → 819 MB written a
 ``small()`` step at batch 64, device-less — not yet timed on the H200, RESULTS.md "Stop 50").
 
+A decode step calls :func:`routed_experts` with the router's scores: on either path the kernels then
+route each token themselves (``pallas_kernels/moe/rank_routing.py``; RESULTS.md "Stop 51"), and the
+reference is ``k3jax.layers.routing.route`` followed by the path's function here.
+
 Both round where ``moe_ffn`` rounds (gate and up products, the activation, each expert's output,
 in the compute dtype; the weighted sum over the k experts in float32), so decode matches the
 forward. Weights are the model's ``[E, in, out]`` arrays or :class:`k3jax.layers.mxfp4.Mxfp4`.
