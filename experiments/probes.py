@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from k3jax.layers.routing import route
 from k3jax.layout import to_per_layer, unrolled
 from k3jax.model import Transformer
 from pallas_kernels.moe.activations import gated_activation
@@ -38,10 +39,14 @@ def _hidden(x) -> jax.Array:
     return jnp.mean(jnp.sqrt(jnp.mean(x * x, axis=-1)))
 
 
-def _experts(module, u, ids) -> dict[str, jax.Array]:
+def _experts(module, u, scores, bias) -> dict[str, jax.Array]:
+    """The routed experts' gate, up and activation extremes on the first ``EXPERT_TOKENS`` tokens
+    (``MoE._experts``' arguments: the expert input and the router's scores and bias)."""
     cfg = module.cfg
     p = module.variables["params"]
-    u, ids = u[:EXPERT_TOKENS].astype(jnp.float32), ids[:EXPERT_TOKENS]  # [T, L], [T, k]
+    ids = route(scores[:EXPERT_TOKENS], bias, cfg.moe.top_k, renormalize=cfg.moe.renormalize,
+                scaling=cfg.moe.routed_scaling_factor, with_stats=False)[0]  # [T, k]
+    u = u[:EXPERT_TOKENS].astype(jnp.float32)  # [T, L]
     g = jnp.einsum("TL,TkLF->TkF", u, p["w1"].astype(jnp.float32)[ids])
     up = jnp.einsum("TL,TkLF->TkF", u, p["w3"].astype(jnp.float32)[ids])
     act = gated_activation(g, up, cfg.mlp.activation, cfg.mlp.situ_beta, cfg.mlp.situ_linear_beta)
@@ -86,7 +91,7 @@ def make_probe(kinds: tuple[str, ...] = PROBES):
                 if "hidden" in kinds and name == "attn_norm" and method == "__call__":
                     found["hidden"][layer] = _hidden(args[0])
                 elif "experts" in kinds and method == "_experts":
-                    found["experts"][layer] = _experts(ctx.module, args[0], args[1])
+                    found["experts"][layer] = _experts(ctx.module, *args[:3])
                 elif "decay" in kinds and method == "_log_decay":
                     found["decay"][layer] = _decay(out)
                 return out

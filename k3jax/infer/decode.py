@@ -63,39 +63,19 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
 PACKED_INPUTS = (kda.packed_inputs, mla.packed_inputs)
 
 
-def _at(node: Mapping, key: str):
-    """``node``'s entry at a ``/``-separated key path, or None."""
-    for part in key.split("/"):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node
-
-
-def _without(node: Mapping, keys: list[str]) -> dict:
-    """``node`` without the entries at ``keys`` (``/``-separated paths)."""
-    heads = {k.split("/", 1)[0] for k in keys}
-    out = {}
-    for k, v in node.items():
-        rest = [key.split("/", 1)[1] for key in keys if key.startswith(k + "/")]
-        if rest:
-            out[k] = _without(v, rest)
-        elif k not in heads:
-            out[k] = v
-    return out
-
-
 def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
     """Move each module's packed input kernels (``PACKED_INPUTS``, as ``linear.PACKED``) and the other
     ``OUTPUT_FIRST`` kernels (as ``kernel_t``) from ``params`` to the ``decode`` collection at the same
     module paths; what is moved already stays."""
-    groups = [outs for outs in (packer(cfg) for packer in PACKED_INPUTS) if len(outs) > 1]
+    groups = [packer(cfg) for packer in PACKED_INPUTS]
     moved: dict[tuple[str, ...], Array] = {}
 
     def walk(node: Mapping, path: tuple[str, ...]) -> dict:
         for outs in groups:
-            entries = [_at(node, name) for name, _ in outs]
-            if all(isinstance(e, Mapping) and set(e) == {"kernel"} for e in entries):
-                moved[path + (PACKED,)] = pack_kernels([e["kernel"] for e in entries], [out for _, out in outs])
-                node = _without(node, [name for name, _ in outs])
+            names = [name for name, _ in outs]
+            if all(isinstance(node.get(n), Mapping) and set(node[n]) == {"kernel"} for n in names):
+                moved[path + (PACKED,)] = pack_kernels([node[n]["kernel"] for n in names], [out for _, out in outs])
+                node = {k: v for k, v in node.items() if k not in names}
                 break
         out = {}
         for k, v in node.items():

@@ -108,7 +108,7 @@ def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | No
 
 # A module's input projections packed by ``decode_layout`` into one kernel: ``[N, D]`` under this name
 # in its ``decode`` collection, the projections' flattened outputs concatenated in the order the
-# module's ``packed_inputs(cfg)`` lists them ((key path within the module, output shape) pairs).
+# module's ``packed_inputs(cfg)`` lists them ((projection name, output shape) pairs).
 PACKED = "in_proj"
 
 
@@ -122,7 +122,7 @@ def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) 
 def packed_products(module: nn.Module, x: jax.Array, outs: Sequence[tuple[str, tuple[int, ...]]],
                     dtype: Any) -> Mapping[str, jax.Array] | None:
     """On ``decode_layout``'s tree: the projections ``outs`` of ``x [..., D]`` as one product over the
-    module's packed kernel (``PACKED``), ``{key path: [..., *out]}``; None where it holds none (the
+    module's packed kernel (``PACKED``), ``{name: [..., *out]}``; None where it holds none (the
     training tree: concatenating the kernels there would copy them on every call).
 
     At batch 1 XLA fuses the norm before these projections into each of them, one matrix-vector

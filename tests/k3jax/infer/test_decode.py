@@ -131,11 +131,10 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
     for layer, node in plain["params"].items():
         for kind in set(kinds) & set(node):
             seen.add(kind)
-            kernels = [at(node[kind], name.split("/"))["kernel"] for name, _ in kinds[kind]]
+            kernels = [node[kind][name]["kernel"] for name, _ in kinds[kind]]
             rows = np.concatenate([np.reshape(k, (k.shape[0], -1)) for k in kernels], axis=1).T  # [N, D]
             np.testing.assert_array_equal(packed["decode"][layer][kind][PACKED], rows)
-            left = packed["params"][layer][kind]
-            assert all(at(left, name.split("/")[:-1]).get(name.split("/")[-1]) is None for name, _ in kinds[kind])
+            assert not {name for name, _ in kinds[kind]} & set(packed["params"][layer][kind])
     assert seen == {"kda", "mla"}
     moved = [path for path, _ in jax.tree_util.tree_flatten_with_path(packed["decode"])[0]
              if path[-1].key == "kernel_t"]
