@@ -115,7 +115,7 @@ PACKED = "in_proj"
 def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) -> jax.Array:
     """Kernels ``[*L, D, *out_i]`` (boxed or not) as one ``[*L, N, D]``: each output flattened, the
     outputs concatenated, output axis first (as ``OUTPUT_FIRST`` kernels are stored for decode)."""
-    flat = [nn.meta.unbox(k).reshape(nn.meta.unbox(k).shape[:-len(out)] + (-1,)) for k, out in zip(kernels, outs)]
+    flat = [k.reshape(k.shape[:-len(out)] + (-1,)) for k, out in zip(map(nn.meta.unbox, kernels), outs)]
     return jnp.swapaxes(jnp.concatenate(flat, axis=-1), -1, -2)
 
 

@@ -39,8 +39,8 @@ from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe import kernel_gpu_decode, kernel_gpu_decode_dense
-from pallas_kernels.moe.rank_routing import Routing
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.rank_routing import Routing
 from pallas_kernels.moe.reference import accum_dtype
 from pallas_kernels.target import current_target
 
