@@ -80,9 +80,14 @@ def token_ranks(scores_ref, bias_ref, t, routing: Routing) -> tuple[jax.Array, j
 
 
 def slot(rank, weight, idx, s) -> tuple[jax.Array, jax.Array]:
-    """Inside a kernel: slot ``s``'s expert and weight from :func:`token_ranks`' outputs."""
+    """Inside a kernel: slot ``s``'s expert and weight from :func:`token_ranks`' outputs.
+
+    Finite keys have distinct ranks (ties go by index), so one expert holds rank s. A NaN key compares
+    false both ways and ranks collide, so the expert is clamped into ``[0, E)``: a NaN router row
+    gives a NaN output (its weight), never a read past the expert weights."""
     mine = rank == s
-    return jnp.sum(jnp.where(mine, idx, 0)), jnp.sum(jnp.where(mine, weight, 0.0))
+    e = jnp.minimum(jnp.sum(jnp.where(mine, idx, 0)), idx.shape[0] - 1)
+    return e, jnp.sum(jnp.where(mine, weight, 0.0))
 
 
 __all__ = ["MAX_EXPERTS", "RANK_PAIRS", "Routing", "check_routing", "slot", "token_ranks"]

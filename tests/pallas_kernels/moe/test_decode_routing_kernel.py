@@ -201,3 +201,25 @@ def test_compiled_dense_routing(T):
     got = jax.jit(lambda *a: routed_dense_experts_pallas(*a, routing=Routing(8), activation="situ"))(
         x, scores, bias, *ws)
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, "situ"), max_fraction=0.02)
+
+
+def test_nan_scores_stay_within_the_experts():
+    """A NaN router score makes ranks collide; every slot's expert still lies in [0, E) (on the GPU a
+    larger one would read past the weights) and the NaN reaches the weights."""
+    from jax.experimental import pallas as pl
+    from pallas_kernels.moe.rank_routing import slot, token_ranks
+
+    E, k = 16, 4
+    scores = jnp.asarray(np.random.default_rng(0).uniform(size=(1, E)), jnp.float32)
+    scores = scores.at[0, E - 2].set(2.0).at[0, E - 1].set(jnp.nan)  # both rank 0: ids summed to 29
+    bias = jnp.zeros((E,), jnp.float32)
+
+    def kernel(scores_ref, bias_ref, e_ref, w_ref):
+        ranked = token_ranks(scores_ref, bias_ref, 0, Routing(k))
+        for s in range(k):
+            e_ref[s], w_ref[s] = slot(*ranked, s)
+
+    e, w = pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((k,), jnp.int32),
+                                             jax.ShapeDtypeStruct((k,), jnp.float32)), interpret=True)(scores, bias)
+    assert np.all((np.asarray(e) >= 0) & (np.asarray(e) < E)), e
+    assert np.isnan(np.asarray(w)).any()
