@@ -46,13 +46,12 @@ DENSE_TILES = [DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), De
 E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
 
 
-def _inputs(T, k, E, L, F, seed=0):
+def _inputs(T, E, L, F, seed=0):
+    """The experts' input ``x [T, L]`` and bf16 weights ``w1, w3 [E, L, F]``, ``w2 [E, F, L]``."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(T, L)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
-    weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(T, k)) / k, jnp.float32)
     ws = [jnp.asarray(rng.normal(size=s) * L ** -0.5, jnp.bfloat16) for s in ((E, L, F), (E, L, F), (E, F, L))]
-    return x, ids, weights, ws
+    return x, ws
 
 
 def _router_outputs(T, E, seed=0):
@@ -74,10 +73,10 @@ def chained_copies(fn, steps: int, copies: int):
     calling ``fn`` once on each of ``copies`` weight sets ``(w1, w3, w2)`` in turn (``steps`` a
     multiple of ``copies``): with more weight bytes between two reads of one set than the GPU's L2
     holds, every call reads its weights from HBM, as each MoE layer of a decode step does."""
-    def run(x, a, b, *ws):  # a, b: ids and weights, or the router's scores and bias
+    def run(x, scores, bias, *ws):
         def body(_, h):
             for c in range(copies):
-                h = fn(h, a, b, *ws[3 * c:3 * c + 3])
+                h = fn(h, scores, bias, *ws[3 * c:3 * c + 3])
             return h
         return jax.lax.fori_loop(0, steps // copies, body, x)
     return jax.jit(run)
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
     from benchmarks.timing import timeit_interleaved
 
     tokens = args.tokens or (1 if args.path == "gather" else 64)
-    x, _, _, ws = _inputs(tokens, K, E, L, F)
+    x, ws = _inputs(tokens, E, L, F)
     scores, bias = _router_outputs(tokens, E)  # each call routes, as the decode step's MoE does
     act = dict(activation=args.activation)
     routing = Routing(K, True, 1.0, RENORM_EPS)
@@ -120,12 +119,11 @@ def main(argv=None) -> int:
             fns[name] = functools.partial(routed_dense_experts_pallas, routing=routing, **act, tiles=t,
                                           interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
-    ids, weights = scores, bias  # what each call takes after x
-    outs = {name: np.asarray(jax.jit(fn)(x, ids, weights, *ws), np.float32) for name, fn in fns.items()}
+    outs = {name: np.asarray(jax.jit(fn)(x, scores, bias, *ws), np.float32) for name, fn in fns.items()}
     copies = args.copies or min(32, max(1, -(-200_000_000 // weight_bytes)))
     steps = -(-args.steps // copies) * copies
     sets = [w if c == 0 else jnp.array(w, copy=True) for c in range(copies) for w in ws]  # buffers of their own
-    calls = {name: (chained_copies(fn, steps, copies), (x, ids, weights, *sets)) for name, fn in fns.items()}
+    calls = {name: (chained_copies(fn, steps, copies), (x, scores, bias, *sets)) for name, fn in fns.items()}
     results = {"device": jax.devices()[0].device_kind, "path": args.path, "tokens": tokens, "steps": steps,
                "copies": copies, "weight_bytes": weight_bytes}
     return report(results, outs, timeit_interleaved(calls), steps, "us_per_call", args.out)
