@@ -41,7 +41,7 @@ import numpy as np
 from k3jax import config
 from k3jax.data import ByteTokenizer, stdlib_corpus
 from k3jax.infer.cache import KDACache, MLACache, init_cache, tree_bytes
-from k3jax.infer.decode import decode_layout, decode_step, prefill_jit
+from k3jax.infer.decode import DECODE_XLA_OPTIONS, decode_layout, decode_step, prefill_jit
 from k3jax.infer.draft import train_draft
 from k3jax.infer.speculative import speculative_generate
 from k3jax.layers import mxfp4
@@ -136,10 +136,12 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
 
 
 def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
-    """``{"base": (cfg, {}), NAME: (cfg', XLA options), …}`` for each ``--variant NAME:KEY=VALUE,…``:
-    a KEY ``xla_…`` is an XLA option of the decode loop's compile, any other a ``ModelConfig``
+    """``{"base": (cfg, DECODE_XLA_OPTIONS), NAME: (cfg', XLA options), …}`` for each ``--variant
+    NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
+    ``DECODE_XLA_OPTIONS``, which ``generate`` and the serving engine compile with; ``serial:
+    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), any other a ``ModelConfig``
     override (``moe.decode_implementation=xla``). ``ValueError`` names a malformed spec."""
-    variants = {"base": (cfg, {})}
+    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS))}
     for spec in specs:
         name, assignments = parse_variant(spec, variants)
         xla = [a for a in assignments if a.startswith("xla_")]
@@ -147,7 +149,7 @@ def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
         options = xla_compiler_options(False, xla)
         if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
             del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
-        variants[name] = (override(cfg, model) if model else cfg, options)
+        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options})
     return variants
 
 
@@ -164,7 +166,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     calls, last = {}, {}
     for name, (vcfg, options) in variants.items():
         loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps))
-        calls[name] = (loop.lower(*args).compile(compiler_options=options or None), args)
+        calls[name] = (loop.lower(*args).compile(compiler_options=options), args)
         last[name] = np.asarray(calls[name][0](*args))
     ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)
     if profile:  # one more run of the base loop under the profiler (benchmarks/trace_summary.py reads it)

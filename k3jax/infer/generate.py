@@ -13,7 +13,6 @@ stop_tokens=…, seed=…, stream=…)``:
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -24,7 +23,7 @@ from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import Cache, init_cache
-from k3jax.infer.decode import check_sampling, decode_layout, forward_cached, prefill, sample
+from k3jax.infer.decode import check_sampling, decode_layout, decode_program, forward_cached, prefill, sample
 from k3jax.model import Transformer
 
 DONE = -1  # output slot of a row that has already stopped
@@ -72,8 +71,7 @@ def check_stop_tokens(cfg: ModelConfig, stop_tokens) -> tuple[int, ...]:
     return stop
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "temperature", "top_k", "top_p", "stop",
-                                             "streaming", "chunk"))
+@decode_program(static_argnames=("cfg", "max_new", "temperature", "top_k", "top_p", "stop", "streaming", "chunk"))
 def _run(variables, tokens, lengths, cache: Cache, key, embeddings=None, *, cfg, max_new, temperature, top_k, top_p,
          stop, streaming, chunk):
     """Prefill, then the decode loop; returns ``[B, max_new]`` tokens with ``DONE`` after a stop."""

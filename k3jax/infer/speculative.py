@@ -26,7 +26,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import MLACache, cache_length, init_cache, select_step
-from k3jax.infer.decode import check_sampling, chunked, forward_cached, warp
+from k3jax.infer.decode import check_sampling, chunked, decode_program, forward_cached, warp
 from k3jax.infer.draft import Draft, draft_features, embed, target_head
 from k3jax.infer.generate import DONE, as_variables, check_prompts, check_stop_tokens
 
@@ -146,7 +146,7 @@ def _cycle(variables, draft_params, cfg, gamma, warp_args, stop_ids, max_new, ca
     return t_cache, d_cache, pend_feat, emitted, count, y, out, n_out, alive, key, stats
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gamma", "max_new", "warp_args", "stop", "chunk"))
+@decode_program(static_argnames=("cfg", "gamma", "max_new", "warp_args", "stop", "chunk"))
 def _run(variables, draft_params, tokens, lengths, t_cache, d_cache, key, *, cfg, gamma, max_new, warp_args,
          stop, chunk):
     B = tokens.shape[0]

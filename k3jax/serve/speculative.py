@@ -27,7 +27,6 @@ it accepts less until it has read some tokens). Prefill chunks feed the draft to
 
 from __future__ import annotations
 
-import functools
 import typing
 
 import flax.struct
@@ -38,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.infer.cache import MLACache, select_step
-from k3jax.infer.decode import forward_cached
+from k3jax.infer.decode import decode_program, forward_cached
 from k3jax.infer.draft import check_draft, draft_features
 from k3jax.infer.speculative import draft_call, draft_tokens, fuse, verify
 from k3jax.serve.pages import MLAPages, PagedCache, gather, scatter
@@ -78,7 +77,7 @@ def _row_keys(s: RowSampling, salt: int):
         s.seed, s.position)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("paged", "drafts"))
+@decode_program(static_argnames=("cfg",), donate_argnames=("paged", "drafts"))
 def spec_prefill(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSlots, tokens: Int[Array, "B T"],
                  num_new: Int[Array, "B"], draft_ids: Int[Array, "B T"], draft_count: Int[Array, "B"],
                  resume: Int[Array, "B"], slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"],
@@ -145,7 +144,7 @@ def _verify_cycle(variables: dict, draft: dict, paged: PagedCache, drafts: Draft
     return jnp.where(at < keep[:, None], emitted, -1), accepted, keep, paged, drafts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gamma", "max_cycles"), donate_argnames=("paged", "drafts"))
+@decode_program(static_argnames=("cfg", "gamma", "max_cycles"), donate_argnames=("paged", "drafts"))
 def spec_decode(variables: dict, draft: dict, paged: PagedCache, drafts: DraftSlots, pending: Int[Array, "B G"],
                 num_pending: Int[Array, "B"], budget: Int[Array, "B"], cycles: Int[Array, ""],
                 stop_ids: Int[Array, "B S"], slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"],

@@ -13,15 +13,13 @@ tokens do not depend on what else shares its batch.
 
 from __future__ import annotations
 
-import functools
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, UInt32
 
 from k3jax.config import ModelConfig
-from k3jax.infer.decode import forward_cached, head
+from k3jax.infer.decode import decode_program, forward_cached, head
 from k3jax.serve.pages import PagedCache, gather, scatter
 
 
@@ -98,10 +96,10 @@ def lanes_forward(variables: dict, paged: PagedCache, tokens: Int[Array, "B T"],
     return sample_rows(logits, sampling), paged, (hidden, blocks)
 
 
-model_step = functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("paged",))(_model_step)
+model_step = decode_program(static_argnames=("cfg",), donate_argnames=("paged",))(_model_step)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("paged",))
+@decode_program(static_argnames=("cfg", "max_steps"), donate_argnames=("paged",))
 def decode_block(variables: dict, paged: PagedCache, tokens: Int[Array, "B"], limit: Int[Array, "B"],
                  stop_ids: Int[Array, "B S"], slot_ids: Int[Array, "B"], page_table: Int[Array, "B N"],
                  lengths: Int[Array, "B"], sampling: RowSampling, *, cfg: ModelConfig,

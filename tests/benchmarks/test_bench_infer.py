@@ -4,22 +4,25 @@ import pytest
 
 from benchmarks.bench_infer import decode_variants
 from k3jax import config
+from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
 
 def test_decode_variants_split_xla_options_from_model_overrides():
     """``xla_…`` keys are compile options of the variant's decode loop (typed, no excess-precision
-    default added), any other key overrides the variant's ModelConfig; base keeps the config and no
-    option; a malformed spec or override is named."""
+    default added) over the decode programs' ``DECODE_XLA_OPTIONS``, any other key overrides the variant's
+    ModelConfig; base keeps the config and the decode options; a malformed spec or override is named."""
     cfg = config.tiny()
     variants = decode_variants(cfg, ["x:moe.decode_implementation=xla,xla_gpu_autotune_level=0",
                                      "y:xla_gpu_enable_command_buffer=FUSION"])
-    assert variants["base"] == (cfg, {})
+    assert variants["base"] == (cfg, DECODE_XLA_OPTIONS)
     x_cfg, x_options = variants["x"]
     assert x_cfg.moe.decode_implementation == "xla" and cfg.moe.decode_implementation is None
-    assert x_options == {"xla_gpu_autotune_level": 0}
-    assert variants["y"] == (cfg, {"xla_gpu_enable_command_buffer": "FUSION"})
+    assert x_options == {**DECODE_XLA_OPTIONS, "xla_gpu_autotune_level": 0}
+    assert variants["y"] == (cfg, {**DECODE_XLA_OPTIONS, "xla_gpu_enable_command_buffer": "FUSION"})
     exact = decode_variants(cfg, ["e:xla_allow_excess_precision=false"])["e"]
-    assert exact == (cfg, {"xla_allow_excess_precision": False})  # asked for, so kept
+    assert exact == (cfg, {**DECODE_XLA_OPTIONS, "xla_allow_excess_precision": False})  # asked for, so kept
+    serial = decode_variants(cfg, ["s:xla_gpu_command_buffer_scheduling_mode=SERIALIZE"])["s"][1]
+    assert serial == {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
     with pytest.raises(ValueError, match="no field 'nope'"):
