@@ -181,11 +181,15 @@ def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: 
     """Each token's k picked outputs of ``y`` (every expert on every token), weighted and summed: one
     kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5."""
     E, T, L = y.shape
+    bn = min(tiles.block_n, L)
+    if L % bn or not is_block_dim(bn):
+        raise ValueError(f"y's L={L} must be a multiple of tiles.block_n={tiles.block_n} or a power of two >= 16 "
+                         f"below it")
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, routing=routing), grid=(T, L // tiles.block_n),
+        functools.partial(_combine_kernel, routing=routing), grid=(T, L // bn),
         in_specs=[whole(scores), whole(bias), whole(y)],
-        out_specs=pl.BlockSpec((None, tiles.block_n), lambda t, j: (t, j)),
+        out_specs=pl.BlockSpec((None, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((T, L), y.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="moe_decode_dense_combine",

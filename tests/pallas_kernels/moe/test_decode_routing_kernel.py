@@ -169,6 +169,9 @@ def test_bad_routing_inputs_raise():
     with pytest.raises(ValueError, match="F=48 must be a multiple of tiles.block_n=64"):
         odd = _inputs(0, 16, 4, 32, 64, 48, ties=False)
         routed_dense_experts_pallas(*odd[:3], *odd[3], routing=Routing(4), activation="situ", interpret=True)
+    y = jnp.zeros((32, 16, 48), jnp.bfloat16)  # the combine alone: 48 columns fit no block (an empty grid before)
+    with pytest.raises(ValueError, match="y's L=48 must be a multiple of tiles.block_n=64"):
+        routed_combine(y, *_inputs(0, 16, 4, 32, 64, 64, ties=False)[1:3], routing=Routing(4), interpret=True)
     with pytest.raises(ValueError, match="float32 scores and bias"):
         dense = _inputs(0, 16, 4, 32, 64, 64, ties=False)
         routed_dense_experts_pallas(dense[0], dense[1], dense[2].astype(jnp.bfloat16), *dense[3], routing=Routing(4),
