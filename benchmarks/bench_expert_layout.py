@@ -143,13 +143,14 @@ def xla_read(x, scores, bias, w1, w3, w2, **_):
 def variants(path: str, routing: Routing, interpret: bool) -> dict:
     """``{name: (fn, layout)}``; layout ``plain`` (today), ``t13`` or ``t123`` (which stacks are swapped)."""
     kw = dict(routing=routing, interpret=interpret)
-    wide = DenseTiles(block_n=128, num_warps=8)
+    wide = kernel_gpu_decode_dense.WIDE
     if path == "gather":
         return {"today bf=32 w=4": (functools.partial(kernel_gpu_decode.routed_experts_pallas, **ACT, **kw), "plain"),
                 "t13 bf=32 w=4": (functools.partial(gather_t13, **kw), "t13"),
                 "t13 bf=32 w=8": (functools.partial(gather_t13, num_warps=8, **kw), "t13")}
     today = functools.partial(kernel_gpu_decode_dense.routed_dense_experts_pallas, **ACT, **kw)
-    return {"today n=64 w=4": (today, "plain"), "today n=128 w=8": (functools.partial(today, tiles=wide), "plain"),
+    return {"today n=64 w=4": (functools.partial(today, tiles=DenseTiles()), "plain"),
+            "today n=128 w=8 (default)": (functools.partial(today, tiles=wide), "plain"),
             "t123 n=64 w=4": (functools.partial(dense_t1x, w2_output_first=True, **kw), "t123"),
             "t123 n=128 w=8": (functools.partial(dense_t1x, w2_output_first=True, tiles=wide, **kw), "t123"),
             "t13 n=64 w=4": (functools.partial(dense_t1x, w2_output_first=False, **kw), "t13"),
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
             us = 1e3 * ms[n] / steps
             ulp = float(np.abs(outs[n] - ref).max() / (2.0 ** -7 * np.abs(ref).max()))
             rows[n] = {"us_per_call": us, "tb_per_s": moved / us / 1e6, "max_diff_ulp": ulp}
-            print(f"{path:6s} {n:24s} {us:8.2f} us   {moved / us / 1e6:5.2f} TB/s   diff vs today {ulp:.2f} ulp",
+            print(f"{path:6s} {n:28s} {us:8.2f} us   {moved / us / 1e6:5.2f} TB/s   diff vs today {ulp:.2f} ulp",
                   flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -36,13 +36,14 @@ import numpy as np
 from k3jax.layers import moe_decode
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
-from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas, routed_dense_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode_dense import (WIDE, DenseTiles, dense_experts_pallas,
+                                                       routed_dense_experts_pallas)
 from pallas_kernels.moe.rank_routing import Routing
 
 TILES = [DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(16, 4), DecodeTiles(64, 8),
          DecodeTiles(32, 4, prefetch=False), DecodeTiles(32, 8, prefetch=False), DecodeTiles(16, 4, prefetch=False)]
-DENSE_TILES = [DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), DenseTiles(block_n=128, num_warps=8),
-               DenseTiles(num_stages=4), DenseTiles(block_k=128, num_stages=2)]
+DENSE_TILES = [WIDE, DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), DenseTiles(num_stages=4),
+               DenseTiles(block_k=128, num_stages=2)]  # WIDE: the default at small()'s widths
 E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
 
 

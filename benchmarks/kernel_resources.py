@@ -105,7 +105,8 @@ def compile_op(op: str, tokens: int | None, tiles: str) -> None:
     route = (spec((T, E), jnp.float32), spec((E,), jnp.float32)) if routed else (
         spec((T, k), jnp.int32), spec((T, k), jnp.float32))
     args = (spec((T, L), bf), *route, spec((E, L, F), bf), spec((E, L, F), bf), spec((E, F, L), bf))
-    kwargs = dict(activation="situ", tiles=tile_type(**parsed), **({"routing": Routing(k)} if routed else {}))
+    kwargs = dict(activation="situ", **({"tiles": tile_type(**parsed)} if parsed else {}),  # else the default
+                  **({"routing": Routing(k)} if routed else {}))
     with compile_for(device), jax.default_device(device):
         jax.jit(functools.partial(fn, **kwargs)).lower(*args).compile()
 

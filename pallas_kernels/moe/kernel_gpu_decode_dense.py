@@ -46,10 +46,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class DenseTiles:
-    """``block_t`` tokens × ``block_n`` output columns a program, reducing over ``block_k`` rows a step.
-
-    ``small()`` at batch 64 (E 64, L = F = 512): 64 × 8 programs per kernel, each streaming 64 KB of
-    every weight it reads (W1 and W3, or W2)."""
+    """``block_t`` tokens × ``block_n`` output columns a program, reducing over ``block_k`` rows a step
+    (``tiles=None`` in the functions below: :func:`default_tiles` of the widths)."""
 
     block_t: int = 64
     block_n: int = 64
@@ -58,14 +56,35 @@ class DenseTiles:
     num_stages: int = 3
 
 
+# 128 output columns a program, 8 warps: small() at batch 64 (E 64, L = F = 512) in 64 × 4 programs a
+# kernel, each streaming 128 KB of every weight it reads — 44.56 µs a layer on the H200 against 46.14
+# with 64 columns and 4 warps (45.77 XLA; ``bench_moe_decode.py --path dense``, RESULTS.md stop 52).
+WIDE = DenseTiles(block_n=128, num_warps=8)
+
+
+def default_tiles(L: int, F: int) -> DenseTiles:
+    """``WIDE`` where the latent ``L`` and the intermediate ``F`` are multiples of its 128 columns (small()'s
+    512, K3's 3584 latent), else ``DenseTiles()`` (multiples of 64)."""
+    return WIDE if L % WIDE.block_n == 0 and F % WIDE.block_n == 0 else DenseTiles()
+
+
+def _tiles(tiles: DenseTiles | None, w1) -> DenseTiles:
+    """``tiles``, or :func:`default_tiles` of ``w1``'s ``[E, L, F]``."""
+    if tiles is not None:
+        return tiles
+    shape = getattr(w1, "shape", ())
+    return default_tiles(*shape[1:]) if len(shape) == 3 else DenseTiles()
+
+
 def _token_block(T: int, tiles: DenseTiles) -> int:
     """Rows of a program: ``block_t``, or the next power of two >= max(T, 16) below it."""
     return min(tiles.block_t, max(16, 1 << (T - 1).bit_length()))
 
 
-def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> None:
+def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles | None = None) -> None:
     """Raise ``ValueError`` naming the argument when the kernels cannot take these inputs."""
     _, L, F = check_decode_expert_args(x, ids, weights, w1, w3, w2, "dense decode kernels")
+    tiles = _tiles(tiles, w1)
     for name in ("block_t", "block_n", "block_k"):
         if not is_block_dim(getattr(tiles, name)):
             raise ValueError(f"tiles.{name}={getattr(tiles, name)} must be a power of two >= 16")
@@ -79,19 +98,19 @@ def check_inputs(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) 
                          f"decode kernels, got {sorted(str(d) for d in dtypes)}; use implementation='xla'")
 
 
-def accepts(x, ids, weights, w1, w3, w2, tiles: DenseTiles = DenseTiles()) -> bool:
+def accepts(x, ids, weights, w1, w3, w2, tiles: DenseTiles | None = None) -> bool:
     """Whether :func:`check_inputs` takes these inputs (what ``implementation=None`` asks)."""
     return passes(check_inputs, x, ids, weights, w1, w3, w2, tiles)
 
 
-def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles = DenseTiles()) -> None:
+def check_routing_inputs(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles | None = None) -> None:
     """:func:`check_inputs` for the kernels that route (``rank_routing.check_routing``)."""
     slots = jax.ShapeDtypeStruct((x.shape[0] if x.ndim else 0, routing.top_k), jnp.int32)
     check_inputs(x, slots, slots, w1, w3, w2, tiles)
     check_routing(scores, bias, x.shape[0], w1.shape[0], routing)
 
 
-def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles = DenseTiles()) -> bool:
+def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: DenseTiles | None = None) -> bool:
     """Whether :func:`check_routing_inputs` takes these inputs."""
     return passes(check_routing_inputs, x, scores, bias, w1, w3, w2, routing, tiles)
 
@@ -146,11 +165,12 @@ def _call(kernel, a, w, out_cols: int, bt: int, tiles: DenseTiles, interpret: bo
 
 def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[Array, "E L F"],
                    w2: Float[Array, "E F L"], *, activation: str, situ_beta: float = 4.0,
-                   situ_linear_beta: float = 25.0, tiles: DenseTiles = DenseTiles(),
+                   situ_linear_beta: float = 25.0, tiles: DenseTiles | None = None,
                    interpret: bool = False) -> Float[Array, "E T L"]:
     """The two kernels: every expert's output on every token, ``[E, T, L]`` in ``x``'s dtype."""
     T, L = x.shape
     F = w1.shape[2]
+    tiles = _tiles(tiles, w1)
     bt = _token_block(T, tiles)
     Tp = -(-T // bt) * bt
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
@@ -177,10 +197,11 @@ def _combine_kernel(scores_ref, bias_ref, y_ref, out_ref, *, routing: Routing):
 
 
 def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], *,
-                   routing: Routing, tiles: DenseTiles = DenseTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+                   routing: Routing, tiles: DenseTiles | None = None, interpret: bool = False) -> Float[Array, "T L"]:
     """Each token's k picked outputs of ``y`` (every expert on every token), weighted and summed: one
     kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5."""
     E, T, L = y.shape
+    tiles = tiles or default_tiles(L, L)
     bn = min(tiles.block_n, L)
     if L % bn or not is_block_dim(bn):
         raise ValueError(f"y's L={L} must be a multiple of tiles.block_n={tiles.block_n} or a power of two >= 16 "
@@ -200,8 +221,9 @@ def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: 
 def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Float[Array, "T k"],
                          w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
                          activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                         tiles: DenseTiles = DenseTiles(), interpret: bool = False) -> Float[Array, "T L"]:
+                         tiles: DenseTiles | None = None, interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.dense_experts`` (same arguments, same rounding points) by the kernels and an epilogue."""
+    tiles = _tiles(tiles, w1)
     check_inputs(x, ids, weights, w1, w3, w2, tiles)
     y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                        situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
@@ -215,15 +237,16 @@ def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights
 def routed_dense_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
                                 w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
                                 routing: Routing, activation: str, situ_beta: float = 4.0,
-                                situ_linear_beta: float = 25.0, tiles: DenseTiles = DenseTiles(),
+                                situ_linear_beta: float = 25.0, tiles: DenseTiles | None = None,
                                 interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.routed_experts`` on the dense path: the two kernels, then :func:`routed_combine`
     (the expert products never wait for the routing: only the combine reads it)."""
+    tiles = _tiles(tiles, w1)
     check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
     y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                        situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
     return routed_combine(y, scores, bias, routing=routing, tiles=tiles, interpret=interpret)
 
 
-__all__ = ["DenseTiles", "accepts", "accepts_routing", "check_inputs", "check_routing_inputs", "dense_experts_pallas",
-           "expert_outputs", "routed_combine", "routed_dense_experts_pallas"]
+__all__ = ["WIDE", "DenseTiles", "accepts", "accepts_routing", "check_inputs", "check_routing_inputs",
+           "default_tiles", "dense_experts_pallas", "expert_outputs", "routed_combine", "routed_dense_experts_pallas"]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from k3jax.layers import moe_decode, mxfp4
-from pallas_kernels.moe.kernel_gpu_decode_dense import DenseTiles, dense_experts_pallas, expert_outputs
+from pallas_kernels.moe.kernel_gpu_decode_dense import (WIDE, DenseTiles, accepts, default_tiles, dense_experts_pallas,
+                                                       expert_outputs)
 from pallas_kernels.target import Target, compile_for
 from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _inputs, _rounded_reference, check_compiled
 
@@ -27,6 +28,7 @@ def _xla(x, ids, weights, ws, activation):
     (64, 8, 8, 128, 128, "situ", DenseTiles()),                       # one token block, two column blocks
     (20, 2, 8, 64, 128, "swiglu", DenseTiles(block_n=32, block_k=32)),  # 20 tokens padded to a block of 32
     (40, 4, 4, 64, 64, "situ", DenseTiles(block_t=16, block_n=32, block_k=16)),  # three token blocks
+    (32, 4, 8, 128, 256, "situ", None),  # the default: WIDE's 128 columns, 8 warps
 ])
 def test_interpreted_kernels_match_the_dense_path(T, k, E, L, F, activation, tiles):
     x, ids, weights, ws = _inputs(T + E, T, k, E, L, F)
@@ -34,6 +36,16 @@ def test_interpreted_kernels_match_the_dense_path(T, k, E, L, F, activation, til
     assert got.shape == x.shape and got.dtype == x.dtype
     _assert_within_ulps(got, _rounded_reference(x, ids, weights, ws, activation), max_fraction=0.02)
     _assert_within_ulps(got, _xla(x, ids, weights, ws, activation), max_fraction=0.02)
+
+
+def test_default_tiles_follow_the_widths():
+    """128 columns and 8 warps where the latent and the intermediate width are multiples of 128 (small()'s
+    512 and K3's 3584 latent), the 64-column tiles otherwise; the kernels then take those widths."""
+    assert default_tiles(512, 512) == default_tiles(3584, 2048) == WIDE
+    assert WIDE.block_n == 128 and WIDE.num_warps == 8
+    assert default_tiles(64, 128) == default_tiles(128, 192) == DenseTiles()
+    x, ids, weights, ws = _inputs(1, 16, 2, 4, 64, 192)
+    assert accepts(x, ids, weights, *ws) and not accepts(x, ids, weights, *ws, WIDE)
 
 
 def test_every_expert_output_is_the_rounded_product():
