@@ -25,7 +25,7 @@ reference ``k3jax.layers.moe_decode.routed_experts``): it takes the router's sco
 bias instead of ids and weights, and each program finds its slot's expert as a rank of
 ``scores + bias`` (``pallas_kernels/moe/rank_routing.py``) before reading the weights: XLA's bias
 add, top-k, weight sum and the ids' copy are gone, 324.7 → 280.7 kernels a ``small()`` step at
-batch 1 (device-less).
+batch 1, 0.849 → 0.796 ms on the H200 (RESULTS.md, stop 52).
 
 Rounding points are the reference's (those of ``moe_ffn``): g and u accumulated in fp32 over L and
 rounded to the compute dtype (x's dtype), the activation (``gated_activation``, computed in fp32)
