@@ -71,48 +71,46 @@ def gather_t13(x, scores, bias, w1t, w3t, w2, *, routing, block_f=32, num_warps=
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="layout_gather_t13",
     )(scores, bias, x, w1t, w3t, w2)
-    y = jax.lax.reduce_precision(jnp.sum(parts.reshape(T, k, nf, L), axis=2), exponent_bits=8, mantissa_bits=7)
-    return jnp.sum(y * weights[:, 0].reshape(T, k)[..., None], axis=1).astype(x.dtype)
+    return kernel_gpu_decode._combine(parts.reshape(T, k, nf, L), weights[:, 0].reshape(T, k), x.dtype)
 
 
-def _products(a_ref, w_refs, block_k: int, output_first: bool) -> list:
-    """``a · W`` (fp32) for ``[K, N]`` blocks, or ``[N, K]`` ones read transposed, over ``block_k`` slabs."""
+def _products_t(a_ref, w_refs, block_k: int) -> list:
+    """``a · Wᵀ`` (fp32) for ``[N, K]`` blocks, over ``block_k`` slabs of K: ``kernel_gpu_decode_dense``'s
+    products from weights stored output axis first."""
     K = a_ref.shape[1]
 
     def step(i, accs):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         a = a_ref[:, ks]
-        dims = (((1,), (1,)), ((), ())) if output_first else (((1,), (0,)), ((), ()))
-        return tuple(acc + jax.lax.dot_general(a, w[:, ks] if output_first else w[ks, :], dims,
-                                               preferred_element_type=f32) for acc, w in zip(accs, w_refs))
+        return tuple(acc + jax.lax.dot_general(a, w[:, ks], (((1,), (1,)), ((), ())), preferred_element_type=f32)
+                     for acc, w in zip(accs, w_refs))
 
-    zeros = tuple(jnp.zeros((a_ref.shape[0], w.shape[0] if output_first else w.shape[1]), f32) for w in w_refs)
+    zeros = tuple(jnp.zeros((a_ref.shape[0], w.shape[0]), f32) for w in w_refs)
     return list(jax.lax.fori_loop(0, K // block_k, step, zeros))
 
 
-def _gate_up(x_ref, w1_ref, w3_ref, a_ref, *, block_k):
+def _gate_up_t(x_ref, w1_ref, w3_ref, a_ref, *, block_k):
     dt = a_ref.dtype
-    g, u = _products(x_ref, (w1_ref, w3_ref), block_k, True)
+    g, u = _products_t(x_ref, (w1_ref, w3_ref), block_k)
     a_ref[...] = gated_activation(g.astype(dt), u.astype(dt), ACT["activation"], ACT["situ_beta"],
                                   ACT["situ_linear_beta"]).astype(dt)
 
 
-def _down(a_ref, w2_ref, y_ref, *, block_k, output_first):
-    (y,) = _products(a_ref, (w2_ref,), block_k, output_first)
+def _down_t(a_ref, w2_ref, y_ref, *, block_k):
+    (y,) = _products_t(a_ref, (w2_ref,), block_k)
     y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _dense_call(kernel, a, w, bt, tiles, output_first, interpret, name, *more_w):
-    """``kernel`` over (token block, expert, column block), weights ``[E, N, K]`` if ``output_first``
-    else ``[E, K, N]``; ``a`` ``[Tp, K]`` (shared) or ``[E, Tp, K]``; output ``[E, Tp, N]``."""
-    E, K, N = (w.shape[0], w.shape[2], w.shape[1]) if output_first else w.shape
+def _call_t(kernel, a, w, bt, tiles, interpret, name, *more_w):
+    """``kernel_gpu_decode_dense._call`` for weights ``[E, N, K]``: grid (token block, expert, column
+    block); ``a`` ``[Tp, K]`` (shared) or ``[E, Tp, K]``; output ``[E, Tp, N]``."""
+    E, N, K = w.shape
     Tp, bn = a.shape[-2], tiles.block_n
     a_spec = (pl.BlockSpec((bt, K), lambda t, e, j: (t, 0)) if a.ndim == 2
               else pl.BlockSpec((None, bt, K), lambda t, e, j: (e, t, 0)))
-    w_spec = (pl.BlockSpec((None, bn, K), lambda t, e, j: (e, j, 0)) if output_first
-              else pl.BlockSpec((None, K, bn), lambda t, e, j: (e, 0, j)))
     return pl.pallas_call(
-        kernel, grid=(Tp // bt, E, N // bn), in_specs=[a_spec] + [w_spec] * (1 + len(more_w)),
+        kernel, grid=(Tp // bt, E, N // bn),
+        in_specs=[a_spec] + [pl.BlockSpec((None, bn, K), lambda t, e, j: (e, j, 0))] * (1 + len(more_w)),
         out_specs=pl.BlockSpec((None, bt, bn), lambda t, e, j: (e, t, j)),
         out_shape=jax.ShapeDtypeStruct((E, Tp, N), a.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
@@ -121,15 +119,18 @@ def _dense_call(kernel, a, w, bt, tiles, output_first, interpret, name, *more_w)
 
 
 def dense_t1x(x, scores, bias, w1t, w3t, w2, *, routing, w2_output_first: bool, tiles=DenseTiles(), interpret=False):
-    """The dense path from W1 / W3 ``[E, F, L]`` and W2 ``[E, L, F]`` (t123) or ``[E, F, L]`` (t13)."""
+    """The dense path from W1 / W3 ``[E, F, L]`` and W2 ``[E, L, F]`` (t123) or ``[E, F, L]`` (t13: the
+    package's down kernel)."""
     T = x.shape[0]
-    bt = min(tiles.block_t, max(16, 1 << (T - 1).bit_length()))
-    Tp = -(-T // bt) * bt
-    xp = jnp.pad(x, ((0, Tp - T), (0, 0)))
-    a = _dense_call(functools.partial(_gate_up, block_k=tiles.block_k), xp, w1t, bt, tiles, True, interpret,
-                    "layout_gate_up_t", w3t)
-    y = _dense_call(functools.partial(_down, block_k=tiles.block_k, output_first=w2_output_first), a, w2, bt, tiles,
-                    w2_output_first, interpret, "layout_down")
+    bt = kernel_gpu_decode_dense._token_block(T, tiles)
+    xp = jnp.pad(x, ((0, -(-T // bt) * bt - T), (0, 0)))
+    a = _call_t(functools.partial(_gate_up_t, block_k=tiles.block_k), xp, w1t, bt, tiles, interpret,
+                "layout_gate_up_t", w3t)
+    if w2_output_first:
+        y = _call_t(functools.partial(_down_t, block_k=tiles.block_k), a, w2, bt, tiles, interpret, "layout_down_t")
+    else:
+        down = functools.partial(kernel_gpu_decode_dense._down_kernel, block_k=tiles.block_k)
+        y = kernel_gpu_decode_dense._call(down, a, w2, w2.shape[2], bt, tiles, interpret, "moe_decode_dense_down")
     return kernel_gpu_decode_dense.routed_combine(y[:, :T], scores, bias, routing=routing, tiles=tiles,
                                                   interpret=interpret)
 

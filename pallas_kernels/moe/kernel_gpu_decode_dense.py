@@ -223,7 +223,6 @@ def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights
                          activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                          tiles: DenseTiles | None = None, interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.dense_experts`` (same arguments, same rounding points) by the kernels and an epilogue."""
-    tiles = _tiles(tiles, w1)
     check_inputs(x, ids, weights, w1, w3, w2, tiles)
     y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                        situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
