@@ -133,8 +133,9 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
     return {"total": total, "by_module": dict(by_module), "by_kind": dict(by_kind)}
 
 
-def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None = None) -> str:
-    """Optimized HLO text of ``bench_infer``'s decode loop for a device-less H200."""
+def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None = None, overrides=()) -> str:
+    """Optimized HLO text of ``bench_infer``'s decode loop for a device-less H200; ``overrides``:
+    ``ModelConfig`` assignments (``attn_res.decode_implementation=pallas``)."""
     import jax
     import jax.numpy as jnp
     import flax.linen as nn
@@ -146,6 +147,7 @@ def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None =
     from k3jax.layout import unrolled
     from k3jax.model import Transformer
     from k3jax.plan.topology import get_topology
+    from k3jax.train.config import override
     from pallas_kernels.target import compile_for
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -157,6 +159,7 @@ def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None =
     # decode_layout's result (bf16 as bench_infer builds it), abstract
     cfg = unrolled(dataclasses.replace(config.small(), param_dtype=jnp.bfloat16))
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, decode_implementation=moe_decode))
+    cfg = override(cfg, list(overrides)) if overrides else cfg
     with compile_for(device):
         init = lambda: decode_layout(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))),
                                      cfg)[0]
@@ -177,10 +180,12 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", default=None, help="write the optimized HLO here")
     p.add_argument("--moe-decode", default=None, choices=("xla", "pallas"),
                    help="MoEConfig.decode_implementation (the gather path at batch 1); default: the config's")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a ModelConfig override (repeatable), as bench_infer.py's --variant takes them")
     p.add_argument("--from-hlo", default=None, help="count an HLO file written before (no compile)")
     args = p.parse_args(argv)
     text = (Path(args.from_hlo).read_text() if args.from_hlo
-            else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode))
+            else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode, args.overrides))
     if args.hlo:
         Path(args.hlo).write_text(text)
     report(text, args.steps, args.list)

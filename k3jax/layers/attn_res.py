@@ -279,6 +279,10 @@ class AttnResMix(nn.Module):
         direction = norm.astype(self.wide_dtype) * query.astype(self.wide_dtype)
         return stream.mix(direction, self.eps, self.wide_dtype).astype(self.dtype)
 
+    def weights(self) -> tuple[Float[Array, "D"], Float[Array, "D"]]:
+        """The stored ``(query, norm)`` (``k3jax.layers.mixed_input``, whose kernel mixes along ``norm ⊙ query``)."""
+        return tuple(nn.meta.unbox(self.get_variable("params", n)) for n in ("query", "norm"))
+
 
 def attn_res(cfg, name: str | None) -> AttnResMix:
     """An ``AttnResMix`` with the config's eps and dtypes."""

@@ -26,6 +26,7 @@ from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers.attn_res import ResidualStream, StackedStream, attn_res
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
+from k3jax.layers.mixed_input import kernel_runs, mixed_input
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norm import norm
@@ -72,10 +73,16 @@ class DecoderLayer(nn.Module):
             stream = stream.add(y)
             stream = stream.add(ffn(mlp_norm(stream.partial)))
             return stream if cache is None else (stream, cache)
-        h = attn_res(cfg, "attn_res")(stream)
+        # decoding, the mix and the norm may run inside the kernels of the projections that read them
+        # (k3jax.layers.mixed_input), which also add the mixer's output to the stream themselves
+        lazy = cache is not None and isinstance(stream, ResidualStream)
+        lazy = lazy and kernel_runs(cfg.decode_norm_implementation)
+        x = mixed_input(attn_res(cfg, "attn_res"), attn_norm, stream) if lazy else attn_norm(
+            attn_res(cfg, "attn_res")(stream))
         stream = stream.push_if(self.index % cfg.attn_res.block_size == 0 if push is None else push)
-        y, cache = mix(attn_norm(h))
+        y, cache = mix(x)
+        x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, addend=y) if lazy else None
         stream = stream.add(y)
-        h = attn_res(cfg, "mlp_res")(stream)
-        stream = stream.add(ffn(mlp_norm(h)))
+        x = mlp_norm(attn_res(cfg, "mlp_res")(stream)) if x is None else x
+        stream = stream.add(ffn(x))
         return stream if cache is None else (stream, cache)

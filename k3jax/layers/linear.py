@@ -85,6 +85,13 @@ class Proj(nn.Module):
         else:
             eq, kernel = self.eq, param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
                                         self.param_dtype)
+        if hasattr(x, "project"):  # a ``mixed_input.MixedInput``: the input computed inside the product's kernel
+            x_axes, w_axes = eq.split("->")[0].split(",")
+            if split is None and kernel.ndim == 2 and w_axes[1] == x_axes[-1]:  # [N, D]: decode_layout's
+                y = x.project((kernel,), self.dtype, self.out_dtype)
+                if y is not None:
+                    return y
+            x = x.materialize()
         x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if split is None:
             return einsum(eq, x, kernel, preferred_element_type=self.out_dtype)
@@ -131,6 +138,9 @@ def packed_products(module: nn.Module, x: jax.Array, outs: Sequence[tuple[str, t
     if not module.has_variable("decode", PACKED):
         return None
     w = module.get_variable("decode", PACKED)  # [N, D]
-    y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))
+    y = x.project((w,), dtype) if hasattr(x, "project") else None  # a ``mixed_input.MixedInput``
+    if y is None:
+        x = x.materialize() if hasattr(x, "project") else x
+        y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))
     ends = np.cumsum([int(np.prod(out)) for _, out in outs])
     return {name: part.reshape(x.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}

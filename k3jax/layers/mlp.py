@@ -24,9 +24,21 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         D, F = self.cfg.hidden, self.width
-        g = proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), "gate")(x)
-        u = proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), "up")(x)
         m = self.cfg.mlp
-        h = split_gated_activation(g, u, m.activation, m.situ_beta, m.situ_linear_beta,
-                                   self.cfg.compute_dtype)  # [B, T, F]
+        gate, up = (proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), name) for name in ("gate", "up"))
+        h = self._mixed(x, gate, up) if hasattr(x, "project") else None  # a ``mixed_input.MixedInput``
+        if h is None:
+            h = split_gated_activation(gate(x), up(x), m.activation, m.situ_beta, m.situ_linear_beta,
+                                       self.cfg.compute_dtype)  # [B, T, F]
         return proj(self.cfg, "BTF,FD->BTD", (F, D), ("mlp", "embed"), "down")(h)
+
+    def _mixed(self, x, gate, up):
+        """Decoding on ``decode_layout``'s tree (gate and up stored output axis first): the input's mix and
+        norm, both products and the activation as one kernel (``MixedInput.project``); None where it
+        does not apply."""
+        if not (gate.has_variable("decode", "kernel_t") and up.has_variable("decode", "kernel_t")):
+            return None
+        m = self.cfg.mlp
+        act = dict(activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta)
+        return x.project(tuple(p.get_variable("decode", "kernel_t") for p in (gate, up)), self.cfg.compute_dtype,
+                         activation=act)

@@ -27,6 +27,7 @@ from k3jax import balance
 from k3jax.config import ModelConfig
 from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
+from k3jax.layers.mixed_input import kernel_runs, normed_input
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
 from k3jax.layers.routing import route
@@ -94,8 +95,12 @@ class MoE(nn.Module):
         bias = self.variable("balance", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
-        logits = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)(xt)
-        return jax.nn.sigmoid(logits.astype(wide)), bias  # [T, E], [E]
+        router = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)
+        if hasattr(xt, "project") and router.has_variable("decode", "kernel_t"):  # a mixed_input.MixedInput
+            scores = xt.project((router.get_variable("decode", "kernel_t"),), wide, epilogue="sigmoid")
+            if scores is not None:  # the mix, the norm, the product and the sigmoid in one kernel
+                return scores, bias
+        return jax.nn.sigmoid(router(xt).astype(wide)), bias  # [T, E], [E]
 
     def _with_stats(self) -> bool:
         # variables hold params and balance only; sown into an immutable collection (decode), the
@@ -187,7 +192,10 @@ class MoE(nn.Module):
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
             y = self._experts(u, scores, bias, decode)  # [T, L]
             if m.latent_norm:
-                y = norm(cfg, "latent_norm", axis="latent")(y)
+                latent_norm = norm(cfg, "latent_norm", axis="latent")
+                # decoding, the norm may run inside up_proj's kernel (k3jax.layers.mixed_input)
+                lazy = decode and kernel_runs(cfg.decode_norm_implementation)
+                y = normed_input(y, latent_norm) if lazy else latent_norm(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
         if m.num_shared_experts:

@@ -1,0 +1,139 @@
+"""A decode layer's normed input left for its projections to compute: ``x = RMSNorm(AttnRes mix)``.
+
+At batch 1 XLA computes each layer input in three dependent kernels before the projection that
+reads it (the sources' reductions, the mix's softmax weights, then the projection fused with the
+mix and the norm; ``pallas_kernels/mix_matvec/kernel_gpu.py``); the routed experts' latent norm takes
+two more before ``up_proj``. With ``ModelConfig.decode_norm_implementation`` ``"pallas"`` (or None on a
+CUDA GPU) a decoding layer hands its mixer and its feed-forward a :class:`MixedInput` instead of
+``x``: the mix's sources and weights and the norm's, not yet combined (and the MoE hands ``up_proj``
+its latent output the same way, a lone source: the norm only). The projections that read it on
+``decode_layout``'s tree — the packed inputs of KDA and MLA (``linear.packed_products``), the
+output-first ``Proj`` kernels (``down_proj``, ``up_proj``), the router (with its sigmoid), the MLP's gate
+and up (with the activation) — pass it to the one kernel that computes the mix, the norm and the
+product; anything else that reads it gets the array the model's own functions compute
+(``materialize``, also what ``jnp`` calls through ``__jax_array__``), so every path stays correct
+where the kernel does not apply. Same sums, in another float32 order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.attn_res import attn_res_mix
+from k3jax.layers.norm import rms_norm
+from pallas_kernels.mix_matvec import kernel_gpu
+from pallas_kernels.target import current_target
+
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def kernel_runs(implementation: str | None) -> bool:
+    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernel here:
+    ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA GPU, never ``"xla"``."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"decode_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    target = current_target()
+    cuda = target.platform == "gpu" and target.cuda
+    if implementation == "pallas" and not cuda:
+        raise ValueError(f"decode_norm_implementation='pallas' needs a CUDA GPU to compile for (target "
+                         f"{target.platform!r}); use 'xla'")
+    return implementation != "xla" and cuda
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedInput:
+    """``RMSNorm(mix(sources))`` in ``dtype``, uncomputed. ``sources``: ``[..., D]`` each, the stored block
+    sums then the partial sum (alone: the norm only); ``mix``: the mix's pseudo-query and key-norm
+    weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's; ``addend``: added to the
+    partial sum first (``ResidualStream.add``'s, which the kernel then need not wait for);
+    ``interpret``: run the kernel in the CPU interpreter (tests)."""
+
+    sources: tuple
+    mix: tuple
+    mix_eps: float
+    scale: jax.Array
+    norm_eps: float
+    dtype: Any
+    wide: Any
+    addend: jax.Array | None = None
+    interpret: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.sources[-1].shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape) -> "MixedInput":
+        """The token axes reshaped (the last, ``D``, kept)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if shape[-1] != self.shape[-1]:
+            raise ValueError(f"reshape keeps the last axis D={self.shape[-1]}, got shape {shape}")
+        return dataclasses.replace(self, sources=tuple(v.reshape(shape) for v in self.sources),
+                                   addend=None if self.addend is None else self.addend.reshape(shape))
+
+    def materialize(self) -> jax.Array:
+        """The array, by the model's functions (what the layer computes without this class)."""
+        *stored, partial = self.sources
+        partial = partial if self.addend is None else partial + self.addend
+        h = partial
+        if stored:
+            query, key_norm = self.mix
+            direction = key_norm.astype(self.wide) * query.astype(self.wide)  # as ``AttnResMix``
+            h = attn_res_mix(stored, len(stored), partial, direction, self.mix_eps, self.wide)
+        return rms_norm(h.astype(self.dtype), self.scale, self.norm_eps, self.wide).astype(self.dtype)
+
+    def __jax_array__(self) -> jax.Array:
+        return self.materialize()
+
+    def project(self, weights: tuple, proj_dtype, out_dtype=None, activation: dict | None = None,
+                epilogue: str | None = None) -> jax.Array | None:
+        """``x · W`` for ``weights = (W,)`` (``[N, D]``, output axis first; ``epilogue="sigmoid"``: its
+        sigmoid) or ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one
+        kernel, ``[..., N]``; None where the kernel does not take these inputs (the caller then computes
+        on ``materialize()``)."""
+        rows = math.prod(self.shape[:-1])
+        sources = tuple(v.reshape(rows, self.shape[-1]) for v in self.sources)
+        addend = None if self.addend is None else self.addend.reshape(rows, self.shape[-1])
+        weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
+        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addend=addend):
+            return None
+        y = kernel_gpu.mixed_matvec(sources, self.mix, self.scale, weights, mix_eps=self.mix_eps,
+                                    norm_eps=self.norm_eps, dtype=jnp.dtype(self.dtype),
+                                    proj_dtype=jnp.dtype(proj_dtype),
+                                    out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
+                                    activation=tuple(sorted((activation or {}).items())) or None,
+                                    epilogue=epilogue, addend=addend, interpret=self.interpret)
+        return y.reshape(self.shape[:-1] + (y.shape[-1],))
+
+
+def mixed_input(mix, norm, stream, addend: jax.Array | None = None, interpret: bool = False) -> MixedInput:
+    """The input ``norm(mix(stream.add(addend)))`` of a decoding layer as a :class:`MixedInput`, from the
+    bound ``AttnResMix`` ``mix`` and ``RMSNorm`` ``norm`` modules' parameters and the ``ResidualStream``."""
+    sources = tuple(stream.stored) + (stream.partial,)
+    weights = mix.weights() if len(sources) > 1 else ()
+    addend = None if addend is None else addend.astype(stream.partial.dtype)
+    return MixedInput(sources=sources, mix=weights, mix_eps=mix.eps, scale=_scale(norm), norm_eps=norm.eps,
+                      dtype=mix.dtype, wide=mix.wide_dtype, addend=addend, interpret=interpret)
+
+
+def normed_input(x: jax.Array, norm, interpret: bool = False) -> MixedInput:
+    """``norm(x)`` (a bound ``RMSNorm``) as a :class:`MixedInput` of one source: the norm inside the kernel
+    of the projection that reads it (the MoE's latent norm before ``up_proj``)."""
+    return MixedInput(sources=(x,), mix=(), mix_eps=0.0, scale=_scale(norm), norm_eps=norm.eps, dtype=norm.dtype,
+                      wide=norm.wide_dtype, interpret=interpret)
+
+
+def _scale(norm) -> jax.Array:
+    return nn.meta.unbox(norm.get_variable("params", "scale"))
+
+
+__all__ = ["IMPLEMENTATIONS", "MixedInput", "kernel_runs", "mixed_input", "normed_input"]

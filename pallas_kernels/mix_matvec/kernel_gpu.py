@@ -1,0 +1,215 @@
+"""A batch-1 decode projection that computes its own input: the AttnRes mix and the RMSNorm, per program.
+
+At batch 1 every layer input of ``small()`` is ``x = RMSNorm(mix(stream))``, the mix a softmax over the
+stored block sums and the partial sum weighted by their projections on a learned direction
+(``k3jax.layers.attn_res``). XLA runs it as three dependent kernels before each consumer: the sources'
+row reductions (fused with the residual add), the softmax weights of the ``[N]`` logits, then the
+projection, a Triton fusion whose programs recompute the mix and the norm from those weights. On the
+H200 the first two cost 2.4 + 1.1 µs at each of a step's 24 mixing points (benchmarks/RESULTS.md, stop
+49), each one more launch on the step's critical path.
+
+Here one kernel does all of it: program ``j`` owns ``block_n`` output columns of ``W`` (stored output
+axis first, ``[N, D]``, as ``decode_layout`` stores the projections) and, for each of the ``T`` tokens,
+
+1. reduces every source over ``D`` (``block_d`` columns a step): ``v·d`` and ``Σ v²``, so the logits
+   ``(v·d)/rms(v)`` and their softmax ``p`` (skipped for a lone source, whose mix is itself);
+2. sums ``h = Σ p_n v_n`` in float32, rounds it to the compute dtype (``AttnResMix``'s output) and
+   reduces ``Σ h²`` for the norm;
+3. streams its ``[block_n, D]`` rows of each weight, recomputing ``h`` a step at a time, normalising and
+   scaling it (rounded to the compute dtype, as ``RMSNorm`` returns it), and accumulates ``x · W`` in
+   float32.
+
+The sources are a few KB; every program reading them again is cheaper than two launches. With two
+weights the products are an MLP's gate and up and the program applies the gated activation (both
+products rounded to the projection dtype first, the activation in float32, rounded to the compute
+dtype), so the shared experts' input and activation are one kernel. Rounding points are the
+reference's (``reference.mixed_matvec_reference``); only float32 summation orders differ. For a few
+tokens only (``MAX_TOKENS``): each program holds every token's accumulators, and at larger batches the
+weight rows would be re-read per token block. ``interpret=True`` runs it in the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float
+
+from pallas_kernels.moe.activations import gated_activation
+
+MAX_TOKENS = 8
+EPILOGUES = (None, "sigmoid")  # applied to the float32 product (the router's scores)
+_FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatvecTiles:
+    """``block_n`` output columns a program (at most; the largest power of two dividing N below it),
+    ``block_d`` input columns a step (at most; the largest power of two >= 16 dividing D below it)."""
+
+    block_n: int = 16
+    block_d: int = 512
+    num_warps: int = 4
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap``."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: MatvecTiles = MatvecTiles(),
+                 epilogue: str | None = None, addend=None) -> None:
+    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
+    if not sources:
+        raise ValueError("sources must hold at least the partial sum, got none")
+    T, D = sources[0].shape if sources[0].ndim == 2 else (None, None)
+    if T is None:
+        raise ValueError(f"sources must be [T, D] arrays, got shape {sources[0].shape}")
+    for n, v in enumerate(sources):
+        if v.shape != (T, D):
+            raise ValueError(f"sources[{n}].shape must equal sources[0].shape={(T, D)}, got {v.shape}")
+    if addend is not None and (addend.shape != (T, D) or addend.dtype != sources[-1].dtype):
+        raise ValueError(f"addend must match the partial sum sources[-1] ({(T, D)}, {sources[-1].dtype}), got "
+                         f"{addend.shape}, {addend.dtype}")
+    if not 1 <= T <= MAX_TOKENS or T & (T - 1):
+        raise ValueError(f"the mixed matvec kernel takes T (sources' rows) a power of two <= {MAX_TOKENS}, got {T}")
+    if len(mix) != (2 if len(sources) > 1 else 0):
+        raise ValueError(f"mix must be the (query, key norm) pair of the mix of {len(sources)} sources "
+                         f"(none for one source), got {len(mix)} arrays")
+    for name, a in (("mix[0]", mix[0] if mix else scale), ("mix[1]", mix[-1] if mix else scale), ("scale", scale)):
+        if a.shape != (D,):
+            raise ValueError(f"{name}.shape must be (D,)=({D},), got {a.shape}")
+    if len(weights) not in (1, 2):
+        raise ValueError(f"weights must hold one [N, D] weight or a gate and an up weight, got {len(weights)}")
+    for n, w in enumerate(weights):
+        if w.ndim != 2 or w.shape[1] != D or w.shape != weights[0].shape:
+            raise ValueError(f"weights[{n}] must be [N, D] with D={D} (all alike), got {w.shape}")
+    if epilogue not in EPILOGUES or (epilogue is not None and len(weights) != 1):
+        raise ValueError(f"epilogue must be one of {EPILOGUES} (with one weight), got {epilogue!r} with "
+                         f"{len(weights)} weights")
+    if _pow2_divisor(D, tiles.block_d) < 16:
+        raise ValueError(f"D={D} must be a multiple of 16 for the mixed matvec kernel")
+    for a in (*sources, *mix, scale, *weights):
+        if jnp.dtype(a.dtype) not in _FLOATS:
+            raise ValueError(f"the mixed matvec kernel takes bfloat16, float16 or float32 inputs, got {a.dtype}")
+
+
+def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), epilogue: str | None = None,
+            addend=None) -> bool:
+    """Whether :func:`check_inputs` takes these inputs."""
+    try:
+        check_inputs(sources, mix, scale, weights, tiles, epilogue, addend)
+    except ValueError:
+        return False
+    return True
+
+
+def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float, dtype, proj_dtype,
+            out_dtype, activation, epilogue):
+    f32 = jnp.float32
+    n_mix = 2 if n_src > 1 else 0
+    src_refs, add_refs, refs = refs[:n_src], refs[n_src:n_src + n_add], refs[n_src + n_add:]
+    mix_refs, scale_ref, w_refs, out_ref = refs[:n_mix], refs[n_mix], refs[n_mix + 1:-1], refs[-1]
+    T, D = src_refs[0].shape
+    steps = D // block_d
+    cols = lambda c: pl.ds(pl.multiple_of(c * block_d, block_d), block_d)
+    rounded = lambda a, dt: a.astype(dt).astype(f32)
+
+    def source(n, t, c):
+        """Source ``n`` over columns ``cols(c)`` of token ``t`` (the partial sum plus the addend, rounded)."""
+        v = src_refs[n][t, cols(c)]
+        if n == n_src - 1 and add_refs:
+            return rounded(v.astype(f32) + add_refs[0][t, cols(c)].astype(f32), v.dtype)
+        return v.astype(f32)
+
+    def h_step(t, p, c):
+        """``h`` over columns ``cols(c)`` of token ``t``, rounded to the compute dtype."""
+        return rounded(sum(pn * source(n, t, c) for n, pn in enumerate(p)), dtype)
+
+    terms = []  # per token: the mix weights and the norm's 1/rms
+    for t in range(T):
+        p = [jnp.float32(1.0)]
+        if n_src > 1:
+            def reduce_sources(c, acc, t=t):
+                d = mix_refs[1][cols(c)].astype(f32) * mix_refs[0][cols(c)].astype(f32)  # γ ⊙ w
+                vs = [source(n, t, c) for n in range(n_src)]
+                return (tuple(a + jnp.sum(v * d) for a, v in zip(acc[0], vs)),
+                        tuple(a + jnp.sum(v * v) for a, v in zip(acc[1], vs)))
+
+            zeros = (jnp.float32(0.0),) * n_src
+            dots, squares = jax.lax.fori_loop(0, steps, reduce_sources, (zeros, zeros))
+            logits = [s * jax.lax.rsqrt(q / D + mix_eps) for s, q in zip(dots, squares)]
+            top = functools.reduce(jnp.maximum, logits)
+            e = [jnp.exp(lg - top) for lg in logits]
+            total = functools.reduce(jnp.add, e)
+            p = [x / total for x in e]
+        hh = jax.lax.fori_loop(0, steps, lambda c, a, t=t, p=p: a + jnp.sum(jnp.square(h_step(t, p, c))),
+                               jnp.float32(0.0))
+        terms.append((p, jax.lax.rsqrt(hh / D + norm_eps)))
+
+    def products(c, acc):
+        ws = [rounded(w_ref[:, cols(c)], proj_dtype) for w_ref in w_refs]  # [block_n, block_d]
+        scale = scale_ref[cols(c)].astype(f32)
+        out = []
+        for t, (p, inv) in enumerate(terms):
+            x = rounded(rounded(h_step(t, p, c) * inv * scale, dtype), proj_dtype)
+            out.extend(a + jnp.sum(x[None, :] * w, axis=1) for a, w in zip(acc[t * n_w:(t + 1) * n_w], ws))
+        return tuple(out)
+
+    bn = out_ref.shape[-1]
+    acc = jax.lax.fori_loop(0, steps, products, (jnp.zeros((bn,), f32),) * (T * n_w))
+    for t in range(T):
+        if n_w == 1:
+            y = acc[t].astype(out_dtype)
+            out_ref[t, :] = y if epilogue is None else jax.nn.sigmoid(y.astype(f32)).astype(out_dtype)
+        else:
+            g, u = (rounded(a, proj_dtype) for a in acc[2 * t:2 * t + 2])
+            out_ref[t, :] = gated_activation(g, u, **activation).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("mix_eps", "norm_eps", "dtype", "proj_dtype", "out_dtype", "activation",
+                                             "epilogue", "tiles", "interpret"))
+def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "D"], weights: tuple, *, mix_eps: float,
+                 norm_eps: float, dtype, proj_dtype, out_dtype=None, activation: tuple | None = None,
+                 epilogue: str | None = None, addend: Float[Array, "T D"] | None = None,
+                 tiles: MatvecTiles = MatvecTiles(), interpret: bool = False) -> Float[Array, "T N"]:
+    """``reference.mixed_matvec_reference`` (same arguments, same rounding points) as one kernel.
+
+    ``sources``: ``[T, D]`` each, the stored block sums then the partial sum (alone: no mix, the norm
+    only); ``mix``: the mix's pseudo-query ``w`` and key-norm weight ``γ`` (its direction ``γ ⊙ w``,
+    multiplied here in float32), ``()`` for one source; ``scale``: the RMSNorm weight; ``weights``:
+    ``(W,)`` or ``(W_gate, W_up)``, ``[N, D]`` each; ``activation``: with two weights,
+    ``gated_activation``'s keywords as a tuple of pairs (hashable); ``epilogue``: ``"sigmoid"`` of the
+    product (one weight); ``addend``: added to the partial sum first (rounded to its dtype, as
+    ``ResidualStream.add``), so the kernel need not wait for the residual add. Returns ``[T, N]`` in ``out_dtype`` (default: ``proj_dtype``; the
+    activation's result: ``dtype``).
+    """
+    check_inputs(sources, mix, scale, weights, tiles, epilogue, addend)
+    adds = () if addend is None else (addend,)
+    T, D = sources[0].shape
+    N = weights[0].shape[0]
+    bn, bd = _pow2_divisor(N, tiles.block_n), _pow2_divisor(D, tiles.block_d)
+    out_dtype = (dtype if len(weights) == 2 else proj_dtype) if out_dtype is None else out_dtype
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
+    kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_w=len(weights), block_d=bd, mix_eps=mix_eps,
+                               norm_eps=norm_eps, dtype=jnp.dtype(dtype), proj_dtype=jnp.dtype(proj_dtype),
+                               out_dtype=jnp.dtype(out_dtype), activation=dict(activation or ()), epilogue=epilogue)
+    return pl.pallas_call(
+        kernel, grid=(N // bn,),
+        in_specs=[whole(v) for v in (*sources, *adds, *mix, scale)]
+        + [pl.BlockSpec((bn, D), lambda j: (j, 0))] * len(weights),
+        out_specs=pl.BlockSpec((T, bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((T, N), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="mixed_matvec",
+    )(*sources, *adds, *mix, scale, *weights)
+
+
+__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "mixed_matvec"]
