@@ -33,6 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import packed_products, param, proj, wide_param_dtype
+from k3jax.layers.mixed_input import MixedInput
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
 from pallas_kernels.kda.conv import same_document_taps, short_convs
@@ -189,7 +190,7 @@ class KDA(nn.Module):
         y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
-    def _input_projections(self, x: Float[Array, "B T D"]) -> dict[str, Array]:
+    def _input_projections(self, x: Float[Array, "B T D"] | MixedInput) -> dict[str, Array]:
         """Every projection of the layer input ``x`` by parameter name (``input_projections``).
 
         On ``decode_layout``'s tree (the kernels packed once, ``linear.packed_products``) they are one
@@ -220,7 +221,7 @@ class KDA(nn.Module):
         return proj(self.cfg, "BTR,RHK->BTHK", (R, H, K), ("gate_rank", "heads", "head_dim"), "g_b")(xs["g_a"])
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
+    def __call__(self, x: Float[Array, "B T D"] | MixedInput, segment_ids: Int[Array, "B T"] | None = None, *,
                  cache=None, valid: Bool[Array, "B T"] | None = None, keep_steps: bool = False):
         cfg, c = self.cfg, self.cfg.kda
         B, T, D = x.shape

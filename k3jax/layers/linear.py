@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.layers.mixed_input import MixedInput
 
 PRECISION: jax.lax.Precision | str | None = None
 
@@ -71,7 +72,7 @@ class Proj(nn.Module):
     out_dtype: Any = None  # accumulate into and return this dtype (fp32 logits); None: ``dtype``
 
     @nn.compact
-    def __call__(self, x: jax.Array, split: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array | MixedInput, split: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``split``: return the outputs of ``kernel[..., :split]`` and ``kernel[..., split:]`` as two
         products, for consumers that take the halves apart (a packed output would be copied into
         them, and their gradients joined back, at the activation's size; the weight's halves are
@@ -85,7 +86,7 @@ class Proj(nn.Module):
         else:
             eq, kernel = self.eq, param(self, "kernel", nn.initializers.normal(self.init_std), self.shape, self.axes,
                                         self.param_dtype)
-        if hasattr(x, "project"):  # a ``mixed_input.MixedInput``: the input computed inside the product's kernel
+        if isinstance(x, MixedInput):  # the input computed inside the product's kernel
             x_axes, w_axes = eq.split("->")[0].split(",")
             if split is None and kernel.ndim == 2 and w_axes[1] == x_axes[-1]:  # [N, D]: decode_layout's
                 y = x.project((kernel,), self.dtype, self.out_dtype)
@@ -126,7 +127,7 @@ def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) 
     return jnp.swapaxes(jnp.concatenate(flat, axis=-1), -1, -2)
 
 
-def packed_products(module: nn.Module, x: jax.Array, outs: Sequence[tuple[str, tuple[int, ...]]],
+def packed_products(module: nn.Module, x: jax.Array | MixedInput, outs: Sequence[tuple[str, tuple[int, ...]]],
                     dtype: Any) -> Mapping[str, jax.Array] | None:
     """On ``decode_layout``'s tree: the projections ``outs`` of ``x [..., D]`` as one product over the
     module's packed kernel (``PACKED``), ``{name: [..., *out]}``; None where it holds none (the
@@ -138,9 +139,9 @@ def packed_products(module: nn.Module, x: jax.Array, outs: Sequence[tuple[str, t
     if not module.has_variable("decode", PACKED):
         return None
     w = module.get_variable("decode", PACKED)  # [N, D]
-    y = x.project((w,), dtype) if hasattr(x, "project") else None  # a ``mixed_input.MixedInput``
+    y = x.project((w,), dtype) if isinstance(x, MixedInput) else None  # the input computed in the kernel
     if y is None:
-        x = x.materialize() if hasattr(x, "project") else x
+        x = x.materialize() if isinstance(x, MixedInput) else x
         y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))
     ends = np.cumsum([int(np.prod(out)) for _, out in outs])
     return {name: part.reshape(x.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}

@@ -25,8 +25,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.layers.attn_res import attn_res_mix
-from k3jax.layers.norm import rms_norm
 from pallas_kernels.mix_matvec import kernel_gpu
 from pallas_kernels.target import current_target
 
@@ -82,6 +80,10 @@ class MixedInput:
 
     def materialize(self) -> jax.Array:
         """The array, by the model's functions (what the layer computes without this class)."""
+        # imported here: the projections (``linear``) import this module, and ``attn_res`` imports them
+        from k3jax.layers.attn_res import attn_res_mix
+        from k3jax.layers.norm import rms_norm
+
         *stored, partial = self.sources
         partial = partial if self.addend is None else partial + self.addend
         h = partial

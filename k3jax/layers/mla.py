@@ -29,6 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.layers import attention as attention_lib
 from k3jax.layers.gates import sigmoid_gate
+from k3jax.layers.mixed_input import MixedInput
 from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, packed_products, proj
 from k3jax.layers.norm import norm
@@ -216,7 +217,7 @@ class MLA(nn.Module):
         return causal_attention(q, k, v.astype(wide), attention_mask(segment_ids, B, T), scale)
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"], segment_ids: Int[Array, "B T"] | None = None, *,
+    def __call__(self, x: Float[Array, "B T D"] | MixedInput, segment_ids: Int[Array, "B T"] | None = None, *,
                  cache=None, valid: Bool[Array, "B T"] | None = None):
         cfg, m = self.cfg, self.cfg.mla
         B, T, D = x.shape

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import proj
+from k3jax.layers.mixed_input import MixedInput
 from pallas_kernels.moe.activations import split_gated_activation
 
 
@@ -22,11 +23,11 @@ class MLP(nn.Module):
     width: int
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"] | MixedInput) -> Float[Array, "B T D"]:
         D, F = self.cfg.hidden, self.width
         m = self.cfg.mlp
         gate, up = (proj(self.cfg, "BTD,DF->BTF", (D, F), ("embed", "mlp"), name) for name in ("gate", "up"))
-        h = self._mixed(x, gate, up) if hasattr(x, "project") else None  # a ``mixed_input.MixedInput``
+        h = self._mixed(x, gate, up) if isinstance(x, MixedInput) else None
         if h is None:
             h = split_gated_activation(gate(x), up(x), m.activation, m.situ_beta, m.situ_linear_beta,
                                        self.cfg.compute_dtype)  # [B, T, F]

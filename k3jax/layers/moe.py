@@ -27,7 +27,7 @@ from k3jax import balance
 from k3jax.config import ModelConfig
 from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
-from k3jax.layers.mixed_input import kernel_runs, normed_input
+from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
 from k3jax.layers.routing import route
@@ -88,7 +88,7 @@ class MoE(nn.Module):
 
     cfg: ModelConfig
 
-    def _router(self, xt: Float[Array, "T D"]) -> tuple[Float[Array, "T E"], Float[Array, "E"]]:
+    def _router(self, xt: Float[Array, "T D"] | MixedInput) -> tuple[Float[Array, "T E"], Float[Array, "E"]]:
         """The router's scores ``sigmoid(x W_r)`` and the balancing bias, in the wide dtype."""
         cfg, m = self.cfg, self.cfg.moe
         wide = cfg.fp32_dtype
@@ -96,7 +96,7 @@ class MoE(nn.Module):
                              None, (m.num_experts,), wide_param_dtype(cfg)).value
         bias = jax.lax.stop_gradient(bias.astype(wide))
         router = proj(cfg, "TD,DE->TE", (cfg.hidden, m.num_experts), ("embed", "experts"), "router", wide=True)
-        if hasattr(xt, "project") and router.has_variable("decode", "kernel_t"):  # a mixed_input.MixedInput
+        if isinstance(xt, MixedInput) and router.has_variable("decode", "kernel_t"):
             scores = xt.project((router.get_variable("decode", "kernel_t"),), wide, epilogue="sigmoid")
             if scores is not None:  # the mix, the norm, the product and the sigmoid in one kernel
                 return scores, bias
@@ -177,7 +177,7 @@ class MoE(nn.Module):
                 var("replica_share", (m.redundant_experts,), jnp.float32, ("replicas",)))
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"], *, decode: bool = False) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"] | MixedInput, *, decode: bool = False) -> Float[Array, "B T D"]:
         """``decode``: a decode call (few tokens, no gradient), where the routed experts take the
         paths of ``k3jax.layers.moe_decode`` that read only the weights the tokens need."""
         cfg, m = self.cfg, self.cfg.moe

@@ -1,0 +1,96 @@
+"""Decoding with the layer inputs' mix and norm inside their projections' kernel (``k3jax.layers.mixed_input``,
+``ModelConfig.decode_norm_implementation``): the same step as XLA's path, every projection that reads a
+normed input routed to the kernel, the stream's add inside it, and the switch's errors.
+
+On CPU the kernel runs in the Pallas interpreter (``kernel_runs`` forced, ``interpret=True``)."""
+
+import collections
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax.layers.block as block
+import k3jax.layers.moe as moe
+from k3jax import config
+from k3jax.infer.cache import init_cache
+from k3jax.infer.decode import decode_layout, forward_cached, prefill
+from k3jax.layers import mixed_input
+from k3jax.model import Transformer
+from pallas_kernels.target import Target, compile_for
+
+
+@pytest.fixture(scope="module")
+def decoding():
+    """tiny() after an 8-token prompt on decode_layout's tree, and the next token."""
+    cfg = config.tiny()
+    tokens = jax.random.randint(jax.random.key(1), (1, 9), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
+    variables, cfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    _, cache = prefill(variables, cfg, tokens[:, :8], jnp.array([8]), init_cache(cfg, 1, 16))
+    return variables, cfg, cache, tokens[:, 8:]
+
+
+def _interpreted(monkeypatch, drop_addend=False):
+    """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, with an addend)."""
+    calls = collections.Counter()
+    run = mixed_input.kernel_gpu.mixed_matvec
+
+    def counted(sources, mix, scale, weights, **kw):
+        calls[(sources[0].shape[-1], len(weights), kw.get("epilogue"), kw.get("addend") is not None)] += 1
+        return run(sources, mix, scale, weights, **kw)
+
+    def lazy_input(mix, norm, stream, addend=None):
+        return mixed_input.mixed_input(mix, norm, stream, None if drop_addend else addend, interpret=True)
+
+    monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
+    monkeypatch.setattr(block, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(moe, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(block, "mixed_input", lazy_input)
+    monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
+    return calls
+
+
+def test_decode_step_matches_the_xla_path(decoding, monkeypatch):
+    """tiny() (6 layers: the first a dense MLP, 5 MoE; every layer two mixing points): per layer the mixer's
+    packed inputs (the layer's first mix; 1 to 2 sources as blocks are stored) and the feed-forward's
+    inputs (the mixer's output added inside) — the router with its sigmoid, the latent down_proj, the
+    shared experts' gate and up with the activation (the dense layer's MLP alike) — and the latent norm
+    before each up_proj. The logits equal XLA's path's to float32 rounding."""
+    variables, cfg, cache, token = decoding
+    want, _ = forward_cached(variables, cfg, token, cache)
+    calls = _interpreted(monkeypatch)
+    got, _ = forward_cached(variables, cfg, token, cache)
+    D, L = cfg.hidden, cfg.moe.latent_dim
+    assert calls == {(D, 1, None, False): 6,  # the mixers' packed inputs
+                     (D, 1, "sigmoid", True): 5, (D, 1, None, True): 5,  # the router, down_proj
+                     (D, 2, None, True): 6,  # the shared experts' (and the dense MLP's) gate and up
+                     (L, 1, None, False): 5}  # the latent norm and up_proj
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_stream_add_inside_the_kernel_is_checked(decoding, monkeypatch):
+    """The test above fails for a kernel that mixes the stream without the mixer's output."""
+    variables, cfg, cache, token = decoding
+    want, _ = forward_cached(variables, cfg, token, cache)
+    _interpreted(monkeypatch, drop_addend=True)
+    got, _ = forward_cached(variables, cfg, token, cache)
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
+
+
+def test_the_switch():
+    """None: the kernel where a CUDA GPU compiles, never on a CPU; "xla": never; "pallas" without a CUDA GPU
+    and unknown values: errors naming the field."""
+    with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
+        assert mixed_input.kernel_runs(None) and mixed_input.kernel_runs("pallas")
+        assert not mixed_input.kernel_runs("xla")
+    with compile_for("cpu"):
+        assert not mixed_input.kernel_runs(None)
+        with pytest.raises(ValueError, match="decode_norm_implementation='pallas' needs a CUDA GPU"):
+            mixed_input.kernel_runs("pallas")
+    with pytest.raises(ValueError, match="decode_norm_implementation='triton' must be one of"):
+        dataclasses.replace(config.tiny(), decode_norm_implementation="triton")

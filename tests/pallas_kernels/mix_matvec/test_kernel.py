@@ -1,0 +1,123 @@
+"""The mixed matvec kernel (``pallas_kernels/mix_matvec/kernel_gpu.py``) against its reference, interpreted
+on CPU (and compiled on the GPU), the reference against the model's own mix and norm, and its errors.
+
+The kernel rounds where the reference does (the partial sum plus its addend, the mix, the norm, the
+products' or the activation's output), so the two differ only where another float32 summation order
+flips a rounding: by one ulp of the output dtype, relative to the row's largest output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3jax.layers.mixed_input import MixedInput
+from pallas_kernels.mix_matvec.kernel_gpu import MatvecTiles, mixed_matvec
+from pallas_kernels.mix_matvec.reference import mixed_input, mixed_matvec_reference
+
+BF16_ULP = 2.0 ** -7
+ACT = (("activation", "situ"), ("situ_beta", 4.0), ("situ_linear_beta", 25.0))
+
+
+def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=False):
+    rng = np.random.default_rng(seed)
+    bf = jnp.bfloat16
+    sources = tuple(jnp.asarray(rng.normal(size=(T, D)) * (n + 1), bf) for n in range(n_src))
+    mix = (jnp.asarray(rng.normal(size=D) * 0.3, bf), jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)) if n_src > 1 else ()
+    scale = jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)
+    weights = tuple(jnp.asarray(rng.normal(size=(N, D)) * D ** -0.5, proj) for _ in range(n_w))
+    add = jnp.asarray(rng.normal(size=(T, D)), bf) if addend else None
+    return sources, mix, scale, weights, add
+
+
+def _run(args, proj=jnp.bfloat16, out=None, epilogue=None, tiles=MatvecTiles(), interpret=True):
+    sources, mix, scale, weights, add = args
+    kw = dict(dtype=jnp.bfloat16, proj_dtype=proj, out_dtype=out, epilogue=epilogue, addend=add)
+    got = mixed_matvec(sources, mix, scale, weights, mix_eps=1e-5, norm_eps=1e-5, tiles=tiles, interpret=interpret,
+                       activation=ACT if len(weights) == 2 else None, **kw)
+    want = mixed_matvec_reference(sources, mix, 1e-5, scale, 1e-5, weights, activation=dict(ACT), **kw)
+    return got, want
+
+
+def _assert_close(got, want, ulp=BF16_ULP):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    bound = ulp * (np.abs(want) + np.max(np.abs(want), axis=-1, keepdims=True))
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+@pytest.mark.parametrize("T,D,N,n_src,n_w,addend", [
+    (1, 64, 48, 3, 1, False),  # a KDA layer's packed inputs: one token, a mix of three sources
+    (1, 96, 40, 5, 1, True),  # D in three 32-column steps, N in 8-column blocks, the stream's add inside
+    (2, 64, 32, 2, 2, True),  # an MLP's gate and up with the activation
+    (4, 128, 16, 1, 1, False),  # one source: the norm only (the latent norm before up_proj)
+])
+def test_kernel_matches_reference(T, D, N, n_src, n_w, addend):
+    got, want = _run(_inputs(T * 10 + n_src, T, D, N, n_src, n_w, addend=addend))
+    _assert_close(got, want)
+
+
+def test_router_in_float32_with_its_sigmoid():
+    proj = jnp.float32
+    got, want = _run(_inputs(7, 1, 64, 16, 4, proj=proj), proj=proj, epilogue="sigmoid")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-7)
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.sampled_from([1, 2, 4]), n_src=st.integers(1, 5), D=st.sampled_from([32, 48, 64]),
+       N=st.sampled_from([8, 16, 24]), n_w=st.integers(1, 2), addend=st.booleans(), seed=st.integers(0, 99))
+def test_property_kernel_equals_reference(T, n_src, D, N, n_w, addend, seed):
+    """Any token count the kernel takes, any number of sources, step and block sizes that do not divide
+    evenly into the defaults (D = 48: 16-column steps; N = 24: 8-column blocks)."""
+    got, want = _run(_inputs(seed, T, D, N, n_src, n_w, addend=addend))
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("n_src,addend", [(1, False), (3, False), (3, True)])
+def test_reference_is_the_models_mix_and_norm(n_src, addend):
+    """The reference's input equals what the model computes without the kernel (``MixedInput.materialize``:
+    ``attn_res_mix`` of the sources in float32, rounded, then ``rms_norm``), so the kernel's reference is
+    the layer's own definition."""
+    sources, mix, scale, _, add = _inputs(3, 2, 64, 8, n_src, addend=addend)
+    tokens = lambda a: None if a is None else a[None]  # [B, T, D], as the layers hold them
+    lazy = MixedInput(sources=tuple(map(tokens, sources)), mix=mix, mix_eps=1e-5, scale=scale, norm_eps=1e-6,
+                      dtype=jnp.bfloat16, wide=jnp.float32, addend=tokens(add))
+    np.testing.assert_array_equal(np.asarray(lazy.materialize()[0], np.float32),
+                                  np.asarray(mixed_input(sources, mix, 1e-5, scale, 1e-6, jnp.bfloat16, add), np.float32))
+
+
+@pytest.mark.unchecked
+def test_bad_inputs_raise():
+    args = _inputs(0, 1, 64, 16, 2)
+    sources, mix, scale, weights, _ = args
+    call = lambda **kw: mixed_matvec(**{**dict(sources=sources, mix=mix, scale=scale, weights=weights, mix_eps=1e-5,
+                                               norm_eps=1e-5, dtype=jnp.bfloat16, proj_dtype=jnp.bfloat16,
+                                               interpret=True), **kw})
+    with pytest.raises(ValueError, match="T .* a power of two <= 8, got 3"):
+        call(sources=tuple(jnp.zeros((3, 64), jnp.bfloat16) for _ in range(2)))
+    with pytest.raises(ValueError, match=r"sources\[1\].shape must equal"):
+        call(sources=(sources[0], jnp.zeros((1, 32), jnp.bfloat16)))
+    with pytest.raises(ValueError, match="mix must be the .query, key norm. pair"):
+        call(mix=())
+    with pytest.raises(ValueError, match=r"weights\[0\] must be \[N, D\] with D=64"):
+        call(weights=(jnp.zeros((16, 32), jnp.bfloat16),))
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        call(weights=weights * 2, activation=ACT, epilogue="sigmoid")
+    with pytest.raises(ValueError, match="addend must match the partial sum"):
+        call(addend=jnp.zeros((1, 64), jnp.float32))
+    with pytest.raises(ValueError, match="D=24 must be a multiple of 16"):
+        call(sources=tuple(jnp.zeros((1, 24), jnp.bfloat16) for _ in range(2)), mix=(jnp.zeros(24),) * 2,
+             scale=jnp.ones(24), weights=(jnp.zeros((16, 24), jnp.bfloat16),))
+    with pytest.raises(ValueError, match="takes bfloat16, float16 or float32 inputs, got int32"):
+        call(weights=(jnp.zeros((16, 64), jnp.int32),))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_src,n_w,N", [(3, 1, 4232), (5, 2, 1024), (1, 1, 1024)])
+def test_compiled_kernel_matches_reference(n_src, n_w, N):
+    """``small()``'s shapes on the GPU: a KDA layer's packed inputs, the shared experts' gate and up, the
+    latent norm before up_proj (D = 512 there; 1024 here covers two 512-column steps)."""
+    got, want = jax.jit(lambda a: _run(a, interpret=False))(_inputs(N, 1, 1024, N, n_src, n_w, addend=n_src > 1))
+    _assert_close(got, want)
