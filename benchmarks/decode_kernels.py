@@ -96,6 +96,38 @@ def kernels(comps: dict, name: str, weight: float = 1) -> list[Kernel]:
     return out
 
 
+def _operands(rest: str) -> list[str]:
+    """The names an instruction reads: the ``%names`` of its operand list (before the closing paren)."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch in "({"
+        depth -= ch in ")}"
+        if depth < 0:
+            return re.findall(r"%([\w.-]+)", rest[:i])
+    return re.findall(r"%([\w.-]+)", rest)
+
+
+def chain(comps: dict, name: str) -> int:
+    """Kernels on computation ``name``'s longest chain of data dependencies: what a GPU that ran every
+    independent kernel at once (CONCURRENT command buffers) would still run one after another. Loops
+    count their trip count times their body's chain, branches their longest."""
+    depth: dict[str, int] = {}
+    for iname, op, rest, _ in comps[name]:
+        before = max((depth.get(o, 0) for o in _operands(rest)), default=0)
+        if op == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+            cost = (int(trips.group(1)) if trips else 1) * chain(comps, re.search(r"body=%([\w.-]+)", rest).group(1))
+        elif op == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest).group(1)
+            cost = max(chain(comps, b) for b in re.findall(r"%([\w.-]+)", branches))
+        elif op == "call":
+            cost = chain(comps, re.search(r"to_apply=%([\w.-]+)", rest).group(1))
+        else:
+            cost = int(op not in FREE and not op.endswith("-done") and op != "async-update")
+        depth[iname] = before + cost
+    return max(depth.values(), default=0)
+
+
 def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
     """``"kda:moe"``-style group of a kernel: the layer's mixer kind and the module under the layer."""
     if m := re.search(r"/layers_(\d+)/(\w+)", op_name):
@@ -119,6 +151,7 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
     total = sum(k.count for k in ks) / steps
     written = sum(k.count * shape_bytes(k.shape) for k in ks) / steps
     print(f"kernels per step: {total:.1f}")
+    print(f"kernels on the step's longest dependency chain: {chain(comps, entry) / steps:.1f}")
     print(f"bytes written per step: {written / 1e6:.1f} MB (all kernels' outputs; "
           f"{sum(k.count * shape_bytes(k.shape) for k in ks if shape_bytes(k.shape) >= 5e5) / steps / 1e6:.1f} MB "
           "by kernels writing >= 0.5 MB)")
@@ -130,7 +163,8 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
         for k in ks:
             if re.search(pattern, k.op_name):
                 print(f"{k.count / steps:6.2f} {k.kind:16s} {k.shape[:48]:48s} {k.op_name.split('decode_step)/')[-1]}")
-    return {"total": total, "by_module": dict(by_module), "by_kind": dict(by_kind)}
+    return {"total": total, "chain": chain(comps, entry) / steps, "by_module": dict(by_module),
+            "by_kind": dict(by_kind)}
 
 
 def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None = None, overrides=()) -> str:

@@ -31,9 +31,11 @@ from pallas_kernels.target import current_target
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
-def kernel_runs(implementation: str | None) -> bool:
-    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernel here:
-    ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA GPU, never ``"xla"``."""
+def kernel_runs(implementation: str | None, tokens: int) -> bool:
+    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernel here, for a
+    call of ``tokens`` tokens: ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA
+    GPU, never ``"xla"``; and only for the token counts the kernel takes (``kernel_gpu.takes_tokens``:
+    at larger batches every consumer would compute the input on its own)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"decode_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     target = current_target()
@@ -41,7 +43,7 @@ def kernel_runs(implementation: str | None) -> bool:
     if implementation == "pallas" and not cuda:
         raise ValueError(f"decode_norm_implementation='pallas' needs a CUDA GPU to compile for (target "
                          f"{target.platform!r}); use 'xla'")
-    return implementation != "xla" and cuda
+    return implementation != "xla" and cuda and kernel_gpu.takes_tokens(tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,11 @@ class MatvecTiles:
     num_warps: int = 4
 
 
+def takes_tokens(T: int) -> bool:
+    """Whether the kernel takes ``T`` tokens: a power of two up to ``MAX_TOKENS``."""
+    return 1 <= T <= MAX_TOKENS and not T & (T - 1)
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two that divides ``n`` and is at most ``cap``."""
     b = 1
@@ -78,7 +83,7 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
     if addend is not None and (addend.shape != (T, D) or addend.dtype != sources[-1].dtype):
         raise ValueError(f"addend must match the partial sum sources[-1] ({(T, D)}, {sources[-1].dtype}), got "
                          f"{addend.shape}, {addend.dtype}")
-    if not 1 <= T <= MAX_TOKENS or T & (T - 1):
+    if not takes_tokens(T):
         raise ValueError(f"the mixed matvec kernel takes T (sources' rows) a power of two <= {MAX_TOKENS}, got {T}")
     if len(mix) != (2 if len(sources) > 1 else 0):
         raise ValueError(f"mix must be the (query, key norm) pair of the mix of {len(sources)} sources "
@@ -212,4 +217,4 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "D"], weights: 
     )(*sources, *adds, *mix, scale, *weights)
 
 
-__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "mixed_matvec"]
+__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "mixed_matvec", "takes_tokens"]

@@ -48,8 +48,8 @@ def _interpreted(monkeypatch, drop_addend=False):
         return mixed_input.mixed_input(mix, norm, stream, None if drop_addend else addend, interpret=True)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
-    monkeypatch.setattr(block, "kernel_runs", lambda implementation: True)
-    monkeypatch.setattr(moe, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(block, "kernel_runs", lambda implementation, tokens: True)
+    monkeypatch.setattr(moe, "kernel_runs", lambda implementation, tokens: True)
     monkeypatch.setattr(block, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     return calls
@@ -83,14 +83,15 @@ def test_the_stream_add_inside_the_kernel_is_checked(decoding, monkeypatch):
 
 
 def test_the_switch():
-    """None: the kernel where a CUDA GPU compiles, never on a CPU; "xla": never; "pallas" without a CUDA GPU
-    and unknown values: errors naming the field."""
+    """None: the kernel where a CUDA GPU compiles, never on a CPU; "xla": never; only for the token counts it
+    takes; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
-        assert mixed_input.kernel_runs(None) and mixed_input.kernel_runs("pallas")
-        assert not mixed_input.kernel_runs("xla")
+        assert mixed_input.kernel_runs(None, 1) and mixed_input.kernel_runs("pallas", 8)
+        assert not mixed_input.kernel_runs("xla", 1)
+        assert not mixed_input.kernel_runs(None, 3) and not mixed_input.kernel_runs("pallas", 64)  # XLA's batches
     with compile_for("cpu"):
-        assert not mixed_input.kernel_runs(None)
+        assert not mixed_input.kernel_runs(None, 1)
         with pytest.raises(ValueError, match="decode_norm_implementation='pallas' needs a CUDA GPU"):
-            mixed_input.kernel_runs("pallas")
+            mixed_input.kernel_runs("pallas", 1)
     with pytest.raises(ValueError, match="decode_norm_implementation='triton' must be one of"):
         dataclasses.replace(config.tiny(), decode_norm_implementation="triton")
