@@ -41,7 +41,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
 
-MAX_TOKENS = 8
+MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
 EPILOGUES = (None, "sigmoid")  # applied to the float32 product (the router's scores)
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -51,8 +51,8 @@ class MatvecTiles:
     """``block_n`` output columns a program (at most; the largest power of two dividing N below it),
     ``block_d`` input columns a step (at most; the largest power of two >= 16 dividing D below it)."""
 
-    block_n: int = 16
-    block_d: int = 512
+    block_n: int = 16  # of 16-bit weights: halved for two weights (an MLP's gate and up) and for float32
+    block_d: int = 1024
     num_warps: int = 4
 
 
@@ -124,7 +124,7 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
     mix_refs, scale_ref, w_refs, out_ref = refs[:n_mix], refs[n_mix], refs[n_mix + 1:-1], refs[-1]
     T, D = src_refs[0].shape
     steps = D // block_d
-    cols = lambda c: pl.ds(pl.multiple_of(c * block_d, block_d), block_d)
+    cols = lambda c: pl.ds(c * block_d if isinstance(c, int) else pl.multiple_of(c * block_d, block_d), block_d)
     rounded = lambda a, dt: a.astype(dt).astype(f32)
 
     def source(n, t, c):
@@ -138,6 +138,9 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
         """``h`` over columns ``cols(c)`` of token ``t``, rounded to the compute dtype."""
         return rounded(sum(pn * source(n, t, c) for n, pn in enumerate(p)), dtype)
 
+    # the first step's weight rows, read before the prologue so that their trip from HBM overlaps it
+    # (read where the products use them, they wait behind the prologue's reductions)
+    first = [w_ref[:, cols(0)] for w_ref in w_refs]
     terms = []  # per token: the mix weights and the norm's 1/rms
     for t in range(T):
         p = [jnp.float32(1.0)]
@@ -159,8 +162,9 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
                                jnp.float32(0.0))
         terms.append((p, jax.lax.rsqrt(hh / D + norm_eps)))
 
-    def products(c, acc):
-        ws = [rounded(w_ref[:, cols(c)], proj_dtype) for w_ref in w_refs]  # [block_n, block_d]
+    def products(c, acc, ws=None):
+        ws = [w_ref[:, cols(c)] for w_ref in w_refs] if ws is None else ws  # [block_n, block_d] each
+        ws = [rounded(w, proj_dtype) for w in ws]
         scale = scale_ref[cols(c)].astype(f32)
         out = []
         for t, (p, inv) in enumerate(terms):
@@ -169,7 +173,8 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
         return tuple(out)
 
     bn = out_ref.shape[-1]
-    acc = jax.lax.fori_loop(0, steps, products, (jnp.zeros((bn,), f32),) * (T * n_w))
+    acc = products(0, (jnp.zeros((bn,), f32),) * (T * n_w), first)
+    acc = jax.lax.fori_loop(1, steps, products, acc)
     for t in range(T):
         if n_w == 1:
             y = acc[t].astype(out_dtype)
@@ -200,7 +205,9 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "D"], weights: 
     adds = () if addend is None else (addend,)
     T, D = sources[0].shape
     N = weights[0].shape[0]
-    bn, bd = _pow2_divisor(N, tiles.block_n), _pow2_divisor(D, tiles.block_d)
+    # block_n 16-bit columns' bytes a program (fewer columns for two weights or float32 ones)
+    bn = _pow2_divisor(N, max(1, tiles.block_n * 2 // (len(weights) * jnp.dtype(proj_dtype).itemsize)))
+    bd = _pow2_divisor(D, tiles.block_d)
     out_dtype = (dtype if len(weights) == 2 else proj_dtype) if out_dtype is None else out_dtype
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
     kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_w=len(weights), block_d=bd, mix_eps=mix_eps,

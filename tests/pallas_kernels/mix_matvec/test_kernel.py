@@ -95,7 +95,7 @@ def test_bad_inputs_raise():
     call = lambda **kw: mixed_matvec(**{**dict(sources=sources, mix=mix, scale=scale, weights=weights, mix_eps=1e-5,
                                                norm_eps=1e-5, dtype=jnp.bfloat16, proj_dtype=jnp.bfloat16,
                                                interpret=True), **kw})
-    with pytest.raises(ValueError, match="T .* a power of two <= 8, got 3"):
+    with pytest.raises(ValueError, match="T .* a power of two <= 4, got 3"):
         call(sources=tuple(jnp.zeros((3, 64), jnp.bfloat16) for _ in range(2)))
     with pytest.raises(ValueError, match=r"sources\[1\].shape must equal"):
         call(sources=(sources[0], jnp.zeros((1, 32), jnp.bfloat16)))
