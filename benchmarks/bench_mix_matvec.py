@@ -5,8 +5,9 @@ Times ``pallas_kernels.mix_matvec.kernel_gpu.mixed_matvec`` against its referenc
 the mix and the norm — the path a JAX user has, and the decode step's without
 ``ModelConfig.decode_norm_implementation``) at batch 1, for every projection the step hands the kernel:
 ``small()``'s KDA and MLA packed inputs, its router (float32, with the sigmoid), latent ``down_proj``,
-shared experts' gate and up (with the activation) and the latent norm before ``up_proj``, and K3's
-KDA packed inputs and latent ``down_proj`` at 7168 wide over 9 sources. Each op runs as ``--steps``
+shared experts' gate and up (with the activation), the latent norm before ``up_proj`` and KDA's
+per-head output norm and gate before ``o_proj``, and K3's KDA packed inputs and latent ``down_proj`` at
+7168 wide over 9 sources and its KDA ``o_proj`` (96 heads). Each op runs as ``--steps``
 chained calls in one ``fori_loop`` (each call's output moves one element of the next call's partial
 sum, so calls cannot overlap), cycling through enough weight copies that every call reads its weights
 from HBM, as a decode step's layers do; timed interleaved (``timing.timeit_interleaved``). Prints µs a
@@ -41,11 +42,12 @@ def _packed_width(packed_inputs, cfg) -> int:
 
 
 def cases() -> dict[str, dict]:
-    """name -> (width D, outputs N, sources, weights, projection dtype, epilogue, with the stream's add)."""
+    """name -> (width D, outputs N, sources, weights, projection dtype, epilogue, with the stream's add, the
+    norm's group (per head) with the output gate)."""
     small, k3 = config.small(), config.kimi_k3()
     f32, bf = jnp.float32, jnp.bfloat16
-    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addend=False: dict(
-        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addend=addend)
+    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addend=False, group=None: dict(
+        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addend=addend, group=group)
     D, L = small.hidden, small.moe.latent_dim
     return {
         "small kda inputs": case(D, _packed_width(kda.packed_inputs, small), 3),
@@ -54,8 +56,10 @@ def cases() -> dict[str, dict]:
         "small down_proj": case(D, L, 3, addend=True),
         "small shared gate+up": case(D, small.moe.shared_width, 3, weights=2, addend=True),
         "small latent norm + up_proj": case(L, D, 1),
+        "small kda o_norm + o_proj": case(small.kda.num_heads * small.kda.head_dim, D, 1, group=small.kda.head_dim),
         "k3 kda inputs": case(k3.hidden, _packed_width(kda.packed_inputs, k3), 9),
         "k3 down_proj": case(k3.hidden, k3.moe.latent_dim, 9, addend=True),
+        "k3 kda o_norm + o_proj": case(k3.kda.num_heads * k3.kda.head_dim, k3.hidden, 1, group=k3.kda.head_dim),
     }
 
 
@@ -66,26 +70,27 @@ def _inputs(c: dict, seed: int = 0):
     mix = (jnp.asarray(rng.normal(size=D) * 0.1, bf), jnp.ones(D, bf)) if c["sources"] > 1 else ()
     weights = tuple(jnp.asarray(rng.normal(size=(c["N"], D)) * D ** -0.5, c["proj"]) for _ in range(c["weights"]))
     addend = jnp.asarray(rng.normal(size=(1, D)), bf) if c["addend"] else None
-    return sources, mix, jnp.ones(D, bf), weights, addend
+    gate = jnp.asarray(rng.normal(size=(1, D)), bf) if c["group"] else None
+    return sources, mix, jnp.ones(c["group"] or D, jnp.float32 if c["group"] else bf), weights, addend, gate
 
 
 def _op(c: dict, kernel: bool, interpret: bool):
     kw = dict(dtype=jnp.bfloat16, proj_dtype=c["proj"], epilogue=c["epilogue"])
     act = ACT if c["weights"] == 2 else None
     if kernel:
-        return lambda s, m, sc, ws, add: mixed_matvec(s, m, sc, ws, mix_eps=1e-5, norm_eps=1e-5, activation=act,
-                                                      addend=add, interpret=interpret, **kw)
-    return lambda s, m, sc, ws, add: mixed_matvec_reference(s, m, 1e-5, sc, 1e-5, ws, activation=dict(act or ()),
-                                                            addend=add, **kw)
+        return lambda s, m, sc, ws, add, g: mixed_matvec(s, m, sc, ws, mix_eps=1e-5, norm_eps=1e-5, activation=act,
+                                                         addend=add, gate=g, interpret=interpret, **kw)
+    return lambda s, m, sc, ws, add, g: mixed_matvec_reference(s, m, 1e-5, sc, 1e-5, ws, activation=dict(act or ()),
+                                                               addend=add, gate=g, **kw)
 
 
 def chained(fn, steps: int, copies: int, n_weights: int):
     """``steps`` calls of ``fn``, each moving element ``[0, 0]`` of the next call's partial sum by its output,
     cycling through ``copies`` weight sets (``steps`` a multiple of ``copies``)."""
-    def run(sources, mix, scale, addend, *sets):
+    def run(sources, mix, scale, addend, gate, *sets):
         def body(_, partial):
             for c in range(copies):
-                y = fn((*sources[:-1], partial), mix, scale, sets[c * n_weights:(c + 1) * n_weights], addend)
+                y = fn((*sources[:-1], partial), mix, scale, sets[c * n_weights:(c + 1) * n_weights], addend, gate)
                 partial = partial.at[0, 0].add(y[0, 0].astype(partial.dtype))
             return partial
         return jax.lax.fori_loop(0, steps // copies, body, sources[-1])
@@ -118,8 +123,9 @@ def main(argv=None) -> int:
     results, calls = {"device": jax.devices()[0].device_kind, "steps": args.steps, "cases": {}}, {}
     for name in names:
         c = chosen[name]
-        sources, mix, scale, weights, addend = _inputs(c)
-        outs = [jax.jit(_op(c, kernel, args.interpret))(sources, mix, scale, weights, addend) for kernel in (False, True)]
+        sources, mix, scale, weights, addend, gate = _inputs(c)
+        outs = [jax.jit(_op(c, kernel, args.interpret))(sources, mix, scale, weights, addend, gate)
+                for kernel in (False, True)]
         nbytes = sum(w.size * w.dtype.itemsize for w in weights)
         copies = 1 if args.interpret else min(64, max(1, -(-200_000_000 // nbytes)))
         steps = 2 if args.interpret else -(-args.steps // copies) * copies
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
                                   "max_diff_bf16_ulp": _bf16_ulps(outs[1], outs[0])}
         for kernel, label in ((False, "xla"), (True, "kernel")):
             run = chained(_op(c, kernel, args.interpret), steps, copies, len(weights))
-            calls[(name, label)] = (run, (sources, mix, scale, addend, *sets))
+            calls[(name, label)] = (run, (sources, mix, scale, addend, gate, *sets))
     if args.interpret:
         for (name, label), (run, a) in calls.items():
             jax.block_until_ready(run(*a))

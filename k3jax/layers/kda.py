@@ -33,7 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import packed_products, param, proj, wide_param_dtype
-from k3jax.layers.mixed_input import MixedInput
+from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
 from pallas_kernels.kda.conv import same_document_taps, short_convs
@@ -253,7 +253,10 @@ class KDA(nn.Module):
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         # per-head RMSNorm and the output gate, one checkpointed region: [B, T, H, K] in dt
-        o = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt)(o, gate=self._output_gate(projected))
+        o_norm, gate = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt), self._output_gate(projected)
+        # decoding, the norm and the gate may run inside o_proj's kernel (k3jax.layers.mixed_input)
+        lazy = cache is not None and kernel_runs(cfg.decode_norm_implementation, B * T)
+        o = normed_input(o, o_norm, gate) if lazy else o_norm(o, gate=gate)
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 

@@ -88,8 +88,10 @@ class Proj(nn.Module):
                                         self.param_dtype)
         if isinstance(x, MixedInput):  # the input computed inside the product's kernel
             x_axes, w_axes = eq.split("->")[0].split(",")
-            if split is None and kernel.ndim == 2 and w_axes[1] == x_axes[-1]:  # [N, D]: decode_layout's
-                y = x.project((kernel,), self.dtype, self.out_dtype)
+            contracted = len(w_axes) - 1  # decode_layout's [N, *in] against x's trailing axes
+            if split is None and self.has_variable("decode", "kernel_t") and x_axes.endswith(w_axes[1:]):
+                y = x.project((kernel.reshape(kernel.shape[0], -1),), self.dtype, self.out_dtype,
+                              contracted=contracted)
                 if y is not None:
                     return y
             x = x.materialize()

@@ -50,9 +50,10 @@ def kernel_runs(implementation: str | None, tokens: int) -> bool:
 class MixedInput:
     """``RMSNorm(mix(sources))`` in ``dtype``, uncomputed. ``sources``: ``[..., D]`` each, the stored block
     sums then the partial sum (alone: the norm only); ``mix``: the mix's pseudo-query and key-norm
-    weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's; ``addend``: added to the
-    partial sum first (``ResidualStream.add``'s, which the kernel then need not wait for);
-    ``interpret``: run the kernel in the CPU interpreter (tests)."""
+    weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's, over the last axis; ``addend``:
+    added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not wait for);
+    ``gate``: the norm's output gate logits (``gated_rms_norm``); ``interpret``: run the kernel in the
+    CPU interpreter (tests)."""
 
     sources: tuple
     mix: tuple
@@ -62,6 +63,7 @@ class MixedInput:
     dtype: Any
     wide: Any
     addend: jax.Array | None = None
+    gate: jax.Array | None = None
     interpret: bool = False
 
     @property
@@ -77,14 +79,15 @@ class MixedInput:
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         if shape[-1] != self.shape[-1]:
             raise ValueError(f"reshape keeps the last axis D={self.shape[-1]}, got shape {shape}")
+        like = lambda a: None if a is None else a.reshape(shape)
         return dataclasses.replace(self, sources=tuple(v.reshape(shape) for v in self.sources),
-                                   addend=None if self.addend is None else self.addend.reshape(shape))
+                                   addend=like(self.addend), gate=like(self.gate))
 
     def materialize(self) -> jax.Array:
         """The array, by the model's functions (what the layer computes without this class)."""
         # imported here: the projections (``linear``) import this module, and ``attn_res`` imports them
         from k3jax.layers.attn_res import attn_res_mix
-        from k3jax.layers.norm import rms_norm
+        from k3jax.layers.norm import gated_rms_norm, rms_norm
 
         *stored, partial = self.sources
         partial = partial if self.addend is None else partial + self.addend
@@ -92,31 +95,34 @@ class MixedInput:
         if stored:
             query, key_norm = self.mix
             direction = key_norm.astype(self.wide) * query.astype(self.wide)  # as ``AttnResMix``
-            h = attn_res_mix(stored, len(stored), partial, direction, self.mix_eps, self.wide)
-        return rms_norm(h.astype(self.dtype), self.scale, self.norm_eps, self.wide).astype(self.dtype)
+            h = attn_res_mix(stored, len(stored), partial, direction, self.mix_eps, self.wide).astype(self.dtype)
+        if self.gate is not None:
+            return gated_rms_norm(h, self.scale, self.gate, self.norm_eps, self.wide, self.dtype)
+        return rms_norm(h, self.scale, self.norm_eps, self.wide).astype(self.dtype)
 
     def __jax_array__(self) -> jax.Array:
         return self.materialize()
 
     def project(self, weights: tuple, proj_dtype, out_dtype=None, activation: dict | None = None,
-                epilogue: str | None = None) -> jax.Array | None:
-        """``x · W`` for ``weights = (W,)`` (``[N, D]``, output axis first; ``epilogue="sigmoid"``: its
-        sigmoid) or ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one
-        kernel, ``[..., N]``; None where the kernel does not take these inputs (the caller then computes
-        on ``materialize()``)."""
-        rows = math.prod(self.shape[:-1])
-        sources = tuple(v.reshape(rows, self.shape[-1]) for v in self.sources)
-        addend = None if self.addend is None else self.addend.reshape(rows, self.shape[-1])
+                epilogue: str | None = None, contracted: int = 1) -> jax.Array | None:
+        """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
+        ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
+        ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
+        ``[..., N]``; None where the kernel does not take these inputs (the caller then computes on
+        ``materialize()``)."""
+        lead = self.shape[:-contracted]
+        flat = lambda a: None if a is None else a.reshape(math.prod(lead), -1)
+        sources, addend, gate = tuple(map(flat, self.sources)), flat(self.addend), flat(self.gate)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
-        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addend=addend):
+        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addend=addend, gate=gate):
             return None
         y = kernel_gpu.mixed_matvec(sources, self.mix, self.scale, weights, mix_eps=self.mix_eps,
                                     norm_eps=self.norm_eps, dtype=jnp.dtype(self.dtype),
                                     proj_dtype=jnp.dtype(proj_dtype),
                                     out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
                                     activation=tuple(sorted((activation or {}).items())) or None,
-                                    epilogue=epilogue, addend=addend, interpret=self.interpret)
-        return y.reshape(self.shape[:-1] + (y.shape[-1],))
+                                    epilogue=epilogue, addend=addend, gate=gate, interpret=self.interpret)
+        return y.reshape(lead + (y.shape[-1],))
 
 
 def mixed_input(mix, norm, stream, addend: jax.Array | None = None, interpret: bool = False) -> MixedInput:
@@ -129,11 +135,12 @@ def mixed_input(mix, norm, stream, addend: jax.Array | None = None, interpret: b
                       dtype=mix.dtype, wide=mix.wide_dtype, addend=addend, interpret=interpret)
 
 
-def normed_input(x: jax.Array, norm, interpret: bool = False) -> MixedInput:
-    """``norm(x)`` (a bound ``RMSNorm``) as a :class:`MixedInput` of one source: the norm inside the kernel
-    of the projection that reads it (the MoE's latent norm before ``up_proj``)."""
+def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False) -> MixedInput:
+    """``norm(x, gate=gate)`` (a bound ``RMSNorm``) as a :class:`MixedInput` of one source: the norm inside the
+    kernel of the projection that reads it (the MoE's latent norm before ``up_proj``; KDA's per-head
+    output norm and gate before ``o_proj``)."""
     return MixedInput(sources=(x,), mix=(), mix_eps=0.0, scale=_scale(norm), norm_eps=norm.eps, dtype=norm.dtype,
-                      wide=norm.wide_dtype, interpret=interpret)
+                      wide=norm.wide_dtype, gate=gate, interpret=interpret)
 
 
 def _scale(norm) -> jax.Array:

@@ -70,7 +70,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: MatvecTiles = MatvecTiles(),
-                 epilogue: str | None = None, addend=None) -> None:
+                 epilogue: str | None = None, addend=None, gate=None) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
     if not sources:
         raise ValueError("sources must hold at least the partial sum, got none")
@@ -88,9 +88,17 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
     if len(mix) != (2 if len(sources) > 1 else 0):
         raise ValueError(f"mix must be the (query, key norm) pair of the mix of {len(sources)} sources "
                          f"(none for one source), got {len(mix)} arrays")
-    for name, a in (("mix[0]", mix[0] if mix else scale), ("mix[1]", mix[-1] if mix else scale), ("scale", scale)):
-        if a.shape != (D,):
+    for name, a in (("mix[0]", mix[0] if mix else None), ("mix[1]", mix[-1] if mix else None)):
+        if a is not None and a.shape != (D,):
             raise ValueError(f"{name}.shape must be (D,)=({D},), got {a.shape}")
+    group = scale.shape[0] if scale.ndim == 1 else 0
+    if scale.ndim != 1 or D % group or (group != D and (len(sources) > 1 or addend is not None)):
+        raise ValueError(f"scale must be [D]=[{D}] (one norm over the row) or, for one source and no addend, [G] "
+                         f"with G dividing D (a norm per group of G, as per head), got {scale.shape}")
+    if group != D and (group < 16 or group & (group - 1)):
+        raise ValueError(f"a norm per group of {group} needs the group a power of two >= 16")
+    if gate is not None and gate.shape != (T, D):
+        raise ValueError(f"gate must be [T, D]={(T, D)} (the output gate's logits), got {gate.shape}")
     if len(weights) not in (1, 2):
         raise ValueError(f"weights must hold one [N, D] weight or a gate and an up weight, got {len(weights)}")
     for n, w in enumerate(weights):
@@ -101,28 +109,30 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
                          f"{len(weights)} weights")
     if _pow2_divisor(D, tiles.block_d) < 16:
         raise ValueError(f"D={D} must be a multiple of 16 for the mixed matvec kernel")
-    for a in (*sources, *mix, scale, *weights):
+    for a in (*sources, *mix, scale, *weights, *(() if gate is None else (gate,))):
         if jnp.dtype(a.dtype) not in _FLOATS:
             raise ValueError(f"the mixed matvec kernel takes bfloat16, float16 or float32 inputs, got {a.dtype}")
 
 
 def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), epilogue: str | None = None,
-            addend=None) -> bool:
+            addend=None, gate=None) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
     try:
-        check_inputs(sources, mix, scale, weights, tiles, epilogue, addend)
+        check_inputs(sources, mix, scale, weights, tiles, epilogue, addend, gate)
     except ValueError:
         return False
     return True
 
 
-def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float, dtype, proj_dtype,
-            out_dtype, activation, epilogue):
+def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float,
+            dtype, proj_dtype, out_dtype, activation, epilogue):
     f32 = jnp.float32
     n_mix = 2 if n_src > 1 else 0
     src_refs, add_refs, refs = refs[:n_src], refs[n_src:n_src + n_add], refs[n_src + n_add:]
-    mix_refs, scale_ref, w_refs, out_ref = refs[:n_mix], refs[n_mix], refs[n_mix + 1:-1], refs[-1]
+    mix_refs, scale_ref, gate_refs, refs = refs[:n_mix], refs[n_mix], refs[n_mix + 1:n_mix + 1 + n_gate], refs[n_mix + 1 + n_gate:]
+    w_refs, out_ref = refs[:-1], refs[-1]
     T, D = src_refs[0].shape
+    grouped = scale_ref.shape[0] != D  # a norm per group of scale's columns (per head), whole groups a step
     steps = D // block_d
     cols = lambda c: pl.ds(c * block_d if isinstance(c, int) else pl.multiple_of(c * block_d, block_d), block_d)
     rounded = lambda a, dt: a.astype(dt).astype(f32)
@@ -135,8 +145,8 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
         return v.astype(f32)
 
     def h_step(t, p, c):
-        """``h`` over columns ``cols(c)`` of token ``t``, rounded to the compute dtype."""
-        return rounded(sum(pn * source(n, t, c) for n, pn in enumerate(p)), dtype)
+        """``h`` over columns ``cols(c)`` of token ``t``: the mix rounded to the compute dtype, or the lone source."""
+        return rounded(sum(pn * source(n, t, c) for n, pn in enumerate(p)), dtype) if n_src > 1 else source(0, t, c)
 
     # the first step's weight rows, read before the prologue so that their trip from HBM overlaps it
     # (read where the products use them, they wait behind the prologue's reductions)
@@ -158,6 +168,9 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
             e = [jnp.exp(lg - top) for lg in logits]
             total = functools.reduce(jnp.add, e)
             p = [x / total for x in e]
+        if grouped:  # each step's own norm, in the products' loop
+            terms.append((p, None))
+            continue
         hh = jax.lax.fori_loop(0, steps, lambda c, a, t=t, p=p: a + jnp.sum(jnp.square(h_step(t, p, c))),
                                jnp.float32(0.0))
         terms.append((p, jax.lax.rsqrt(hh / D + norm_eps)))
@@ -165,10 +178,20 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
     def products(c, acc, ws=None):
         ws = [w_ref[:, cols(c)] for w_ref in w_refs] if ws is None else ws  # [block_n, block_d] each
         ws = [rounded(w, proj_dtype) for w in ws]
-        scale = scale_ref[cols(c)].astype(f32)
+        scale = (scale_ref[...] if grouped else scale_ref[cols(c)]).astype(f32)
         out = []
         for t, (p, inv) in enumerate(terms):
-            x = rounded(rounded(h_step(t, p, c) * inv * scale, dtype), proj_dtype)
+            h = h_step(t, p, c)
+            if grouped:  # the step's groups of G columns, each normed on its own
+                G = scale.shape[0]
+                hg = h.reshape(block_d // G, G)
+                x = (hg * jax.lax.rsqrt(jnp.mean(hg * hg, axis=1, keepdims=True) + norm_eps) * scale[None, :])
+                x = x.reshape(block_d)
+            else:
+                x = h * inv * scale
+            if gate_refs:
+                x = x * jax.nn.sigmoid(gate_refs[0][t, cols(c)].astype(f32))
+            x = rounded(rounded(x, dtype), proj_dtype)
             out.extend(a + jnp.sum(x[None, :] * w, axis=1) for a, w in zip(acc[t * n_w:(t + 1) * n_w], ws))
         return tuple(out)
 
@@ -186,42 +209,46 @@ def _kernel(*refs, n_src: int, n_add: int, n_w: int, block_d: int, mix_eps: floa
 
 @functools.partial(jax.jit, static_argnames=("mix_eps", "norm_eps", "dtype", "proj_dtype", "out_dtype", "activation",
                                              "epilogue", "tiles", "interpret"))
-def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "D"], weights: tuple, *, mix_eps: float,
+def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: tuple, *, mix_eps: float,
                  norm_eps: float, dtype, proj_dtype, out_dtype=None, activation: tuple | None = None,
                  epilogue: str | None = None, addend: Float[Array, "T D"] | None = None,
-                 tiles: MatvecTiles = MatvecTiles(), interpret: bool = False) -> Float[Array, "T N"]:
+                 gate: Float[Array, "T D"] | None = None, tiles: MatvecTiles = MatvecTiles(),
+                 interpret: bool = False) -> Float[Array, "T N"]:
     """``reference.mixed_matvec_reference`` (same arguments, same rounding points) as one kernel.
 
     ``sources``: ``[T, D]`` each, the stored block sums then the partial sum (alone: no mix, the norm
     only); ``mix``: the mix's pseudo-query ``w`` and key-norm weight ``γ`` (its direction ``γ ⊙ w``,
-    multiplied here in float32), ``()`` for one source; ``scale``: the RMSNorm weight; ``weights``:
+    multiplied here in float32), ``()`` for one source; ``scale``: the RMSNorm weight, ``[D]`` (the norm
+    over the row) or, for one source, ``[G]`` (a norm per group of ``G`` columns: KDA's per-head output
+    norm); ``gate``: the norm's output gate logits ``[T, D]`` (``× sigmoid(gate)`` in float32); ``weights``:
     ``(W,)`` or ``(W_gate, W_up)``, ``[N, D]`` each; ``activation``: with two weights,
     ``gated_activation``'s keywords as a tuple of pairs (hashable); ``epilogue``: ``"sigmoid"`` of the
     product (one weight); ``addend``: added to the partial sum first (rounded to its dtype, as
-    ``ResidualStream.add``), so the kernel need not wait for the residual add. Returns ``[T, N]`` in ``out_dtype`` (default: ``proj_dtype``; the
-    activation's result: ``dtype``).
+    ``ResidualStream.add``), so the kernel need not wait for the residual add. Returns ``[T, N]`` in
+    ``out_dtype`` (default: ``proj_dtype``; the activation's result: ``dtype``).
     """
-    check_inputs(sources, mix, scale, weights, tiles, epilogue, addend)
-    adds = () if addend is None else (addend,)
+    check_inputs(sources, mix, scale, weights, tiles, epilogue, addend, gate)
+    adds, gates = tuple(a for a in (addend,) if a is not None), tuple(g for g in (gate,) if g is not None)
     T, D = sources[0].shape
     N = weights[0].shape[0]
     # block_n 16-bit columns' bytes a program (fewer columns for two weights or float32 ones)
     bn = _pow2_divisor(N, max(1, tiles.block_n * 2 // (len(weights) * jnp.dtype(proj_dtype).itemsize)))
     bd = _pow2_divisor(D, tiles.block_d)
+    bd = max(bd, scale.shape[0]) if scale.shape[0] != D else bd  # whole groups a step
     out_dtype = (dtype if len(weights) == 2 else proj_dtype) if out_dtype is None else out_dtype
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
-    kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_w=len(weights), block_d=bd, mix_eps=mix_eps,
-                               norm_eps=norm_eps, dtype=jnp.dtype(dtype), proj_dtype=jnp.dtype(proj_dtype),
+    kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_gate=len(gates), n_w=len(weights),
+                               block_d=bd, mix_eps=mix_eps, norm_eps=norm_eps, dtype=jnp.dtype(dtype), proj_dtype=jnp.dtype(proj_dtype),
                                out_dtype=jnp.dtype(out_dtype), activation=dict(activation or ()), epilogue=epilogue)
     return pl.pallas_call(
         kernel, grid=(N // bn,),
-        in_specs=[whole(v) for v in (*sources, *adds, *mix, scale)]
+        in_specs=[whole(v) for v in (*sources, *adds, *mix, scale, *gates)]
         + [pl.BlockSpec((bn, D), lambda j: (j, 0))] * len(weights),
         out_specs=pl.BlockSpec((T, bn), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((T, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret, name="mixed_matvec",
-    )(*sources, *adds, *mix, scale, *weights)
+    )(*sources, *adds, *mix, scale, *gates, *weights)
 
 
 __all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "mixed_matvec", "takes_tokens"]

@@ -19,35 +19,46 @@ from jaxtyping import Array, Float
 from pallas_kernels.moe.activations import gated_activation
 
 
-def mixed_input(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "D"], norm_eps: float,
-                dtype, addend: Float[Array, "T D"] | None = None) -> Float[Array, "T D"]:
+def mixed_input(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "G"], norm_eps: float,
+                dtype, addend: Float[Array, "T D"] | None = None,
+                gate: Float[Array, "T D"] | None = None) -> Float[Array, "T D"]:
     """``RMSNorm(mix(sources))`` in ``dtype``: ``sources`` ``[T, D]`` each, the partial sum last (alone:
-    its own mix; plus ``addend`` in its dtype where given); ``mix``: the pseudo-query ``w`` and the
-    key-norm weight ``γ`` (none for one source)."""
+    no mix; plus ``addend`` in its dtype where given); ``mix``: the pseudo-query ``w`` and the key-norm
+    weight ``γ`` (none for one source); ``scale`` ``[G]`` with ``G < D``: a norm per group of ``G``
+    columns; ``gate``: ``× sigmoid(gate)`` after the norm, in float32."""
     f32 = jnp.promote_types(dtype, jnp.float32)
     if addend is not None:
         sources = (*sources[:-1], sources[-1] + addend.astype(sources[-1].dtype))
     vs = [v.astype(f32) for v in sources]
     if len(vs) == 1:
         h = vs[0]
+        G = scale.shape[0]
+        if G != h.shape[-1]:  # per group (head): [T, D/G, G]
+            hg = h.reshape(h.shape[0], -1, G)
+            x = hg * jax.lax.rsqrt(jnp.mean(hg * hg, -1, keepdims=True) + norm_eps) * scale.astype(f32)
+            return _gated(x.reshape(h.shape), gate, f32).astype(dtype)
     else:
         d = mix[1].astype(f32) * mix[0].astype(f32)  # γ ⊙ w
         logits = jnp.stack([jnp.sum(v * d, -1) * jax.lax.rsqrt(jnp.mean(v * v, -1) + mix_eps) for v in vs])
         p = jax.nn.softmax(logits, axis=0)  # [N, T]
         h = sum(p[n][:, None] * v for n, v in enumerate(vs))
-    h = h.astype(dtype).astype(f32)
+        h = h.astype(dtype).astype(f32)  # the mix's output
     x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + norm_eps) * scale.astype(f32)
-    return x.astype(dtype)
+    return _gated(x, gate, f32).astype(dtype)
 
 
-def mixed_matvec_reference(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "D"], norm_eps: float,
+def _gated(x, gate, f32):
+    return x if gate is None else x * jax.nn.sigmoid(gate.astype(f32))
+
+
+def mixed_matvec_reference(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "G"], norm_eps: float,
                            weights: tuple, *, dtype, proj_dtype, out_dtype=None, activation: dict | None = None,
-                           epilogue: str | None = None, addend=None) -> Float[Array, "T N"]:
+                           epilogue: str | None = None, addend=None, gate=None) -> Float[Array, "T N"]:
     """``x · W`` (one weight ``[N, D]``; ``epilogue="sigmoid"``: its sigmoid in float32) or
     ``act(x · W_gate, x · W_up)`` (two, ``activation`` the ``gated_activation`` keywords),
     ``x = mixed_input(...)``; products in ``proj_dtype`` accumulated in float32, returned in ``out_dtype``
     (default ``proj_dtype``), the activation's result in ``dtype``."""
-    x = mixed_input(sources, mix, mix_eps, scale, norm_eps, dtype, addend).astype(proj_dtype)
+    x = mixed_input(sources, mix, mix_eps, scale, norm_eps, dtype, addend, gate).astype(proj_dtype)
     ys = [jnp.einsum("TD,ND->TN", x, w.astype(proj_dtype), preferred_element_type=out_dtype) for w in weights]
     if len(ys) == 1:
         y = ys[0]

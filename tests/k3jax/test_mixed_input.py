@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import k3jax.layers.block as block
+import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
 from k3jax import config
 from k3jax.infer.cache import init_cache
@@ -36,12 +37,14 @@ def decoding():
 
 
 def _interpreted(monkeypatch, drop_addend=False):
-    """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, with an addend)."""
+    """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, with an addend, with
+    a gate)."""
     calls = collections.Counter()
     run = mixed_input.kernel_gpu.mixed_matvec
 
     def counted(sources, mix, scale, weights, **kw):
-        calls[(sources[0].shape[-1], len(weights), kw.get("epilogue"), kw.get("addend") is not None)] += 1
+        calls[(sources[0].shape[-1], len(weights), kw.get("epilogue"), kw.get("addend") is not None,
+               kw.get("gate") is not None)] += 1
         return run(sources, mix, scale, weights, **kw)
 
     def lazy_input(mix, norm, stream, addend=None):
@@ -50,6 +53,8 @@ def _interpreted(monkeypatch, drop_addend=False):
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
     monkeypatch.setattr(block, "kernel_runs", lambda implementation, tokens: True)
     monkeypatch.setattr(moe, "kernel_runs", lambda implementation, tokens: True)
+    monkeypatch.setattr(kda, "kernel_runs", lambda implementation, tokens: True)
+    monkeypatch.setattr(kda, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     monkeypatch.setattr(block, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     return calls
@@ -59,17 +64,18 @@ def test_decode_step_matches_the_xla_path(decoding, monkeypatch):
     """tiny() (6 layers: the first a dense MLP, 5 MoE; every layer two mixing points): per layer the mixer's
     packed inputs (the layer's first mix; 1 to 2 sources as blocks are stored) and the feed-forward's
     inputs (the mixer's output added inside) — the router with its sigmoid, the latent down_proj, the
-    shared experts' gate and up with the activation (the dense layer's MLP alike) — and the latent norm
-    before each up_proj. The logits equal XLA's path's to float32 rounding."""
+    shared experts' gate and up with the activation (the dense layer's MLP alike) — the latent norm
+    before each up_proj and each KDA layer's per-head output norm and gate before o_proj. The logits equal XLA's path's to float32 rounding."""
     variables, cfg, cache, token = decoding
     want, _ = forward_cached(variables, cfg, token, cache)
     calls = _interpreted(monkeypatch)
     got, _ = forward_cached(variables, cfg, token, cache)
     D, L = cfg.hidden, cfg.moe.latent_dim
-    assert calls == {(D, 1, None, False): 6,  # the mixers' packed inputs
-                     (D, 1, "sigmoid", True): 5, (D, 1, None, True): 5,  # the router, down_proj
-                     (D, 2, None, True): 6,  # the shared experts' (and the dense MLP's) gate and up
-                     (L, 1, None, False): 5}  # the latent norm and up_proj
+    assert calls == {(D, 1, None, False, False): 6,  # the mixers' packed inputs
+                     (D, 1, "sigmoid", True, False): 5, (D, 1, None, True, False): 5,  # the router, down_proj
+                     (D, 2, None, True, False): 6,  # the shared experts' (and the dense MLP's) gate and up
+                     (L, 1, None, False, False): 5,  # the latent norm and up_proj
+                     (cfg.kda.num_heads * cfg.kda.head_dim, 1, None, False, True): 4}  # KDA's o_norm and o_proj
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

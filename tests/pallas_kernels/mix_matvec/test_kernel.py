@@ -20,20 +20,21 @@ BF16_ULP = 2.0 ** -7
 ACT = (("activation", "situ"), ("situ_beta", 4.0), ("situ_linear_beta", 25.0))
 
 
-def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=False):
+def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=False, group=None, gate=False):
     rng = np.random.default_rng(seed)
     bf = jnp.bfloat16
     sources = tuple(jnp.asarray(rng.normal(size=(T, D)) * (n + 1), bf) for n in range(n_src))
     mix = (jnp.asarray(rng.normal(size=D) * 0.3, bf), jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)) if n_src > 1 else ()
-    scale = jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)
+    scale = jnp.asarray(1 + 0.1 * rng.normal(size=group or D), jnp.float32 if group else bf)
     weights = tuple(jnp.asarray(rng.normal(size=(N, D)) * D ** -0.5, proj) for _ in range(n_w))
     add = jnp.asarray(rng.normal(size=(T, D)), bf) if addend else None
-    return sources, mix, scale, weights, add
+    logits = jnp.asarray(rng.normal(size=(T, D)) * 2, bf) if gate else None
+    return sources, mix, scale, weights, add, logits
 
 
 def _run(args, proj=jnp.bfloat16, out=None, epilogue=None, tiles=MatvecTiles(), interpret=True):
-    sources, mix, scale, weights, add = args
-    kw = dict(dtype=jnp.bfloat16, proj_dtype=proj, out_dtype=out, epilogue=epilogue, addend=add)
+    sources, mix, scale, weights, add, gate = args
+    kw = dict(dtype=jnp.bfloat16, proj_dtype=proj, out_dtype=out, epilogue=epilogue, addend=add, gate=gate)
     got = mixed_matvec(sources, mix, scale, weights, mix_eps=1e-5, norm_eps=1e-5, tiles=tiles, interpret=interpret,
                        activation=ACT if len(weights) == 2 else None, **kw)
     want = mixed_matvec_reference(sources, mix, 1e-5, scale, 1e-5, weights, activation=dict(ACT), **kw)
@@ -47,14 +48,15 @@ def _assert_close(got, want, ulp=BF16_ULP):
     assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
 
 
-@pytest.mark.parametrize("T,D,N,n_src,n_w,addend", [
-    (1, 64, 48, 3, 1, False),  # a KDA layer's packed inputs: one token, a mix of three sources
-    (1, 96, 40, 5, 1, True),  # D in three 32-column steps, N in 8-column blocks, the stream's add inside
-    (2, 64, 32, 2, 2, True),  # an MLP's gate and up with the activation
-    (4, 128, 16, 1, 1, False),  # one source: the norm only (the latent norm before up_proj)
+@pytest.mark.parametrize("T,D,N,n_src,n_w,addend,group", [
+    (1, 64, 48, 3, 1, False, None),  # a KDA layer's packed inputs: one token, a mix of three sources
+    (1, 96, 40, 5, 1, True, None),  # D in three 32-column steps, N in 8-column blocks, the stream's add inside
+    (2, 64, 32, 2, 2, True, None),  # an MLP's gate and up with the activation
+    (4, 128, 16, 1, 1, False, None),  # one source: the norm only (the latent norm before up_proj)
+    (2, 64, 16, 1, 1, False, 16),  # KDA's output: a norm per head of 16 and the output gate, then o_proj
 ])
-def test_kernel_matches_reference(T, D, N, n_src, n_w, addend):
-    got, want = _run(_inputs(T * 10 + n_src, T, D, N, n_src, n_w, addend=addend))
+def test_kernel_matches_reference(T, D, N, n_src, n_w, addend, group):
+    got, want = _run(_inputs(T * 10 + n_src, T, D, N, n_src, n_w, addend=addend, group=group, gate=bool(group)))
     _assert_close(got, want)
 
 
@@ -75,23 +77,24 @@ def test_property_kernel_equals_reference(T, n_src, D, N, n_w, addend, seed):
     _assert_close(got, want)
 
 
-@pytest.mark.parametrize("n_src,addend", [(1, False), (3, False), (3, True)])
-def test_reference_is_the_models_mix_and_norm(n_src, addend):
+@pytest.mark.parametrize("n_src,addend,group", [(1, False, None), (3, False, None), (3, True, None), (1, False, 16)])
+def test_reference_is_the_models_mix_and_norm(n_src, addend, group):
     """The reference's input equals what the model computes without the kernel (``MixedInput.materialize``:
-    ``attn_res_mix`` of the sources in float32, rounded, then ``rms_norm``), so the kernel's reference is
-    the layer's own definition."""
-    sources, mix, scale, _, add = _inputs(3, 2, 64, 8, n_src, addend=addend)
-    tokens = lambda a: None if a is None else a[None]  # [B, T, D], as the layers hold them
+    ``attn_res_mix`` of the sources in float32, rounded, then ``rms_norm``; per head with the output gate,
+    ``gated_rms_norm``), so the kernel's reference is the layer's own definition."""
+    sources, mix, scale, _, add, gate = _inputs(3, 2, 64, 8, n_src, addend=addend, group=group, gate=bool(group))
+    # [B, T, D] as the layers hold them; per head [B, T, H, G]
+    tokens = lambda a: None if a is None else a.reshape((1, 2) + ((-1, group) if group else (-1,)))
     lazy = MixedInput(sources=tuple(map(tokens, sources)), mix=mix, mix_eps=1e-5, scale=scale, norm_eps=1e-6,
-                      dtype=jnp.bfloat16, wide=jnp.float32, addend=tokens(add))
-    np.testing.assert_array_equal(np.asarray(lazy.materialize()[0], np.float32),
-                                  np.asarray(mixed_input(sources, mix, 1e-5, scale, 1e-6, jnp.bfloat16, add), np.float32))
+                      dtype=jnp.bfloat16, wide=jnp.float32, addend=tokens(add), gate=tokens(gate))
+    want = mixed_input(sources, mix, 1e-5, scale, 1e-6, jnp.bfloat16, add, gate)
+    np.testing.assert_array_equal(np.asarray(lazy.materialize().reshape(want.shape), np.float32),
+                                  np.asarray(want, np.float32))
 
 
 @pytest.mark.unchecked
 def test_bad_inputs_raise():
-    args = _inputs(0, 1, 64, 16, 2)
-    sources, mix, scale, weights, _ = args
+    sources, mix, scale, weights, _, _ = _inputs(0, 1, 64, 16, 2)
     call = lambda **kw: mixed_matvec(**{**dict(sources=sources, mix=mix, scale=scale, weights=weights, mix_eps=1e-5,
                                                norm_eps=1e-5, dtype=jnp.bfloat16, proj_dtype=jnp.bfloat16,
                                                interpret=True), **kw})
@@ -110,14 +113,23 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="D=24 must be a multiple of 16"):
         call(sources=tuple(jnp.zeros((1, 24), jnp.bfloat16) for _ in range(2)), mix=(jnp.zeros(24),) * 2,
              scale=jnp.ones(24), weights=(jnp.zeros((16, 24), jnp.bfloat16),))
+    with pytest.raises(ValueError, match="scale must be .D.=.64. .one norm over the row. or, for one source"):
+        call(scale=jnp.ones(16))  # a norm per group needs a lone source
+    with pytest.raises(ValueError, match="a norm per group of 24 needs the group a power of two"):
+        call(sources=(jnp.zeros((1, 48), jnp.bfloat16),), mix=(), scale=jnp.ones(24),
+             weights=(jnp.zeros((16, 48), jnp.bfloat16),))
+    with pytest.raises(ValueError, match=r"gate must be \[T, D\]"):
+        call(gate=jnp.zeros((1, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match="takes bfloat16, float16 or float32 inputs, got int32"):
         call(weights=(jnp.zeros((16, 64), jnp.int32),))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_src,n_w,N", [(3, 1, 4232), (5, 2, 1024), (1, 1, 1024)])
-def test_compiled_kernel_matches_reference(n_src, n_w, N):
+@pytest.mark.parametrize("n_src,n_w,N,group", [(3, 1, 4232, None), (5, 2, 1024, None), (1, 1, 1024, None),
+                                               (1, 1, 1024, 128)])
+def test_compiled_kernel_matches_reference(n_src, n_w, N, group):
     """``small()``'s shapes on the GPU: a KDA layer's packed inputs, the shared experts' gate and up, the
-    latent norm before up_proj (D = 512 there; 1024 here covers two 512-column steps)."""
-    got, want = jax.jit(lambda a: _run(a, interpret=False))(_inputs(N, 1, 1024, N, n_src, n_w, addend=n_src > 1))
+    latent norm before up_proj (D = 512 there), KDA's per-head output norm and gate before o_proj."""
+    args = _inputs(N, 1, 1024, N, n_src, n_w, addend=n_src > 1, group=group, gate=bool(group))
+    got, want = jax.jit(lambda a: _run(a, interpret=False))(args)
     _assert_close(got, want)
