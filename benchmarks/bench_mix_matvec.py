@@ -42,23 +42,24 @@ def _packed_width(packed_inputs, cfg) -> int:
 
 
 def cases() -> dict[str, dict]:
-    """name -> (width D, outputs N, sources, weights, projection dtype, epilogue, with the stream's add, the
-    norm's group (per head) with the output gate)."""
+    """name -> (width D, outputs N, sources, weights, projection dtype, epilogue, terms added to the stream
+    inside (a layer's first mix: the MoE's routed and shared outputs; its second: the mixer's), the norm's
+    group (per head) with the output gate)."""
     small, k3 = config.small(), config.kimi_k3()
     f32, bf = jnp.float32, jnp.bfloat16
-    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addend=False, group=None: dict(
-        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addend=addend, group=group)
+    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addends=0, group=None: dict(
+        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addends=addends, group=group)
     D, L = small.hidden, small.moe.latent_dim
     return {
-        "small kda inputs": case(D, _packed_width(kda.packed_inputs, small), 3),
-        "small mla inputs": case(D, _packed_width(mla.packed_inputs, small), 3),
-        "small router": case(D, small.moe.num_experts, 3, proj=f32, epilogue="sigmoid", addend=True),
-        "small down_proj": case(D, L, 3, addend=True),
-        "small shared gate+up": case(D, small.moe.shared_width, 3, weights=2, addend=True),
+        "small kda inputs": case(D, _packed_width(kda.packed_inputs, small), 3, addends=2),
+        "small mla inputs": case(D, _packed_width(mla.packed_inputs, small), 3, addends=2),
+        "small router": case(D, small.moe.num_experts, 3, proj=f32, epilogue="sigmoid", addends=1),
+        "small down_proj": case(D, L, 3, addends=1),
+        "small shared gate+up": case(D, small.moe.shared_width, 3, weights=2, addends=1),
         "small latent norm + up_proj": case(L, D, 1),
         "small kda o_norm + o_proj": case(small.kda.num_heads * small.kda.head_dim, D, 1, group=small.kda.head_dim),
-        "k3 kda inputs": case(k3.hidden, _packed_width(kda.packed_inputs, k3), 9),
-        "k3 down_proj": case(k3.hidden, k3.moe.latent_dim, 9, addend=True),
+        "k3 kda inputs": case(k3.hidden, _packed_width(kda.packed_inputs, k3), 9, addends=2),
+        "k3 down_proj": case(k3.hidden, k3.moe.latent_dim, 9, addends=1),
         "k3 kda o_norm + o_proj": case(k3.kda.num_heads * k3.kda.head_dim, k3.hidden, 1, group=k3.kda.head_dim),
     }
 
@@ -69,9 +70,9 @@ def _inputs(c: dict, seed: int = 0):
     sources = tuple(jnp.asarray(rng.normal(size=(1, D)), bf) for _ in range(c["sources"]))
     mix = (jnp.asarray(rng.normal(size=D) * 0.1, bf), jnp.ones(D, bf)) if c["sources"] > 1 else ()
     weights = tuple(jnp.asarray(rng.normal(size=(c["N"], D)) * D ** -0.5, c["proj"]) for _ in range(c["weights"]))
-    addend = jnp.asarray(rng.normal(size=(1, D)), bf) if c["addend"] else None
+    addends = tuple(jnp.asarray(rng.normal(size=(1, D)), bf) for _ in range(c["addends"]))
     gate = jnp.asarray(rng.normal(size=(1, D)), bf) if c["group"] else None
-    return sources, mix, jnp.ones(c["group"] or D, jnp.float32 if c["group"] else bf), weights, addend, gate
+    return sources, mix, jnp.ones(c["group"] or D, jnp.float32 if c["group"] else bf), weights, addends, gate
 
 
 def _op(c: dict, kernel: bool, interpret: bool):
@@ -79,18 +80,18 @@ def _op(c: dict, kernel: bool, interpret: bool):
     act = ACT if c["weights"] == 2 else None
     if kernel:
         return lambda s, m, sc, ws, add, g: mixed_matvec(s, m, sc, ws, mix_eps=1e-5, norm_eps=1e-5, activation=act,
-                                                         addend=add, gate=g, interpret=interpret, **kw)
+                                                         addends=add, gate=g, interpret=interpret, **kw)
     return lambda s, m, sc, ws, add, g: mixed_matvec_reference(s, m, 1e-5, sc, 1e-5, ws, activation=dict(act or ()),
-                                                               addend=add, gate=g, **kw)
+                                                               addends=add, gate=g, **kw)
 
 
 def chained(fn, steps: int, copies: int, n_weights: int):
     """``steps`` calls of ``fn``, each moving element ``[0, 0]`` of the next call's partial sum by its output,
     cycling through ``copies`` weight sets (``steps`` a multiple of ``copies``)."""
-    def run(sources, mix, scale, addend, gate, *sets):
+    def run(sources, mix, scale, addends, gate, *sets):
         def body(_, partial):
             for c in range(copies):
-                y = fn((*sources[:-1], partial), mix, scale, sets[c * n_weights:(c + 1) * n_weights], addend, gate)
+                y = fn((*sources[:-1], partial), mix, scale, sets[c * n_weights:(c + 1) * n_weights], addends, gate)
                 partial = partial.at[0, 0].add(y[0, 0].astype(partial.dtype))
             return partial
         return jax.lax.fori_loop(0, steps // copies, body, sources[-1])
@@ -123,8 +124,8 @@ def main(argv=None) -> int:
     results, calls = {"device": jax.devices()[0].device_kind, "steps": args.steps, "cases": {}}, {}
     for name in names:
         c = chosen[name]
-        sources, mix, scale, weights, addend, gate = _inputs(c)
-        outs = [jax.jit(_op(c, kernel, args.interpret))(sources, mix, scale, weights, addend, gate)
+        sources, mix, scale, weights, addends, gate = _inputs(c)
+        outs = [jax.jit(_op(c, kernel, args.interpret))(sources, mix, scale, weights, addends, gate)
                 for kernel in (False, True)]
         nbytes = sum(w.size * w.dtype.itemsize for w in weights)
         copies = 1 if args.interpret else min(64, max(1, -(-200_000_000 // nbytes)))
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
                                   "max_diff_bf16_ulp": _bf16_ulps(outs[1], outs[0])}
         for kernel, label in ((False, "xla"), (True, "kernel")):
             run = chained(_op(c, kernel, args.interpret), steps, copies, len(weights))
-            calls[(name, label)] = (run, (sources, mix, scale, addend, gate, *sets))
+            calls[(name, label)] = (run, (sources, mix, scale, addends, gate, *sets))
     if args.interpret:
         for (name, label), (run, a) in calls.items():
             jax.block_until_ready(run(*a))

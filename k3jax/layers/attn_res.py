@@ -46,6 +46,9 @@ class ResidualStream:
     partial: Float[Array, "B T D"]  # current block's running sum (plain residual: the hidden state)
     stored: tuple = ()  # finished block sums [B, T, D], oldest first
     max_blocks: int = flax.struct.field(pytree_node=False, default=0)
+    # (partial before the last add, the terms it added) where ``add_kept`` made it: a decode kernel that
+    # mixes the stream repeats the add instead of waiting for it (``k3jax.layers.mixed_input``)
+    last: tuple = ()
 
     @classmethod
     def start(cls, embeddings: Float[Array, "B T D"], max_blocks: int) -> "ResidualStream":
@@ -67,7 +70,7 @@ class ResidualStream:
         """Store the partial sum as a finished block and start a new, empty one."""
         if self.count >= self.max_blocks:
             raise ValueError(f"push: all max_blocks={self.max_blocks} AttnRes blocks are already stored")
-        return self.replace(partial=jnp.zeros_like(self.partial), stored=self.stored + (self.partial,))
+        return self.replace(partial=jnp.zeros_like(self.partial), stored=self.stored + (self.partial,), last=())
 
     def push_if(self, flag: bool) -> "ResidualStream":
         """``push()`` when ``flag`` (a Python bool: the block bookkeeping here is static)."""
@@ -77,7 +80,11 @@ class ResidualStream:
         return self.push() if flag else self
 
     def add(self, y: Float[Array, "B T D"]) -> "ResidualStream":
-        return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES))
+        return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES), last=())
+
+    def add_kept(self, *terms: Float[Array, "B T D"]) -> "ResidualStream":
+        """``add(terms[0] + terms[1] + …)``, keeping the partial sum before it and the terms as ``last``."""
+        return self.add(functools.reduce(jnp.add, terms)).replace(last=(self.partial,) + terms)
 
     def mix(self, direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
         """The AttnRes mix of the stored blocks and the partial sum (the partial alone before any block)."""

@@ -82,8 +82,11 @@ class DecoderLayer(nn.Module):
             attn_res(cfg, "attn_res")(stream))
         stream = stream.push_if(self.index % cfg.attn_res.block_size == 0 if push is None else push)
         y, cache = mix(x)
-        x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, addend=y) if lazy else None
+        x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, (y,)) if lazy else None
         stream = stream.add(y)
         x = mlp_norm(attn_res(cfg, "mlp_res")(stream)) if x is None else x
-        stream = stream.add(ffn(x))
+        if lazy:  # the next layer's first kernel adds the routed and the shared experts' outputs itself
+            stream = stream.add_kept(*(ffn(x, terms=True) if cfg.moe_layers[self.index] else (ffn(x),)))
+        else:
+            stream = stream.add(ffn(x))
         return stream if cache is None else (stream, cache)

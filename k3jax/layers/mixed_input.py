@@ -18,6 +18,7 @@ where the kernel does not apply. Same sums, in another float32 order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -50,8 +51,9 @@ def kernel_runs(implementation: str | None, tokens: int) -> bool:
 class MixedInput:
     """``RMSNorm(mix(sources))`` in ``dtype``, uncomputed. ``sources``: ``[..., D]`` each, the stored block
     sums then the partial sum (alone: the norm only); ``mix``: the mix's pseudo-query and key-norm
-    weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's, over the last axis; ``addend``:
-    added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not wait for);
+    weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's, over the last axis; ``addends``:
+    summed and added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not
+    wait for);
     ``gate``: the norm's output gate logits (``gated_rms_norm``); ``interpret``: run the kernel in the
     CPU interpreter (tests)."""
 
@@ -62,7 +64,7 @@ class MixedInput:
     norm_eps: float
     dtype: Any
     wide: Any
-    addend: jax.Array | None = None
+    addends: tuple = ()
     gate: jax.Array | None = None
     interpret: bool = False
 
@@ -81,7 +83,7 @@ class MixedInput:
             raise ValueError(f"reshape keeps the last axis D={self.shape[-1]}, got shape {shape}")
         like = lambda a: None if a is None else a.reshape(shape)
         return dataclasses.replace(self, sources=tuple(v.reshape(shape) for v in self.sources),
-                                   addend=like(self.addend), gate=like(self.gate))
+                                   addends=tuple(map(like, self.addends)), gate=like(self.gate))
 
     def materialize(self) -> jax.Array:
         """The array, by the model's functions (what the layer computes without this class)."""
@@ -90,7 +92,8 @@ class MixedInput:
         from k3jax.layers.norm import gated_rms_norm, rms_norm
 
         *stored, partial = self.sources
-        partial = partial if self.addend is None else partial + self.addend
+        if self.addends:  # as the layers add them: the MoE's routed + shared, then into the stream
+            partial = partial + functools.reduce(jnp.add, self.addends).astype(partial.dtype)
         h = partial
         if stored:
             query, key_norm = self.mix
@@ -112,27 +115,31 @@ class MixedInput:
         ``materialize()``)."""
         lead = self.shape[:-contracted]
         flat = lambda a: None if a is None else a.reshape(math.prod(lead), -1)
-        sources, addend, gate = tuple(map(flat, self.sources)), flat(self.addend), flat(self.gate)
+        sources, addends, gate = tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
-        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addend=addend, gate=gate):
+        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
+                                  gate=gate):
             return None
         y = kernel_gpu.mixed_matvec(sources, self.mix, self.scale, weights, mix_eps=self.mix_eps,
                                     norm_eps=self.norm_eps, dtype=jnp.dtype(self.dtype),
                                     proj_dtype=jnp.dtype(proj_dtype),
                                     out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
                                     activation=tuple(sorted((activation or {}).items())) or None,
-                                    epilogue=epilogue, addend=addend, gate=gate, interpret=self.interpret)
+                                    epilogue=epilogue, addends=addends, gate=gate, interpret=self.interpret)
         return y.reshape(lead + (y.shape[-1],))
 
 
-def mixed_input(mix, norm, stream, addend: jax.Array | None = None, interpret: bool = False) -> MixedInput:
-    """The input ``norm(mix(stream.add(addend)))`` of a decoding layer as a :class:`MixedInput`, from the
-    bound ``AttnResMix`` ``mix`` and ``RMSNorm`` ``norm`` modules' parameters and the ``ResidualStream``."""
-    sources = tuple(stream.stored) + (stream.partial,)
+def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False) -> MixedInput:
+    """The input ``norm(mix(stream.add(sum(addends))))`` of a decoding layer as a :class:`MixedInput`, from
+    the bound ``AttnResMix`` ``mix`` and ``RMSNorm`` ``norm`` modules' parameters and the ``ResidualStream``
+    (whose last add, where it kept its terms, the kernel repeats: ``ResidualStream.last``)."""
+    partial, addends = stream.partial, tuple(addends)
+    if not addends and stream.last:  # the stream's last add, repeated in the kernel
+        partial, addends = stream.last[0], stream.last[1:]
+    sources = tuple(stream.stored) + (partial,)
     weights = mix.weights() if len(sources) > 1 else ()
-    addend = None if addend is None else addend.astype(stream.partial.dtype)
     return MixedInput(sources=sources, mix=weights, mix_eps=mix.eps, scale=_scale(norm), norm_eps=norm.eps,
-                      dtype=mix.dtype, wide=mix.wide_dtype, addend=addend, interpret=interpret)
+                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, interpret=interpret)
 
 
 def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False) -> MixedInput:

@@ -177,9 +177,11 @@ class MoE(nn.Module):
                 var("replica_share", (m.redundant_experts,), jnp.float32, ("replicas",)))
 
     @nn.compact
-    def __call__(self, x: Float[Array, "B T D"] | MixedInput, *, decode: bool = False) -> Float[Array, "B T D"]:
+    def __call__(self, x: Float[Array, "B T D"] | MixedInput, *, decode: bool = False,
+                 terms: bool = False) -> Float[Array, "B T D"] | tuple:
         """``decode``: a decode call (few tokens, no gradient), where the routed experts take the
-        paths of ``k3jax.layers.moe_decode`` that read only the weights the tokens need."""
+        paths of ``k3jax.layers.moe_decode`` that read only the weights the tokens need; ``terms``: the
+        routed and the shared experts' outputs apart, for a decode kernel that sums them itself."""
         cfg, m = self.cfg, self.cfg.moe
         B, T, D = x.shape
         xt = x.reshape(B * T, D)
@@ -198,6 +200,7 @@ class MoE(nn.Module):
                 y = normed_input(y, latent_norm) if lazy else latent_norm(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
-        if m.num_shared_experts:
-            y = y + MLP(cfg, m.shared_width, name="shared")(x)
-        return y
+        if not m.num_shared_experts:
+            return (y,) if terms else y
+        shared = MLP(cfg, m.shared_width, name="shared")(x)
+        return (y, shared) if terms else y + shared

@@ -70,7 +70,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: MatvecTiles = MatvecTiles(),
-                 epilogue: str | None = None, addend=None, gate=None) -> None:
+                 epilogue: str | None = None, addends: tuple = (), gate=None) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
     if not sources:
         raise ValueError("sources must hold at least the partial sum, got none")
@@ -80,9 +80,10 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
     for n, v in enumerate(sources):
         if v.shape != (T, D):
             raise ValueError(f"sources[{n}].shape must equal sources[0].shape={(T, D)}, got {v.shape}")
-    if addend is not None and (addend.shape != (T, D) or addend.dtype != sources[-1].dtype):
-        raise ValueError(f"addend must match the partial sum sources[-1] ({(T, D)}, {sources[-1].dtype}), got "
-                         f"{addend.shape}, {addend.dtype}")
+    for n, a in enumerate(addends):
+        if a.shape != (T, D) or a.dtype != sources[-1].dtype:
+            raise ValueError(f"addends[{n}] must match the partial sum sources[-1] ({(T, D)}, {sources[-1].dtype}), "
+                             f"got {a.shape}, {a.dtype}")
     if not takes_tokens(T):
         raise ValueError(f"the mixed matvec kernel takes T (sources' rows) a power of two <= {MAX_TOKENS}, got {T}")
     if len(mix) != (2 if len(sources) > 1 else 0):
@@ -92,8 +93,8 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
         if a is not None and a.shape != (D,):
             raise ValueError(f"{name}.shape must be (D,)=({D},), got {a.shape}")
     group = scale.shape[0] if scale.ndim == 1 else 0
-    if scale.ndim != 1 or D % group or (group != D and (len(sources) > 1 or addend is not None)):
-        raise ValueError(f"scale must be [D]=[{D}] (one norm over the row) or, for one source and no addend, [G] "
+    if scale.ndim != 1 or D % group or (group != D and (len(sources) > 1 or addends)):
+        raise ValueError(f"scale must be [D]=[{D}] (one norm over the row) or, for one source and no addends, [G] "
                          f"with G dividing D (a norm per group of G, as per head), got {scale.shape}")
     if group != D and (group < 16 or group & (group - 1)):
         raise ValueError(f"a norm per group of {group} needs the group a power of two >= 16")
@@ -115,10 +116,10 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
 
 
 def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), epilogue: str | None = None,
-            addend=None, gate=None) -> bool:
+            addends: tuple = (), gate=None) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
     try:
-        check_inputs(sources, mix, scale, weights, tiles, epilogue, addend, gate)
+        check_inputs(sources, mix, scale, weights, tiles, epilogue, addends, gate)
     except ValueError:
         return False
     return True
@@ -138,11 +139,15 @@ def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, 
     rounded = lambda a, dt: a.astype(dt).astype(f32)
 
     def source(n, t, c):
-        """Source ``n`` over columns ``cols(c)`` of token ``t`` (the partial sum plus the addend, rounded)."""
+        """Source ``n`` over columns ``cols(c)`` of token ``t`` (the partial sum plus the addends' sum, rounded
+        as each ``+`` of the partial's dtype rounds)."""
         v = src_refs[n][t, cols(c)]
-        if n == n_src - 1 and add_refs:
-            return rounded(v.astype(f32) + add_refs[0][t, cols(c)].astype(f32), v.dtype)
-        return v.astype(f32)
+        if n != n_src - 1 or not add_refs:
+            return v.astype(f32)
+        y = add_refs[0][t, cols(c)].astype(f32)
+        for a in add_refs[1:]:
+            y = rounded(y + a[t, cols(c)].astype(f32), v.dtype)
+        return rounded(v.astype(f32) + y, v.dtype)
 
     def h_step(t, p, c):
         """``h`` over columns ``cols(c)`` of token ``t``: the mix rounded to the compute dtype, or the lone source."""
@@ -211,7 +216,7 @@ def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, 
                                              "epilogue", "tiles", "interpret"))
 def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: tuple, *, mix_eps: float,
                  norm_eps: float, dtype, proj_dtype, out_dtype=None, activation: tuple | None = None,
-                 epilogue: str | None = None, addend: Float[Array, "T D"] | None = None,
+                 epilogue: str | None = None, addends: tuple = (),
                  gate: Float[Array, "T D"] | None = None, tiles: MatvecTiles = MatvecTiles(),
                  interpret: bool = False) -> Float[Array, "T N"]:
     """``reference.mixed_matvec_reference`` (same arguments, same rounding points) as one kernel.
@@ -223,12 +228,13 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: 
     norm); ``gate``: the norm's output gate logits ``[T, D]`` (``× sigmoid(gate)`` in float32); ``weights``:
     ``(W,)`` or ``(W_gate, W_up)``, ``[N, D]`` each; ``activation``: with two weights,
     ``gated_activation``'s keywords as a tuple of pairs (hashable); ``epilogue``: ``"sigmoid"`` of the
-    product (one weight); ``addend``: added to the partial sum first (rounded to its dtype, as
-    ``ResidualStream.add``), so the kernel need not wait for the residual add. Returns ``[T, N]`` in
+    product (one weight); ``addends``: ``[T, D]`` terms summed and added to the partial sum first (each
+    ``+`` rounded to its dtype: ``ResidualStream.add`` of a layer's output, the MoE's the sum of its
+    routed and shared experts'), so the kernel need not wait for the residual add. Returns ``[T, N]`` in
     ``out_dtype`` (default: ``proj_dtype``; the activation's result: ``dtype``).
     """
-    check_inputs(sources, mix, scale, weights, tiles, epilogue, addend, gate)
-    adds, gates = tuple(a for a in (addend,) if a is not None), tuple(g for g in (gate,) if g is not None)
+    check_inputs(sources, mix, scale, weights, tiles, epilogue, addends, gate)
+    adds, gates = tuple(addends), tuple(g for g in (gate,) if g is not None)
     T, D = sources[0].shape
     N = weights[0].shape[0]
     # block_n 16-bit columns' bytes a program (fewer columns for two weights or float32 ones)

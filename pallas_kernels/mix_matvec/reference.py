@@ -20,15 +20,18 @@ from pallas_kernels.moe.activations import gated_activation
 
 
 def mixed_input(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "G"], norm_eps: float,
-                dtype, addend: Float[Array, "T D"] | None = None,
+                dtype, addends: tuple = (),
                 gate: Float[Array, "T D"] | None = None) -> Float[Array, "T D"]:
     """``RMSNorm(mix(sources))`` in ``dtype``: ``sources`` ``[T, D]`` each, the partial sum last (alone:
-    no mix; plus ``addend`` in its dtype where given); ``mix``: the pseudo-query ``w`` and the key-norm
+    no mix; plus the sum of ``addends`` in its dtype); ``mix``: the pseudo-query ``w`` and the key-norm
     weight ``γ`` (none for one source); ``scale`` ``[G]`` with ``G < D``: a norm per group of ``G``
     columns; ``gate``: ``× sigmoid(gate)`` after the norm, in float32."""
     f32 = jnp.promote_types(dtype, jnp.float32)
-    if addend is not None:
-        sources = (*sources[:-1], sources[-1] + addend.astype(sources[-1].dtype))
+    if addends:
+        y = addends[0]
+        for a in addends[1:]:
+            y = y + a  # the MoE's routed + shared experts
+        sources = (*sources[:-1], sources[-1] + y.astype(sources[-1].dtype))
     vs = [v.astype(f32) for v in sources]
     if len(vs) == 1:
         h = vs[0]
@@ -53,12 +56,12 @@ def _gated(x, gate, f32):
 
 def mixed_matvec_reference(sources: tuple, mix: tuple, mix_eps: float, scale: Float[Array, "G"], norm_eps: float,
                            weights: tuple, *, dtype, proj_dtype, out_dtype=None, activation: dict | None = None,
-                           epilogue: str | None = None, addend=None, gate=None) -> Float[Array, "T N"]:
+                           epilogue: str | None = None, addends: tuple = (), gate=None) -> Float[Array, "T N"]:
     """``x · W`` (one weight ``[N, D]``; ``epilogue="sigmoid"``: its sigmoid in float32) or
     ``act(x · W_gate, x · W_up)`` (two, ``activation`` the ``gated_activation`` keywords),
     ``x = mixed_input(...)``; products in ``proj_dtype`` accumulated in float32, returned in ``out_dtype``
     (default ``proj_dtype``), the activation's result in ``dtype``."""
-    x = mixed_input(sources, mix, mix_eps, scale, norm_eps, dtype, addend, gate).astype(proj_dtype)
+    x = mixed_input(sources, mix, mix_eps, scale, norm_eps, dtype, addends, gate).astype(proj_dtype)
     ys = [jnp.einsum("TD,ND->TN", x, w.astype(proj_dtype), preferred_element_type=out_dtype) for w in weights]
     if len(ys) == 1:
         y = ys[0]

@@ -37,18 +37,20 @@ def decoding():
 
 
 def _interpreted(monkeypatch, drop_addend=False):
-    """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, with an addend, with
-    a gate)."""
+    """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, addends, with a
+    gate)."""
     calls = collections.Counter()
     run = mixed_input.kernel_gpu.mixed_matvec
 
     def counted(sources, mix, scale, weights, **kw):
-        calls[(sources[0].shape[-1], len(weights), kw.get("epilogue"), kw.get("addend") is not None,
+        calls[(sources[0].shape[-1], len(weights), kw.get("epilogue"), len(kw.get("addends", ())),
                kw.get("gate") is not None)] += 1
         return run(sources, mix, scale, weights, **kw)
 
-    def lazy_input(mix, norm, stream, addend=None):
-        return mixed_input.mixed_input(mix, norm, stream, None if drop_addend else addend, interpret=True)
+    def lazy_input(mix, norm, stream, addends=()):
+        if drop_addend:  # the stream's last add and the mixer's output both left out
+            stream, addends = stream.replace(last=()), ()
+        return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
     monkeypatch.setattr(block, "kernel_runs", lambda implementation, tokens: True)
@@ -62,25 +64,29 @@ def _interpreted(monkeypatch, drop_addend=False):
 
 def test_decode_step_matches_the_xla_path(decoding, monkeypatch):
     """tiny() (6 layers: the first a dense MLP, 5 MoE; every layer two mixing points): per layer the mixer's
-    packed inputs (the layer's first mix; 1 to 2 sources as blocks are stored) and the feed-forward's
-    inputs (the mixer's output added inside) — the router with its sigmoid, the latent down_proj, the
-    shared experts' gate and up with the activation (the dense layer's MLP alike) — the latent norm
-    before each up_proj and each KDA layer's per-head output norm and gate before o_proj. The logits equal XLA's path's to float32 rounding."""
+    packed inputs (the previous layer's output added inside) and the feed-forward's inputs (the mixer's
+    output added inside) — the router with its sigmoid, the latent down_proj, the shared experts' gate
+    and up with the activation (the dense layer's MLP alike) — the latent norm before each up_proj and
+    each KDA layer's per-head output norm and gate before o_proj. The logits equal XLA's path's to
+    float32 rounding."""
     variables, cfg, cache, token = decoding
     want, _ = forward_cached(variables, cfg, token, cache)
     calls = _interpreted(monkeypatch)
     got, _ = forward_cached(variables, cfg, token, cache)
     D, L = cfg.hidden, cfg.moe.latent_dim
-    assert calls == {(D, 1, None, False, False): 6,  # the mixers' packed inputs
-                     (D, 1, "sigmoid", True, False): 5, (D, 1, None, True, False): 5,  # the router, down_proj
-                     (D, 2, None, True, False): 6,  # the shared experts' (and the dense MLP's) gate and up
-                     (L, 1, None, False, False): 5,  # the latent norm and up_proj
-                     (cfg.kda.num_heads * cfg.kda.head_dim, 1, None, False, True): 4}  # KDA's o_norm and o_proj
+    HK = cfg.kda.num_heads * cfg.kda.head_dim
+    assert calls == {(D, 1, None, 0, False): 1,  # layer 0's input: the embedding alone
+                     (D, 1, None, 2, False): 4,  # the next MoE layers' inputs: the routed and shared outputs added
+                     (D, 1, None, 1, False): 6,  # layer 1's input (the dense MLP's output added), down_proj
+                     (D, 1, "sigmoid", 1, False): 5,  # the router (the mixer's output added)
+                     (D, 2, None, 1, False): 6,  # the shared experts' (and the dense MLP's) gate and up
+                     (L, 1, None, 0, False): 5,  # the latent norm and up_proj
+                     (HK, 1, None, 0, True): 4}  # KDA's per-head output norm and gate, o_proj
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_the_stream_add_inside_the_kernel_is_checked(decoding, monkeypatch):
-    """The test above fails for a kernel that mixes the stream without the mixer's output."""
+    """The test above fails for kernels that mix the stream without the outputs added to it."""
     variables, cfg, cache, token = decoding
     want, _ = forward_cached(variables, cfg, token, cache)
     _interpreted(monkeypatch, drop_addend=True)

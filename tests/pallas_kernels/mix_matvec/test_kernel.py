@@ -1,7 +1,7 @@
 """The mixed matvec kernel (``pallas_kernels/mix_matvec/kernel_gpu.py``) against its reference, interpreted
 on CPU (and compiled on the GPU), the reference against the model's own mix and norm, and its errors.
 
-The kernel rounds where the reference does (the partial sum plus its addend, the mix, the norm, the
+The kernel rounds where the reference does (the partial sum plus its addends, the mix, the norm, the
 products' or the activation's output), so the two differ only where another float32 summation order
 flips a rounding: by one ulp of the output dtype, relative to the row's largest output."""
 
@@ -20,21 +20,21 @@ BF16_ULP = 2.0 ** -7
 ACT = (("activation", "situ"), ("situ_beta", 4.0), ("situ_linear_beta", 25.0))
 
 
-def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=False, group=None, gate=False):
+def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=0, group=None, gate=False):
     rng = np.random.default_rng(seed)
     bf = jnp.bfloat16
     sources = tuple(jnp.asarray(rng.normal(size=(T, D)) * (n + 1), bf) for n in range(n_src))
     mix = (jnp.asarray(rng.normal(size=D) * 0.3, bf), jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)) if n_src > 1 else ()
     scale = jnp.asarray(1 + 0.1 * rng.normal(size=group or D), jnp.float32 if group else bf)
     weights = tuple(jnp.asarray(rng.normal(size=(N, D)) * D ** -0.5, proj) for _ in range(n_w))
-    add = jnp.asarray(rng.normal(size=(T, D)), bf) if addend else None
+    add = tuple(jnp.asarray(rng.normal(size=(T, D)), bf) for _ in range(int(addend)))  # 2: routed + shared
     logits = jnp.asarray(rng.normal(size=(T, D)) * 2, bf) if gate else None
     return sources, mix, scale, weights, add, logits
 
 
 def _run(args, proj=jnp.bfloat16, out=None, epilogue=None, tiles=MatvecTiles(), interpret=True):
     sources, mix, scale, weights, add, gate = args
-    kw = dict(dtype=jnp.bfloat16, proj_dtype=proj, out_dtype=out, epilogue=epilogue, addend=add, gate=gate)
+    kw = dict(dtype=jnp.bfloat16, proj_dtype=proj, out_dtype=out, epilogue=epilogue, addends=add, gate=gate)
     got = mixed_matvec(sources, mix, scale, weights, mix_eps=1e-5, norm_eps=1e-5, tiles=tiles, interpret=interpret,
                        activation=ACT if len(weights) == 2 else None, **kw)
     want = mixed_matvec_reference(sources, mix, 1e-5, scale, 1e-5, weights, activation=dict(ACT), **kw)
@@ -50,8 +50,8 @@ def _assert_close(got, want, ulp=BF16_ULP):
 
 @pytest.mark.parametrize("T,D,N,n_src,n_w,addend,group", [
     (1, 64, 48, 3, 1, False, None),  # a KDA layer's packed inputs: one token, a mix of three sources
-    (1, 96, 40, 5, 1, True, None),  # D in three 32-column steps, N in 8-column blocks, the stream's add inside
-    (2, 64, 32, 2, 2, True, None),  # an MLP's gate and up with the activation
+    (1, 96, 40, 5, 1, 1, None),  # D in three 32-column steps, N in 8-column blocks, the stream's add inside
+    (2, 64, 32, 2, 2, 2, None),  # an MLP's gate and up with the activation; the MoE's two outputs added
     (4, 128, 16, 1, 1, False, None),  # one source: the norm only (the latent norm before up_proj)
     (2, 64, 16, 1, 1, False, 16),  # KDA's output: a norm per head of 16 and the output gate, then o_proj
 ])
@@ -69,7 +69,7 @@ def test_router_in_float32_with_its_sigmoid():
 
 @settings(max_examples=12, deadline=None)
 @given(T=st.sampled_from([1, 2, 4]), n_src=st.integers(1, 5), D=st.sampled_from([32, 48, 64]),
-       N=st.sampled_from([8, 16, 24]), n_w=st.integers(1, 2), addend=st.booleans(), seed=st.integers(0, 99))
+       N=st.sampled_from([8, 16, 24]), n_w=st.integers(1, 2), addend=st.integers(0, 2), seed=st.integers(0, 99))
 def test_property_kernel_equals_reference(T, n_src, D, N, n_w, addend, seed):
     """Any token count the kernel takes, any number of sources, step and block sizes that do not divide
     evenly into the defaults (D = 48: 16-column steps; N = 24: 8-column blocks)."""
@@ -77,7 +77,7 @@ def test_property_kernel_equals_reference(T, n_src, D, N, n_w, addend, seed):
     _assert_close(got, want)
 
 
-@pytest.mark.parametrize("n_src,addend,group", [(1, False, None), (3, False, None), (3, True, None), (1, False, 16)])
+@pytest.mark.parametrize("n_src,addend,group", [(1, 0, None), (3, 0, None), (3, 1, None), (3, 2, None), (1, 0, 16)])
 def test_reference_is_the_models_mix_and_norm(n_src, addend, group):
     """The reference's input equals what the model computes without the kernel (``MixedInput.materialize``:
     ``attn_res_mix`` of the sources in float32, rounded, then ``rms_norm``; per head with the output gate,
@@ -86,7 +86,7 @@ def test_reference_is_the_models_mix_and_norm(n_src, addend, group):
     # [B, T, D] as the layers hold them; per head [B, T, H, G]
     tokens = lambda a: None if a is None else a.reshape((1, 2) + ((-1, group) if group else (-1,)))
     lazy = MixedInput(sources=tuple(map(tokens, sources)), mix=mix, mix_eps=1e-5, scale=scale, norm_eps=1e-6,
-                      dtype=jnp.bfloat16, wide=jnp.float32, addend=tokens(add), gate=tokens(gate))
+                      dtype=jnp.bfloat16, wide=jnp.float32, addends=tuple(map(tokens, add)), gate=tokens(gate))
     want = mixed_input(sources, mix, 1e-5, scale, 1e-6, jnp.bfloat16, add, gate)
     np.testing.assert_array_equal(np.asarray(lazy.materialize().reshape(want.shape), np.float32),
                                   np.asarray(want, np.float32))
@@ -108,8 +108,8 @@ def test_bad_inputs_raise():
         call(weights=(jnp.zeros((16, 32), jnp.bfloat16),))
     with pytest.raises(ValueError, match="epilogue must be one of"):
         call(weights=weights * 2, activation=ACT, epilogue="sigmoid")
-    with pytest.raises(ValueError, match="addend must match the partial sum"):
-        call(addend=jnp.zeros((1, 64), jnp.float32))
+    with pytest.raises(ValueError, match=r"addends\[1\] must match the partial sum"):
+        call(addends=(jnp.zeros((1, 64), jnp.bfloat16), jnp.zeros((1, 64), jnp.float32)))
     with pytest.raises(ValueError, match="D=24 must be a multiple of 16"):
         call(sources=tuple(jnp.zeros((1, 24), jnp.bfloat16) for _ in range(2)), mix=(jnp.zeros(24),) * 2,
              scale=jnp.ones(24), weights=(jnp.zeros((16, 24), jnp.bfloat16),))
@@ -130,6 +130,6 @@ def test_bad_inputs_raise():
 def test_compiled_kernel_matches_reference(n_src, n_w, N, group):
     """``small()``'s shapes on the GPU: a KDA layer's packed inputs, the shared experts' gate and up, the
     latent norm before up_proj (D = 512 there), KDA's per-head output norm and gate before o_proj."""
-    args = _inputs(N, 1, 1024, N, n_src, n_w, addend=n_src > 1, group=group, gate=bool(group))
+    args = _inputs(N, 1, 1024, N, n_src, n_w, addend=2 if n_src > 1 else 0, group=group, gate=bool(group))
     got, want = jax.jit(lambda a: _run(a, interpret=False))(args)
     _assert_close(got, want)
