@@ -83,8 +83,13 @@ class ResidualStream:
         return self.replace(partial=constrain(self.partial + y.astype(self.partial.dtype), HIDDEN_AXES), last=())
 
     def add_kept(self, *terms: Float[Array, "B T D"]) -> "ResidualStream":
-        """``add(terms[0] + terms[1] + …)``, keeping the partial sum before it and the terms as ``last``."""
-        return self.add(functools.reduce(jnp.add, terms)).replace(last=(self.partial,) + terms)
+        """``add(terms[0] + terms[1] + …)``, keeping the partial sum before it and the terms as ``last``. The
+        add sits between optimization barriers: without them XLA fused it with the adds before and after
+        it (the mixer's outputs, this layer's and the next's) into one kernel, which the kernels reading
+        ``last`` or the next layer's sum then waited for (one more kernel on the decode step's chain)."""
+        kept = jax.lax.optimization_barrier((self.partial,) + terms)
+        added = self.replace(partial=kept[0]).add(functools.reduce(jnp.add, kept[1:]))
+        return added.replace(partial=jax.lax.optimization_barrier(added.partial), last=(self.partial,) + terms)
 
     def mix(self, direction: Float[Array, "D"], eps: float, wide_dtype) -> Float[Array, "B T D"]:
         """The AttnRes mix of the stored blocks and the partial sum (the partial alone before any block)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
+import jax
 from jaxtyping import Array, Bool, Int
 
 from k3jax.config import LayerKind, ModelConfig
@@ -84,6 +85,9 @@ class DecoderLayer(nn.Module):
         y, cache = mix(x)
         x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, (y,)) if lazy else None
         stream = stream.add(y)
+        if lazy:  # its own early kernel: fused into a later reader (XLA's mix for MLA's g_proj), it waited for
+            # that reader's other inputs and held back the next layer's kernels (ResidualStream.add_kept)
+            stream = stream.replace(partial=jax.lax.optimization_barrier(stream.partial))
         x = mlp_norm(attn_res(cfg, "mlp_res")(stream)) if x is None else x
         if lazy:  # the next layer's first kernel adds the routed and the shared experts' outputs itself
             stream = stream.add_kept(*(ffn(x, terms=True) if cfg.moe_layers[self.index] else (ffn(x),)))
