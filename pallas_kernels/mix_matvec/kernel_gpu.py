@@ -130,8 +130,8 @@ def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, 
     f32 = jnp.float32
     n_mix = 2 if n_src > 1 else 0
     src_refs, add_refs, refs = refs[:n_src], refs[n_src:n_src + n_add], refs[n_src + n_add:]
-    mix_refs, scale_ref, gate_refs, refs = refs[:n_mix], refs[n_mix], refs[n_mix + 1:n_mix + 1 + n_gate], refs[n_mix + 1 + n_gate:]
-    w_refs, out_ref = refs[:-1], refs[-1]
+    mix_refs, scale_ref, refs = refs[:n_mix], refs[n_mix], refs[n_mix + 1:]
+    gate_refs, w_refs, out_ref = refs[:n_gate], refs[n_gate:-1], refs[-1]
     T, D = src_refs[0].shape
     grouped = scale_ref.shape[0] != D  # a norm per group of scale's columns (per head), whole groups a step
     steps = D // block_d
@@ -244,8 +244,9 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: 
     out_dtype = (dtype if len(weights) == 2 else proj_dtype) if out_dtype is None else out_dtype
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
     kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_gate=len(gates), n_w=len(weights),
-                               block_d=bd, mix_eps=mix_eps, norm_eps=norm_eps, dtype=jnp.dtype(dtype), proj_dtype=jnp.dtype(proj_dtype),
-                               out_dtype=jnp.dtype(out_dtype), activation=dict(activation or ()), epilogue=epilogue)
+                               block_d=bd, mix_eps=mix_eps, norm_eps=norm_eps, dtype=jnp.dtype(dtype),
+                               proj_dtype=jnp.dtype(proj_dtype), out_dtype=jnp.dtype(out_dtype),
+                               activation=dict(activation or ()), epilogue=epilogue)
     return pl.pallas_call(
         kernel, grid=(N // bn,),
         in_specs=[whole(v) for v in (*sources, *adds, *mix, scale, *gates)]

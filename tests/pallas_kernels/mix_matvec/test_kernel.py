@@ -24,7 +24,8 @@ def _inputs(seed, T, D, N, n_src, n_w=1, proj=jnp.bfloat16, addend=0, group=None
     rng = np.random.default_rng(seed)
     bf = jnp.bfloat16
     sources = tuple(jnp.asarray(rng.normal(size=(T, D)) * (n + 1), bf) for n in range(n_src))
-    mix = (jnp.asarray(rng.normal(size=D) * 0.3, bf), jnp.asarray(1 + 0.1 * rng.normal(size=D), bf)) if n_src > 1 else ()
+    mix = ((jnp.asarray(rng.normal(size=D) * 0.3, bf), jnp.asarray(1 + 0.1 * rng.normal(size=D), bf))
+           if n_src > 1 else ())
     scale = jnp.asarray(1 + 0.1 * rng.normal(size=group or D), jnp.float32 if group else bf)
     weights = tuple(jnp.asarray(rng.normal(size=(N, D)) * D ** -0.5, proj) for _ in range(n_w))
     add = tuple(jnp.asarray(rng.normal(size=(T, D)), bf) for _ in range(int(addend)))  # 2: routed + shared
