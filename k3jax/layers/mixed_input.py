@@ -8,9 +8,9 @@ CUDA GPU) a decoding layer hands its mixer and its feed-forward a :class:`MixedI
 ``x``: the mix's sources and weights and the norm's, not yet combined (and the MoE hands ``up_proj``
 its latent output the same way, a lone source: the norm only). The projections that read it on
 ``decode_layout``'s tree — the packed inputs of KDA and MLA (``linear.packed_products``), the
-output-first ``Proj`` kernels (``down_proj``, ``up_proj``), the router (with its sigmoid), the MLP's gate
-and up (with the activation) — pass it to the one kernel that computes the mix, the norm and the
-product; anything else that reads it gets the array the model's own functions compute
+output-first ``Proj`` kernels (``down_proj``, ``up_proj``, KDA's ``o_proj`` after its per-head output norm
+and gate), the router (with its sigmoid), the MLP's gate and up (with the activation) — pass it to the
+one kernel that computes the mix, the norm and the product; anything else that reads it gets the array the model's own functions compute
 (``materialize``, also what ``jnp`` calls through ``__jax_array__``), so every path stays correct
 where the kernel does not apply. Same sums, in another float32 order.
 """
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mix_matvec import kernel_gpu
 from pallas_kernels.target import current_target
+from sharding import current as parallel_context
 
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
@@ -36,15 +37,16 @@ def kernel_runs(implementation: str | None, tokens: int) -> bool:
     """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernel here, for a
     call of ``tokens`` tokens: ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA
     GPU, never ``"xla"``; and only for the token counts the kernel takes (``kernel_gpu.takes_tokens``:
-    at larger batches every consumer would compute the input on its own)."""
+    at larger batches every consumer would compute the input on its own) and off a mesh (the kernel
+    reads whole weights; as the MoE's decode kernels, sharded decoding stays on XLA)."""
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"decode_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(f"decode_norm_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     target = current_target()
     cuda = target.platform == "gpu" and target.cuda
     if implementation == "pallas" and not cuda:
         raise ValueError(f"decode_norm_implementation='pallas' needs a CUDA GPU to compile for (target "
                          f"{target.platform!r}); use 'xla'")
-    return implementation != "xla" and cuda and kernel_gpu.takes_tokens(tokens)
+    return implementation != "xla" and cuda and kernel_gpu.takes_tokens(tokens) and parallel_context() is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +55,7 @@ class MixedInput:
     sums then the partial sum (alone: the norm only); ``mix``: the mix's pseudo-query and key-norm
     weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's, over the last axis; ``addends``:
     summed and added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not
-    wait for);
-    ``gate``: the norm's output gate logits (``gated_rms_norm``); ``interpret``: run the kernel in the
+    wait for); ``gate``: the norm's output gate logits (``gated_rms_norm``); ``interpret``: run the kernel in the
     CPU interpreter (tests)."""
 
     sources: tuple

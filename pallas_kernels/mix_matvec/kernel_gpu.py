@@ -9,10 +9,13 @@ H200 the first two cost 2.4 + 1.1 µs at each of a step's 24 mixing points (benc
 49), each one more launch on the step's critical path.
 
 Here one kernel does all of it: program ``j`` owns ``block_n`` output columns of ``W`` (stored output
-axis first, ``[N, D]``, as ``decode_layout`` stores the projections) and, for each of the ``T`` tokens,
+axis first, ``[N, D]``, as ``decode_layout`` stores the projections), reads its first ``block_d`` columns
+of them at once (their trip from HBM overlaps the prologue) and, for each of the ``T`` tokens,
 
 1. reduces every source over ``D`` (``block_d`` columns a step): ``v·d`` and ``Σ v²``, so the logits
-   ``(v·d)/rms(v)`` and their softmax ``p`` (skipped for a lone source, whose mix is itself);
+   ``(v·d)/rms(v)`` and their softmax ``p`` (skipped for a lone source, whose mix is itself) — the
+   partial sum taken with the ``addends`` just added to it (the mixer's output; the MoE's routed and
+   shared outputs), each ``+`` rounded as the layers round it, so the kernel need not wait for the add;
 2. sums ``h = Σ p_n v_n`` in float32, rounds it to the compute dtype (``AttnResMix``'s output) and
    reduces ``Σ h²`` for the norm;
 3. streams its ``[block_n, D]`` rows of each weight, recomputing ``h`` a step at a time, normalising and
@@ -22,10 +25,16 @@ axis first, ``[N, D]``, as ``decode_layout`` stores the projections) and, for ea
 The sources are a few KB; every program reading them again is cheaper than two launches. With two
 weights the products are an MLP's gate and up and the program applies the gated activation (both
 products rounded to the projection dtype first, the activation in float32, rounded to the compute
-dtype), so the shared experts' input and activation are one kernel. Rounding points are the
-reference's (``reference.mixed_matvec_reference``); only float32 summation orders differ. For a few
-tokens only (``MAX_TOKENS``): each program holds every token's accumulators, and at larger batches the
-weight rows would be re-read per token block. ``interpret=True`` runs it in the CPU interpreter.
+dtype), so the shared experts' input and activation are one kernel; ``epilogue="sigmoid"`` gives the
+router's scores. A lone source may instead be normed per group of columns with an output gate (KDA's
+per-head output norm before ``o_proj``). Rounding points are the reference's
+(``reference.mixed_matvec_reference``); only float32 summation orders differ. For a few tokens only
+(``MAX_TOKENS``): each program holds every token's accumulators, and at larger batches the weight rows
+would be re-read per token block. ``interpret=True`` runs it in the CPU interpreter.
+
+In ``small()``'s batch-1 decode step (``k3jax.layers.mixed_input``) it takes the step from 277.7 to
+224.7 kernels and its longest chain of dependent kernels from 200 to 120 (device-less H200 compile,
+``benchmarks/decode_kernels.py``; benchmarks/RESULTS.md, stop 53); not yet timed on the H200.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from k3jax.infer.decode import decode_layout, forward_cached, prefill
 from k3jax.layers import mixed_input
 from k3jax.model import Transformer
 from pallas_kernels.target import Target, compile_for
+from sharding import use_mesh
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +97,14 @@ def test_the_stream_add_inside_the_kernel_is_checked(decoding, monkeypatch):
 
 def test_the_switch():
     """None: the kernel where a CUDA GPU compiles, never on a CPU; "xla": never; only for the token counts it
-    takes; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
+    takes and off a mesh; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert mixed_input.kernel_runs(None, 1) and mixed_input.kernel_runs("pallas", 4)
         assert not mixed_input.kernel_runs("xla", 1)
         assert not mixed_input.kernel_runs(None, 3) and not mixed_input.kernel_runs("pallas", 64)  # XLA's batches
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+        with use_mesh(mesh):  # sharded decoding stays on XLA
+            assert not mixed_input.kernel_runs(None, 1)
     with compile_for("cpu"):
         assert not mixed_input.kernel_runs(None, 1)
         with pytest.raises(ValueError, match="decode_norm_implementation='pallas' needs a CUDA GPU"):
