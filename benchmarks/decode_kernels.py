@@ -107,13 +107,15 @@ def _operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.-]+)", rest)
 
 
-def chain(comps: dict, name: str) -> int:
+def chain(comps: dict, name: str, path: bool = False):
     """Kernels on computation ``name``'s longest chain of data dependencies: what a GPU that ran every
     independent kernel at once (CONCURRENT command buffers) would still run one after another. Loops
-    count their trip count times their body's chain, branches their longest."""
+    count their trip count times their body's chain, branches their longest. ``path``: the chain's
+    instructions instead, ``(opcode, shape, op_name)`` in order (a loop or branch listed once)."""
     depth: dict[str, int] = {}
-    for iname, op, rest, _ in comps[name]:
-        before = max((depth.get(o, 0) for o in _operands(rest)), default=0)
+    prev: dict[str, tuple] = {}
+    for iname, op, rest, shape in comps[name]:
+        before = max(_operands(rest), key=lambda o: depth.get(o, 0), default=None)
         if op == "while":
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
             cost = (int(trips.group(1)) if trips else 1) * chain(comps, re.search(r"body=%([\w.-]+)", rest).group(1))
@@ -124,8 +126,24 @@ def chain(comps: dict, name: str) -> int:
             cost = chain(comps, re.search(r"to_apply=%([\w.-]+)", rest).group(1))
         else:
             cost = int(op not in FREE and not op.endswith("-done") and op != "async-update")
-        depth[iname] = before + cost
-    return max(depth.values(), default=0)
+        depth[iname] = depth.get(before, 0) + cost
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        prev[iname] = (before, cost, (op, shape, op_name.group(1) if op_name else ""))
+    if not path:
+        return max(depth.values(), default=0)
+    out, at = [], max(depth, key=depth.get, default=None)
+    while at in prev:
+        before, cost, row = prev[at]
+        out += [row] if cost else []
+        at = before
+    return out[::-1]
+
+
+def step_body(comps: dict) -> str:
+    """The decode step's computation: the largest loop body (the greedy loop's)."""
+    bodies = [re.search(r"body=%([\w.-]+)", rest).group(1) for c in comps.values() for _, op, rest, _ in c
+              if op == "while"]
+    return max(bodies, key=lambda b: len(comps[b]))
 
 
 def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
@@ -138,7 +156,7 @@ def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
     return "top:other (no op_name: layout copies of loop state, hoisted or unnamed fusions)"
 
 
-def report(text: str, steps: int, pattern: str | None = None) -> dict:
+def report(text: str, steps: int, pattern: str | None = None, show_chain: bool = False) -> dict:
     comps, entry = computations(text)
     ks = kernels(comps, entry)
     layer_kinds = {int(m.group(1)): m.group(2) for m in re.finditer(r"layers_(\d+)____(kda|mla)____", text)}
@@ -163,6 +181,11 @@ def report(text: str, steps: int, pattern: str | None = None) -> dict:
         for k in ks:
             if re.search(pattern, k.op_name):
                 print(f"{k.count / steps:6.2f} {k.kind:16s} {k.shape[:48]:48s} {k.op_name.split('decode_step)/')[-1]}")
+    if show_chain:
+        rows = chain(comps, step_body(comps), path=True)
+        print(f"the step's longest chain ({len(rows)} kernels):")
+        for op, shape, op_name in rows:
+            print(f"  {op:12s} {shape[:40]:40s} {op_name.split('decode_step)/')[-1]}")
     return {"total": total, "chain": chain(comps, entry) / steps, "by_module": dict(by_module),
             "by_kind": dict(by_kind)}
 
@@ -214,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", default=None, help="write the optimized HLO here")
     p.add_argument("--moe-decode", default=None, choices=("xla", "pallas"),
                    help="MoEConfig.decode_implementation (the gather path at batch 1); default: the config's")
+    p.add_argument("--chain", action="store_true", help="print the kernels on the step's longest dependency chain")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a ModelConfig override (repeatable), as bench_infer.py's --variant takes them")
     p.add_argument("--from-hlo", default=None, help="count an HLO file written before (no compile)")
@@ -222,7 +246,7 @@ def main(argv=None) -> int:
             else compile_decode(args.batch, args.prompt, args.steps, args.moe_decode, args.overrides))
     if args.hlo:
         Path(args.hlo).write_text(text)
-    report(text, args.steps, args.list)
+    report(text, args.steps, args.list, args.chain)
     return 0
 
 
