@@ -7,7 +7,9 @@ the mix and the norm — the path a JAX user has, and the decode step's without
 ``small()``'s KDA and MLA packed inputs, its router (float32, with the sigmoid), latent ``down_proj``,
 shared experts' gate and up (with the activation), the latent norm before ``up_proj`` and KDA's
 per-head output norm and gate before ``o_proj``, and K3's KDA packed inputs and latent ``down_proj`` at
-7168 wide over 9 sources and its KDA ``o_proj`` (96 heads). Each op runs as ``--steps``
+7168 wide over 9 sources and its KDA ``o_proj`` (96 heads); and, not in the model yet, small()'s head
+(the output mix, the final norm and fp32 logits over 163 840 rows: does the kernel keep up with the
+cuBLAS product XLA calls there?). Each op runs as ``--steps``
 chained calls in one ``fori_loop`` (each call's output moves one element of the next call's partial
 sum, so calls cannot overlap), cycling through enough weight copies that every call reads its weights
 from HBM, as a decode step's layers do; timed interleaved (``timing.timeit_interleaved``). Prints µs a
@@ -47,8 +49,9 @@ def cases() -> dict[str, dict]:
     group (per head) with the output gate)."""
     small, k3 = config.small(), config.kimi_k3()
     f32, bf = jnp.float32, jnp.bfloat16
-    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addends=0, group=None: dict(
-        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addends=addends, group=group)
+    case = lambda D, N, sources, weights=1, proj=bf, epilogue=None, addends=0, group=None, out=None: dict(
+        D=D, N=N, sources=sources, weights=weights, proj=proj, epilogue=epilogue, addends=addends, group=group,
+        out=out)
     D, L = small.hidden, small.moe.latent_dim
     return {
         "small kda inputs": case(D, _packed_width(kda.packed_inputs, small), 3, addends=2),
@@ -58,6 +61,8 @@ def cases() -> dict[str, dict]:
         "small shared gate+up": case(D, small.moe.shared_width, 3, weights=2, addends=1),
         "small latent norm + up_proj": case(L, D, 1),
         "small kda o_norm + o_proj": case(small.kda.num_heads * small.kda.head_dim, D, 1, group=small.kda.head_dim),
+        # not in the model yet: would the head's output mix, final norm and fp32 logits keep up with cuBLAS?
+        "small head": case(D, small.vocab_size, small.num_attn_res_blocks + 1, addends=2, out=f32),
         "k3 kda inputs": case(k3.hidden, _packed_width(kda.packed_inputs, k3), 9, addends=2),
         "k3 down_proj": case(k3.hidden, k3.moe.latent_dim, 9, addends=1),
         "k3 kda o_norm + o_proj": case(k3.kda.num_heads * k3.kda.head_dim, k3.hidden, 1, group=k3.kda.head_dim),
@@ -76,7 +81,7 @@ def _inputs(c: dict, seed: int = 0):
 
 
 def _op(c: dict, kernel: bool, interpret: bool):
-    kw = dict(dtype=jnp.bfloat16, proj_dtype=c["proj"], epilogue=c["epilogue"])
+    kw = dict(dtype=jnp.bfloat16, proj_dtype=c["proj"], epilogue=c["epilogue"], out_dtype=c["out"])
     act = ACT if c["weights"] == 2 else None
     if kernel:
         return lambda s, m, sc, ws, add, g: mixed_matvec(s, m, sc, ws, mix_eps=1e-5, norm_eps=1e-5, activation=act,
@@ -117,7 +122,8 @@ def main(argv=None) -> int:
     from timing import timeit_interleaved
 
     chosen = cases()
-    names = args.cases.split(",") if args.cases else [n for n in chosen if not (args.interpret and "k3" in n)]
+    big = lambda n: "k3" in n or "head" in n  # too slow to interpret
+    names = args.cases.split(",") if args.cases else [n for n in chosen if not (args.interpret and big(n))]
     unknown = set(names) - set(chosen)
     if unknown:
         raise SystemExit(f"bench_mix_matvec: unknown --cases {sorted(unknown)}; choose from {sorted(chosen)}")

@@ -10,7 +10,7 @@ def test_interpreted_run_agrees_with_xla(tmp_path):
     out = tmp_path / "mix.json"
     assert main(["--interpret", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["cases"]
-    assert set(rows) == {n for n in cases() if not n.startswith("k3")}
+    assert set(rows) == {n for n in cases() if not n.startswith("k3") and "head" not in n}
     for name, row in rows.items():
         assert row["max_diff_bf16_ulp"] <= 1.0, (name, row)
 
