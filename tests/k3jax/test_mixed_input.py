@@ -37,7 +37,7 @@ def decoding():
     return variables, cfg, cache, tokens[:, 8:]
 
 
-def _interpreted(monkeypatch, drop_addend=False):
+def _interpreted(monkeypatch, drop=None):
     """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, addends, with a
     gate)."""
     calls = collections.Counter()
@@ -49,8 +49,10 @@ def _interpreted(monkeypatch, drop_addend=False):
         return run(sources, mix, scale, weights, **kw)
 
     def lazy_input(mix, norm, stream, addends=()):
-        if drop_addend:  # the stream's last add and the mixer's output both left out
-            stream, addends = stream.replace(last=()), ()
+        if drop == "mixer":  # the feed-forward's input without the mixer's output
+            addends = ()
+        if drop == "ffn" and stream.last:  # the next layer's input without the feed-forward's outputs
+            stream = stream.replace(last=stream.last[:1])
         return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
@@ -86,11 +88,13 @@ def test_decode_step_matches_the_xla_path(decoding, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_the_stream_add_inside_the_kernel_is_checked(decoding, monkeypatch):
-    """The test above fails for kernels that mix the stream without the outputs added to it."""
+@pytest.mark.parametrize("drop", ["mixer", "ffn"])
+def test_the_adds_inside_the_kernel_are_checked(decoding, monkeypatch, drop):
+    """The test above fails for kernels that mix the stream without the outputs just added to it: the
+    mixer's (the feed-forward's input) or the feed-forward's (``ResidualStream.last``, the next layer's)."""
     variables, cfg, cache, token = decoding
     want, _ = forward_cached(variables, cfg, token, cache)
-    _interpreted(monkeypatch, drop_addend=True)
+    _interpreted(monkeypatch, drop)
     got, _ = forward_cached(variables, cfg, token, cache)
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
 
