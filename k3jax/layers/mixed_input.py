@@ -8,11 +8,13 @@ CUDA GPU) a decoding layer hands its mixer and its feed-forward a :class:`MixedI
 ``x``: the mix's sources and weights and the norm's, not yet combined (and the MoE hands ``up_proj``
 its latent output the same way, a lone source: the norm only). The projections that read it on
 ``decode_layout``'s tree — the packed inputs of KDA and MLA (``linear.packed_products``), the
-output-first ``Proj`` kernels (``down_proj``, ``up_proj``, KDA's ``o_proj`` after its per-head output norm
-and gate), the router (with its sigmoid), the MLP's gate and up (with the activation) — pass it to the
-one kernel that computes the mix, the norm and the product; anything else that reads it gets the array the model's own functions compute
-(``materialize``, also what ``jnp`` calls through ``__jax_array__``), so every path stays correct
-where the kernel does not apply. Same sums, in another float32 order.
+output-first ``Proj`` kernels (``down_proj``, ``up_proj``, KDA's ``o_proj`` after its per-head output
+norm and gate), the router (with its sigmoid), the MLP's gate and up (with the activation) — pass it
+to the one kernel that computes the mix, the norm and the product; anything else that reads it gets
+the array the model's own functions compute (``materialize``, also what ``jnp`` calls through
+``__jax_array__``), so every path stays correct where the kernel does not apply. Same sums, in
+another float32 order. The residual adds a kernel repeats (``ResidualStream.add_kept``, the decode
+layer's) also run on their own, behind optimization barriers, for the stream itself.
 """
 
 from __future__ import annotations
