@@ -53,6 +53,7 @@ from pallas_kernels.moe.activations import gated_activation
 MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
 EPILOGUES = (None, "sigmoid")  # applied to the float32 product (the router's scores)
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+_F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,90 +135,121 @@ def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), ep
     return True
 
 
-def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float,
-            dtype, proj_dtype, out_dtype, activation, epilogue):
-    f32 = jnp.float32
-    n_mix = 2 if n_src > 1 else 0
-    src_refs, add_refs, refs = refs[:n_src], refs[n_src:n_src + n_add], refs[n_src + n_add:]
-    mix_refs, scale_ref, refs = refs[:n_mix], refs[n_mix], refs[n_mix + 1:]
-    gate_refs, w_refs, out_ref = refs[:n_gate], refs[n_gate:-1], refs[-1]
-    T, D = src_refs[0].shape
-    grouped = scale_ref.shape[0] != D  # a norm per group of scale's columns (per head), whole groups a step
-    steps = D // block_d
-    cols = lambda c: pl.ds(c * block_d if isinstance(c, int) else pl.multiple_of(c * block_d, block_d), block_d)
-    rounded = lambda a, dt: a.astype(dt).astype(f32)
+class _Prologue:
+    """A program's view of the kernel's input ``x``: the sources (the partial sum with its addends), the
+    mix weights and the norm, a ``block_d``-column step at a time, on the kernel's refs."""
 
-    def source(n, t, c):
-        """Source ``n`` over columns ``cols(c)`` of token ``t`` (the partial sum plus the addends' sum, rounded
-        as each ``+`` of the partial's dtype rounds)."""
-        v = src_refs[n][t, cols(c)]
-        if n != n_src - 1 or not add_refs:
-            return v.astype(f32)
-        y = add_refs[0][t, cols(c)].astype(f32)
-        for a in add_refs[1:]:
-            y = rounded(y + a[t, cols(c)].astype(f32), v.dtype)
-        return rounded(v.astype(f32) + y, v.dtype)
+    def __init__(self, src_refs, add_refs, mix_refs, scale_ref, gate_refs, *, block_d: int, mix_eps: float,
+                 norm_eps: float, dtype):
+        self.src, self.add, self.mix, self.scale_ref, self.gate = src_refs, add_refs, mix_refs, scale_ref, gate_refs
+        self.block_d, self.mix_eps, self.norm_eps, self.dtype = block_d, mix_eps, norm_eps, dtype
+        self.D = src_refs[0].shape[1]
+        self.steps = self.D // block_d
+        self.grouped = scale_ref.shape[0] != self.D  # a norm per group of scale's columns (per head)
 
-    def h_step(t, p, c):
-        """``h`` over columns ``cols(c)`` of token ``t``: the mix rounded to the compute dtype, or the lone source."""
-        return rounded(sum(pn * source(n, t, c) for n, pn in enumerate(p)), dtype) if n_src > 1 else source(0, t, c)
+    def cols(self, c):
+        bd = self.block_d
+        return pl.ds(c * bd if isinstance(c, int) else pl.multiple_of(c * bd, bd), bd)
 
-    # the first step's weight rows, read before the prologue so that their trip from HBM overlaps it
-    # (read where the products use them, they wait behind the prologue's reductions)
-    first = [w_ref[:, cols(0)] for w_ref in w_refs]
-    terms = []  # per token: the mix weights and the norm's 1/rms
-    for t in range(T):
+    def source(self, n, t, c):
+        """Source ``n`` over step ``c`` of token ``t`` (the partial sum plus the addends' sum, rounded as each
+        ``+`` of the partial's dtype rounds)."""
+        v = self.src[n][t, self.cols(c)]
+        if n != len(self.src) - 1 or not self.add:
+            return v.astype(_F32)
+        y = self.add[0][t, self.cols(c)].astype(_F32)
+        for a in self.add[1:]:
+            y = _rounded(y + a[t, self.cols(c)].astype(_F32), v.dtype)
+        return _rounded(v.astype(_F32) + y, v.dtype)
+
+    def h(self, t, p, c):
+        """``h`` over step ``c`` of token ``t``: the mix rounded to the compute dtype, or the lone source."""
+        if len(self.src) == 1:
+            return self.source(0, t, c)
+        return _rounded(sum(pn * self.source(n, t, c) for n, pn in enumerate(p)), self.dtype)
+
+    def terms(self, t):
+        """Token ``t``'s mix weights ``p`` and the norm's ``1/rms`` (None when normed per group, a step at a
+        time): passes over the sources' steps."""
+        n_src, D = len(self.src), self.D
         p = [jnp.float32(1.0)]
         if n_src > 1:
-            def reduce_sources(c, acc, t=t):
-                d = mix_refs[1][cols(c)].astype(f32) * mix_refs[0][cols(c)].astype(f32)  # γ ⊙ w
-                vs = [source(n, t, c) for n in range(n_src)]
+            def reduce_sources(c, acc):
+                d = self.mix[1][self.cols(c)].astype(_F32) * self.mix[0][self.cols(c)].astype(_F32)  # γ ⊙ w
+                vs = [self.source(n, t, c) for n in range(n_src)]
                 return (tuple(a + jnp.sum(v * d) for a, v in zip(acc[0], vs)),
                         tuple(a + jnp.sum(v * v) for a, v in zip(acc[1], vs)))
 
             zeros = (jnp.float32(0.0),) * n_src
-            dots, squares = jax.lax.fori_loop(0, steps, reduce_sources, (zeros, zeros))
-            logits = [s * jax.lax.rsqrt(q / D + mix_eps) for s, q in zip(dots, squares)]
+            dots, squares = jax.lax.fori_loop(0, self.steps, reduce_sources, (zeros, zeros))
+            logits = [s * jax.lax.rsqrt(q / D + self.mix_eps) for s, q in zip(dots, squares)]
             top = functools.reduce(jnp.maximum, logits)
             e = [jnp.exp(lg - top) for lg in logits]
             total = functools.reduce(jnp.add, e)
             p = [x / total for x in e]
-        if grouped:  # each step's own norm, in the products' loop
-            terms.append((p, None))
-            continue
-        hh = jax.lax.fori_loop(0, steps, lambda c, a, t=t, p=p: a + jnp.sum(jnp.square(h_step(t, p, c))),
-                               jnp.float32(0.0))
-        terms.append((p, jax.lax.rsqrt(hh / D + norm_eps)))
+        if self.grouped:
+            return p, None
+        hh = jax.lax.fori_loop(0, self.steps, lambda c, a: a + jnp.sum(jnp.square(self.h(t, p, c))), jnp.float32(0.0))
+        return p, jax.lax.rsqrt(hh / D + self.norm_eps)
+
+    def x(self, t, p, inv, c):
+        """``x`` over step ``c`` of token ``t``, normed (and gated), rounded to the compute dtype (in float32)."""
+        h, bd = self.h(t, p, c), self.block_d
+        scale = (self.scale_ref[...] if self.grouped else self.scale_ref[self.cols(c)]).astype(_F32)
+        if self.grouped:  # the step's groups of G columns, each normed on its own
+            G = scale.shape[0]
+            hg = h.reshape(bd // G, G)
+            x = (hg * jax.lax.rsqrt(jnp.mean(hg * hg, axis=1, keepdims=True) + self.norm_eps) * scale[None, :])
+            x = x.reshape(bd)
+        else:
+            x = h * inv * scale
+        if self.gate:
+            x = x * jax.nn.sigmoid(self.gate[0][t, self.cols(c)].astype(_F32))
+        return _rounded(x, self.dtype)
+
+
+def _rounded(a, dt):
+    return a.astype(dt).astype(_F32)
+
+
+def _split_refs(refs, n_src: int, n_add: int, n_gate: int):
+    """The kernels' refs: sources, addends, mix pair, scale, gate, then the rest."""
+    n_mix = 2 if n_src > 1 else 0
+    src_refs, add_refs, refs = refs[:n_src], refs[n_src:n_src + n_add], refs[n_src + n_add:]
+    mix_refs, scale_ref, refs = refs[:n_mix], refs[n_mix], refs[n_mix + 1:]
+    return src_refs, add_refs, mix_refs, scale_ref, refs[:n_gate], refs[n_gate:]
+
+
+def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float,
+            dtype, proj_dtype, out_dtype, activation, epilogue):
+    src_refs, add_refs, mix_refs, scale_ref, gate_refs, refs = _split_refs(refs, n_src, n_add, n_gate)
+    w_refs, out_ref = refs[:-1], refs[-1]
+    pro = _Prologue(src_refs, add_refs, mix_refs, scale_ref, gate_refs, block_d=block_d, mix_eps=mix_eps,
+                    norm_eps=norm_eps, dtype=dtype)
+    T = src_refs[0].shape[0]
+    # the first step's weight rows, read before the prologue so that their trip from HBM overlaps it
+    # (read where the products use them, they wait behind the prologue's reductions)
+    first = [w_ref[:, pro.cols(0)] for w_ref in w_refs]
+    terms = [pro.terms(t) for t in range(T)]  # per token: the mix weights and the norm's 1/rms
 
     def products(c, acc, ws=None):
-        ws = [w_ref[:, cols(c)] for w_ref in w_refs] if ws is None else ws  # [block_n, block_d] each
-        ws = [rounded(w, proj_dtype) for w in ws]
-        scale = (scale_ref[...] if grouped else scale_ref[cols(c)]).astype(f32)
+        ws = [w_ref[:, pro.cols(c)] for w_ref in w_refs] if ws is None else ws  # [block_n, block_d] each
+        ws = [_rounded(w, proj_dtype) for w in ws]
         out = []
         for t, (p, inv) in enumerate(terms):
-            h = h_step(t, p, c)
-            if grouped:  # the step's groups of G columns, each normed on its own
-                G = scale.shape[0]
-                hg = h.reshape(block_d // G, G)
-                x = (hg * jax.lax.rsqrt(jnp.mean(hg * hg, axis=1, keepdims=True) + norm_eps) * scale[None, :])
-                x = x.reshape(block_d)
-            else:
-                x = h * inv * scale
-            if gate_refs:
-                x = x * jax.nn.sigmoid(gate_refs[0][t, cols(c)].astype(f32))
-            x = rounded(rounded(x, dtype), proj_dtype)
+            x = _rounded(pro.x(t, p, inv, c), proj_dtype)
             out.extend(a + jnp.sum(x[None, :] * w, axis=1) for a, w in zip(acc[t * n_w:(t + 1) * n_w], ws))
         return tuple(out)
 
     bn = out_ref.shape[-1]
-    acc = products(0, (jnp.zeros((bn,), f32),) * (T * n_w), first)
-    acc = jax.lax.fori_loop(1, steps, products, acc)
+    acc = products(0, (jnp.zeros((bn,), _F32),) * (T * n_w), first)
+    acc = jax.lax.fori_loop(1, pro.steps, products, acc)
     for t in range(T):
         if n_w == 1:
             y = acc[t].astype(out_dtype)
-            out_ref[t, :] = y if epilogue is None else jax.nn.sigmoid(y.astype(f32)).astype(out_dtype)
+            out_ref[t, :] = y if epilogue is None else jax.nn.sigmoid(y.astype(_F32)).astype(out_dtype)
         else:
-            g, u = (rounded(a, proj_dtype) for a in acc[2 * t:2 * t + 2])
+            g, u = (_rounded(a, proj_dtype) for a in acc[2 * t:2 * t + 2])
             out_ref[t, :] = gated_activation(g, u, **activation).astype(out_dtype)
 
 
