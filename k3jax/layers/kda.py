@@ -255,7 +255,7 @@ class KDA(nn.Module):
         # per-head RMSNorm and the output gate, one checkpointed region: [B, T, H, K] in dt
         o_norm, gate = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt), self._output_gate(projected)
         # decoding, the norm and the gate may run inside o_proj's kernel (k3jax.layers.mixed_input)
-        lazy = cache is not None and kernel_runs(cfg.decode_norm_implementation, B * T)
+        lazy = cache is not None and kernel_runs(cfg.decode_norm_implementation)
         o = normed_input(o, o_norm, gate) if lazy else o_norm(o, gate=gate)
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)

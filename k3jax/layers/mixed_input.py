@@ -35,12 +35,11 @@ from sharding import current as parallel_context
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
-def kernel_runs(implementation: str | None, tokens: int) -> bool:
-    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernel here, for a
-    call of ``tokens`` tokens: ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA
-    GPU, never ``"xla"``; and only for the token counts the kernel takes (``kernel_gpu.takes_tokens``:
-    at larger batches every consumer would compute the input on its own) and off a mesh (the kernel
-    reads whole weights; as the MoE's decode kernels, sharded decoding stays on XLA)."""
+def kernel_runs(implementation: str | None) -> bool:
+    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernels here:
+    ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA GPU, never ``"xla"``;
+    and only off a mesh (the kernels read whole weights; as the MoE's decode kernels, sharded decoding
+    stays on XLA)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"decode_norm_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     target = current_target()
@@ -48,7 +47,7 @@ def kernel_runs(implementation: str | None, tokens: int) -> bool:
     if implementation == "pallas" and not cuda:
         raise ValueError(f"decode_norm_implementation='pallas' needs a CUDA GPU to compile for (target "
                          f"{target.platform!r}); use 'xla'")
-    return implementation != "xla" and cuda and kernel_gpu.takes_tokens(tokens) and parallel_context() is None
+    return implementation != "xla" and cuda and parallel_context() is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +56,9 @@ class MixedInput:
     sums then the partial sum (alone: the norm only); ``mix``: the mix's pseudo-query and key-norm
     weight (``()`` for one source); ``scale`` / ``norm_eps``: the norm's, over the last axis; ``addends``:
     summed and added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not
-    wait for); ``gate``: the norm's output gate logits (``gated_rms_norm``); ``interpret``: run the kernel in the
-    CPU interpreter (tests)."""
+    wait for); ``gate``: the norm's output gate logits (``gated_rms_norm``); ``fused``: ``materialize`` by
+    the one kernel ``kernel_gpu.mixed_norm`` (where the projections' kernel does not take the tokens:
+    batch 64), else by the model's functions; ``interpret``: run the kernels in the CPU interpreter."""
 
     sources: tuple
     mix: tuple
@@ -69,6 +69,7 @@ class MixedInput:
     wide: Any
     addends: tuple = ()
     gate: jax.Array | None = None
+    fused: bool = False
     interpret: bool = False
 
     @property
@@ -89,7 +90,21 @@ class MixedInput:
                                    addends=tuple(map(like, self.addends)), gate=like(self.gate))
 
     def materialize(self) -> jax.Array:
-        """The array, by the model's functions (what the layer computes without this class)."""
+        """The array: by ``kernel_gpu.mixed_norm`` where ``fused``, it takes the inputs and the matvec kernel
+        does not take the tokens (batch 64), else by the model's functions (what the layer computes
+        without this class)."""
+        if self.fused and not kernel_gpu.takes_tokens(math.prod(self.shape[:-1])):
+            # (at a few tokens the readers the matvec kernel leaves, MLA's g_proj, chain shorter on XLA's
+            # fusions: 120 against 135 kernels on small()'s batch-1 chain, device-less)
+            lead = self.shape[:-1]
+            flat = lambda a: None if a is None else a.reshape(math.prod(lead), -1)
+            sources, addends, gate = tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
+            if kernel_gpu.passes(kernel_gpu.check_norm_inputs, sources, self.mix, self.scale, addends=addends,
+                                 gate=gate):
+                x = kernel_gpu.mixed_norm(sources, self.mix, self.scale, mix_eps=self.mix_eps, norm_eps=self.norm_eps,
+                                          dtype=jnp.dtype(self.dtype), addends=addends, gate=gate,
+                                          interpret=self.interpret)
+                return x.reshape(self.shape)
         # imported here: the projections (``linear``) import this module, and ``attn_res`` imports them
         from k3jax.layers.attn_res import attn_res_mix
         from k3jax.layers.norm import gated_rms_norm, rms_norm
@@ -142,7 +157,7 @@ def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False)
     sources = tuple(stream.stored) + (partial,)
     weights = mix.weights() if len(sources) > 1 else ()
     return MixedInput(sources=sources, mix=weights, mix_eps=mix.eps, scale=_scale(norm), norm_eps=norm.eps,
-                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, interpret=interpret)
+                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, fused=True, interpret=interpret)
 
 
 def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False) -> MixedInput:
@@ -150,7 +165,7 @@ def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: b
     kernel of the projection that reads it (the MoE's latent norm before ``up_proj``; KDA's per-head
     output norm and gate before ``o_proj``)."""
     return MixedInput(sources=(x,), mix=(), mix_eps=0.0, scale=_scale(norm), norm_eps=norm.eps, dtype=norm.dtype,
-                      wide=norm.wide_dtype, gate=gate, interpret=interpret)
+                      wide=norm.wide_dtype, gate=gate, fused=True, interpret=interpret)
 
 
 def _scale(norm) -> jax.Array:

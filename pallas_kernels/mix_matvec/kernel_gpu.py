@@ -82,6 +82,24 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: MatvecTiles = MatvecTiles(),
                  epilogue: str | None = None, addends: tuple = (), gate=None) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
+    T, D = check_norm_inputs(sources, mix, scale, tiles, addends, gate)
+    if not takes_tokens(T):
+        raise ValueError(f"the mixed matvec kernel takes T (sources' rows) a power of two <= {MAX_TOKENS}, got {T}")
+    if len(weights) not in (1, 2):
+        raise ValueError(f"weights must hold one [N, D] weight or a gate and an up weight, got {len(weights)}")
+    for n, w in enumerate(weights):
+        if w.ndim != 2 or w.shape[1] != D or w.shape != weights[0].shape:
+            raise ValueError(f"weights[{n}] must be [N, D] with D={D} (all alike), got {w.shape}")
+        if jnp.dtype(w.dtype) not in _FLOATS:
+            raise ValueError(f"the mixed matvec kernel takes bfloat16, float16 or float32 inputs, got {w.dtype}")
+    if epilogue not in EPILOGUES or (epilogue is not None and len(weights) != 1):
+        raise ValueError(f"epilogue must be one of {EPILOGUES} (with one weight), got {epilogue!r} with "
+                         f"{len(weights)} weights")
+
+
+def check_norm_inputs(sources: tuple, mix: tuple, scale, tiles: MatvecTiles = MatvecTiles(), addends: tuple = (),
+                      gate=None) -> tuple[int, int]:
+    """:func:`check_inputs` of the input alone (``mixed_norm``'s, any number of tokens): ``(T, D)``."""
     if not sources:
         raise ValueError("sources must hold at least the partial sum, got none")
     T, D = sources[0].shape if sources[0].ndim == 2 else (None, None)
@@ -94,8 +112,6 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
         if a.shape != (T, D) or a.dtype != sources[-1].dtype:
             raise ValueError(f"addends[{n}] must match the partial sum sources[-1] ({(T, D)}, {sources[-1].dtype}), "
                              f"got {a.shape}, {a.dtype}")
-    if not takes_tokens(T):
-        raise ValueError(f"the mixed matvec kernel takes T (sources' rows) a power of two <= {MAX_TOKENS}, got {T}")
     if len(mix) != (2 if len(sources) > 1 else 0):
         raise ValueError(f"mix must be the (query, key norm) pair of the mix of {len(sources)} sources "
                          f"(none for one source), got {len(mix)} arrays")
@@ -110,26 +126,24 @@ def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: Matve
         raise ValueError(f"a norm per group of {group} needs the group a power of two >= 16")
     if gate is not None and gate.shape != (T, D):
         raise ValueError(f"gate must be [T, D]={(T, D)} (the output gate's logits), got {gate.shape}")
-    if len(weights) not in (1, 2):
-        raise ValueError(f"weights must hold one [N, D] weight or a gate and an up weight, got {len(weights)}")
-    for n, w in enumerate(weights):
-        if w.ndim != 2 or w.shape[1] != D or w.shape != weights[0].shape:
-            raise ValueError(f"weights[{n}] must be [N, D] with D={D} (all alike), got {w.shape}")
-    if epilogue not in EPILOGUES or (epilogue is not None and len(weights) != 1):
-        raise ValueError(f"epilogue must be one of {EPILOGUES} (with one weight), got {epilogue!r} with "
-                         f"{len(weights)} weights")
     if _pow2_divisor(D, tiles.block_d) < 16:
         raise ValueError(f"D={D} must be a multiple of 16 for the mixed matvec kernel")
-    for a in (*sources, *mix, scale, *weights, *(() if gate is None else (gate,))):
+    for a in (*sources, *mix, scale, *(() if gate is None else (gate,))):
         if jnp.dtype(a.dtype) not in _FLOATS:
             raise ValueError(f"the mixed matvec kernel takes bfloat16, float16 or float32 inputs, got {a.dtype}")
+    return T, D
 
 
 def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), epilogue: str | None = None,
             addends: tuple = (), gate=None) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
+    return passes(check_inputs, sources, mix, scale, weights, tiles, epilogue, addends, gate)
+
+
+def passes(check, *args, **kwargs) -> bool:
+    """Whether ``check(*args, **kwargs)`` raises no ``ValueError``."""
     try:
-        check_inputs(sources, mix, scale, weights, tiles, epilogue, addends, gate)
+        check(*args, **kwargs)
     except ValueError:
         return False
     return True
@@ -299,4 +313,44 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: 
     )(*sources, *adds, *mix, scale, *gates, *weights)
 
 
-__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "mixed_matvec", "takes_tokens"]
+def _norm_kernel(*refs, n_src: int, n_add: int, n_gate: int, block_d: int, mix_eps: float, norm_eps: float, dtype):
+    src_refs, add_refs, mix_refs, scale_ref, gate_refs, (out_ref,) = _split_refs(refs, n_src, n_add, n_gate)
+    pro = _Prologue(src_refs, add_refs, mix_refs, scale_ref, gate_refs, block_d=block_d, mix_eps=mix_eps,
+                    norm_eps=norm_eps, dtype=dtype)
+    t = pl.program_id(0)
+    p, inv = pro.terms(t)
+
+    def write(c, carry):
+        out_ref[pro.cols(c)] = pro.x(t, p, inv, c).astype(out_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, pro.steps, write, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("mix_eps", "norm_eps", "dtype", "tiles", "interpret"))
+def mixed_norm(sources: tuple, mix: tuple, scale: Float[Array, "G"], *, mix_eps: float, norm_eps: float, dtype,
+               addends: tuple = (), gate: Float[Array, "T D"] | None = None, tiles: MatvecTiles = MatvecTiles(),
+               interpret: bool = False) -> Float[Array, "T D"]:
+    """The input ``x`` of :func:`mixed_matvec` itself, ``[T, D]`` in ``dtype``, for any number of tokens: one
+    program a token (``reference.mixed_input``). Where the matvec does not take the tokens (a batch of 64:
+    XLA's matmuls), the layer input is one kernel instead of XLA's three (the sources' reductions, the
+    softmax weights, the mix and the norm written out), and it adds the stream's last terms itself."""
+    T, D = check_norm_inputs(sources, mix, scale, tiles, addends, gate)
+    gates = tuple(g for g in (gate,) if g is not None)
+    bd = _pow2_divisor(D, tiles.block_d)
+    bd = max(bd, scale.shape[0]) if scale.shape[0] != D else bd  # whole groups a step
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t: (0,) * a.ndim)
+    kernel = functools.partial(_norm_kernel, n_src=len(sources), n_add=len(addends), n_gate=len(gates), block_d=bd,
+                               mix_eps=mix_eps, norm_eps=norm_eps, dtype=jnp.dtype(dtype))
+    return pl.pallas_call(
+        kernel, grid=(T,),
+        in_specs=[whole(v) for v in (*sources, *addends, *mix, scale, *gates)],
+        out_specs=pl.BlockSpec((None, D), lambda t: (t, 0)),
+        out_shape=jax.ShapeDtypeStruct((T, D), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret, name="mixed_norm",
+    )(*sources, *addends, *mix, scale, *gates)
+
+
+__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "check_norm_inputs", "mixed_matvec",
+           "mixed_norm", "passes", "takes_tokens"]

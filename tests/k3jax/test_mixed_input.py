@@ -56,9 +56,9 @@ def _interpreted(monkeypatch, drop=None):
         return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
-    monkeypatch.setattr(block, "kernel_runs", lambda implementation, tokens: True)
-    monkeypatch.setattr(moe, "kernel_runs", lambda implementation, tokens: True)
-    monkeypatch.setattr(kda, "kernel_runs", lambda implementation, tokens: True)
+    monkeypatch.setattr(block, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(moe, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(kda, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(kda, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     monkeypatch.setattr(block, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
@@ -99,19 +99,43 @@ def test_the_adds_inside_the_kernel_are_checked(decoding, monkeypatch, drop):
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
 
 
+def test_batch_8_takes_the_norm_kernel(monkeypatch):
+    """Above the matvec kernel's 4 tokens the projections are XLA's, and their normed input is one
+    ``mixed_norm`` kernel a mixing point (the outputs just added to the stream added inside): same logits."""
+    cfg = config.tiny()
+    tokens = jax.random.randint(jax.random.key(2), (8, 9), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
+    variables, cfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    _, cache = prefill(variables, cfg, tokens[:, :8], jnp.full((8,), 8), init_cache(cfg, 8, 16))
+    want, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
+    calls = _interpreted(monkeypatch)
+    norms = collections.Counter()
+    run = mixed_input.kernel_gpu.mixed_norm
+
+    def counted(sources, mix, scale, **kw):
+        norms[(len(sources), len(kw.get("addends", ())), kw.get("gate") is not None)] += 1
+        return run(sources, mix, scale, **kw)
+
+    monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
+    got, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
+    assert not calls  # no matvec kernel at 8 tokens
+    assert sum(n for (_, adds, gated), n in norms.items() if adds) >= 11  # both mixes of every layer but the first
+    assert sum(n for (_, _, gated), n in norms.items() if gated) >= 4  # KDA's output norms
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_the_switch():
-    """None: the kernel where a CUDA GPU compiles, never on a CPU; "xla": never; only for the token counts it
-    takes and off a mesh; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
+    """None: the kernels where a CUDA GPU compiles, never on a CPU; "xla": never; off a mesh only; "pallas"
+    without a CUDA GPU and unknown values: errors naming the field."""
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
-        assert mixed_input.kernel_runs(None, 1) and mixed_input.kernel_runs("pallas", 4)
-        assert not mixed_input.kernel_runs("xla", 1)
-        assert not mixed_input.kernel_runs(None, 3) and not mixed_input.kernel_runs("pallas", 64)  # XLA's batches
+        assert mixed_input.kernel_runs(None) and mixed_input.kernel_runs("pallas")
+        assert not mixed_input.kernel_runs("xla")
         mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
         with use_mesh(mesh):  # sharded decoding stays on XLA
-            assert not mixed_input.kernel_runs(None, 1)
+            assert not mixed_input.kernel_runs(None)
     with compile_for("cpu"):
-        assert not mixed_input.kernel_runs(None, 1)
+        assert not mixed_input.kernel_runs(None)
         with pytest.raises(ValueError, match="decode_norm_implementation='pallas' needs a CUDA GPU"):
-            mixed_input.kernel_runs("pallas", 1)
+            mixed_input.kernel_runs("pallas")
     with pytest.raises(ValueError, match="decode_norm_implementation='triton' must be one of"):
         dataclasses.replace(config.tiny(), decode_norm_implementation="triton")

@@ -1,5 +1,6 @@
-"""The mixed matvec kernel (``pallas_kernels/mix_matvec/kernel_gpu.py``) against its reference, interpreted
-on CPU (and compiled on the GPU), the reference against the model's own mix and norm, and its errors.
+"""The mixed matvec kernel and the norm kernel (``pallas_kernels/mix_matvec/kernel_gpu.py``) against their
+reference, interpreted on CPU (and compiled on the GPU), the reference against the model's own mix and norm,
+and the errors.
 
 The kernel rounds where the reference does (the partial sum plus its addends, the mix, the norm, the
 products' or the activation's output), so the two differ only where another float32 summation order
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3jax.layers.mixed_input import MixedInput
-from pallas_kernels.mix_matvec.kernel_gpu import MatvecTiles, mixed_matvec
+from pallas_kernels.mix_matvec.kernel_gpu import MatvecTiles, mixed_matvec, mixed_norm
 from pallas_kernels.mix_matvec.reference import mixed_input, mixed_matvec_reference
 
 BF16_ULP = 2.0 ** -7
@@ -78,6 +79,18 @@ def test_property_kernel_equals_reference(T, n_src, D, N, n_w, addend, seed):
     _assert_close(got, want)
 
 
+@settings(max_examples=8, deadline=None)
+@given(T=st.integers(1, 9), n_src=st.integers(1, 4), addend=st.integers(0, 2), group=st.sampled_from([None, 16]),
+       seed=st.integers(0, 99))
+def test_property_norm_kernel_equals_reference(T, n_src, addend, group, seed):
+    """``mixed_norm`` (the input alone, one program a token, any token count: batch 64's layer inputs)."""
+    n_src, addend = (1, 0) if group else (n_src, addend)
+    sources, mix, scale, _, add, gate = _inputs(seed, T, 64, 8, n_src, addend=addend, group=group, gate=bool(group))
+    got = mixed_norm(sources, mix, scale, mix_eps=1e-5, norm_eps=1e-5, dtype=jnp.bfloat16, addends=add, gate=gate,
+                     interpret=True)
+    _assert_close(got, mixed_input(sources, mix, 1e-5, scale, 1e-5, jnp.bfloat16, add, gate))
+
+
 @pytest.mark.parametrize("n_src,addend,group", [(1, 0, None), (3, 0, None), (3, 1, None), (3, 2, None), (1, 0, 16)])
 def test_reference_is_the_models_mix_and_norm(n_src, addend, group):
     """The reference's input equals what the model computes without the kernel (``MixedInput.materialize``:
@@ -123,6 +136,18 @@ def test_bad_inputs_raise():
         call(gate=jnp.zeros((1, 32), jnp.bfloat16))
     with pytest.raises(ValueError, match="takes bfloat16, float16 or float32 inputs, got int32"):
         call(weights=(jnp.zeros((16, 64), jnp.int32),))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_src,group", [(4, None), (1, 128)])
+def test_compiled_norm_kernel_matches_reference(n_src, group):
+    """``mixed_norm`` at small()'s batch 64: a layer input over four sources with the MoE's two outputs added,
+    KDA's per-head output norm and gate."""
+    sources, mix, scale, _, add, gate = _inputs(1, 64, 1024, 8, n_src, addend=2 if n_src > 1 else 0, group=group,
+                                                gate=bool(group))
+    got = jax.jit(lambda *a: mixed_norm(*a[:3], mix_eps=1e-5, norm_eps=1e-5, dtype=jnp.bfloat16, addends=a[3],
+                                        gate=a[4]))(sources, mix, scale, add, gate)
+    _assert_close(got, mixed_input(sources, mix, 1e-5, scale, 1e-5, jnp.bfloat16, add, gate))
 
 
 @pytest.mark.gpu
