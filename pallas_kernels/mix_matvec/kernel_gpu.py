@@ -32,9 +32,12 @@ per-head output norm before ``o_proj``). Rounding points are the reference's
 (``MAX_TOKENS``): each program holds every token's accumulators, and at larger batches the weight rows
 would be re-read per token block. ``interpret=True`` runs it in the CPU interpreter.
 
-In ``small()``'s batch-1 decode step (``k3jax.layers.mixed_input``) it takes the step from 277.7 to
-224.7 kernels and its longest chain of dependent kernels from 200 to 120 (device-less H200 compile,
-``benchmarks/decode_kernels.py``; benchmarks/RESULTS.md, stop 53); not yet timed on the H200.
+:func:`mixed_norm` is the prologue alone — the normed input written out, one program a token, for any
+token count — where the projections are XLA's matmuls (batch 64: one kernel per mixing point where XLA
+runs three). In ``small()``'s decode step (``k3jax.layers.mixed_input``) the two take batch 1 from 277.7
+to 224.7 kernels and its longest chain of dependent kernels from 200 to 120, batch 64's chain from 277 to
+232 (device-less H200 compile, ``benchmarks/decode_kernels.py``; benchmarks/RESULTS.md, stop 53); not yet
+timed on the H200.
 """
 
 from __future__ import annotations
