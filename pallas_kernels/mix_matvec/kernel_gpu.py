@@ -82,6 +82,13 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
+def _block_d(D: int, group: int, tiles: MatvecTiles) -> int:
+    """Input columns a step: ``tiles.block_d`` or the largest power of two dividing ``D`` below it, whole
+    groups of a per-group norm (``group < D``) a step."""
+    bd = _pow2_divisor(D, tiles.block_d)
+    return max(bd, group) if group != D else bd
+
+
 def check_inputs(sources: tuple, mix: tuple, scale, weights: tuple, tiles: MatvecTiles = MatvecTiles(),
                  epilogue: str | None = None, addends: tuple = (), gate=None) -> None:
     """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
@@ -297,8 +304,7 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: 
     N = weights[0].shape[0]
     # block_n 16-bit columns' bytes a program (fewer columns for two weights or float32 ones)
     bn = _pow2_divisor(N, max(1, tiles.block_n * 2 // (len(weights) * jnp.dtype(proj_dtype).itemsize)))
-    bd = _pow2_divisor(D, tiles.block_d)
-    bd = max(bd, scale.shape[0]) if scale.shape[0] != D else bd  # whole groups a step
+    bd = _block_d(D, scale.shape[0], tiles)
     out_dtype = (dtype if len(weights) == 2 else proj_dtype) if out_dtype is None else out_dtype
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
     kernel = functools.partial(_kernel, n_src=len(sources), n_add=len(adds), n_gate=len(gates), n_w=len(weights),
@@ -340,8 +346,7 @@ def mixed_norm(sources: tuple, mix: tuple, scale: Float[Array, "G"], *, mix_eps:
     softmax weights, the mix and the norm written out), and it adds the stream's last terms itself."""
     T, D = check_norm_inputs(sources, mix, scale, tiles, addends, gate)
     gates = tuple(g for g in (gate,) if g is not None)
-    bd = _pow2_divisor(D, tiles.block_d)
-    bd = max(bd, scale.shape[0]) if scale.shape[0] != D else bd  # whole groups a step
+    bd = _block_d(D, scale.shape[0], tiles)
     whole = lambda a: pl.BlockSpec(a.shape, lambda t: (0,) * a.ndim)
     kernel = functools.partial(_norm_kernel, n_src=len(sources), n_add=len(addends), n_gate=len(gates), block_d=bd,
                                mix_eps=mix_eps, norm_eps=norm_eps, dtype=jnp.dtype(dtype))
