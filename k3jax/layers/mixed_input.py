@@ -89,6 +89,13 @@ class MixedInput:
         return dataclasses.replace(self, sources=tuple(v.reshape(shape) for v in self.sources),
                                    addends=tuple(map(like, self.addends)), gate=like(self.gate))
 
+    def _rows(self, contracted: int) -> tuple:
+        """``(sources, addends, gate)`` as the kernels take them: ``[tokens, features]``, the last
+        ``contracted`` axes the features."""
+        rows = math.prod(self.shape[:-contracted])
+        flat = lambda a: None if a is None else a.reshape(rows, -1)
+        return tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
+
     def materialize(self) -> jax.Array:
         """The array: by ``kernel_gpu.mixed_norm`` where ``fused``, it takes the inputs and the matvec kernel
         does not take the tokens (batch 64), else by the model's functions (what the layer computes
@@ -96,11 +103,8 @@ class MixedInput:
         if self.fused and not kernel_gpu.takes_tokens(math.prod(self.shape[:-1])):
             # (at a few tokens the readers the matvec kernel leaves, MLA's g_proj, chain shorter on XLA's
             # fusions: 120 against 135 kernels on small()'s batch-1 chain, device-less)
-            lead = self.shape[:-1]
-            flat = lambda a: None if a is None else a.reshape(math.prod(lead), -1)
-            sources, addends, gate = tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
-            if kernel_gpu.passes(kernel_gpu.check_norm_inputs, sources, self.mix, self.scale, addends=addends,
-                                 gate=gate):
+            sources, addends, gate = self._rows(1)
+            if kernel_gpu.norm_accepts(sources, self.mix, self.scale, addends, gate):
                 x = kernel_gpu.mixed_norm(sources, self.mix, self.scale, mix_eps=self.mix_eps, norm_eps=self.norm_eps,
                                           dtype=jnp.dtype(self.dtype), addends=addends, gate=gate,
                                           interpret=self.interpret)
@@ -132,8 +136,7 @@ class MixedInput:
         ``[..., N]``; None where the kernel does not take these inputs (the caller then computes on
         ``materialize()``)."""
         lead = self.shape[:-contracted]
-        flat = lambda a: None if a is None else a.reshape(math.prod(lead), -1)
-        sources, addends, gate = tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
+        sources, addends, gate = self._rows(contracted)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
         if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
                                   gate=gate):

@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.validate import passes
 
 MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
 EPILOGUES = (None, "sigmoid")  # applied to the float32 product (the router's scores)
@@ -76,10 +77,7 @@ def takes_tokens(T: int) -> bool:
 
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two that divides ``n`` and is at most ``cap``."""
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
+    return min(n & -n, 1 << (cap.bit_length() - 1))
 
 
 def _block_d(D: int, group: int, tiles: MatvecTiles) -> int:
@@ -150,13 +148,9 @@ def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), ep
     return passes(check_inputs, sources, mix, scale, weights, tiles, epilogue, addends, gate)
 
 
-def passes(check, *args, **kwargs) -> bool:
-    """Whether ``check(*args, **kwargs)`` raises no ``ValueError``."""
-    try:
-        check(*args, **kwargs)
-    except ValueError:
-        return False
-    return True
+def norm_accepts(sources, mix, scale, addends: tuple = (), gate=None, tiles: MatvecTiles = MatvecTiles()) -> bool:
+    """Whether :func:`check_norm_inputs` (``mixed_norm``'s) takes these inputs."""
+    return passes(check_norm_inputs, sources, mix, scale, tiles, addends, gate)
 
 
 class _Prologue:
@@ -361,4 +355,4 @@ def mixed_norm(sources: tuple, mix: tuple, scale: Float[Array, "G"], *, mix_eps:
 
 
 __all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "check_norm_inputs", "mixed_matvec",
-           "mixed_norm", "passes", "takes_tokens"]
+           "mixed_norm", "norm_accepts", "takes_tokens"]
