@@ -3,7 +3,7 @@
 Times ``pallas_kernels.mix_matvec.kernel_gpu.mixed_matvec`` against its reference as XLA compiles it
 (``reference.mixed_matvec_reference``: the sources' reductions, the softmax, the projection fused with
 the mix and the norm — the path a JAX user has, and the decode step's without
-``ModelConfig.decode_norm_implementation``) at batch 1, for every projection the step hands the kernel:
+``ModelConfig.decode_glue_implementation``) at batch 1, for every projection the step hands the kernel:
 ``small()``'s KDA and MLA packed inputs, its router (float32, with the sigmoid), latent ``down_proj``,
 shared experts' gate and up (with the activation), the latent norm before ``up_proj`` and KDA's
 per-head output norm and gate before ``o_proj``, and K3's KDA packed inputs and latent ``down_proj`` at

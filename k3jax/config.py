@@ -57,15 +57,16 @@ class ModelConfig:
     # Scan the longest run of repeating layers (``k3jax.layout``): one traced copy of the repeating
     # unit, parameters stacked on a leading ``layers`` axis. False: every layer traced on its own.
     scan_layers: bool = True
-    # Decoding a few tokens, the normed inputs of the projections on ``decode_layout``'s tree (the AttnRes
-    # mix and RMSNorm before each layer's input projections, the latent norm before ``up_proj``) computed
-    # inside the projection's kernel (``k3jax.layers.mixed_input``): "pallas"; None: where a CUDA GPU runs
-    # it; "xla": XLA's kernels. "xla" until the H200 times it (benchmarks/RESULTS.md, stop 53).
-    decode_norm_implementation: str | None = "xla"
+    # Decoding a few tokens, the glue between the projections on ``decode_layout``'s tree inside the
+    # kernels: each normed input (the AttnRes mix and RMSNorm before a layer's input projections, the
+    # latent norm before ``up_proj``) computed by the projection's kernel (``k3jax.layers.mixed_input``),
+    # and KDA's convs, norms and gates by its step's kernel (``KDA._fused_step``): "pallas"; None: where a
+    # CUDA GPU runs it; "xla": XLA's kernels. "xla" until the H200 times it (benchmarks/RESULTS.md, stops 53-54).
+    decode_glue_implementation: str | None = "xla"
 
     def __post_init__(self):
-        _require(self.decode_norm_implementation in (None, "xla", "pallas"),
-                 f"decode_norm_implementation={self.decode_norm_implementation!r} must be one of "
+        _require(self.decode_glue_implementation in (None, "xla", "pallas"),
+                 f"decode_glue_implementation={self.decode_glue_implementation!r} must be one of "
                  "(None, 'xla', 'pallas')")
         _positive(vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
                   rms_norm_eps=self.rms_norm_eps, max_position=self.max_position)

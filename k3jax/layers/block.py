@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         # decoding, the mix and the norm may run inside the kernels of the projections that read them
         # (k3jax.layers.mixed_input), which also add the mixer's output to the stream themselves
         lazy = cache is not None and isinstance(stream, ResidualStream)
-        lazy = lazy and kernel_runs(cfg.decode_norm_implementation)
+        lazy = lazy and kernel_runs(cfg.decode_glue_implementation)
         x = mixed_input(attn_res(cfg, "attn_res"), attn_norm, stream) if lazy else attn_norm(
             attn_res(cfg, "attn_res")(stream))
         stream = stream.push_if(self.index % cfg.attn_res.block_size == 0 if push is None else push)

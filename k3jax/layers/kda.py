@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -32,25 +33,19 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
-from k3jax.layers.linear import packed_products, param, proj, wide_param_dtype
+from k3jax.layers.linear import packed_product, param, proj, split_packed, wide_param_dtype
 from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input
 from k3jax.layers.norm import l2_normalize, norm
-from pallas_kernels.kda import causal_conv1d, chunk_kda, recurrent_kda_step
-from pallas_kernels.kda.conv import same_document_taps, short_convs
+from pallas_kernels.kda import causal_conv1d, chunk_kda, kernel_gpu_decode, recurrent_kda_step
+from pallas_kernels.kda.conv import conv_tail, same_document_taps, short_convs
+from pallas_kernels.kda.reference import decay_gate
 from sharding import current as parallel_context
 from sharding.cp import causal_conv1d_cp, chunk_kda_cp
 
 # fla's l2norm_fwd: eps inside the square root.
 QK_L2_EPS = 1e-6
-
-
-def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"],
-               lower_bound: float | None) -> Float[Array, "B T H K"]:
-    """Per-channel log decay ``g <= 0`` from the gate pre-activation ``z`` (in ``z``'s wide dtype)."""
-    rate = jnp.exp(a_log.astype(z.dtype))[:, None]  # [H, 1]
-    if lower_bound is None:
-        return -rate * jax.nn.softplus(z)
-    return lower_bound * jax.nn.sigmoid(rate * z)
+# the fused decode step (tests run it in the CPU interpreter through this name)
+fused_step = kernel_gpu_decode.fused_step_pallas
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3, 4))
@@ -79,13 +74,6 @@ class KDASteps:
 
     states: Float[Array, "*layers B T H K V"]  # fp32 state after each of the T new tokens
     window: Float[Array, "*layers 3 B WT C"]  # the W-1 cached conv inputs of q, k, v, then the T new ones
-
-
-def conv_tail(window: Float[Array, "*L B WT C"], num_new: Int[Array, "B"], width: int) -> Float[Array, "*L B Wm1 C"]:
-    """The ``width = W-1`` conv inputs ending at each row's new token ``num_new - 1``, from ``window``
-    (the W-1 cached inputs, then the new ones)."""
-    idx = num_new[:, None] + jnp.arange(width)[None]  # [B, W-1]
-    return jnp.take_along_axis(window, idx.reshape((1,) * (window.ndim - 3) + idx.shape + (1,)), axis=-2)
 
 
 def recurrent_steps(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
@@ -190,28 +178,34 @@ class KDA(nn.Module):
         y = causal_conv1d_cp(xf, wf, segment_ids=segment_ids)
         return jax.nn.silu(y).reshape(B, T, H, K)
 
-    def _input_projections(self, x: Float[Array, "B T D"] | MixedInput) -> dict[str, Array]:
-        """Every projection of the layer input ``x`` by parameter name (``input_projections``).
+    def _input_projections(self, x: Float[Array, "B T D"] | MixedInput) -> tuple[dict[str, Array], Array | None]:
+        """Every projection of the layer input ``x`` by parameter name (``input_projections``), and their
+        packed output ``[B, T, N]`` where there is one.
 
-        On ``decode_layout``'s tree (the kernels packed once, ``linear.packed_products``) they are one
+        On ``decode_layout``'s tree (the kernels packed once, ``linear.packed_product``) they are one
         product: at batch 1 one matrix-vector kernel instead of one per projection, each recomputing
         the AttnRes mix and the norm of ``x``.
         """
         cfg = self.cfg
-        packed = packed_products(self, x, packed_inputs(cfg), cfg.compute_dtype)
+        packed = packed_product(self, x, cfg.compute_dtype)
         if packed is not None:
-            return packed
+            return split_packed(packed, packed_inputs(cfg)), packed
         letters = lambda out: "HK" if len(out) == 2 else "R"
         return {name: proj(cfg, f"BTD,D{letters(out)}->BT{letters(out)}", (cfg.hidden,) + out, ("embed",) + axes,
-                           name)(x) for name, out, axes in input_projections(cfg)}
+                           name)(x) for name, out, axes in input_projections(cfg)}, None
+
+    def _gate_params(self) -> tuple[Float[Array, "H K"], Float[Array, "H"]]:
+        """The decay gate's ``dt_bias`` and ``A_log``."""
+        cfg, c = self.cfg, self.cfg.kda
+        dt_bias = param(self, "dt_bias", nn.initializers.zeros, (c.num_heads, c.head_dim), ("heads", "head_dim"),
+                        wide_param_dtype(cfg))
+        return dt_bias, param(self, "A_log", _a_log_init, (c.num_heads,), ("heads",), wide_param_dtype(cfg))
 
     def _log_decay(self, z: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
         cfg, c = self.cfg, self.cfg.kda
         H, K, R = c.num_heads, c.head_dim, c.decay_rank
         z = proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(z)
-        dt_bias = param(self, "dt_bias", nn.initializers.zeros, (H, K), ("heads", "head_dim"), wide_param_dtype(cfg))
-        a_log = param(self, "A_log", _a_log_init, (H,), ("heads",), wide_param_dtype(cfg))
-        return _biased_decay_gate(z, dt_bias, a_log, c.gate_lower_bound, cfg.fp32_dtype)
+        return _biased_decay_gate(z, *self._gate_params(), c.gate_lower_bound, cfg.fp32_dtype)
 
     def _output_gate(self, xs: dict[str, Array]) -> Float[Array, "B T H K"]:
         c = self.cfg.kda
@@ -226,7 +220,25 @@ class KDA(nn.Module):
         cfg, c = self.cfg, self.cfg.kda
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
-        projected = self._input_projections(x)
+        projected, packed = self._input_projections(x)
+        fused = None if cache is None or keep_steps else self._fused_step(packed, cache, valid)
+        if fused is not None:
+            o, cache = fused
+        else:
+            o, cache = self._delta_rule(projected, segment_ids, cache, valid, keep_steps)
+        dt = cfg.compute_dtype
+        # per-head RMSNorm and the output gate, one checkpointed region: [B, T, H, K] in dt
+        o_norm, gate = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt), self._output_gate(projected)
+        # decoding, the norm and the gate may run inside o_proj's kernel (k3jax.layers.mixed_input)
+        lazy = cache is not None and kernel_runs(cfg.decode_glue_implementation)
+        o = normed_input(o, o_norm, gate) if lazy else o_norm(o, gate=gate)
+        y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
+        return y if cache is None else (y, cache)
+
+    def _delta_rule(self, projected: dict[str, Array], segment_ids, cache, valid, keep_steps):
+        """Steps 1-5 of the layer from its input projections: ``(o, cache)`` (``cache`` None in training)."""
+        cfg, c = self.cfg, self.cfg.kda
+        K = c.head_dim
         xs = [projected[f"{n}_proj"] for n in "qkv"]
         # training without a split sequence, on a mesh or not: the custom VJP that saves only the bf16 inputs
         # (autodiff of the conv path keeps fp32 shifted inputs and SiLU terms: stacked per repetition when scanned)
@@ -252,13 +264,30 @@ class KDA(nn.Module):
             o, _ = chunk_kda(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         else:  # exact context parallel over the sequence axis (SPEC §2; sharding/cp.py)
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
-        # per-head RMSNorm and the output gate, one checkpointed region: [B, T, H, K] in dt
-        o_norm, gate = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt), self._output_gate(projected)
-        # decoding, the norm and the gate may run inside o_proj's kernel (k3jax.layers.mixed_input)
-        lazy = cache is not None and kernel_runs(cfg.decode_norm_implementation)
-        o = normed_input(o, o_norm, gate) if lazy else o_norm(o, gate=gate)
-        y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
-        return y if cache is None else (y, cache)
+        return o, cache
+
+    def _fused_step(self, packed: Array | None, cache, valid) -> tuple[Array, Any] | None:
+        """Decoding a few tokens on one device: steps 1-5 from the packed input projections as one kernel
+        (``kernel_gpu_decode.fused_step_pallas``: the convs, q and k's norms, β, the decay gate from ``f_a``
+        and the delta rule), where XLA's path runs three kernels on the step's critical path (batch 1
+        of ``small()``, device-less); ``(o, cache)``, or None where it does not apply (no packed kernel,
+        ``ModelConfig.decode_glue_implementation``, as many states as the unfused kernel takes, prefill)."""
+        cfg, c = self.cfg, self.cfg.kda
+        if packed is None or not kernel_runs(cfg.decode_glue_implementation):
+            return None
+        B, T = packed.shape[:2]
+        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES or T >= c.chunk_size:
+            return None
+        num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
+        ws = tuple(self._conv_weight(f"{n}_conv") for n in "qkv")
+        f_b = nn.meta.unbox(self.get_variable("params", "f_b"))["kernel"]
+        args = (packed, cache.conv, ws, f_b, *self._gate_params(), cache.state, num_new)
+        offsets = tuple(int(a) for a in np.cumsum([0] + [int(np.prod(out)) for _, out in packed_inputs(cfg)])[:5])
+        if not kernel_gpu_decode.fused_accepts(*args, offsets):
+            return None
+        o, state, tails = fused_step(*args, offsets=offsets, scale=c.head_dim ** -0.5,
+                                     lower_bound=c.gate_lower_bound, eps=QK_L2_EPS)
+        return o, cache.replace(state=state.astype(cache.state.dtype), conv=tails)
 
     def _continue(self, kda_args, cache, valid, windows, keep_steps):
         """The gated delta rule from the cached state; padding tokens leave the state unchanged."""

@@ -129,11 +129,10 @@ def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) 
     return jnp.swapaxes(jnp.concatenate(flat, axis=-1), -1, -2)
 
 
-def packed_products(module: nn.Module, x: jax.Array | MixedInput, outs: Sequence[tuple[str, tuple[int, ...]]],
-                    dtype: Any) -> Mapping[str, jax.Array] | None:
-    """On ``decode_layout``'s tree: the projections ``outs`` of ``x [..., D]`` as one product over the
-    module's packed kernel (``PACKED``), ``{name: [..., *out]}``; None where it holds none (the
-    training tree: concatenating the kernels there would copy them on every call).
+def packed_product(module: nn.Module, x: jax.Array | MixedInput, dtype: Any) -> jax.Array | None:
+    """On ``decode_layout``'s tree: every input projection of ``x [..., D]`` as one product over the
+    module's packed kernel (``PACKED``), ``[..., N]``; None where it holds none (the training tree:
+    concatenating the kernels there would copy them on every call).
 
     At batch 1 XLA fuses the norm before these projections into each of them, one matrix-vector
     kernel per projection, each a few µs of latency for its 0.3-4 MB; packed, they are one kernel
@@ -145,5 +144,17 @@ def packed_products(module: nn.Module, x: jax.Array | MixedInput, outs: Sequence
     if y is None:
         x = x.materialize() if isinstance(x, MixedInput) else x
         y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))
+    return y
+
+
+def split_packed(y: jax.Array, outs: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, jax.Array]:
+    """:func:`packed_product`'s output as ``{name: [..., *out]}``, in ``outs``' order."""
     ends = np.cumsum([int(np.prod(out)) for _, out in outs])
-    return {name: part.reshape(x.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}
+    return {name: part.reshape(y.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}
+
+
+def packed_products(module: nn.Module, x: jax.Array | MixedInput, outs: Sequence[tuple[str, tuple[int, ...]]],
+                    dtype: Any) -> Mapping[str, jax.Array] | None:
+    """:func:`packed_product` split into the projections ``outs``; None where the module holds no packed kernel."""
+    y = packed_product(module, x, dtype)
+    return None if y is None else split_packed(y, outs)

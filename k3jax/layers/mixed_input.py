@@ -3,7 +3,7 @@
 At batch 1 XLA computes each layer input in three dependent kernels before the projection that
 reads it (the sources' reductions, the mix's softmax weights, then the projection fused with the
 mix and the norm; ``pallas_kernels/mix_matvec/kernel_gpu.py``); the routed experts' latent norm takes
-two more before ``up_proj``. With ``ModelConfig.decode_norm_implementation`` ``"pallas"`` (or None on a
+two more before ``up_proj``. With ``ModelConfig.decode_glue_implementation`` ``"pallas"`` (or None on a
 CUDA GPU) a decoding layer hands its mixer and its feed-forward a :class:`MixedInput` instead of
 ``x``: the mix's sources and weights and the norm's, not yet combined (and the MoE hands ``up_proj``
 its latent output the same way, a lone source: the norm only). The projections that read it on
@@ -36,16 +36,16 @@ IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 def kernel_runs(implementation: str | None) -> bool:
-    """Whether ``implementation`` (``ModelConfig.decode_norm_implementation``) asks for the kernels here:
+    """Whether ``implementation`` (``ModelConfig.decode_glue_implementation``) asks for the kernels here:
     ``"pallas"`` (a CUDA GPU to compile for, else ``ValueError``), None on a CUDA GPU, never ``"xla"``;
     and only off a mesh (the kernels read whole weights; as the MoE's decode kernels, sharded decoding
     stays on XLA)."""
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"decode_norm_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(f"decode_glue_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     target = current_target()
     cuda = target.platform == "gpu" and target.cuda
     if implementation == "pallas" and not cuda:
-        raise ValueError(f"decode_norm_implementation='pallas' needs a CUDA GPU to compile for (target "
+        raise ValueError(f"decode_glue_implementation='pallas' needs a CUDA GPU to compile for (target "
                          f"{target.platform!r}); use 'xla'")
     return implementation != "xla" and cuda and parallel_context() is None
 

@@ -196,7 +196,7 @@ class MoE(nn.Module):
             if m.latent_norm:
                 latent_norm = norm(cfg, "latent_norm", axis="latent")
                 # decoding, the norm may run inside up_proj's kernel (k3jax.layers.mixed_input)
-                lazy = decode and kernel_runs(cfg.decode_norm_implementation)
+                lazy = decode and kernel_runs(cfg.decode_glue_implementation)
                 y = normed_input(y, latent_norm) if lazy else latent_norm(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)

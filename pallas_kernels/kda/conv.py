@@ -103,6 +103,13 @@ def causal_conv1d(
     return y, final_state
 
 
+def conv_tail(window: Float[Array, "*L B WT C"], num_new: Int[Array, "B"], width: int) -> Float[Array, "*L B Wm1 C"]:
+    """The ``width = W-1`` conv inputs ending at each row's new token ``num_new - 1``, from ``window``
+    (the W-1 cached inputs, then the new ones): the conv state that continues each row."""
+    idx = num_new[:, None] + jnp.arange(width)[None]  # [B, W-1]
+    return jnp.take_along_axis(window, idx.reshape((1,) * (window.ndim - 3) + idx.shape + (1,)), axis=-2)
+
+
 def causal_conv1d_step(
     x: Float[Array, "B Tn C"],
     weight: Float[Array, "C W"],

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
+from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thread at 4 warps
@@ -30,6 +31,7 @@ BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thre
 # the gates into one kernel, while the kernel needs its inputs materialised (device-less compile of
 # small() decode at batch 1, B·H = 8: 354.7 → 370.7 kernels a step for 0.4 MB less written).
 MIN_STATES = 64
+MAX_FUSED_TOKENS = 4  # the fused step's new tokens a row (unrolled; each holds its q, k, v and z)
 
 
 def supports(q, k, v, g, beta, state) -> bool:
@@ -39,16 +41,22 @@ def supports(q, k, v, g, beta, state) -> bool:
             and is_block_dim(q.shape[-1]) and is_block_dim(v.shape[-1]))
 
 
+def _delta_rule(S, q, k, v, g, b, scale: float):
+    """One token of the gated delta rule on a ``[K, block_v]`` state slice (float32 operands):
+    ``(o [block_v], S)``."""
+    S = S * jnp.exp(g)[:, None]
+    err = v - jnp.sum(k[:, None] * S, axis=0)
+    S = S + (b * k)[:, None] * err[None, :]
+    return jnp.sum((scale * q)[:, None] * S, axis=0), S
+
+
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref, *, scale: float, tokens: int):
     f32 = jnp.float32
     S = s_ref[...].astype(f32)  # [K, block_v]
     for t in range(tokens):  # a few tokens: unrolled, the state stays in registers
         q, k, g = (r[t, :].astype(f32) for r in (q_ref, k_ref, g_ref))
-        v, b = v_ref[t, :].astype(f32), b_ref[t].astype(f32)
-        S = S * jnp.exp(g)[:, None]
-        err = v - jnp.sum(k[:, None] * S, axis=0)
-        S = S + (b * k)[:, None] * err[None, :]
-        o_ref[t, :] = jnp.sum((scale * q)[:, None] * S, axis=0).astype(o_ref.dtype)
+        o, S = _delta_rule(S, q, k, v_ref[t, :].astype(f32), g, b_ref[t].astype(f32), scale)
+        o_ref[t, :] = o.astype(o_ref.dtype)
     s_out_ref[...] = S
 
 
@@ -85,4 +93,137 @@ def recurrent_step_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"]
     return o[:, :T], state
 
 
-__all__ = ["BLOCK_V", "MIN_STATES", "recurrent_step_pallas", "supports"]
+def check_fused_inputs(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets) -> None:
+    """Raise ``ValueError`` naming the argument when :func:`fused_step_pallas` cannot take these inputs."""
+    if y.ndim != 3 or not 1 <= y.shape[1] <= MAX_FUSED_TOKENS:
+        raise ValueError(f"y must be [B, T, N] with 1 <= T <= {MAX_FUSED_TOKENS} new tokens, got {y.shape}")
+    B, T, N = y.shape
+    if f_b.ndim != 3:
+        raise ValueError(f"f_b must be [R, H, K], got {f_b.shape}")
+    R, H, K = f_b.shape
+    if state.shape[:3] != (B, H, K) or state.ndim != 4 or state.dtype != jnp.float32:
+        raise ValueError(f"state must be float32 [B, H, K, V] = [{B}, {H}, {K}, V], got {state.shape} {state.dtype}")
+    V = state.shape[3]
+    if V != K or not (is_block_dim(K) and is_block_dim(R)):
+        raise ValueError(f"the fused step takes power-of-two widths >= 16 with V == K (one conv cache for q, k, v): "
+                         f"K={K}, V={V}, R={R}")
+    if tails.ndim != 4 or tails.shape[:2] != (3, B) or tails.shape[3] != H * K:
+        raise ValueError(f"tails must be [3, B, W-1, H·K] = [3, {B}, W-1, {H * K}], got {tails.shape}")
+    W = tails.shape[2] + 1
+    if len(conv_weights) != 3 or any(w.shape != (W, H, K) for w in conv_weights):
+        raise ValueError(f"conv_weights must be q's, k's and v's [W, H, K] = [{W}, {H}, {K}], got "
+                         f"{[w.shape for w in conv_weights]}")
+    if dt_bias.shape != (H, K) or a_log.shape != (H,) or num_new.shape != (B,):
+        raise ValueError(f"dt_bias, a_log, num_new must be [{H}, {K}], [{H}], [{B}], got {dt_bias.shape}, "
+                         f"{a_log.shape}, {num_new.shape}")
+    widths = (H * K, H * K, H * K, H, R)
+    if len(offsets) != 5 or any(at < 0 or at + n > N for at, n in zip(offsets, widths)):
+        raise ValueError(f"offsets must be the columns of y (N={N}) where q, k, v, β and f_a start (widths "
+                         f"{widths}), got {offsets}")
+    if any(x.dtype == jnp.float64 for x in (y, tails, f_b, dt_bias, a_log, *conv_weights)):
+        raise ValueError("the fused step takes no float64 input (the reference does)")
+
+
+def fused_accepts(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets) -> bool:
+    """Whether :func:`check_fused_inputs` takes these inputs."""
+    return passes(check_fused_inputs, y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets)
+
+
+def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, fb_ref, bias_ref, alog_ref, s_ref,
+                  o_ref, s_out_ref, tail_out_ref, *, offsets, scale: float, lower_bound, eps: float):
+    f32 = jnp.float32
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    T, Wm1 = y_ref.shape[0], tail_ref.shape[1]
+    R, K, bv = fb_ref.shape[0], fb_ref.shape[-1], s_ref.shape[-1]
+    dt = y_ref.dtype
+    n = n_ref[b]  # the row's real new tokens
+    head = pl.multiple_of(h * K, K)
+    first = pl.multiple_of(j * bv, bv)  # this program's state columns within the head: first .. first+bv
+    S = s_ref[...].astype(f32)  # read first: its trip from HBM overlaps the prologue
+
+    def window(c, start, width):
+        """Channel ``c``'s conv inputs over ``width`` columns of the head from ``start``: the W-1 cached,
+        then the T new (float32)."""
+        cols = pl.ds(start, width)
+        return ([tail_ref[c, i, cols].astype(f32) for i in range(Wm1)]
+                + [y_ref[t, pl.ds(offsets[c] + head + start, width)].astype(f32) for t in range(T)])
+
+    def silu_conv(xs, w_ref, cols):
+        """``SiLU`` of the causal conv of each new token (taps in order, as ``causal_conv1d`` sums)."""
+        taps = [w_ref[i, cols].astype(f32) for i in range(Wm1 + 1)]
+        out = []
+        for t in range(T):
+            acc = xs[t] * taps[0]
+            for i in range(1, Wm1 + 1):
+                acc = acc + xs[t + i] * taps[i]
+            out.append(acc * jax.nn.sigmoid(acc))
+        return out
+
+    l2 = lambda x: (x * jax.lax.rsqrt(jnp.sum(x * x) + eps)).astype(dt).astype(f32)
+    qs = [l2(x) for x in silu_conv(window(0, 0, K), wq_ref, pl.ds(0, K))]
+    ks = [l2(x) for x in silu_conv(window(1, 0, K), wk_ref, pl.ds(0, K))]
+    vs = [x.astype(dt).astype(f32) for x in silu_conv(window(2, first, bv), wv_ref, pl.ds(first, bv))]
+    # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile would hold 128 registers a thread)
+    step = min(R, 32)
+    zs = [jnp.zeros((K,), f32)] * T
+    for r in range(0, R, step):
+        fb = fb_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
+        fas = [y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32) for t in range(T)]
+        zs = [z + jnp.sum(fa[:, None] * fb, axis=0) for z, fa in zip(zs, fas)]
+    bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
+    for t in range(T):
+        z = zs[t].astype(dt).astype(f32) + bias  # the f_b projection's output, rounded as the layer's
+        g = -rate * jax.nn.softplus(z) if lower_bound is None else lower_bound * jax.nn.sigmoid(rate * z)
+        beta = jax.nn.sigmoid(y_ref[t, offsets[3] + h].astype(f32))
+        real = t < n
+        g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+        o, S = _delta_rule(S, qs[t], ks[t], vs[t], g, beta, scale)
+        o_ref[t, :] = o.astype(o_ref.dtype)
+    s_out_ref[...] = S
+    # the conv inputs that continue the row: window positions n .. n+W-2, this program's columns
+    for c in range(3):
+        xs = window(c, first, bv)
+        for i in range(Wm1):
+            pick = xs[0]
+            for p in range(1, len(xs)):
+                pick = jnp.where(n + i == p, xs[p], pick)
+            tail_out_ref[c, i, :] = pick.astype(tail_out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("offsets", "scale", "lower_bound", "eps", "interpret"))
+def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
+                      f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
+                      state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
+                      scale: float, lower_bound: float | None, eps: float, interpret: bool = False):
+    """``reference_decode.fused_step_reference`` (same arguments, same rounding points) as one kernel:
+    ``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32 (written in place), tails [3, B, W-1, C])``."""
+    check_fused_inputs(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets)
+    B, T, N = y.shape
+    R, H, K = f_b.shape
+    W, V = tails.shape[2] + 1, state.shape[3]
+    bv = min(BLOCK_V, V)
+    nv = V // bv
+    per_head = lambda *lead: pl.BlockSpec((*lead, None, K), lambda b, h, j: (0,) * len(lead) + (h, 0))
+    states = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
+    o, state, tails_out = pl.pallas_call(
+        functools.partial(_fused_kernel, offsets=offsets, scale=scale, lower_bound=lower_bound, eps=eps),
+        grid=(B, H, nv),
+        in_specs=[pl.BlockSpec((B,), lambda b, h, j: (0,)),
+                  pl.BlockSpec((None, T, N), lambda b, h, j: (b, 0, 0)),
+                  pl.BlockSpec((3, None, W - 1, K), lambda b, h, j: (0, b, 0, h)),
+                  per_head(W), per_head(W), per_head(W), per_head(R),
+                  pl.BlockSpec((None, K), lambda b, h, j: (h, 0)),
+                  pl.BlockSpec((H,), lambda b, h, j: (0,)), states],
+        out_specs=[pl.BlockSpec((None, T, None, bv), lambda b, h, j: (b, 0, h, j)), states,
+                   pl.BlockSpec((3, None, W - 1, bv), lambda b, h, j: (0, b, 0, h * nv + j))],
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, V), y.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(tails.shape, tails.dtype)],
+        input_output_aliases={9: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="kda_decode_fused",
+    )(num_new.astype(jnp.int32), y, tails, *conv_weights, f_b, dt_bias, a_log, state)
+    return o, state, tails_out
+
+
+__all__ = ["BLOCK_V", "MAX_FUSED_TOKENS", "MIN_STATES", "check_fused_inputs", "fused_accepts", "fused_step_pallas",
+           "recurrent_step_pallas", "supports"]

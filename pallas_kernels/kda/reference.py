@@ -41,6 +41,16 @@ def compute_dtype(*arrays) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
+def decay_gate(z: Float[Array, "B T H K"], a_log: Float[Array, "H"],
+               lower_bound: float | None) -> Float[Array, "B T H K"]:
+    """Per-channel log decay ``g <= 0`` from the gate pre-activation ``z`` (in ``z``'s wide dtype):
+    K3's ``lower_bound · sigmoid(exp(A_log) · z)``, Kimi-Linear's ``−exp(A_log) · softplus(z)`` (None)."""
+    rate = jnp.exp(a_log.astype(z.dtype))[:, None]  # [H, 1]
+    if lower_bound is None:
+        return -rate * jax.nn.softplus(z)
+    return lower_bound * jax.nn.sigmoid(rate * z)
+
+
 def segment_index(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Int[Array, "B T"]:
     """Running count of document starts: equal values <=> same document (ids may repeat later)."""
     if segment_ids is None:

@@ -1,5 +1,5 @@
 """Decoding with the layer inputs' mix and norm inside their projections' kernel (``k3jax.layers.mixed_input``,
-``ModelConfig.decode_norm_implementation``): the same step as XLA's path, every projection that reads a
+``ModelConfig.decode_glue_implementation``): the same step as XLA's path, every projection that reads a
 normed input routed to the kernel, the stream's add inside it, and the switch's errors.
 
 On CPU the kernel runs in the Pallas interpreter (``kernel_runs`` forced, ``interpret=True``)."""
@@ -140,7 +140,7 @@ def test_the_switch():
             assert not mixed_input.kernel_runs(None)
     with compile_for("cpu"):
         assert not mixed_input.kernel_runs(None)
-        with pytest.raises(ValueError, match="decode_norm_implementation='pallas' needs a CUDA GPU"):
+        with pytest.raises(ValueError, match="decode_glue_implementation='pallas' needs a CUDA GPU"):
             mixed_input.kernel_runs("pallas")
-    with pytest.raises(ValueError, match="decode_norm_implementation='triton' must be one of"):
-        dataclasses.replace(config.tiny(), decode_norm_implementation="triton")
+    with pytest.raises(ValueError, match="decode_glue_implementation='triton' must be one of"):
+        dataclasses.replace(config.tiny(), decode_glue_implementation="triton")
