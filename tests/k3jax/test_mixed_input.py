@@ -60,6 +60,7 @@ def _interpreted(monkeypatch, drop=None):
     monkeypatch.setattr(moe, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(kda, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(kda, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
+    monkeypatch.setattr(kda, "fused_step", functools.partial(kda.fused_step, interpret=True))
     monkeypatch.setattr(block, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     return calls
