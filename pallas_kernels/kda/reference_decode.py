@@ -29,16 +29,11 @@ def l2_normalize(x: Float[Array, "*B K"], eps: float) -> Float[Array, "*B K"]:
     return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
-def fused_step_reference(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
-                         f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
-                         state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
-                         scale: float, lower_bound: float | None, eps: float):
-    """``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32, tails [3, B, W-1, C] in tails.dtype)``.
-
-    ``tails``: the cached conv inputs of q, k, v (oldest first); ``conv_weights``: q's, k's and v's,
-    ``[W, H, K]`` each (tap ``W-1`` the current token); ``offsets``: the columns of y where q, k, v
-    (``H·K`` each), the β logits (``H``) and ``f_a`` (``R``) start.
-    """
+def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
+            f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
+            num_new: Int[Array, "B"], *, offsets: tuple[int, ...], lower_bound: float | None, eps: float):
+    """Steps 1-4 and the conv tails: ``(q, k, v, g, β, tails)`` as the delta rule takes them (q, k, v in
+    ``y.dtype``, g and β float32, the tokens past ``num_new`` no-ops) and the conv inputs continuing each row."""
     B, T, _ = y.shape
     R, H, K = f_b.shape
     f32, dt = jnp.float32, y.dtype
@@ -57,9 +52,24 @@ def fused_step_reference(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 
     valid = jnp.arange(T)[None, :] < num_new[:, None]
     g = jnp.where(valid[:, :, None, None], g, 0.0)
     beta = jnp.where(valid[:, :, None], beta, 0.0)
-    o, state = naive_recurrent_kda(q.astype(dt), k.astype(dt), v.astype(dt), g, beta, scale=scale,
-                                   initial_state=state.astype(f32))
-    return o, state, conv_tail(jnp.stack(windows), num_new, tails.shape[2]).astype(tails.dtype)
+    new_tails = conv_tail(jnp.stack(windows), num_new, tails.shape[2]).astype(tails.dtype)
+    return q.astype(dt), k.astype(dt), v.astype(dt), g, beta, new_tails
 
 
-__all__ = ["fused_step_reference", "l2_normalize"]
+def fused_step_reference(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
+                         f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
+                         state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
+                         scale: float, lower_bound: float | None, eps: float):
+    """``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32, tails [3, B, W-1, C] in tails.dtype)``.
+
+    ``tails``: the cached conv inputs of q, k, v (oldest first); ``conv_weights``: q's, k's and v's,
+    ``[W, H, K]`` each (tap ``W-1`` the current token); ``offsets``: the columns of y where q, k, v
+    (``H·K`` each), the β logits (``H``) and ``f_a`` (``R``) start.
+    """
+    *qkvgb, tails = prepare(y, tails, conv_weights, f_b, dt_bias, a_log, num_new, offsets=offsets,
+                            lower_bound=lower_bound, eps=eps)
+    o, state = naive_recurrent_kda(*qkvgb, scale=scale, initial_state=state.astype(jnp.float32))
+    return o, state, tails
+
+
+__all__ = ["fused_step_reference", "l2_normalize", "prepare"]
