@@ -11,6 +11,18 @@ walks the ``T`` new tokens in registers and writes the slice back in place
 Per token, in the reference's order: ``S ← S·exp(g)``, ``err = v − kᵀS``, ``S ← S + (βk) errᵀ``,
 ``o = (scale·q)ᵀS``. A Pallas-Triton kernel (one program per (b, h, V block)); ``interpret=True`` runs
 it in the CPU interpreter (the default suite's test).
+
+Below ``MIN_STATES`` the layer's XLA step is three fusions on the decode step's longest chain (the convs,
+norms and gates with ``kᵀS``; ``qᵀS``; the state update), each one more launch a token waits for.
+:func:`fused_step_pallas` is the whole step from the layer's packed input projections
+(``reference_decode.fused_step_reference``, the layer's own XLA step bit for bit): each program reads its
+head's q and k columns and its V block of v from the packed output, runs the causal depthwise convs over
+the cached inputs and the new tokens, SiLU, q and k's L2 norms, β's sigmoid and the decay gate (``f_a ·
+W_fb`` of its head in 32-row steps, ``+ dt_bias``, the bounded or softplus gate), makes a ragged row's
+tokens past ``num_new`` no-ops, then the delta rule on its state slice, and writes the conv inputs that
+continue the row for its columns: one kernel on the chain where XLA runs three (small()'s batch-1 step
+224.7 → 197.5 kernels, 120 → 102 chained with the glue kernels, device-less; benchmarks/RESULTS.md,
+stop 54). ptxas (sm_90a): 80 registers at one token, 168 at four, no spills.
 """
 
 from __future__ import annotations
