@@ -271,12 +271,13 @@ class KDA(nn.Module):
         (``kernel_gpu_decode.fused_step_pallas``: the convs, q and k's norms, β, the decay gate from ``f_a``
         and the delta rule), where XLA's path runs three kernels on the step's critical path (batch 1
         of ``small()``, device-less); ``(o, cache)``, or None where it does not apply (no packed kernel,
-        ``ModelConfig.decode_glue_implementation``, as many states as the unfused kernel takes, prefill)."""
+        ``ModelConfig.decode_glue_implementation``, as many states as the unfused kernel takes, more than
+        ``MAX_FUSED_TOKENS`` new tokens)."""
         cfg, c = self.cfg, self.cfg.kda
         if packed is None or not kernel_runs(cfg.decode_glue_implementation):
             return None
         B, T = packed.shape[:2]
-        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES or T >= c.chunk_size:
+        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES:
             return None
         num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
         ws = tuple(self._conv_weight(f"{n}_conv") for n in "qkv")
