@@ -33,6 +33,7 @@ from k3jax.layers.attn_res import ResidualStream, attn_res
 from k3jax.layers.block import DecoderLayer
 from k3jax.layers.embed import TokenEmbed
 from k3jax.layers.linear import constrain, einsum, proj
+from k3jax.layers.mixed_input import kernel_runs, mixed_input
 from k3jax.layers.norm import norm
 from k3jax.layers.stack import layer_stack, run_stack
 from k3jax.layout import scan_plan
@@ -156,6 +157,12 @@ class Transformer(nn.Module):
             raise ValueError(f"embeddings must have shape [B, T, D] = {tokens.shape + (cfg.hidden,)}, got {x.shape}")
         stream = ResidualStream.start(x.astype(cfg.compute_dtype), cfg.num_attn_res_blocks)
         stream, new_caches = self._layers(stream, caches=caches, valid=valid, keep_steps=keep_steps)
+        lazy = not return_hidden and self.out_res is not None and isinstance(stream, ResidualStream)
+        if lazy and kernel_runs(cfg.decode_glue_implementation):
+            # the head's input in one kernel (the output mix, the final norm, the last layer's add inside:
+            # XLA runs four on the step's chain), then XLA's product (k3jax.layers.mixed_input)
+            x = mixed_input(self.out_res, self.final_norm, stream).materialize(kernel=True)
+            return constrain(self.logits(x), ("batch", "length", "vocab")), new_caches
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         out = (logits, hidden, stream.blocks) if return_hidden else logits

@@ -96,11 +96,11 @@ class MixedInput:
         flat = lambda a: None if a is None else a.reshape(rows, -1)
         return tuple(map(flat, self.sources)), tuple(map(flat, self.addends)), flat(self.gate)
 
-    def materialize(self) -> jax.Array:
+    def materialize(self, kernel: bool = False) -> jax.Array:
         """The array: by ``kernel_gpu.mixed_norm`` where ``fused``, it takes the inputs and the matvec kernel
-        does not take the tokens (batch 64), else by the model's functions (what the layer computes
-        without this class)."""
-        if self.fused and not kernel_gpu.takes_tokens(math.prod(self.shape[:-1])):
+        does not take the tokens (batch 64) or ``kernel`` asks for it at any count (the head's input, read by
+        XLA's product alone), else by the model's functions (what the layer computes without this class)."""
+        if self.fused and (kernel or not kernel_gpu.takes_tokens(math.prod(self.shape[:-1]))):
             # (at a few tokens the readers the matvec kernel leaves, MLA's g_proj, chain shorter on XLA's
             # fusions: 120 against 135 kernels on small()'s batch-1 chain, device-less)
             sources, addends, gate = self._rows(1)

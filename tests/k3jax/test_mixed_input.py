@@ -17,6 +17,7 @@ import pytest
 import k3jax.layers.block as block
 import k3jax.layers.kda as kda
 import k3jax.layers.moe as moe
+import k3jax.model as model
 from k3jax import config
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_layout, forward_cached, prefill
@@ -62,6 +63,8 @@ def _interpreted(monkeypatch, drop=None):
     monkeypatch.setattr(kda, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     monkeypatch.setattr(kda, "fused_step", functools.partial(kda.fused_step, interpret=True))
     monkeypatch.setattr(block, "mixed_input", lazy_input)
+    monkeypatch.setattr(model, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(model, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
     return calls
 
@@ -87,6 +90,29 @@ def test_decode_step_matches_the_xla_path(decoding, monkeypatch):
                      (L, 1, None, 0, False): 5,  # the latent norm and up_proj
                      (HK, 1, None, 0, True): 4}  # KDA's per-head output norm and gate, o_proj
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_heads_input_is_one_norm_kernel(decoding, monkeypatch):
+    """At batch 1 too the head's input (the output mix over every block, the final norm, the last MoE layer's
+    routed and shared outputs added inside) is one ``mixed_norm`` kernel before XLA's product; without the
+    glue kernels (``return_hidden``, which needs the mix itself) the head is XLA's alone. Same logits."""
+    variables, cfg, cache, token = decoding
+    want, _ = forward_cached(variables, cfg, token, cache)
+    _interpreted(monkeypatch)
+    norms = []
+    run = mixed_input.kernel_gpu.mixed_norm
+
+    def counted(sources, mix, scale, **kw):
+        norms.append((len(sources), len(kw.get("addends", ()))))
+        return run(sources, mix, scale, **kw)
+
+    monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
+    got, _ = forward_cached(variables, cfg, token, cache)
+    assert norms == [(cfg.num_attn_res_blocks + 1, 2)]  # every stored block and the partial sum
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    norms.clear()
+    forward_cached(variables, cfg, token, cache, return_hidden=True)
+    assert not norms
 
 
 @pytest.mark.parametrize("drop", ["mixer", "ffn"])
@@ -125,8 +151,9 @@ def test_batch_8_takes_the_norm_kernel(monkeypatch):
         by_kind[adds, gated] += n
     # (run eagerly, each reader materializes its input: one kernel a reader) layer 0's input and the latent
     # norms; KDA's output norms; the feed-forwards' inputs (the mixer's output added: router, down_proj,
-    # shared gate and up, the dense MLP's gate and up); the layer inputs after a MoE layer (its two outputs)
-    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 23, (2, False): 6}
+    # shared gate and up, the dense MLP's gate and up); the layer inputs after a MoE layer and the head's (its two
+    # outputs)
+    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 23, (2, False): 7}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
