@@ -1,14 +1,16 @@
 """KDA's decode step from its packed input projections: XLA's step, XLA's prep with the unfused kernel, and
 the fused kernel.
 
-Three paths of one step (``pallas_kernels/kda/reference_decode.py``'s, same arguments and results):
+Four paths of one step (``pallas_kernels/kda/reference_decode.py``'s, same arguments and results):
 
 - ``xla``: ``fused_step_reference`` as XLA compiles it — the KDA layer's own decode step (the tests
   show it equal bit for bit): the peer a JAX user has, and the layer's path below ``MIN_STATES``;
 - ``unfused``: XLA's prep (convs, norms, β, the decay gate) then ``recurrent_step_pallas`` — the
   layer's path at ``MIN_STATES`` (sequence, head) states or more;
-- ``fused``: ``fused_step_pallas``, all of it one kernel (the layer's path below ``MIN_STATES`` with
-  ``decode_glue_implementation`` on).
+- ``fused``: ``fused_step_pallas``, all of it one kernel, ``f_a · W_fb`` in every program (the layer's
+  path below ``MIN_STATES`` with ``decode_glue_implementation`` on);
+- ``fused_z``: XLA's matmul makes ``z = f_a · W_fb``, then the fused kernel (the layer's path from
+  ``MIN_STATES``, the glue on).
 
 Shapes: ``small()``'s KDA layer (8 heads of 128) at batch 1 (one token, and four as speculative
 verification feeds), at batch 64, and K3's 96 heads at batch 1. Each path runs ``--steps`` chained
@@ -69,8 +71,13 @@ def paths(static: dict, interpret: bool) -> dict:
         o, state = recurrent_step_pallas(*qkvgb, state, scale=static["scale"], interpret=interpret)
         return o, state, tails
 
+    def fused_z(y, tails, convs, f_b, *rest):
+        at = static["offsets"][4]
+        z = jnp.einsum("BTR,RHK->BTHK", y[..., at:at + f_b.shape[0]], f_b.astype(y.dtype))
+        return fused_step_pallas(y, tails, convs, z, *rest, **static, interpret=interpret)
+
     return {"xla": functools.partial(fused_step_reference, **static), "unfused": unfused,
-            "fused": functools.partial(fused_step_pallas, **static, interpret=interpret)}
+            "fused": functools.partial(fused_step_pallas, **static, interpret=interpret), "fused_z": fused_z}
 
 
 def chained(fn, steps: int):

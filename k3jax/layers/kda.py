@@ -201,11 +201,15 @@ class KDA(nn.Module):
                         wide_param_dtype(cfg))
         return dt_bias, param(self, "A_log", _a_log_init, (c.num_heads,), ("heads",), wide_param_dtype(cfg))
 
-    def _log_decay(self, z: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
+    def _decay_product(self, f_a: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
+        """``z = f_a · W_fb``, the decay gate's input before its bias, in the compute dtype."""
         cfg, c = self.cfg, self.cfg.kda
         H, K, R = c.num_heads, c.head_dim, c.decay_rank
-        z = proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(z)
-        return _biased_decay_gate(z, *self._gate_params(), c.gate_lower_bound, cfg.fp32_dtype)
+        return proj(cfg, "BTR,RHK->BTHK", (R, H, K), ("decay_rank", "heads", "head_dim"), "f_b")(f_a)
+
+    def _log_decay(self, f_a: Float[Array, "B T R"]) -> Float[Array, "B T H K"]:
+        cfg, c = self.cfg, self.cfg.kda
+        return _biased_decay_gate(self._decay_product(f_a), *self._gate_params(), c.gate_lower_bound, cfg.fp32_dtype)
 
     def _output_gate(self, xs: dict[str, Array]) -> Float[Array, "B T H K"]:
         c = self.cfg.kda
@@ -221,7 +225,7 @@ class KDA(nn.Module):
         B, T, D = x.shape
         H, K = c.num_heads, c.head_dim
         projected, packed = self._input_projections(x)
-        fused = None if cache is None or keep_steps else self._fused_step(packed, cache, valid)
+        fused = None if cache is None or keep_steps else self._fused_step(projected, packed, cache, valid)
         if fused is not None:
             o, cache = fused
         else:
@@ -266,26 +270,31 @@ class KDA(nn.Module):
             o = chunk_kda_cp(*kda_args, **kda_kwargs, gpu_prep_backward=c.gpu_prep_backward)
         return o, cache
 
-    def _fused_step(self, packed: Array | None, cache, valid) -> tuple[Array, Any] | None:
+    def _fused_step(self, projected: dict[str, Array], packed: Array | None, cache, valid) -> tuple[Array, Any] | None:
         """Decoding a few tokens on one device: steps 1-5 from the packed input projections as one kernel
-        (``kernel_gpu_decode.fused_step_pallas``: the convs, q and k's norms, β, the decay gate from ``f_a``
-        and the delta rule), where XLA's path runs three kernels on the step's critical path (batch 1
-        of ``small()``, device-less); ``(o, cache)``, or None where it does not apply (no packed kernel,
-        ``ModelConfig.decode_glue_implementation``, as many states as the unfused kernel takes, more than
-        ``MAX_FUSED_TOKENS`` new tokens)."""
+        (``kernel_gpu_decode.fused_step_pallas``: the convs, q and k's norms, β, the decay gate and the
+        delta rule), where XLA's path runs three kernels on the step's critical path (batch 1 of
+        ``small()``) and, from ``MIN_STATES`` (sequence, head) states, six around the unfused kernel. Below
+        ``MIN_STATES`` each program also multiplies its head's ``f_a`` by ``W_fb``; from there XLA's matmul
+        makes ``z`` first. ``(o, cache)``, or None where it does not apply (no packed kernel,
+        ``ModelConfig.decode_glue_implementation``, more than ``MAX_FUSED_TOKENS`` new tokens)."""
         cfg, c = self.cfg, self.cfg.kda
         if packed is None or not kernel_runs(cfg.decode_glue_implementation):
             return None
         B, T = packed.shape[:2]
-        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES:
+        if T > kernel_gpu_decode.MAX_FUSED_TOKENS:
             return None
         num_new = jnp.full((B,), T, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
-        ws = tuple(self._conv_weight(f"{n}_conv") for n in "qkv")
-        f_b = nn.meta.unbox(self.get_variable("params", "f_b"))["kernel"]
-        args = (packed, cache.conv, ws, f_b, *self._gate_params(), cache.state, num_new)
+        # read, not declared: where the kernel does not take them, the XLA path declares the same parameters
+        stored = lambda name: nn.meta.unbox(self.get_variable("params", name))
+        ws = tuple(stored(f"{n}_conv") for n in "qkv")
+        args = [packed, cache.conv, ws, stored("f_b")["kernel"], stored("dt_bias"), stored("A_log"), cache.state,
+                num_new]
         offsets = tuple(int(a) for a in np.cumsum([0] + [int(np.prod(out)) for _, out in packed_inputs(cfg)])[:5])
         if not kernel_gpu_decode.fused_accepts(*args, offsets):
             return None
+        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES:
+            args[3] = self._decay_product(projected["f_a"])
         o, state, tails = fused_step(*args, offsets=offsets, scale=c.head_dim ** -0.5,
                                      lower_bound=c.gate_lower_bound, eps=QK_L2_EPS)
         return o, cache.replace(state=state.astype(cache.state.dtype), conv=tails)

@@ -105,14 +105,16 @@ def recurrent_step_pallas(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"]
     return o[:, :T], state
 
 
-def check_fused_inputs(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets) -> None:
+def check_fused_inputs(y, tails, conv_weights, decay, dt_bias, a_log, state, num_new, offsets) -> None:
     """Raise ``ValueError`` naming the argument when :func:`fused_step_pallas` cannot take these inputs."""
     if y.ndim != 3 or not 1 <= y.shape[1] <= MAX_FUSED_TOKENS:
         raise ValueError(f"y must be [B, T, N] with 1 <= T <= {MAX_FUSED_TOKENS} new tokens, got {y.shape}")
     B, T, N = y.shape
-    if f_b.ndim != 3:
-        raise ValueError(f"f_b must be [R, H, K], got {f_b.shape}")
-    R, H, K = f_b.shape
+    if decay.ndim not in (3, 4) or (decay.ndim == 4 and (decay.shape[:2] != (B, T) or decay.dtype != y.dtype)):
+        raise ValueError(f"decay must be W_fb [R, H, K] or the product z [B, T, H, K] = [{B}, {T}, H, K] in y's "
+                         f"dtype {y.dtype}, got {decay.shape} {decay.dtype}")
+    H, K = decay.shape[-2:]
+    R = decay.shape[0] if decay.ndim == 3 else K
     if state.shape[:3] != (B, H, K) or state.ndim != 4 or state.dtype != jnp.float32:
         raise ValueError(f"state must be float32 [B, H, K, V] = [{B}, {H}, {K}, V], got {state.shape} {state.dtype}")
     V = state.shape[3]
@@ -132,21 +134,21 @@ def check_fused_inputs(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_n
     if len(offsets) != 5 or any(at < 0 or at + n > N for at, n in zip(offsets, widths)):
         raise ValueError(f"offsets must be the columns of y (N={N}) where q, k, v, β and f_a start (widths "
                          f"{widths}), got {offsets}")
-    if any(x.dtype == jnp.float64 for x in (y, tails, f_b, dt_bias, a_log, *conv_weights)):
+    if any(x.dtype == jnp.float64 for x in (y, tails, decay, dt_bias, a_log, *conv_weights)):
         raise ValueError("the fused step takes no float64 input (the reference does)")
 
 
-def fused_accepts(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets) -> bool:
+def fused_accepts(y, tails, conv_weights, decay, dt_bias, a_log, state, num_new, offsets) -> bool:
     """Whether :func:`check_fused_inputs` takes these inputs."""
-    return passes(check_fused_inputs, y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets)
+    return passes(check_fused_inputs, y, tails, conv_weights, decay, dt_bias, a_log, state, num_new, offsets)
 
 
-def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, fb_ref, bias_ref, alog_ref, s_ref,
-                  o_ref, s_out_ref, tail_out_ref, *, offsets, scale: float, lower_bound, eps: float):
+def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bias_ref, alog_ref, s_ref,
+                  o_ref, s_out_ref, tail_out_ref, *, offsets, product: bool, scale: float, lower_bound, eps: float):
     f32 = jnp.float32
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     T, Wm1 = y_ref.shape[0], tail_ref.shape[1]
-    R, K, bv = fb_ref.shape[0], fb_ref.shape[-1], s_ref.shape[-1]
+    K, bv = decay_ref.shape[-1], s_ref.shape[-1]
     dt = y_ref.dtype
     n = n_ref[b]  # the row's real new tokens
     head = pl.multiple_of(h * K, K)
@@ -175,16 +177,20 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, fb_ref, bias_r
     qs = [l2(x) for x in silu_conv(window(0, 0, K), wq_ref, pl.ds(0, K))]
     ks = [l2(x) for x in silu_conv(window(1, 0, K), wk_ref, pl.ds(0, K))]
     vs = [x.astype(dt).astype(f32) for x in silu_conv(window(2, first, bv), wv_ref, pl.ds(first, bv))]
-    # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile would hold 128 registers a thread)
-    step = min(R, 32)
-    zs = [jnp.zeros((K,), f32)] * T
-    for r in range(0, R, step):
-        fb = fb_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
-        fas = [y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32) for t in range(T)]
-        zs = [z + jnp.sum(fa[:, None] * fb, axis=0) for z, fa in zip(zs, fas)]
+    if product:  # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile: 128 registers a thread)
+        R = decay_ref.shape[0]
+        step = min(R, 32)
+        zs = [jnp.zeros((K,), f32)] * T
+        for r in range(0, R, step):
+            fb = decay_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
+            fas = [y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32) for t in range(T)]
+            zs = [z + jnp.sum(fa[:, None] * fb, axis=0) for z, fa in zip(zs, fas)]
+        zs = [z.astype(dt).astype(f32) for z in zs]  # the f_b projection's output, rounded as the layer's
+    else:
+        zs = [decay_ref[t, :].astype(f32) for t in range(T)]
     bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
     for t in range(T):
-        z = zs[t].astype(dt).astype(f32) + bias  # the f_b projection's output, rounded as the layer's
+        z = zs[t] + bias
         g = -rate * jax.nn.softplus(z) if lower_bound is None else lower_bound * jax.nn.sigmoid(rate * z)
         beta = jax.nn.sigmoid(y_ref[t, offsets[3] + h].astype(f32))
         real = t < n
@@ -204,26 +210,34 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, fb_ref, bias_r
 
 @functools.partial(jax.jit, static_argnames=("offsets", "scale", "lower_bound", "eps", "interpret"))
 def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
-                      f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
-                      state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
-                      scale: float, lower_bound: float | None, eps: float, interpret: bool = False):
+                      decay: Float[Array, "R H K"] | Float[Array, "B T H K"], dt_bias: Float[Array, "H K"],
+                      a_log: Float[Array, "H"], state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *,
+                      offsets: tuple[int, ...], scale: float, lower_bound: float | None, eps: float,
+                      interpret: bool = False):
     """``reference_decode.fused_step_reference`` (same arguments, same rounding points) as one kernel:
-    ``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32 (written in place), tails [3, B, W-1, C])``."""
-    check_fused_inputs(y, tails, conv_weights, f_b, dt_bias, a_log, state, num_new, offsets)
+    ``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32 (written in place), tails [3, B, W-1, C])``.
+
+    ``decay``: the decay's second factor ``W_fb [R, H, K]`` (each program multiplies its head's ``f_a`` by
+    it: no kernel before this one) or the product ``z [B, T, H, K]`` itself (made before, e.g. by XLA's
+    matmul at large batches, where every program re-reading its head's ``W_fb`` would cost more)."""
+    check_fused_inputs(y, tails, conv_weights, decay, dt_bias, a_log, state, num_new, offsets)
     B, T, N = y.shape
-    R, H, K = f_b.shape
+    H, K = decay.shape[-2:]
+    product = decay.ndim == 3
     W, V = tails.shape[2] + 1, state.shape[3]
     bv = min(BLOCK_V, V)
     nv = V // bv
     per_head = lambda *lead: pl.BlockSpec((*lead, None, K), lambda b, h, j: (0,) * len(lead) + (h, 0))
     states = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     o, state, tails_out = pl.pallas_call(
-        functools.partial(_fused_kernel, offsets=offsets, scale=scale, lower_bound=lower_bound, eps=eps),
+        functools.partial(_fused_kernel, offsets=offsets, product=product, scale=scale, lower_bound=lower_bound,
+                          eps=eps),
         grid=(B, H, nv),
         in_specs=[pl.BlockSpec((B,), lambda b, h, j: (0,)),
                   pl.BlockSpec((None, T, N), lambda b, h, j: (b, 0, 0)),
                   pl.BlockSpec((3, None, W - 1, K), lambda b, h, j: (0, b, 0, h)),
-                  per_head(W), per_head(W), per_head(W), per_head(R),
+                  per_head(W), per_head(W), per_head(W),
+                  per_head(decay.shape[0]) if product else pl.BlockSpec((None, T, None, K), lambda b, h, j: (b, 0, h, 0)),
                   pl.BlockSpec((None, K), lambda b, h, j: (h, 0)),
                   pl.BlockSpec((H,), lambda b, h, j: (0,)), states],
         out_specs=[pl.BlockSpec((None, T, None, bv), lambda b, h, j: (b, 0, h, j)), states,
@@ -233,7 +247,7 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
         input_output_aliases={9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="kda_decode_fused",
-    )(num_new.astype(jnp.int32), y, tails, *conv_weights, f_b, dt_bias, a_log, state)
+    )(num_new.astype(jnp.int32), y, tails, *conv_weights, decay, dt_bias, a_log, state)
     return o, state, tails_out
 
 

@@ -8,7 +8,7 @@ columns of q, k, v, the β logits and the decay's first factor at ``offsets``):
    the ``T`` new ones, in float32; q and k L2-normalised per head; all three rounded to ``y.dtype``;
 2. ``β = sigmoid(b)`` in float32;
 3. ``g = decay_gate(z + dt_bias)`` with ``z = f_a · W_fb`` in ``y.dtype`` (the layer's ``f_b``
-   projection), the gate in float32;
+   projection; or ``z`` given), the gate in float32;
 4. tokens at or after a row's ``num_new`` are no-ops for the state (``g = 0``, ``β = 0``);
 5. the gated delta rule from ``state`` (:func:`naive_recurrent_kda`), and the conv inputs that continue
    each row (:func:`conv_tail`).
@@ -30,12 +30,13 @@ def l2_normalize(x: Float[Array, "*B K"], eps: float) -> Float[Array, "*B K"]:
 
 
 def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
-            f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
-            num_new: Int[Array, "B"], *, offsets: tuple[int, ...], lower_bound: float | None, eps: float):
+            decay: Float[Array, "R H K"] | Float[Array, "B T H K"], dt_bias: Float[Array, "H K"],
+            a_log: Float[Array, "H"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
+            lower_bound: float | None, eps: float):
     """Steps 1-4 and the conv tails: ``(q, k, v, g, β, tails)`` as the delta rule takes them (q, k, v in
     ``y.dtype``, g and β float32, the tokens past ``num_new`` no-ops) and the conv inputs continuing each row."""
     B, T, _ = y.shape
-    R, H, K = f_b.shape
+    H, K = decay.shape[-2:]
     f32, dt = jnp.float32, y.dtype
     q_at, k_at, v_at, b_at, fa_at = offsets
     convs, windows = [], []
@@ -47,7 +48,10 @@ def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_wei
         windows.append(jnp.concatenate([tail, x.astype(tail.dtype)], axis=1))
     q, k, v = l2_normalize(convs[0], eps), l2_normalize(convs[1], eps), convs[2]
     beta = jax.nn.sigmoid(y[..., b_at:b_at + H].astype(f32))
-    z = jnp.einsum("BTR,RHK->BTHK", y[..., fa_at:fa_at + R], f_b.astype(dt))
+    if decay.ndim == 3:  # W_fb: the layer's f_b product
+        z = jnp.einsum("BTR,RHK->BTHK", y[..., fa_at:fa_at + decay.shape[0]], decay.astype(dt))
+    else:
+        z = decay
     g = decay_gate(z.astype(f32) + dt_bias.astype(f32), a_log, lower_bound)
     valid = jnp.arange(T)[None, :] < num_new[:, None]
     g = jnp.where(valid[:, :, None, None], g, 0.0)
@@ -57,16 +61,17 @@ def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_wei
 
 
 def fused_step_reference(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
-                         f_b: Float[Array, "R H K"], dt_bias: Float[Array, "H K"], a_log: Float[Array, "H"],
-                         state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
-                         scale: float, lower_bound: float | None, eps: float):
+                         decay: Float[Array, "R H K"] | Float[Array, "B T H K"], dt_bias: Float[Array, "H K"],
+                         a_log: Float[Array, "H"], state: Float[Array, "B H K V"], num_new: Int[Array, "B"], *,
+                         offsets: tuple[int, ...], scale: float, lower_bound: float | None, eps: float):
     """``(o [B, T, H, V] in y.dtype, state [B, H, K, V] float32, tails [3, B, W-1, C] in tails.dtype)``.
 
     ``tails``: the cached conv inputs of q, k, v (oldest first); ``conv_weights``: q's, k's and v's,
-    ``[W, H, K]`` each (tap ``W-1`` the current token); ``offsets``: the columns of y where q, k, v
-    (``H·K`` each), the β logits (``H``) and ``f_a`` (``R``) start.
+    ``[W, H, K]`` each (tap ``W-1`` the current token); ``decay``: the decay's second factor ``W_fb
+    [R, H, K]`` or the product ``z = f_a · W_fb [B, T, H, K]`` in ``y.dtype``; ``offsets``: the columns of
+    y where q, k, v (``H·K`` each), the β logits (``H``) and ``f_a`` (``R``) start.
     """
-    *qkvgb, tails = prepare(y, tails, conv_weights, f_b, dt_bias, a_log, num_new, offsets=offsets,
+    *qkvgb, tails = prepare(y, tails, conv_weights, decay, dt_bias, a_log, num_new, offsets=offsets,
                             lower_bound=lower_bound, eps=eps)
     o, state = naive_recurrent_kda(*qkvgb, scale=scale, initial_state=state.astype(jnp.float32))
     return o, state, tails

@@ -1,4 +1,4 @@
-"""benchmarks/bench_kda_decode.py: its three paths run on the same inputs and agree (the kernels interpreted),
+"""benchmarks/bench_kda_decode.py: its four paths run on the same inputs and agree (the kernels interpreted),
 so the ratios it prints compare like with like; its inputs are laid out as the KDA layer packs them."""
 
 import json
@@ -14,7 +14,7 @@ def test_interpreted_run_agrees_with_xla(tmp_path):
     rows = json.loads(out.read_text())["shapes"]
     assert set(rows) == {"small b1", "small b1 t4"}
     for name, row in rows.items():
-        assert set(row["us"]) == {"xla", "unfused", "fused"}
+        assert set(row["us"]) == {"xla", "unfused", "fused", "fused_z"}
         assert max(row["rel_deviation"].values()) <= BF16_FWD_RTOL, (name, row)
 
 

@@ -3,7 +3,7 @@ kernel's reference is the layer's own XLA step bit for bit, the kernel (CPU inte
 logits and caches, ragged rows included, and it runs only where it should.
 
 ``kernel_runs`` is forced on (as on a CUDA GPU) and the kernels run interpreted; the comparison path is
-the same layer with the fused step off (``MIN_STATES`` 0), so both share KDA's output norm kernel."""
+the same layer with the fused step off (``MAX_FUSED_TOKENS`` 0), so both share KDA's output norm kernel."""
 
 import functools
 
@@ -49,7 +49,7 @@ def _step(monkeypatch, decoding, step, tokens, num_new=None, fused=True):
         m.setattr(kda, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
         m.setattr(kda, "fused_step", counted)
         if not fused:
-            m.setattr(kernel_gpu_decode, "MIN_STATES", 0)
+            m.setattr(kernel_gpu_decode, "MAX_FUSED_TOKENS", 0)
         out = forward_cached(variables, cfg, tokens, cache, num_new=num_new)
     return out, calls
 
@@ -88,13 +88,35 @@ def test_kernel_step_matches_the_layers_step(decoding, monkeypatch, T, num_new):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_only_below_the_unfused_kernels_batch(decoding, monkeypatch):
-    """At ``MIN_STATES`` (sequence, head) states or more the unfused kernel's path runs instead; with
-    ``decode_glue_implementation`` "xla" (CPU, the default) the step never takes it."""
+@pytest.mark.parametrize("min_states,product", [(64, True), (2 * 4, False)])
+def test_from_min_states_the_product_comes_first(decoding, monkeypatch, min_states, product):
+    """Below ``MIN_STATES`` (sequence, head) states the kernel multiplies ``f_a`` by ``W_fb`` itself; from there
+    (tiny(): 2 rows x 4 heads) it takes XLA's product ``z [B, T, H, K]``. Both give the layer's step."""
     tokens = decoding[3][:, :1]
-    monkeypatch.setattr(kernel_gpu_decode, "MIN_STATES", 2 * 4)  # tiny(): 2 rows x 4 heads
-    _, calls = _step(monkeypatch, decoding, _kernel, tokens)
+    (want, want_cache), _ = _step(monkeypatch, decoding, None, tokens, fused=False)
+    monkeypatch.setattr(kernel_gpu_decode, "MIN_STATES", min_states)
+    decays = []
+
+    def kernel(*args, **kw):
+        decays.append(args[3].ndim)
+        return _kernel(*args, **kw)
+
+    (got, got_cache), _ = _step(monkeypatch, decoding, kernel, tokens)
+    assert decays == [3 if product else 4] * 4
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_off_by_default_and_past_its_tokens(decoding, monkeypatch):
+    """With ``decode_glue_implementation`` "xla" (the default) the step never takes the kernel, nor with more
+    new tokens than ``MAX_FUSED_TOKENS`` (the layer's own path then runs, its parameters declared once)."""
+    variables, cfg, cache, tokens = decoding
+    with monkeypatch.context() as m:
+        m.setattr(kda, "fused_step", lambda *a, **k: pytest.fail("the fused step ran"))
+        forward_cached(variables, cfg, tokens[:, :1], cache)
+    monkeypatch.setattr(kernel_gpu_decode, "MAX_FUSED_TOKENS", 2)
+    (want, _), _ = _step(monkeypatch, decoding, None, tokens, fused=False)
+    (got, _), calls = _step(monkeypatch, decoding, _kernel, tokens)
     assert not calls
-    variables, cfg, cache, _ = decoding
-    monkeypatch.setattr(kda, "fused_step", lambda *a, **k: pytest.fail("the fused step ran"))
-    forward_cached(variables, cfg, tokens, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

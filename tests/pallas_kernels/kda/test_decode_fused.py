@@ -35,6 +35,15 @@ def _inputs(seed, B, T, H, K, num_new=None, param_dtype=jnp.float32, lower_bound
     return (y, tails, convs, f_b, dt_bias, a_log, state, num_new), kw
 
 
+def _with_product(args, kw):
+    """``args`` with the decay's product ``z = f_a · W_fb`` made first (as XLA's matmul makes it from
+    ``MIN_STATES`` states) in place of ``W_fb``."""
+    y, f_b = args[0], args[3]
+    at = kw["offsets"][4]
+    z = jnp.einsum("BTR,RHK->BTHK", y[..., at:at + f_b.shape[0]], f_b.astype(y.dtype))
+    return args[:3] + (z,) + args[4:], kw
+
+
 def _check(args, kw, interpret=True):
     want = jax.jit(lambda *a: fused_step_reference(*a, **kw))(*args)
     got = fused_step_pallas(*args, **kw, interpret=interpret)
@@ -54,6 +63,17 @@ def _check(args, kw, interpret=True):
 ])
 def test_interpreted_kernel_matches_reference(B, T, H, K, num_new, param_dtype, lower_bound):
     _check(*_inputs(0, B, T, H, K, num_new, param_dtype, lower_bound))
+
+
+@pytest.mark.parametrize("B,T,num_new,lower_bound", [(2, 1, None, -5.0), (2, 3, [3, 1], None)])
+def test_interpreted_kernel_takes_the_product_given(B, T, num_new, lower_bound):
+    """``decay`` as the product ``z [B, T, H, K]`` instead of ``W_fb``: the same step."""
+    args, kw = _inputs(4, B, T, 2, 32, num_new, lower_bound=lower_bound)
+    _check(*_with_product(args, kw))
+    got = fused_step_pallas(*_with_product(args, kw)[0], **kw, interpret=True)
+    want = fused_step_pallas(*args, **kw, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @settings(max_examples=6, deadline=None)
@@ -91,6 +111,8 @@ def test_errors_name_the_argument():
         call(y, tails, convs[:2], *args[3:])
     with pytest.raises(ValueError, match="dt_bias, a_log, num_new must be"):
         call(*args[:7], jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"decay must be W_fb \[R, H, K\] or the product z \[B, T, H, K\]"):
+        call(*args[:3], jnp.zeros((1, 1, 2, 16), jnp.float32), *args[4:])  # z not in y's dtype
     with pytest.raises(ValueError, match="offsets must be the columns of y"):
         call(*args, offsets=(0, 32, 64, 96, y.shape[2]))
     assert not fused_accepts(*args[:6], state.astype(jnp.bfloat16), num_new, kw["offsets"])
@@ -98,7 +120,10 @@ def test_errors_name_the_argument():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,K,num_new", [(1, 1, 8, 128, None), (2, 4, 8, 128, [4, 2]), (1, 1, 96, 128, None)])
-def test_compiled_kernel_matches_reference(B, T, H, K, num_new):
-    """small()'s KDA layer at batch 1 and 2 (four tokens, ragged), and K3's 96 heads."""
-    _check(*_inputs(1, B, T, H, K, num_new), interpret=False)
+@pytest.mark.parametrize("B,T,H,K,num_new,product", [(1, 1, 8, 128, None, False), (2, 4, 8, 128, [4, 2], False),
+                                                    (1, 1, 96, 128, None, True), (64, 1, 8, 128, None, True)])
+def test_compiled_kernel_matches_reference(B, T, H, K, num_new, product):
+    """small()'s KDA layer at batch 1 and 2 (four tokens, ragged) with W_fb inside, K3's 96 heads and small()'s
+    batch 64 with the product given (the layer's path from MIN_STATES states)."""
+    args, kw = _inputs(1, B, T, H, K, num_new)
+    _check(*(_with_product(args, kw) if product else (args, kw)), interpret=False)
