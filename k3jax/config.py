@@ -59,7 +59,7 @@ class ModelConfig:
     scan_layers: bool = True
     # Decoding a few tokens, the glue between the projections on ``decode_layout``'s tree inside the
     # kernels: each normed input (the AttnRes mix and RMSNorm before a layer's input projections, the
-    # latent norm before ``up_proj``) computed by the projection's kernel (``k3jax.layers.mixed_input``),
+    # latent norm before ``up_proj``, the head's) computed by one kernel (``k3jax.layers.mixed_input``),
     # and KDA's convs, norms and gates by its step's kernel (``KDA._fused_step``): "pallas"; None: where a
     # CUDA GPU runs it; "xla": XLA's kernels. "xla" until the H200 times it (benchmarks/RESULTS.md, stops 53-54).
     decode_glue_implementation: str | None = "xla"

@@ -12,9 +12,10 @@ output-first ``Proj`` kernels (``down_proj``, ``up_proj``, KDA's ``o_proj`` afte
 norm and gate), the router (with its sigmoid), the MLP's gate and up (with the activation) — pass it
 to the one kernel that computes the mix, the norm and the product; anything else that reads it gets
 the array the model's own functions compute (``materialize``, also what ``jnp`` calls through
-``__jax_array__``), so every path stays correct where the kernel does not apply. Same sums, in
-another float32 order. The residual adds a kernel repeats (``ResidualStream.add_kept``, the decode
-layer's) also run on their own, behind optimization barriers, for the stream itself.
+``__jax_array__``), so every path stays correct where the kernel does not apply. The head's input (the
+output mix and the final norm) is one ``mixed_norm`` kernel at any token count (``Transformer.decode``).
+Same sums, in another float32 order. The residual adds a kernel repeats (``ResidualStream.add_kept``,
+the decode layer's) also run on their own, behind optimization barriers, for the stream itself.
 """
 
 from __future__ import annotations

@@ -231,6 +231,7 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
     bv = min(BLOCK_V, V)
     nv = V // bv
     per_head = lambda *lead: pl.BlockSpec((*lead, None, K), lambda b, h, j: (0,) * len(lead) + (h, 0))
+    per_row = pl.BlockSpec((None, T, None, K), lambda b, h, j: (b, 0, h, 0))  # z's tokens of one (b, h)
     states = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     o, state, tails_out = pl.pallas_call(
         functools.partial(_fused_kernel, offsets=offsets, product=product, scale=scale, lower_bound=lower_bound,
@@ -240,7 +241,7 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
                   pl.BlockSpec((None, T, N), lambda b, h, j: (b, 0, 0)),
                   pl.BlockSpec((3, None, W - 1, K), lambda b, h, j: (0, b, 0, h)),
                   per_head(W), per_head(W), per_head(W),
-                  per_head(decay.shape[0]) if product else pl.BlockSpec((None, T, None, K), lambda b, h, j: (b, 0, h, 0)),
+                  per_head(decay.shape[0]) if product else per_row,
                   pl.BlockSpec((None, K), lambda b, h, j: (h, 0)),
                   pl.BlockSpec((H,), lambda b, h, j: (0,)), states],
         out_specs=[pl.BlockSpec((None, T, None, bv), lambda b, h, j: (b, 0, h, j)), states,
