@@ -60,9 +60,10 @@ class ModelConfig:
     # Decoding a few tokens, the glue between the projections on ``decode_layout``'s tree inside the
     # kernels: each normed input (the AttnRes mix and RMSNorm before a layer's input projections, the
     # latent norm before ``up_proj``, the head's) computed by one kernel (``k3jax.layers.mixed_input``),
-    # and KDA's convs, norms and gates by its step's kernel (``KDA._fused_step``): "pallas"; None: where a
-    # CUDA GPU runs it; "xla": XLA's kernels. "xla" until the H200 times it (benchmarks/RESULTS.md, stops 53-54).
-    decode_glue_implementation: str | None = "xla"
+    # and KDA's convs, norms and gates by its step's kernel (``KDA._fused_step``): "pallas"; None (the
+    # default): where a CUDA GPU runs it (small() on the H100: batch 1 0.774 -> 0.727 ms, batch 64 level;
+    # benchmarks/RESULTS.md, stop 54); "xla": XLA's kernels.
+    decode_glue_implementation: str | None = None
 
     def __post_init__(self):
         _require(self.decode_glue_implementation in (None, "xla", "pallas"),

@@ -275,8 +275,8 @@ class KDA(nn.Module):
         (``kernel_gpu_decode.fused_step_pallas``: the convs, q and k's norms, β, the decay gate and the
         delta rule), where XLA's path runs three kernels on the step's critical path (batch 1 of
         ``small()``) and, from ``MIN_STATES`` (sequence, head) states, six around the unfused kernel. Below
-        ``MIN_STATES`` each program also multiplies its head's ``f_a`` by ``W_fb``; from there XLA's matmul
-        makes ``z`` first. ``(o, cache)``, or None where it does not apply (no packed kernel,
+        ``FUSED_PRODUCT_STATES`` each program also multiplies its head's ``f_a`` by ``W_fb``; from there
+        XLA's matmul makes ``z`` first. ``(o, cache)``, or None where it does not apply (no packed kernel,
         ``ModelConfig.decode_glue_implementation``, more than ``MAX_FUSED_TOKENS`` new tokens)."""
         cfg, c = self.cfg, self.cfg.kda
         if packed is None or not kernel_runs(cfg.decode_glue_implementation):
@@ -293,7 +293,7 @@ class KDA(nn.Module):
         offsets = tuple(int(a) for a in np.cumsum([0] + [int(np.prod(out)) for _, out in packed_inputs(cfg)])[:5])
         if not kernel_gpu_decode.fused_accepts(*args, offsets):
             return None
-        if B * c.num_heads >= kernel_gpu_decode.MIN_STATES:
+        if B * c.num_heads >= kernel_gpu_decode.FUSED_PRODUCT_STATES:
             args[3] = self._decay_product(projected["f_a"])
         o, state, tails = fused_step(*args, offsets=offsets, scale=c.head_dim ** -0.5,
                                      lower_bound=c.gate_lower_bound, eps=QK_L2_EPS)

@@ -134,13 +134,13 @@ class MixedInput:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; None where the kernel does not take these inputs (the caller then computes on
-        ``materialize()``)."""
+        ``[..., N]``; None where the kernel does not take these inputs or would lose to XLA's kernels
+        (``kernel_gpu.pays``: wide inputs over many sources; the caller then computes on ``materialize()``)."""
         lead = self.shape[:-contracted]
         sources, addends, gate = self._rows(contracted)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
-        if not kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
-                                  gate=gate):
+        if not (kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
+                                   gate=gate) and kernel_gpu.pays(sources, addends, gate)):
             return None
         y = kernel_gpu.mixed_matvec(sources, self.mix, self.scale, weights, mix_eps=self.mix_eps,
                                     norm_eps=self.norm_eps, dtype=jnp.dtype(self.dtype),

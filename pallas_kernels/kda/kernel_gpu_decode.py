@@ -22,9 +22,9 @@ W_fb`` of its head in 32-row steps, ``+ dt_bias``, the bounded or softplus gate)
 tokens past ``num_new`` no-ops, then the delta rule on its state slice, and writes the conv inputs that
 continue the row for its columns: one kernel on the chain where XLA runs three (small()'s batch-1 step
 224.7 → 197.5 kernels, 120 → 102 chained with the glue kernels, device-less; benchmarks/RESULTS.md,
-stop 54). From ``MIN_STATES`` states every program re-reading its head's ``W_fb`` would cost more than
-XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around the
-unfused one (batch 64: 372.4 → 335.4 kernels). ptxas (sm_90a): 80 registers at one token, 168 at four,
+stop 54). From ``FUSED_PRODUCT_STATES`` states every program re-reading its head's ``W_fb`` costs more
+than XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around
+the unfused one (batch 64: 372.4 → 335.4 kernels; on the H100 39.2 µs against the unfused path's 44.2). ptxas (sm_90a): 80 registers at one token, 168 at four,
 72 with ``z`` given, no spills.
 """
 
@@ -47,6 +47,10 @@ BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thre
 # small() decode at batch 1, B·H = 8: 354.7 → 370.7 kernels a step for 0.4 MB less written).
 MIN_STATES = 64
 MAX_FUSED_TOKENS = 4  # the fused step's new tokens a row (unrolled; each holds its q, k, v and z)
+# Below this many (sequence, head) states the fused step's programs multiply their head's f_a by W_fb
+# themselves; from there XLA's matmul makes z first (H100, bench_kda_decode.py: 8 and 96 states 13.7 /
+# 14.2 µs inside against 17.0 / 18.0 with z; 512 states 56.2 against 39.2; RESULTS.md, stop 54).
+FUSED_PRODUCT_STATES = 256
 
 
 def supports(q, k, v, g, beta, state) -> bool:
@@ -255,5 +259,5 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
     return o, state, tails_out
 
 
-__all__ = ["BLOCK_V", "MAX_FUSED_TOKENS", "MIN_STATES", "check_fused_inputs", "fused_accepts", "fused_step_pallas",
+__all__ = ["BLOCK_V", "FUSED_PRODUCT_STATES", "MAX_FUSED_TOKENS", "MIN_STATES", "check_fused_inputs", "fused_accepts", "fused_step_pallas",
            "recurrent_step_pallas", "supports"]

@@ -55,6 +55,10 @@ from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.validate import passes
 
 MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
+# Every program re-reads a token's sources, addends and gate for its prologue: past this many bytes of them
+# a token, XLA's kernels win (H100, bench_mix_matvec.py: small()'s <= 10 KB 1.16-1.41x XLA; K3's 9 x 7168
+# (129 KB) 0.53-0.74x, its 12288-wide o_proj input with its gate (48 KB) 0.96x; RESULTS.md, stop 54).
+MAX_PROLOGUE_BYTES = 16 * 1024
 EPILOGUES = (None, "sigmoid")  # applied to the float32 product (the router's scores)
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _F32 = jnp.float32
@@ -146,6 +150,13 @@ def accepts(sources, mix, scale, weights, tiles: MatvecTiles = MatvecTiles(), ep
             addends: tuple = (), gate=None) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
     return passes(check_inputs, sources, mix, scale, weights, tiles, epilogue, addends, gate)
+
+
+def pays(sources, addends: tuple = (), gate=None) -> bool:
+    """Whether a token's prologue inputs are small enough for the matvec to beat XLA's kernels
+    (``MAX_PROLOGUE_BYTES``; ``mixed_norm``, one program a token, reads them once and needs no such rule)."""
+    row = lambda a: a.shape[-1] * jnp.dtype(a.dtype).itemsize
+    return sum(row(a) for a in (*sources, *addends, *(() if gate is None else (gate,)))) <= MAX_PROLOGUE_BYTES
 
 
 def norm_accepts(sources, mix, scale, addends: tuple = (), gate=None, tiles: MatvecTiles = MatvecTiles()) -> bool:
@@ -354,5 +365,5 @@ def mixed_norm(sources: tuple, mix: tuple, scale: Float[Array, "G"], *, mix_eps:
     )(*sources, *addends, *mix, scale, *gates)
 
 
-__all__ = ["EPILOGUES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "check_norm_inputs", "mixed_matvec",
-           "mixed_norm", "norm_accepts", "takes_tokens"]
+__all__ = ["EPILOGUES", "MAX_PROLOGUE_BYTES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "check_norm_inputs",
+           "mixed_matvec", "mixed_norm", "norm_accepts", "pays", "takes_tokens"]

@@ -88,13 +88,13 @@ def test_kernel_step_matches_the_layers_step(decoding, monkeypatch, T, num_new):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("min_states,product", [(64, True), (2 * 4, False)])
-def test_from_min_states_the_product_comes_first(decoding, monkeypatch, min_states, product):
-    """Below ``MIN_STATES`` (sequence, head) states the kernel multiplies ``f_a`` by ``W_fb`` itself; from there
-    (tiny(): 2 rows x 4 heads) it takes XLA's product ``z [B, T, H, K]``. Both give the layer's step."""
+@pytest.mark.parametrize("states,product", [(256, True), (2 * 4, False)])
+def test_from_enough_states_the_product_comes_first(decoding, monkeypatch, states, product):
+    """Below ``FUSED_PRODUCT_STATES`` (sequence, head) states the kernel multiplies ``f_a`` by ``W_fb`` itself;
+    from there (tiny(): 2 rows x 4 heads) it takes XLA's product ``z [B, T, H, K]``. Both give the layer's step."""
     tokens = decoding[3][:, :1]
     (want, want_cache), _ = _step(monkeypatch, decoding, None, tokens, fused=False)
-    monkeypatch.setattr(kernel_gpu_decode, "MIN_STATES", min_states)
+    monkeypatch.setattr(kernel_gpu_decode, "FUSED_PRODUCT_STATES", states)
     decays = []
 
     def kernel(*args, **kw):
@@ -109,8 +109,9 @@ def test_from_min_states_the_product_comes_first(decoding, monkeypatch, min_stat
 
 
 def test_off_by_default_and_past_its_tokens(decoding, monkeypatch):
-    """With ``decode_glue_implementation`` "xla" (the default) the step never takes the kernel, nor with more
-    new tokens than ``MAX_FUSED_TOKENS`` (the layer's own path then runs, its parameters declared once)."""
+    """Off a CUDA GPU (here: the CPU, whatever ``decode_glue_implementation`` defaults to) the step never takes
+    the kernel, nor with more new tokens than ``MAX_FUSED_TOKENS`` (the layer's own path then runs, its
+    parameters declared once)."""
     variables, cfg, cache, tokens = decoding
     with monkeypatch.context() as m:
         m.setattr(kda, "fused_step", lambda *a, **k: pytest.fail("the fused step ran"))

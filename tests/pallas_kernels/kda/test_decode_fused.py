@@ -45,12 +45,15 @@ def _with_product(args, kw):
 
 
 def _check(args, kw, interpret=True):
+    """Interpreted, the kernel's float32 sums run as the reference's (CPU) and the state agrees to float32;
+    compiled, another summation order flips some of the bf16 roundings of q, k, v and the decay product
+    inside the step (H100: state 2e-4 with z given, 2e-3 with the product inside), a bf16-input error."""
     want = jax.jit(lambda *a: fused_step_reference(*a, **kw))(*args)
     got = fused_step_pallas(*args, **kw, interpret=interpret)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
     o, state, tails = got
-    assert rel_rmse(state, want[1]) <= F32_RTOL
+    assert rel_rmse(state, want[1]) <= (F32_RTOL if interpret else BF16_FWD_RTOL)
     assert rel_rmse(o, want[0]) <= BF16_FWD_RTOL
     np.testing.assert_array_equal(np.asarray(tails), np.asarray(want[2]))  # copies of the inputs
 

@@ -159,3 +159,17 @@ def test_compiled_kernel_matches_reference(n_src, n_w, N, group):
     args = _inputs(N, 1, 1024, N, n_src, n_w, addend=2 if n_src > 1 else 0, group=group, gate=bool(group))
     got, want = jax.jit(lambda a: _run(a, interpret=False))(args)
     _assert_close(got, want)
+
+
+def test_the_matvec_runs_where_it_pays():
+    """small()'s widest prologue (every stored block and the partial sum, 1024 wide, two addends) takes the
+    matvec; K3's nine 7168-wide sources and its 12288-wide o_proj input with its gate do not (there XLA's
+    kernels won on the H100: RESULTS.md, stop 54)."""
+    from k3jax import config
+    from pallas_kernels.mix_matvec.kernel_gpu import pays
+
+    small = config.small()
+    row = lambda d: jnp.zeros((1, d), jnp.bfloat16)
+    assert pays((row(small.hidden),) * (small.num_attn_res_blocks + 1), (row(small.hidden),) * 2)
+    assert not pays((row(7168),) * 9)
+    assert not pays((row(12288),), gate=row(12288))
