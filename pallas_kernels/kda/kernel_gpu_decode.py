@@ -24,8 +24,8 @@ continue the row for its columns: one kernel on the chain where XLA runs three (
 224.7 → 197.5 kernels, 120 → 102 chained with the glue kernels, device-less; benchmarks/RESULTS.md,
 stop 54). From ``FUSED_PRODUCT_STATES`` states every program re-reading its head's ``W_fb`` costs more
 than XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around
-the unfused one (batch 64: 372.4 → 335.4 kernels; on the H100 39.2 µs against the unfused path's 44.2). ptxas (sm_90a): 80 registers at one token, 168 at four,
-72 with ``z`` given, no spills.
+the unfused one (batch 64: 372.4 → 335.4 kernels; on the H100 39.2 µs against the unfused path's 44.2).
+ptxas (sm_90a): 80 registers at one token, 168 at four, 72 with ``z`` given, no spills.
 """
 
 from __future__ import annotations
@@ -259,5 +259,5 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
     return o, state, tails_out
 
 
-__all__ = ["BLOCK_V", "FUSED_PRODUCT_STATES", "MAX_FUSED_TOKENS", "MIN_STATES", "check_fused_inputs", "fused_accepts", "fused_step_pallas",
-           "recurrent_step_pallas", "supports"]
+__all__ = ["BLOCK_V", "FUSED_PRODUCT_STATES", "MAX_FUSED_TOKENS", "MIN_STATES", "check_fused_inputs", "fused_accepts",
+           "fused_step_pallas", "recurrent_step_pallas", "supports"]

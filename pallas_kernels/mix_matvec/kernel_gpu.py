@@ -367,5 +367,5 @@ def mixed_norm(sources: tuple, mix: tuple, scale: Float[Array, "G"], *, mix_eps:
     )(*sources, *addends, *mix, scale, *gates)
 
 
-__all__ = ["EPILOGUES", "MAX_PROLOGUE_BYTES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs", "check_norm_inputs",
-           "mixed_matvec", "mixed_norm", "norm_accepts", "pays", "takes_tokens"]
+__all__ = ["EPILOGUES", "MAX_PROLOGUE_BYTES", "MAX_TOKENS", "MatvecTiles", "accepts", "check_inputs",
+           "check_norm_inputs", "mixed_matvec", "mixed_norm", "norm_accepts", "pays", "takes_tokens"]
