@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda.kernel_gpu_decode import fused_step_pallas, recurrent_step_pallas
-from pallas_kernels.kda.reference_decode import fused_step_reference, prepare
+from pallas_kernels.kda.reference_decode import decay_product, fused_step_reference, prepare
 
 SHAPES = {  # name: (batch, new tokens, heads, head width)
     "small b1": (1, 1, 8, 128),
@@ -72,8 +72,7 @@ def paths(static: dict, interpret: bool) -> dict:
         return o, state, tails
 
     def fused_z(y, tails, convs, f_b, *rest):
-        at = static["offsets"][4]
-        z = jnp.einsum("BTR,RHK->BTHK", y[..., at:at + f_b.shape[0]], f_b.astype(y.dtype))
+        z = decay_product(y, f_b, static["offsets"][4])
         return fused_step_pallas(y, tails, convs, z, *rest, **static, interpret=interpret)
 
     return {"xla": functools.partial(fused_step_reference, **static), "unfused": unfused,

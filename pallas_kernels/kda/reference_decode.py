@@ -29,6 +29,11 @@ def l2_normalize(x: Float[Array, "*B K"], eps: float) -> Float[Array, "*B K"]:
     return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
+def decay_product(y: Float[Array, "B T N"], f_b: Float[Array, "R H K"], at: int) -> Float[Array, "B T H K"]:
+    """``z = f_a · W_fb`` in ``y.dtype`` (the layer's ``f_b`` projection), ``f_a`` the columns of ``y`` from ``at``."""
+    return jnp.einsum("BTR,RHK->BTHK", y[..., at:at + f_b.shape[0]], f_b.astype(y.dtype))
+
+
 def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_weights: tuple,
             decay: Float[Array, "R H K"] | Float[Array, "B T H K"], dt_bias: Float[Array, "H K"],
             a_log: Float[Array, "H"], num_new: Int[Array, "B"], *, offsets: tuple[int, ...],
@@ -48,10 +53,7 @@ def prepare(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"], conv_wei
         windows.append(jnp.concatenate([tail, x.astype(tail.dtype)], axis=1))
     q, k, v = l2_normalize(convs[0], eps), l2_normalize(convs[1], eps), convs[2]
     beta = jax.nn.sigmoid(y[..., b_at:b_at + H].astype(f32))
-    if decay.ndim == 3:  # W_fb: the layer's f_b product
-        z = jnp.einsum("BTR,RHK->BTHK", y[..., fa_at:fa_at + decay.shape[0]], decay.astype(dt))
-    else:
-        z = decay
+    z = decay_product(y, decay, fa_at) if decay.ndim == 3 else decay  # W_fb, or the product given
     g = decay_gate(z.astype(f32) + dt_bias.astype(f32), a_log, lower_bound)
     valid = jnp.arange(T)[None, :] < num_new[:, None]
     g = jnp.where(valid[:, :, None, None], g, 0.0)
@@ -77,4 +79,4 @@ def fused_step_reference(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 
     return o, state, tails
 
 
-__all__ = ["fused_step_reference", "l2_normalize", "prepare"]
+__all__ = ["decay_product", "fused_step_reference", "l2_normalize", "prepare"]

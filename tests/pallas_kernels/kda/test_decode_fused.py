@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.kda.kernel_gpu_decode import MAX_FUSED_TOKENS, fused_accepts, fused_step_pallas
-from pallas_kernels.kda.reference_decode import fused_step_reference
+from pallas_kernels.kda.reference_decode import decay_product, fused_step_reference
 from tests.tolerances import BF16_FWD_RTOL, F32_RTOL, rel_rmse
 
 W = 4
@@ -38,9 +38,7 @@ def _inputs(seed, B, T, H, K, num_new=None, param_dtype=jnp.float32, lower_bound
 def _with_product(args, kw):
     """``args`` with the decay's product ``z = f_a · W_fb`` made first (as XLA's matmul makes it from
     ``MIN_STATES`` states) in place of ``W_fb``."""
-    y, f_b = args[0], args[3]
-    at = kw["offsets"][4]
-    z = jnp.einsum("BTR,RHK->BTHK", y[..., at:at + f_b.shape[0]], f_b.astype(y.dtype))
+    z = decay_product(args[0], args[3], kw["offsets"][4])
     return args[:3] + (z,) + args[4:], kw
 
 
