@@ -37,6 +37,7 @@ import numpy as np
 from k3jax.layers import moe_decode
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
+from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.kernel_gpu import gmm as mosaic_gmm
 from pallas_kernels.moe.kernel_gpu_decode_dense import (WIDE, DenseTiles, dense_experts_pallas, routed_combine,
@@ -49,6 +50,7 @@ DENSE_TILES = [WIDE, DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=3
                DenseTiles(block_k=128, num_stages=2), DenseTiles(block_n=256, num_warps=8),
                DenseTiles(block_n=256, block_k=32, num_warps=8, num_stages=4),
                DenseTiles(block_n=256, block_k=32, num_warps=8, num_stages=5)]  # WIDE: the default at small()'s widths
+TMA_TILES = [kernel_gpu_decode_dense_tma.TmaTiles(*t) for t in ((128, 64, 2), (64, 64, 4), (64, 64, 5))]
 E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
 READ = "xla read of the bytes"
 
@@ -86,6 +88,14 @@ def mosaic_gmm_dense(x, scores, bias, w1, w3, w2, *, routing, activation, interp
     g, u = (mosaic_gmm(rows, w, sizes, interpret=interpret) for w in (w1, w3))
     a = gated_activation(g.astype(jnp.float32), u.astype(jnp.float32), activation).astype(x.dtype)
     y = mosaic_gmm(a, w2, sizes, interpret=interpret).reshape(E, T, -1)
+    return routed_combine(y, scores, bias, routing=routing, interpret=interpret)
+
+
+def tma_dense(x, scores, bias, w1, w3, w2, *, routing, activation, tiles, interpret=False):
+    """The dense path's products by the Mosaic GPU kernels (``kernel_gpu_decode_dense_tma``), then the
+    routing combine."""
+    y = kernel_gpu_decode_dense_tma.expert_outputs(x, w1, w3, w2, activation=activation, tiles=tiles,
+                                                   interpret=interpret)
     return routed_combine(y, scores, bias, routing=routing, interpret=interpret)
 
 
@@ -146,6 +156,9 @@ def main(argv=None) -> int:
             name = f"pallas t={t.block_t} n={t.block_n} k={t.block_k} w={t.num_warps} s={t.num_stages}"
             fns[name] = functools.partial(routed_dense_experts_pallas, routing=routing, **act, tiles=t,
                                           interpret=args.interpret)
+        for t in TMA_TILES:
+            fns[f"tma n={t.tile_n} k={t.tile_k} s={t.stages}"] = functools.partial(
+                tma_dense, routing=routing, **act, tiles=t, interpret=args.interpret)
         fns["mosaic gmm x3 + xla activation"] = functools.partial(mosaic_gmm_dense, routing=routing, **act,
                                                                  interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2

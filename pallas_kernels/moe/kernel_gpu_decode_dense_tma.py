@@ -1,0 +1,158 @@
+"""The dense decode path's two expert kernels in Pallas Mosaic GPU: TMA streams, ``wgmma`` products.
+
+``kernel_gpu_decode_dense`` runs the gate/up and down products of every expert on every token as
+Pallas-Triton kernels, whose ``cp.async`` copies stream ``small()``'s 100 MB of experts at ~2.2 TB/s
+on the H200 (RESULTS.md stop 52), under half its HBM. Here the same two kernels are persistent
+Hopper kernels with a warp-specialised pipeline (as the training forward's ``kernel_gpu.gmm``): one
+memory warpgroup streams TMA copies of ``[tile_k, 2·tile_n]`` weight slabs (and the token rows'
+``[Tp, tile_k]`` slab, L2-resident) into ``stages`` shared-memory slots, two compute warpgroups
+issue ``wgmma`` into float32 accumulators, each owning ``tile_n`` of the slab's columns. A CTA loops
+over (expert, column tile) pairs.
+
+1. :func:`gate_up`: ``x [Tp, L]`` (every expert's rows) against ``W1_e``, ``W3_e`` — two
+   accumulators, both rounded to the compute dtype, the gated activation in float32, rounded, and
+   the tile stored to ``a [E, Tp, F]`` by TMA;
+2. :func:`down`: ``a_e [Tp, F]`` against ``W2_e``, rounded, stored to ``y [E, Tp, L]``.
+
+The rounding points are ``kernel_gpu_decode_dense``'s (the reference's); only the float32 summation
+order differs. ``Tp`` is the token count padded to ``TOKEN_ROWS`` (one ``wgmma`` row group; more
+tokens take the Triton kernels). ``interpret=True`` runs the GPU interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float
+
+from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, persistent_kernel
+
+TOKEN_ROWS = 64  # one wgmma row group: every token of a tile in one accumulator
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaTiles:
+    """``tile_n`` columns a compute warpgroup (a CTA streams ``2·tile_n``), ``tile_k`` rows a slab,
+    ``stages`` slabs in flight."""
+
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 2
+
+    def cta_n(self) -> int:
+        return _COMPUTE_WGS * self.tile_n
+
+
+def check_widths(T: int, K: int, N: int, tiles: TmaTiles, name: str) -> None:
+    """Raise ``ValueError`` unless the kernels take ``T`` tokens and a ``[K, N]`` weight."""
+    if not 1 <= T <= TOKEN_ROWS:
+        raise ValueError(f"{name}: the TMA kernels take 1..{TOKEN_ROWS} tokens, got {T}")
+    if K % tiles.tile_k or N % tiles.cta_n():
+        raise ValueError(f"{name}: K={K} must be a multiple of tiles.tile_k={tiles.tile_k} and N={N} of "
+                         f"2·tiles.tile_n={tiles.cta_n()}")
+
+
+def _body(lhs_gmem, *refs, tiles: TmaTiles, epilogue, shared_lhs: bool):
+    """Persistent CTA: (expert, column tile) pairs; ``refs`` = weights ``[E, K, N]`` then the output
+    ``[E, Tp, N_out]``. ``epilogue(accs) -> tile`` makes the stored tile from the accumulators."""
+    *w_gmems, out_gmem = refs
+    E, K, N = w_gmems[0].shape
+    Tp, tn, tk, cta_n = lhs_gmem.shape[-2], tiles.tile_n, tiles.tile_k, tiles.cta_n()
+    dtype = lhs_gmem.dtype
+    n_tiles = N // cta_n
+    w_spec = plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=_swizzled(cta_n, dtype))
+    pipeline = functools.partial(
+        plgpu.emit_pipeline_warp_specialized, grid=(K // tk,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((Tp, tk), lambda kk: (0, kk), transforms=_swizzled(tk, dtype))]
+        + [w_spec] * len(w_gmems),
+        wg_axis="wg", num_compute_wgs=_COMPUTE_WGS, max_concurrent_steps=tiles.stages)
+    ignore = lambda *_, **__: None
+    lhs0 = lhs_gmem if shared_lhs else lhs_gmem.at[0]
+    w0 = [w.at[0, :, pl.ds(0, cta_n)] for w in w_gmems]
+
+    @functools.partial(pl.run_scoped,
+                       allocs=pipeline(ignore, compute_context=ignore).get_allocations(lhs0, *w0),
+                       o_smem=plgpu.SMEM((_COMPUTE_WGS, Tp, tn), out_gmem.dtype), collective_axes="wg")
+    def _scope(allocs, o_smem):
+        wg = lax.axis_index("wg")
+        wg_n = pl.ds(wg * tn, tn)
+
+        @plgpu.nd_loop((E * n_tiles,), collective_axes="sm")
+        def _tiles(info):
+            e, ni = info.index[0] // n_tiles, info.index[0] % n_tiles
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((Tp, tn), jnp.float32) for _ in w_gmems])
+                def _acc(accs):
+                    run(accs)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
+                    o_smem.at[wg][...] = epilogue(accs).astype(out_gmem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[e, :, pl.ds(ni * cta_n + wg * tn, tn)])
+
+            def mma(_, lhs_smem, *w_and_accs):
+                w_smems, accs = w_and_accs[:-1], w_and_accs[-1]
+                for w_smem, acc in zip(w_smems, accs):
+                    plgpu.wgmma(acc, lhs_smem, w_smem.at[:, wg_n])
+                plgpu.wgmma_wait(0)  # a slot is released when mma returns
+                return accs
+
+            cols = pl.ds(ni * cta_n, cta_n)
+            pipeline(mma, compute_context=compute_context)(
+                lhs_gmem if shared_lhs else lhs_gmem.at[e], *(w.at[e, :, cols] for w in w_gmems),
+                allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pad_tokens(x, axis: int):
+    T = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, TOKEN_ROWS - T)
+    return jnp.pad(x, pad) if T != TOKEN_ROWS else x
+
+
+def gate_up(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], *, activation: str,
+            situ_beta: float = 4.0, situ_linear_beta: float = 25.0, tiles: TmaTiles = TmaTiles(),
+            interpret: bool = False) -> Float[Array, "E Tp F"]:
+    """``a_e = act(round(x·W1_e), round(x·W3_e))`` for every expert, ``[E, Tp, F]`` (rows past T: zero
+    tokens' activations, never read by the combine)."""
+    T, L = x.shape
+    E, _, F = w1.shape
+    check_widths(T, L, F, tiles, "gate_up")
+    dt = x.dtype
+
+    def epilogue(accs):
+        g, u = (acc[...].astype(dt).astype(jnp.float32) for acc in accs)
+        return gated_activation(g, u, activation, situ_beta, situ_linear_beta)
+
+    body = functools.partial(_body, tiles=tiles, epilogue=epilogue, shared_lhs=True)
+    return persistent_kernel(body, jax.ShapeDtypeStruct((E, TOKEN_ROWS, F), dt), interpret=interpret,
+                             name="moe_decode_dense_tma_gate_up")(_pad_tokens(x, 0), w1, w3)
+
+
+def down(a: Float[Array, "E Tp F"], w2: Float[Array, "E F L"], *, tiles: TmaTiles = TmaTiles(),
+         interpret: bool = False) -> Float[Array, "E Tp L"]:
+    """``y_e = round(a_e·W2_e)`` for every expert, ``[E, Tp, L]``."""
+    E, Tp, F = a.shape
+    L = w2.shape[2]
+    check_widths(Tp, F, L, tiles, "down")
+    body = functools.partial(_body, tiles=tiles, epilogue=lambda accs: accs[0][...], shared_lhs=False)
+    return persistent_kernel(body, jax.ShapeDtypeStruct((E, Tp, L), a.dtype), interpret=interpret,
+                             name="moe_decode_dense_tma_down")(a, w2)
+
+
+def expert_outputs(x: Float[Array, "T L"], w1, w3, w2, *, activation: str, situ_beta: float = 4.0,
+                   situ_linear_beta: float = 25.0, tiles: TmaTiles = TmaTiles(),
+                   interpret: bool = False) -> Float[Array, "E T L"]:
+    """Every expert's output on every token, ``[E, T, L]`` (``kernel_gpu_decode_dense.expert_outputs``)."""
+    a = gate_up(x, w1, w3, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                tiles=tiles, interpret=interpret)
+    return down(a, w2, tiles=tiles, interpret=interpret)[:, :x.shape[0]]

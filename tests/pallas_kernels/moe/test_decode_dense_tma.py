@@ -1,0 +1,36 @@
+"""The dense path's Mosaic GPU expert kernels (``kernel_gpu_decode_dense_tma``) against the Pallas-Triton
+kernels and the rounded definition, in the GPU interpreter; their width checks."""
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.moe import kernel_gpu_decode_dense, kernel_gpu_decode_dense_tma as tma
+from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _inputs, _rounded_reference
+
+
+@pytest.mark.parametrize("T,E,L,F,activation,tiles", [
+    (8, 4, 256, 256, "situ", tma.TmaTiles()),            # one column tile a weight, 2 slots
+    (64, 2, 128, 256, "swiglu", tma.TmaTiles(64, 64, 3)),  # every token row used; 2 K steps of 3 slots
+    (1, 3, 128, 384, "situ", tma.TmaTiles(64, 64, 2)),    # one token; 3 column tiles of gate/up, 1 of down
+])
+def test_interpreted_expert_outputs(T, E, L, F, activation, tiles):
+    """Every expert's output on every token equals the Triton kernels' and, per expert, the definition
+    that rounds g, u, the activation and the output to bf16 (fp32 sums in another order may flip one)."""
+    x, _, _, ws = _inputs(7, T, 1, E, L, F)
+    got = tma.expert_outputs(x, *ws, activation=activation, tiles=tiles, interpret=True)
+    assert got.shape == (E, T, L) and got.dtype == jnp.bfloat16
+    triton = kernel_gpu_decode_dense.expert_outputs(x, *ws, activation=activation, interpret=True)
+    _assert_within_ulps(got, triton, max_fraction=0.05)
+    for e in range(E):
+        ids = jnp.full((T, 1), e, jnp.int32)
+        ref = _rounded_reference(x, ids, jnp.ones((T, 1), jnp.float32), ws, activation)
+        _assert_within_ulps(got[e], ref, max_fraction=0.05)
+
+
+@pytest.mark.parametrize("T,K,N,match", [
+    (65, 128, 256, "1..64 tokens"), (0, 128, 256, "1..64 tokens"),
+    (8, 96, 256, "K=96 must be a multiple of tiles.tile_k=64"), (8, 128, 192, "N=192 .* 2·tiles.tile_n=256"),
+])
+def test_widths_it_cannot_take_are_named(T, K, N, match):
+    with pytest.raises(ValueError, match=match):
+        tma.check_widths(T, K, N, tma.TmaTiles(), "gate_up")
