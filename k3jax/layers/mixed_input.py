@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mix_matvec import kernel_gpu
+from pallas_kernels.mix_matvec import kernel_gpu, kernel_gpu_tokens
 from pallas_kernels.target import current_target
 from sharding import current as parallel_context
 
@@ -134,11 +134,22 @@ class MixedInput:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; None where the kernel does not take these inputs or would lose to XLA's kernels
-        (``kernel_gpu.pays``: wide inputs over many sources; the caller then computes on ``materialize()``)."""
+        ``[..., N]``; at 5-64 tokens the input by ``mixed_norm``, then ``kernel_gpu_tokens.token_matmul`` (16-bit
+        weights, no epilogue); None where neither kernel takes these inputs or the matvec would lose to XLA's
+        kernels (``kernel_gpu.pays``: wide inputs over many sources; the caller then computes on
+        ``materialize()``)."""
         lead = self.shape[:-contracted]
         sources, addends, gate = self._rows(contracted)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
+        act = tuple(sorted((activation or {}).items())) or None
+        rows = jax.ShapeDtypeStruct((sources[0].shape[0], weights[0].shape[-1]), jnp.dtype(proj_dtype))
+        if (self.fused and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
+                and (act is None or jnp.dtype(self.dtype) == jnp.dtype(proj_dtype))):
+            # 5-64 tokens: the input by ``mixed_norm``, the product on the tensor cores (batch 64)
+            x = self.materialize().reshape(rows.shape).astype(proj_dtype)
+            out = None if out_dtype is None else jnp.dtype(out_dtype)
+            y = kernel_gpu_tokens.token_matmul(x, weights, out_dtype=out, activation=act, interpret=self.interpret)
+            return y.reshape(lead + (y.shape[-1],))
         if not (kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
                                    gate=gate) and kernel_gpu.pays(sources, addends, gate)):
             return None
@@ -146,7 +157,7 @@ class MixedInput:
                                     norm_eps=self.norm_eps, dtype=jnp.dtype(self.dtype),
                                     proj_dtype=jnp.dtype(proj_dtype),
                                     out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
-                                    activation=tuple(sorted((activation or {}).items())) or None,
+                                    activation=act,
                                     epilogue=epilogue, addends=addends, gate=gate, interpret=self.interpret)
         return y.reshape(lead + (y.shape[-1],))
 

@@ -70,4 +70,16 @@ def mixed_matvec_reference(sources: tuple, mix: tuple, mix_eps: float, scale: Fl
     return gated_activation(g, u, **activation).astype(dtype)
 
 
-__all__ = ["mixed_input", "mixed_matvec_reference"]
+def token_matmul_reference(x: Float[Array, "T D"], weights: tuple, out_dtype=None,
+                           activation: dict | None = None) -> Float[Array, "T N"]:
+    """``kernel_gpu_tokens.token_matmul``'s definition: ``x · Wᵀ`` (``W [N, D]``) summed in float32 and
+    rounded once to ``out_dtype`` (default: x's), as the model's einsum; with ``(W_gate, W_up)`` both
+    products rounded to x's dtype, ``gated_activation`` in float32, rounded to x's dtype."""
+    ys = [jnp.einsum("td,nd->tn", x, w, preferred_element_type=jnp.float32) for w in weights]
+    if activation is None:
+        return ys[0].astype(out_dtype or x.dtype)
+    g, u = (y.astype(x.dtype).astype(jnp.float32) for y in ys)
+    return gated_activation(g, u, **activation).astype(x.dtype)
+
+
+__all__ = ["mixed_input", "mixed_matvec_reference", "token_matmul_reference"]

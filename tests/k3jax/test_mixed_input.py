@@ -126,9 +126,11 @@ def test_the_adds_inside_the_kernel_are_checked(decoding, monkeypatch, drop):
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
 
 
-def test_batch_8_takes_the_norm_kernel(monkeypatch):
-    """Above the matvec kernel's 4 tokens the projections are XLA's, and their normed input is one
-    ``mixed_norm`` kernel a mixing point (the outputs just added to the stream added inside): same logits."""
+def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
+    """Above the matvec kernel's 4 tokens the normed input is one ``mixed_norm`` kernel a mixing point (the
+    outputs just added to the stream added inside) and the 16-bit projections that read it are
+    ``token_matmul`` kernels (an MLP's gate and up one kernel with the activation; the float32 router stays
+    XLA's): same logits."""
     cfg = config.tiny()
     tokens = jax.random.randint(jax.random.key(2), (8, 9), 0, cfg.vocab_size)
     variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
@@ -143,7 +145,15 @@ def test_batch_8_takes_the_norm_kernel(monkeypatch):
         norms[(len(sources), len(kw.get("addends", ())), kw.get("gate") is not None)] += 1
         return run(sources, mix, scale, **kw)
 
+    products = collections.Counter()
+    run_tokens = mixed_input.kernel_gpu_tokens.token_matmul
+
+    def counted_tokens(x, weights, **kw):
+        products[(x.shape[-1], weights[0].shape[0], len(weights))] += 1
+        return run_tokens(x, weights, **kw)
+
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
+    monkeypatch.setattr(mixed_input.kernel_gpu_tokens, "token_matmul", counted_tokens)
     got, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
     assert not calls  # no matvec kernel at 8 tokens
     by_kind = collections.Counter()
@@ -151,9 +161,15 @@ def test_batch_8_takes_the_norm_kernel(monkeypatch):
         by_kind[adds, gated] += n
     # (run eagerly, each reader materializes its input: one kernel a reader) layer 0's input and the latent
     # norms; KDA's output norms; the feed-forwards' inputs (the mixer's output added: router, down_proj,
-    # shared gate and up, the dense MLP's gate and up); the layer inputs after a MoE layer and the head's (its two
-    # outputs)
-    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 23, (2, False): 7}
+    # the shared experts' gate and up together, the dense MLP's gate and up); the layer inputs after a MoE
+    # layer and the head's (its two outputs)
+    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 17, (2, False): 7}
+    # tiny(): up_proj (latent 32 -> 64) and down_proj (64 -> 32) in each of the 5 MoE layers, the shared
+    # experts' gate and up (64 -> 2 x 32) there and the dense MLP's (64 -> 96) in layer 0, KDA's o_proj
+    # (4 heads x 16 -> 64) in its 4 layers, MLA's packed q_a and kv_a (64 -> 24 + 16 + 8) in its 2; KDA's
+    # packed inputs (a width no multiple of 16) stay XLA's
+    assert products == {(32, 64, 1): 5, (64, 32, 1): 5, (64, 64, 2): 5, (64, 96, 2): 1, (64, 64, 1): 4,
+                        (64, 48, 1): 2}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
