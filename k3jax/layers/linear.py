@@ -10,6 +10,7 @@ call in ``jax.default_matmul_precision("highest")``, which also keys the jit cac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -19,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.layers.mixed_input import MixedInput
+from k3jax.layers.mixed_input import MixedInput, kernel_runs
+from pallas_kernels.mix_matvec import kernel_gpu_tokens
 
 PRECISION: jax.lax.Precision | str | None = None
 
@@ -70,6 +72,7 @@ class Proj(nn.Module):
     param_dtype: Any
     init_std: float = 0.02
     out_dtype: Any = None  # accumulate into and return this dtype (fp32 logits); None: ``dtype``
+    decode_glue: str | None = None  # ``ModelConfig.decode_glue_implementation``: the token kernel at 5-64 rows
 
     @nn.compact
     def __call__(self, x: jax.Array | MixedInput, split: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -95,11 +98,32 @@ class Proj(nn.Module):
                 if y is not None:
                     return y
             x = x.materialize()
+        elif split is None and self.has_variable("decode", "kernel_t"):
+            y = self._token_product(x, eq, kernel)
+            if y is not None:
+                return y
         x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if split is None:
             return einsum(eq, x, kernel, preferred_element_type=self.out_dtype)
         return tuple(einsum(eq, x, w, preferred_element_type=self.out_dtype)
                      for w in (kernel[..., :split], kernel[..., split:]))
+
+    def _token_product(self, x: jax.Array, eq: str, kernel: jax.Array) -> jax.Array | None:
+        """The product by ``kernel_gpu_tokens.token_matmul`` where the glue kernels run and it takes ``x``'s
+        5-64 rows (16-bit, contracting x's trailing axes with ``kernel [N, *in]``); else None."""
+        x_axes, w_axes = eq.split("->")[0].split(",")
+        contracted = len(w_axes) - 1
+        lead, N = x.shape[:-contracted], kernel.shape[0]
+        rows = jax.ShapeDtypeStruct((math.prod(lead), math.prod(x.shape[-contracted:])), jnp.dtype(self.dtype))
+        w = jax.ShapeDtypeStruct((N, rows.shape[1]), jnp.dtype(self.dtype))
+        if not (x_axes.endswith(w_axes[1:]) and kernel_gpu_tokens.accepts(rows, (w,))
+                and kernel_runs(self.decode_glue)):
+            return None
+        out = None if self.out_dtype is None else jnp.dtype(self.out_dtype)
+        y = kernel_gpu_tokens.token_matmul(x.reshape(rows.shape).astype(self.dtype),
+                                           (kernel.reshape(N, -1).astype(self.dtype),), out_dtype=out)
+        return y.reshape(lead + (N,))
+
 
 # Projections whose kernels decode reads output axis first (``Proj``, ``decode_layout``): those that
 # contract a kernel's leading axes with a vector computed just before (the layers' output projections),
@@ -113,7 +137,8 @@ def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | No
     """A ``Proj`` with the config's dtypes; ``wide=True`` stores and computes it in fp32 (or wider)."""
     dtype = cfg.fp32_dtype if wide else cfg.compute_dtype
     param_dtype = wide_param_dtype(cfg) if wide else cfg.param_dtype
-    return Proj(eq, shape, axes, dtype, param_dtype, cfg.initializer_range, out_dtype, name=name)
+    return Proj(eq, shape, axes, dtype, param_dtype, cfg.initializer_range, out_dtype, cfg.decode_glue_implementation,
+                name=name)
 
 
 # A module's input projections packed by ``decode_layout`` into one kernel: ``[N, D]`` under this name

@@ -21,7 +21,7 @@ import k3jax.model as model
 from k3jax import config
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_layout, forward_cached, prefill
-from k3jax.layers import mixed_input
+from k3jax.layers import linear, mixed_input
 from k3jax.model import Transformer
 from pallas_kernels.target import Target, compile_for
 from sharding import use_mesh
@@ -128,9 +128,9 @@ def test_the_adds_inside_the_kernel_are_checked(decoding, monkeypatch, drop):
 
 def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     """Above the matvec kernel's 4 tokens the normed input is one ``mixed_norm`` kernel a mixing point (the
-    outputs just added to the stream added inside) and the 16-bit projections that read it are
-    ``token_matmul`` kernels (an MLP's gate and up one kernel with the activation; the float32 router stays
-    XLA's): same logits."""
+    outputs just added to the stream added inside) and the 16-bit projections, of it and of plain inputs,
+    are ``token_matmul`` kernels (an MLP's gate and up one kernel with the activation; the float32 router
+    stays XLA's): same logits."""
     cfg = config.tiny()
     tokens = jax.random.randint(jax.random.key(2), (8, 9), 0, cfg.vocab_size)
     variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
@@ -150,10 +150,11 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
 
     def counted_tokens(x, weights, **kw):
         products[(x.shape[-1], weights[0].shape[0], len(weights))] += 1
-        return run_tokens(x, weights, **kw)
+        return run_tokens(x, weights, **{**kw, "interpret": True})
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
     monkeypatch.setattr(mixed_input.kernel_gpu_tokens, "token_matmul", counted_tokens)
+    monkeypatch.setattr(linear, "kernel_runs", lambda implementation: True)  # the plain inputs' products too
     got, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
     assert not calls  # no matvec kernel at 8 tokens
     by_kind = collections.Counter()
@@ -166,10 +167,11 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 17, (2, False): 7}
     # tiny(): up_proj (latent 32 -> 64) and down_proj (64 -> 32) in each of the 5 MoE layers, the shared
     # experts' gate and up (64 -> 2 x 32) there and the dense MLP's (64 -> 96) in layer 0, KDA's o_proj
-    # (4 heads x 16 -> 64) in its 4 layers, MLA's packed q_a and kv_a (64 -> 24 + 16 + 8) in its 2; KDA's
-    # packed inputs (a width no multiple of 16) stay XLA's
-    assert products == {(32, 64, 1): 5, (64, 32, 1): 5, (64, 64, 2): 5, (64, 96, 2): 1, (64, 64, 1): 4,
-                        (64, 48, 1): 2}
+    # (4 heads x 16 -> 64) in its 4 layers, MLA's packed q_a and kv_a (64 -> 24 + 16 + 8) in its 2; of plain
+    # inputs (``Proj``): the shared experts' down (2 x 32 -> 64) in 5 layers, MLA's o_proj (4 x 16 -> 64) in
+    # 2, the dense MLP's down (96 -> 64); KDA's packed inputs and MLA's q_b (widths no multiple of 16) stay XLA's
+    assert products == {(32, 64, 1): 5, (64, 32, 1): 5, (64, 64, 2): 5, (64, 96, 2): 1, (64, 64, 1): 4 + 5 + 2,
+                        (64, 48, 1): 2, (96, 64, 1): 1}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
