@@ -135,7 +135,8 @@ def token_matmul(x: Float[Array, "T D"], weights: tuple, *, out_dtype=None, acti
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
     bn = block_n(N, tiles)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None or activation is not None else out_dtype)
-    kernel = functools.partial(_kernel, block_d=block_d(D, tiles), activation=dict(activation or ()), out_dtype=out_dtype)
+    kernel = functools.partial(_kernel, block_d=block_d(D, tiles), activation=dict(activation or ()),
+                               out_dtype=out_dtype)
     y = pl.pallas_call(
         kernel, grid=(N // bn,),
         in_specs=[pl.BlockSpec((Tp, D), lambda j: (0, 0))] + [pl.BlockSpec((bn, D), lambda j: (j, 0))] * len(weights),
@@ -147,4 +148,5 @@ def token_matmul(x: Float[Array, "T D"], weights: tuple, *, out_dtype=None, acti
     return y[:T]
 
 
-__all__ = ["MAX_ROWS", "PROGRAMS", "TokenTiles", "accepts", "block_d", "block_n", "check_inputs", "takes_tokens", "token_matmul"]
+__all__ = ["MAX_ROWS", "PROGRAMS", "TokenTiles", "accepts", "block_d", "block_n", "check_inputs", "takes_tokens",
+           "token_matmul"]
