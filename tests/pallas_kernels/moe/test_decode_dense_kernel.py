@@ -28,7 +28,7 @@ def _xla(x, ids, weights, ws, activation):
     (64, 8, 8, 128, 128, "situ", DenseTiles()),                       # one token block, two column blocks
     (20, 2, 8, 64, 128, "swiglu", DenseTiles(block_n=32, block_k=32)),  # 20 tokens padded to a block of 32
     (40, 4, 4, 64, 64, "situ", DenseTiles(block_t=16, block_n=32, block_k=16)),  # three token blocks
-    (32, 4, 8, 128, 256, "situ", None),  # the default: WIDE's 128 columns, 8 warps
+    (32, 4, 8, 128, 256, "situ", None),  # the default at these widths: the Mosaic GPU (TMA) kernels
 ])
 def test_interpreted_kernels_match_the_dense_path(T, k, E, L, F, activation, tiles):
     x, ids, weights, ws = _inputs(T + E, T, k, E, L, F)

@@ -34,3 +34,19 @@ def test_interpreted_expert_outputs(T, E, L, F, activation, tiles):
 def test_widths_it_cannot_take_are_named(T, K, N, match):
     with pytest.raises(ValueError, match=match):
         tma.check_widths(T, K, N, tma.TmaTiles(), "gate_up")
+
+
+def test_the_dense_path_takes_them_where_they_fit(monkeypatch):
+    """``kernel_gpu_decode_dense.expert_outputs`` without tiles runs these kernels at up to 64 tokens and
+    widths of whole column tiles (small()'s 512, K3's 3584 x 3072), the Triton kernels otherwise."""
+    assert tma.takes(64, 512, 512) and tma.takes(1, 3584, 3072)
+    assert not tma.takes(65, 512, 512) and not tma.takes(16, 64, 128) and not tma.takes(16, 512, 192)
+    calls = []
+    run = tma.expert_outputs
+    monkeypatch.setattr(tma, "expert_outputs", lambda *a, **kw: calls.append(a[0].shape) or run(*a, **kw))
+    x, _, _, ws = _inputs(1, 16, 1, 2, 128, 128)
+    kernel_gpu_decode_dense.expert_outputs(x, *ws, activation="situ", interpret=True)
+    assert calls == [(16, 128)]
+    kernel_gpu_decode_dense.expert_outputs(x, *ws, activation="situ", tiles=kernel_gpu_decode_dense.WIDE,
+                                           interpret=True)
+    assert calls == [(16, 128)]  # a Triton tiling asked for: the Triton kernels
