@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.layers.mixed_input import MixedInput, kernel_runs
+from k3jax.layers.mixed_input import MixedInput, token_kernel_runs
 from pallas_kernels.mix_matvec import kernel_gpu_tokens
 
 PRECISION: jax.lax.Precision | str | None = None
@@ -109,7 +109,7 @@ class Proj(nn.Module):
                      for w in (kernel[..., :split], kernel[..., split:]))
 
     def _token_product(self, x: jax.Array, eq: str, kernel: jax.Array) -> jax.Array | None:
-        """The product by ``kernel_gpu_tokens.token_matmul`` where the glue kernels run and it takes ``x``'s
+        """The product by ``kernel_gpu_tokens.token_matmul`` where ``token_kernel_runs`` and it takes ``x``'s
         5-64 rows (16-bit, contracting x's trailing axes with ``kernel [N, *in]``); else None."""
         x_axes, w_axes = eq.split("->")[0].split(",")
         contracted = len(w_axes) - 1
@@ -117,7 +117,7 @@ class Proj(nn.Module):
         rows = jax.ShapeDtypeStruct((math.prod(lead), math.prod(x.shape[-contracted:])), jnp.dtype(self.dtype))
         w = jax.ShapeDtypeStruct((N, rows.shape[1]), jnp.dtype(self.dtype))
         if not (x_axes.endswith(w_axes[1:]) and kernel_gpu_tokens.accepts(rows, (w,))
-                and kernel_runs(self.decode_glue)):
+                and token_kernel_runs(self.decode_glue)):
             return None
         out = None if self.out_dtype is None else jnp.dtype(self.out_dtype)
         y = kernel_gpu_tokens.token_matmul(x.reshape(rows.shape).astype(self.dtype),

@@ -51,6 +51,14 @@ def kernel_runs(implementation: str | None) -> bool:
     return implementation != "xla" and cuda and parallel_context() is None
 
 
+def token_kernel_runs(implementation: str | None) -> bool:
+    """Whether the decode projections of 5-64 rows run ``kernel_gpu_tokens.token_matmul``: only where
+    ``implementation`` is ``"pallas"`` itself (and :func:`kernel_runs`), not by default — the kernel is
+    untimed on a GPU so far (benchmarks/RESULTS.md, stop 55: ``bench_token_matmul.py`` and
+    ``bench_infer.py --variant tokens:decode_glue_implementation=pallas`` decide its default)."""
+    return implementation == "pallas" and kernel_runs(implementation)
+
+
 @dataclasses.dataclass(frozen=True)
 class MixedInput:
     """``RMSNorm(mix(sources))`` in ``dtype``, uncomputed. ``sources``: ``[..., D]`` each, the stored block
@@ -59,7 +67,8 @@ class MixedInput:
     summed and added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not
     wait for); ``gate``: the norm's output gate logits (``gated_rms_norm``); ``fused``: ``materialize`` by
     the one kernel ``kernel_gpu.mixed_norm`` (where the projections' kernel does not take the tokens:
-    batch 64), else by the model's functions; ``interpret``: run the kernels in the CPU interpreter."""
+    batch 64), else by the model's functions; ``interpret``: run the kernels in the CPU interpreter;
+    ``tokens``: :meth:`project` runs ``kernel_gpu_tokens.token_matmul`` at 5-64 rows (:func:`token_kernel_runs`)."""
 
     sources: tuple
     mix: tuple
@@ -72,6 +81,7 @@ class MixedInput:
     gate: jax.Array | None = None
     fused: bool = False
     interpret: bool = False
+    tokens: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -134,16 +144,16 @@ class MixedInput:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; at 5-64 tokens the input by ``mixed_norm``, then ``kernel_gpu_tokens.token_matmul`` (16-bit
-        weights, no epilogue); None where neither kernel takes these inputs or the matvec would lose to XLA's
-        kernels (``kernel_gpu.pays``: wide inputs over many sources; the caller then computes on
-        ``materialize()``)."""
+        ``[..., N]``; at 5-64 tokens, where ``tokens``, the input by ``mixed_norm``, then
+        ``kernel_gpu_tokens.token_matmul`` (16-bit weights, no epilogue); None where neither kernel takes these
+        inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs over many sources;
+        the caller then computes on ``materialize()``)."""
         lead = self.shape[:-contracted]
         sources, addends, gate = self._rows(contracted)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
         act = tuple(sorted((activation or {}).items())) or None
         rows = jax.ShapeDtypeStruct((sources[0].shape[0], weights[0].shape[-1]), jnp.dtype(proj_dtype))
-        if (self.fused and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
+        if (self.fused and self.tokens and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
                 and (act is None or jnp.dtype(self.dtype) == jnp.dtype(proj_dtype))):
             # 5-64 tokens: the input by ``mixed_norm``, the product on the tensor cores (batch 64)
             x = self.materialize().reshape(rows.shape).astype(proj_dtype)
@@ -162,7 +172,7 @@ class MixedInput:
         return y.reshape(lead + (y.shape[-1],))
 
 
-def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False) -> MixedInput:
+def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False, tokens: bool = False) -> MixedInput:
     """The input ``norm(mix(stream.add(sum(addends))))`` of a decoding layer as a :class:`MixedInput`, from
     the bound ``AttnResMix`` ``mix`` and ``RMSNorm`` ``norm`` modules' parameters and the ``ResidualStream``
     (whose last add, where it kept its terms, the kernel repeats: ``ResidualStream.last``)."""
@@ -172,19 +182,21 @@ def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False)
     sources = tuple(stream.stored) + (partial,)
     weights = mix.weights() if len(sources) > 1 else ()
     return MixedInput(sources=sources, mix=weights, mix_eps=mix.eps, scale=_scale(norm), norm_eps=norm.eps,
-                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, fused=True, interpret=interpret)
+                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, fused=True, interpret=interpret,
+                      tokens=tokens)
 
 
-def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False) -> MixedInput:
+def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False,
+                 tokens: bool = False) -> MixedInput:
     """``norm(x, gate=gate)`` (a bound ``RMSNorm``) as a :class:`MixedInput` of one source: the norm inside the
     kernel of the projection that reads it (the MoE's latent norm before ``up_proj``; KDA's per-head
     output norm and gate before ``o_proj``)."""
     return MixedInput(sources=(x,), mix=(), mix_eps=0.0, scale=_scale(norm), norm_eps=norm.eps, dtype=norm.dtype,
-                      wide=norm.wide_dtype, gate=gate, fused=True, interpret=interpret)
+                      wide=norm.wide_dtype, gate=gate, fused=True, interpret=interpret, tokens=tokens)
 
 
 def _scale(norm) -> jax.Array:
     return nn.meta.unbox(norm.get_variable("params", "scale"))
 
 
-__all__ = ["IMPLEMENTATIONS", "MixedInput", "kernel_runs", "mixed_input", "normed_input"]
+__all__ = ["IMPLEMENTATIONS", "MixedInput", "kernel_runs", "mixed_input", "normed_input", "token_kernel_runs"]

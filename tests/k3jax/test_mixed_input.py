@@ -38,7 +38,7 @@ def decoding():
     return variables, cfg, cache, tokens[:, 8:]
 
 
-def _interpreted(monkeypatch, drop=None):
+def _interpreted(monkeypatch, drop=None, tokens=False):
     """Force the kernel path (interpreted); count its calls by (width, weights, epilogue, addends, with a
     gate)."""
     calls = collections.Counter()
@@ -49,12 +49,12 @@ def _interpreted(monkeypatch, drop=None):
                kw.get("gate") is not None)] += 1
         return run(sources, mix, scale, weights, **kw)
 
-    def lazy_input(mix, norm, stream, addends=()):
+    def lazy_input(mix, norm, stream, addends=(), tokens=tokens):
         if drop == "mixer":  # the feed-forward's input without the mixer's output
             addends = ()
         if drop == "ffn" and stream.last:  # the next layer's input without the feed-forward's outputs
             stream = stream.replace(last=stream.last[:1])
-        return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True)
+        return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True, tokens=tokens)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
     monkeypatch.setattr(block, "kernel_runs", lambda implementation: True)
@@ -66,6 +66,8 @@ def _interpreted(monkeypatch, drop=None):
     monkeypatch.setattr(model, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(model, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
+    for module in (block, kda, moe, linear):  # token_matmul at 5-64 rows ("pallas" asked for) or not
+        monkeypatch.setattr(module, "token_kernel_runs", lambda implementation: tokens)
     return calls
 
 
@@ -137,7 +139,7 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     variables, cfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
     _, cache = prefill(variables, cfg, tokens[:, :8], jnp.full((8,), 8), init_cache(cfg, 8, 16))
     want, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
-    calls = _interpreted(monkeypatch)
+    calls = _interpreted(monkeypatch, tokens=True)
     norms = collections.Counter()
     run = mixed_input.kernel_gpu.mixed_norm
 
@@ -154,7 +156,6 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
     monkeypatch.setattr(mixed_input.kernel_gpu_tokens, "token_matmul", counted_tokens)
-    monkeypatch.setattr(linear, "kernel_runs", lambda implementation: True)  # the plain inputs' products too
     got, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
     assert not calls  # no matvec kernel at 8 tokens
     by_kind = collections.Counter()
@@ -176,11 +177,14 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
 
 
 def test_the_switch():
-    """None: the kernels where a CUDA GPU compiles, never on a CPU; "xla": never; off a mesh only; "pallas"
-    without a CUDA GPU and unknown values: errors naming the field."""
+    """None: the kernels where a CUDA GPU compiles (but token_matmul), never on a CPU; "xla": never; off a mesh
+    only; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert mixed_input.kernel_runs(None) and mixed_input.kernel_runs("pallas")
         assert not mixed_input.kernel_runs("xla")
+        # token_matmul (5-64 rows, untimed so far) only where "pallas" is asked for
+        assert mixed_input.token_kernel_runs("pallas")
+        assert not mixed_input.token_kernel_runs(None) and not mixed_input.token_kernel_runs("xla")
         mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
         with use_mesh(mesh):  # sharded decoding stays on XLA
             assert not mixed_input.kernel_runs(None)
