@@ -250,10 +250,10 @@ def routed_dense_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T 
                                 interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.routed_experts`` on the dense path: the two kernels, then :func:`routed_combine`
     (the expert products never wait for the routing: only the combine reads it)."""
-    tiles = _tiles(tiles, w1)
+    asked, tiles = tiles, _tiles(tiles, w1)
     check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
     y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
-                       situ_linear_beta=situ_linear_beta, tiles=tiles, interpret=interpret)
+                       situ_linear_beta=situ_linear_beta, tiles=asked, interpret=interpret)  # None: maybe TMA
     return routed_combine(y, scores, bias, routing=routing, tiles=tiles, interpret=interpret)
 
 

@@ -2,6 +2,7 @@
 kernels and the rounded definition, in the GPU interpreter; their width checks."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels.moe import kernel_gpu_decode_dense, kernel_gpu_decode_dense_tma as tma
@@ -50,3 +51,19 @@ def test_the_dense_path_takes_them_where_they_fit(monkeypatch):
     kernel_gpu_decode_dense.expert_outputs(x, *ws, activation="situ", tiles=kernel_gpu_decode_dense.WIDE,
                                            interpret=True)
     assert calls == [(16, 128)]  # a Triton tiling asked for: the Triton kernels
+
+
+def test_the_routed_dense_path_takes_them_too(monkeypatch):
+    """The decode step's entry (routing in the combine) reaches them as well when no tiling is asked for."""
+    from k3jax.layers.routing import RENORM_EPS
+    from pallas_kernels.moe.rank_routing import Routing
+
+    calls = []
+    run = tma.expert_outputs
+    monkeypatch.setattr(tma, "expert_outputs", lambda *a, **kw: calls.append(a[0].shape) or run(*a, **kw))
+    x, _, _, ws = _inputs(2, 16, 1, 16, 128, 128)  # the routing needs 16 experts or more
+    scores = jnp.asarray(np.random.default_rng(0).uniform(size=(16, 16)), jnp.float32)
+    got = kernel_gpu_decode_dense.routed_dense_experts_pallas(
+        x, scores, jnp.zeros(16, jnp.float32), *ws, routing=Routing(2, True, 1.0, RENORM_EPS), activation="situ",
+        interpret=True)
+    assert calls == [(16, 128)] and got.shape == x.shape
