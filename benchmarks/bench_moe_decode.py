@@ -8,7 +8,9 @@ several tilings. ``--path gather`` (batch 1, the default): ``pallas_kernels/moe/
 at several ``DecodeTiles`` (``block_f``, ``num_warps``, ``prefetch``). ``--path dense`` (``--tokens
 64`` by default; every expert on every token): the two kernels of
 ``pallas_kernels/moe/kernel_gpu_decode_dense.py`` and its routing combine at
-several ``DenseTiles``, and XLA reading the same weight bytes once (a sum: the streaming rate). Each
+several ``DenseTiles``, the Mosaic GPU kernels of ``kernel_gpu_decode_dense_tma`` (the default where they
+take the shapes) at several ``TmaTiles``, and XLA reading the same weight bytes once (a sum: the
+streaming rate; stop 55 also timed the training forward's grouped matmul here: 0.84x XLA). Each
 variant runs as ``--steps`` chained calls in one ``fori_loop`` (the next call's x is this call's
 output, so calls cannot overlap and host dispatch drops out) cycling through
 ``--copies`` weight sets, by default enough that every call reads its weights from HBM as a decode
@@ -38,18 +40,15 @@ from k3jax.layers import moe_decode
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
 from pallas_kernels.moe import kernel_gpu_decode_dense_tma
-from pallas_kernels.moe.activations import gated_activation
-from pallas_kernels.moe.kernel_gpu import gmm as mosaic_gmm
 from pallas_kernels.moe.kernel_gpu_decode_dense import (WIDE, DenseTiles, dense_experts_pallas, routed_combine,
                                                        routed_dense_experts_pallas)
 from pallas_kernels.moe.rank_routing import Routing
 
 TILES = [DecodeTiles(32, 4), DecodeTiles(32, 8), DecodeTiles(16, 4), DecodeTiles(64, 8),
          DecodeTiles(32, 4, prefetch=False), DecodeTiles(32, 8, prefetch=False), DecodeTiles(16, 4, prefetch=False)]
+# WIDE: the Triton kernels' default at small()'s widths (one-wave 256-column tilings lost, RESULTS.md stop 55)
 DENSE_TILES = [WIDE, DenseTiles(), DenseTiles(block_k=128), DenseTiles(block_n=32), DenseTiles(num_stages=4),
-               DenseTiles(block_k=128, num_stages=2), DenseTiles(block_n=256, num_warps=8),
-               DenseTiles(block_n=256, block_k=32, num_warps=8, num_stages=4),
-               DenseTiles(block_n=256, block_k=32, num_warps=8, num_stages=5)]  # WIDE: the default at small()'s widths
+               DenseTiles(block_k=128, num_stages=2)]
 TMA_TILES = [kernel_gpu_decode_dense_tma.TmaTiles(*t) for t in ((128, 64, 2), (64, 64, 4), (64, 64, 5))]
 E, L, F, K = 64, 512, 512, 8  # small()'s routed experts
 READ = "xla read of the bytes"
@@ -75,20 +74,6 @@ def _route_then_kernel(x, scores, bias, *ws, path, activation, interpret=False):
     ids, weights = route(scores, bias, K, renormalize=True, scaling=1.0, with_stats=False)
     kernel = gathered_experts_pallas if path == "gather" else dense_experts_pallas
     return kernel(x, ids, weights, *ws, activation=activation, interpret=interpret)
-
-
-def mosaic_gmm_dense(x, scores, bias, w1, w3, w2, *, routing, activation, interpret=False):
-    """The dense path through the training forward's Mosaic GPU grouped matmul (TMA, warp-specialised,
-    persistent): x repeated once per expert as that expert's rows, the gate and up products, XLA's
-    activation, the down product, then the routing combine — does TMA streaming read the experts
-    faster than the Pallas-Triton kernels' ``cp.async``?"""
-    T, E = x.shape[0], w1.shape[0]
-    rows = jnp.broadcast_to(x, (E, *x.shape)).reshape(E * T, -1)
-    sizes = jnp.full((E,), T, jnp.int32)
-    g, u = (mosaic_gmm(rows, w, sizes, interpret=interpret) for w in (w1, w3))
-    a = gated_activation(g.astype(jnp.float32), u.astype(jnp.float32), activation).astype(x.dtype)
-    y = mosaic_gmm(a, w2, sizes, interpret=interpret).reshape(E, T, -1)
-    return routed_combine(y, scores, bias, routing=routing, interpret=interpret)
 
 
 def tma_dense(x, scores, bias, w1, w3, w2, *, routing, activation, tiles, interpret=False):
@@ -159,8 +144,6 @@ def main(argv=None) -> int:
         for t in TMA_TILES:
             fns[f"tma n={t.tile_n} k={t.tile_k} s={t.stages}"] = functools.partial(
                 tma_dense, routing=routing, **act, tiles=t, interpret=args.interpret)
-        fns["mosaic gmm x3 + xla activation"] = functools.partial(mosaic_gmm_dense, routing=routing, **act,
-                                                                 interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
     outs = {name: np.asarray(jax.jit(fn)(x, scores, bias, *ws), np.float32) for name, fn in fns.items()}
     if args.path == "dense":  # a rate to compare with, not an output (its check is left out)

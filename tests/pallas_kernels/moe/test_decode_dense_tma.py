@@ -20,7 +20,8 @@ def test_interpreted_expert_outputs(T, E, L, F, activation, tiles):
     x, _, _, ws = _inputs(7, T, 1, E, L, F)
     got = tma.expert_outputs(x, *ws, activation=activation, tiles=tiles, interpret=True)
     assert got.shape == (E, T, L) and got.dtype == jnp.bfloat16
-    triton = kernel_gpu_decode_dense.expert_outputs(x, *ws, activation=activation, interpret=True)
+    triton = kernel_gpu_decode_dense.expert_outputs(x, *ws, activation=activation, interpret=True,
+                                                    tiles=kernel_gpu_decode_dense.default_tiles(L, F))
     _assert_within_ulps(got, triton, max_fraction=0.05)
     for e in range(E):
         ids = jnp.full((T, 1), e, jnp.int32)
