@@ -119,8 +119,6 @@ def main(argv=None) -> int:
                                                              "2 steps, no timing)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
-    from timing import timeit_interleaved
-
     chosen = cases()
     big = lambda n: "k3" in n or "head" in n  # too slow to interpret
     names = args.cases.split(",") if args.cases else [n for n in chosen if not (args.interpret and big(n))]
@@ -133,17 +131,33 @@ def main(argv=None) -> int:
         sources, mix, scale, weights, addends, gate = _inputs(c)
         outs = [jax.jit(_op(c, kernel, args.interpret))(sources, mix, scale, weights, addends, gate)
                 for kernel in (False, True)]
-        nbytes = sum(w.size * w.dtype.itemsize for w in weights)
-        copies = 1 if args.interpret else min(64, max(1, -(-200_000_000 // nbytes)))
-        steps = 2 if args.interpret else -(-args.steps // copies) * copies
-        sets = [w if k == 0 else jnp.array(w, copy=True) for k in range(copies) for w in weights]
-        results["cases"][name] = {"weight_bytes": nbytes, "copies": copies, "steps": steps,
-                                  "max_diff_bf16_ulp": _bf16_ulps(outs[1], outs[0])}
+        row, sets = cold_sets(weights, args.steps, args.interpret)
+        results["cases"][name] = dict(row, max_diff_bf16_ulp=_bf16_ulps(outs[1], outs[0]))
         for kernel, label in ((False, "xla"), (True, "kernel")):
-            run = chained(_op(c, kernel, args.interpret), steps, copies, len(weights))
+            run = chained(_op(c, kernel, args.interpret), row["steps"], row["copies"], len(weights))
             calls[(name, label)] = (run, (sources, mix, scale, addends, gate, *sets))
-    if args.interpret:
-        for (name, label), (run, a) in calls.items():
+    return time_cases(results, calls, args.interpret, args.out)
+
+
+def cold_sets(weights: tuple, steps: int, interpret: bool) -> tuple[dict, list]:
+    """``({weight_bytes, copies, steps}, sets)``: enough copies of ``weights`` that one loop iteration reads
+    >= 200 MB (at most 64; 1 when ``interpret``), ``steps`` rounded up to a multiple of them (2 when
+    ``interpret``), the copies flattened in order (the first set the arrays themselves)."""
+    nbytes = sum(w.size * w.dtype.itemsize for w in weights)
+    copies = 1 if interpret else min(64, max(1, -(-200_000_000 // nbytes)))
+    steps = 2 if interpret else -(-steps // copies) * copies
+    sets = [w if k == 0 else jnp.array(w, copy=True) for k in range(copies) for w in weights]
+    return {"weight_bytes": nbytes, "copies": copies, "steps": steps}, sets
+
+
+def time_cases(results: dict, calls: dict, interpret: bool, out: str | None) -> int:
+    """Run ``calls`` (``(case, "xla" | "kernel") -> (fn, args)``) once each when ``interpret``, else time them
+    interleaved into ``results["cases"]`` (µs a call, speed-up, the kernel's weight TB/s) and print a row a
+    case; write ``results`` to ``out``; 0 (the exit status)."""
+    from timing import timeit_interleaved
+
+    if interpret:
+        for run, a in calls.values():
             jax.block_until_ready(run(*a))
     else:
         ms = timeit_interleaved(calls)
@@ -153,8 +167,8 @@ def main(argv=None) -> int:
                        kernel_tb_s=row["weight_bytes"] / us["kernel"] / 1e6)
             print(f"{name:30s} xla {us['xla']:7.2f} us   kernel {us['kernel']:7.2f} us   {row['speedup']:5.2f}x   "
                   f"{row['kernel_tb_s']:5.2f} TB/s   max diff {row['max_diff_bf16_ulp']:.2f} bf16 ulp", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1))
     return 0
 
 

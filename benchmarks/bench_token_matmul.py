@@ -18,7 +18,6 @@ largest deviation in bf16 ulps of the largest output. Needs a CUDA GPU:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -74,8 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (kernel interpreted, 2 steps, no timing)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_mix_matvec import _bf16_ulps
-    from timing import timeit_interleaved
+    from bench_mix_matvec import _bf16_ulps, cold_sets, time_cases
 
     chosen = cases()
     names = args.cases.split(",") if args.cases else [n for n in chosen if not (args.interpret and "k3" in n)]
@@ -89,28 +87,12 @@ def main(argv=None) -> int:
         x = jnp.asarray(rng.normal(size=(args.tokens, D)), jnp.bfloat16)
         weights = tuple(jnp.asarray(rng.normal(size=(N, D)) * D ** -0.5, jnp.bfloat16) for _ in range(n_w))
         outs = [jax.jit(_op(n_w, kernel, args.interpret))(x, weights) for kernel in (False, True)]
-        nbytes = sum(w.size * w.dtype.itemsize for w in weights)
-        copies = 1 if args.interpret else min(64, max(1, -(-200_000_000 // nbytes)))
-        steps = 2 if args.interpret else -(-args.steps // copies) * copies
-        sets = [w if k == 0 else jnp.array(w, copy=True) for k in range(copies) for w in weights]
-        results["cases"][name] = {"weight_bytes": nbytes, "copies": copies, "steps": steps,
-                                  "max_diff_bf16_ulp": _bf16_ulps(outs[1], outs[0])}
+        row, sets = cold_sets(weights, args.steps, args.interpret)
+        results["cases"][name] = dict(row, max_diff_bf16_ulp=_bf16_ulps(outs[1], outs[0]))
         for kernel, label in ((False, "xla"), (True, "kernel")):
-            calls[(name, label)] = (chained(_op(n_w, kernel, args.interpret), steps, copies, n_w), (x, *sets))
-    if args.interpret:
-        for run, a in calls.values():
-            jax.block_until_ready(run(*a))
-    else:
-        ms = timeit_interleaved(calls)
-        for name, row in results["cases"].items():
-            us = {label: 1e3 * ms[(name, label)] / row["steps"] for label in ("xla", "kernel")}
-            row.update(us_xla=us["xla"], us_kernel=us["kernel"], speedup=us["xla"] / us["kernel"],
-                       kernel_tb_s=row["weight_bytes"] / us["kernel"] / 1e6)
-            print(f"{name:26s} xla {us['xla']:7.2f} us   kernel {us['kernel']:7.2f} us   {row['speedup']:5.2f}x   "
-                  f"{row['kernel_tb_s']:5.2f} TB/s   max diff {row['max_diff_bf16_ulp']:.2f} bf16 ulp", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+            run = chained(_op(n_w, kernel, args.interpret), row["steps"], row["copies"], n_w)
+            calls[(name, label)] = (run, (x, *sets))
+    return time_cases(results, calls, args.interpret, args.out)
 
 
 if __name__ == "__main__":
