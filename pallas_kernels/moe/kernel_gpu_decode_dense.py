@@ -17,8 +17,8 @@ product — and the activation kernel reads the gate and up products back in bet
    router's scores (``rank_routing``) and sums its k outputs: one kernel for XLA's five (bias add,
    top-k, the chosen scores, their sum, the pick).
 
-Where they take the shapes (at most 64 tokens, widths of whole column tiles: small()'s batch 64) and no
-tiling is asked for, the two products run as the Mosaic GPU kernels of ``kernel_gpu_decode_dense_tma``
+Where they take the shapes (at most 64 tokens, widths of whole column tiles: small()'s batch 64), the
+GPU is a Hopper and no tiling is asked for, the two products run as the Mosaic GPU kernels of ``kernel_gpu_decode_dense_tma``
 instead (TMA streams into ``wgmma``: 5.7 % faster on an H100, RESULTS.md stop 55); the combine is this
 module's either way.
 
@@ -45,6 +45,7 @@ from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
+from pallas_kernels.target import current_target
 from pallas_kernels.triton_blocks import is_block_dim
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -177,7 +178,8 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
     GPU kernels (``kernel_gpu_decode_dense_tma``) where they take the shapes and ``tiles`` is None."""
     T, L = x.shape
     F = w1.shape[2]
-    if tiles is None and kernel_gpu_decode_dense_tma.takes(T, L, F):
+    # (TMA and wgmma: Hopper only; the Triton kernels run on any CUDA GPU)
+    if tiles is None and kernel_gpu_decode_dense_tma.takes(T, L, F) and (interpret or current_target().hopper):
         return kernel_gpu_decode_dense_tma.expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                                                           situ_linear_beta=situ_linear_beta, interpret=interpret)
     tiles = _tiles(tiles, w1)

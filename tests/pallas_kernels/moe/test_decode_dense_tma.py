@@ -1,6 +1,7 @@
 """The dense path's Mosaic GPU expert kernels (``kernel_gpu_decode_dense_tma``) against the Pallas-Triton
 kernels and the rounded definition, in the GPU interpreter; their width checks."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,6 +53,13 @@ def test_the_dense_path_takes_them_where_they_fit(monkeypatch):
     kernel_gpu_decode_dense.expert_outputs(x, *ws, activation="situ", tiles=kernel_gpu_decode_dense.WIDE,
                                            interpret=True)
     assert calls == [(16, 128)]  # a Triton tiling asked for: the Triton kernels
+    from pallas_kernels.target import Target, compile_for
+
+    with compile_for(Target("gpu", "NVIDIA A100-SXM4-80GB", cuda=True)):  # no TMA / wgmma: the Triton kernels
+        jax.make_jaxpr(lambda *a: kernel_gpu_decode_dense.expert_outputs(*a, activation="situ"))(x, *ws)
+    with compile_for(Target("gpu", "NVIDIA H200", num_cores=132, cuda=True)):
+        jax.make_jaxpr(lambda *a: kernel_gpu_decode_dense.expert_outputs(*a, activation="situ"))(x, *ws)
+    assert calls == [(16, 128)] * 2
 
 
 def test_the_routed_dense_path_takes_them_too(monkeypatch):
