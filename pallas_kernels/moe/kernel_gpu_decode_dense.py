@@ -18,9 +18,9 @@ product — and the activation kernel reads the gate and up products back in bet
    top-k, the chosen scores, their sum, the pick).
 
 Where they take the shapes (at most 64 tokens, widths of whole column tiles: small()'s batch 64), the
-GPU is a Hopper and no tiling is asked for, the two products run as the Mosaic GPU kernels of ``kernel_gpu_decode_dense_tma``
-instead (TMA streams into ``wgmma``: 5.7 % faster on an H100, RESULTS.md stop 55); the combine is this
-module's either way.
+GPU is a Hopper and no tiling is asked for, the two products run as the Mosaic GPU kernels of
+``kernel_gpu_decode_dense_tma`` instead (TMA streams into ``wgmma``: 5.7 % faster on an H100, RESULTS.md
+stop 55); the combine is this module's either way.
 
 Rounding points are the reference's (those of ``moe_ffn``): the gate and up products and each expert's
 output accumulated in fp32 and rounded once, the activation computed in fp32 and rounded; only the fp32
