@@ -27,7 +27,7 @@ from k3jax.config import LayerKind, ModelConfig
 from k3jax.layers.attn_res import ResidualStream, StackedStream, attn_res
 from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
-from k3jax.layers.mixed_input import kernel_runs, mixed_input, token_kernel_runs
+from k3jax.layers.mixed_input import kernel_runs, mixed_input
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norm import norm
@@ -78,12 +78,11 @@ class DecoderLayer(nn.Module):
         # (k3jax.layers.mixed_input), which also add the mixer's output to the stream themselves
         lazy = cache is not None and isinstance(stream, ResidualStream)
         lazy = lazy and kernel_runs(cfg.decode_glue_implementation)
-        tokens = lazy and token_kernel_runs(cfg.decode_glue_implementation)
-        x = mixed_input(attn_res(cfg, "attn_res"), attn_norm, stream, tokens=tokens) if lazy else attn_norm(
+        x = mixed_input(attn_res(cfg, "attn_res"), attn_norm, stream) if lazy else attn_norm(
             attn_res(cfg, "attn_res")(stream))
         stream = stream.push_if(self.index % cfg.attn_res.block_size == 0 if push is None else push)
         y, cache = mix(x)
-        x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, (y,), tokens=tokens) if lazy else None
+        x = mixed_input(attn_res(cfg, "mlp_res"), mlp_norm, stream, (y,)) if lazy else None
         stream = stream.add(y)
         if lazy:  # its own early kernel: fused into a later reader (XLA's mix for MLA's g_proj), it waited for
             # that reader's other inputs and held back the next layer's kernels (ResidualStream.add_kept)

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import packed_product, param, proj, split_packed, wide_param_dtype
-from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input, token_kernel_runs
+from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input
 from k3jax.layers.norm import l2_normalize, norm
 from pallas_kernels.kda import causal_conv1d, chunk_kda, kernel_gpu_decode, recurrent_kda_step
 from pallas_kernels.kda.conv import conv_tail, same_document_taps, short_convs
@@ -235,8 +235,7 @@ class KDA(nn.Module):
         o_norm, gate = norm(cfg, "o_norm", axis="head_dim", wide_param=True, out_dtype=dt), self._output_gate(projected)
         # decoding, the norm and the gate may run inside o_proj's kernel (k3jax.layers.mixed_input)
         lazy = cache is not None and kernel_runs(cfg.decode_glue_implementation)
-        tokens = lazy and token_kernel_runs(cfg.decode_glue_implementation)
-        o = normed_input(o, o_norm, gate, tokens=tokens) if lazy else o_norm(o, gate=gate)
+        o = normed_input(o, o_norm, gate) if lazy else o_norm(o, gate=gate)
         y = proj(cfg, "BTHK,HKD->BTD", (H, K, D), ("heads", "head_dim", "embed"), "o_proj")(o)
         return y if cache is None else (y, cache)
 

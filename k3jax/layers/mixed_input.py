@@ -67,8 +67,7 @@ class MixedInput:
     summed and added to the partial sum first (``ResidualStream.add``'s, which the kernel then need not
     wait for); ``gate``: the norm's output gate logits (``gated_rms_norm``); ``fused``: ``materialize`` by
     the one kernel ``kernel_gpu.mixed_norm`` (where the projections' kernel does not take the tokens:
-    batch 64), else by the model's functions; ``interpret``: run the kernels in the CPU interpreter;
-    ``tokens``: :meth:`project` runs ``kernel_gpu_tokens.token_matmul`` at 5-64 rows (:func:`token_kernel_runs`)."""
+    batch 64), else by the model's functions; ``interpret``: run the kernels in the CPU interpreter."""
 
     sources: tuple
     mix: tuple
@@ -81,7 +80,6 @@ class MixedInput:
     gate: jax.Array | None = None
     fused: bool = False
     interpret: bool = False
-    tokens: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -140,11 +138,11 @@ class MixedInput:
         return self.materialize()
 
     def project(self, weights: tuple, proj_dtype, out_dtype=None, activation: dict | None = None,
-                epilogue: str | None = None, contracted: int = 1) -> jax.Array | None:
+                epilogue: str | None = None, contracted: int = 1, tokens: bool = False) -> jax.Array | None:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; at 5-64 tokens, where ``tokens``, the input by ``mixed_norm``, then
+        ``[..., N]``; at 5-64 tokens, where ``tokens`` (:func:`token_kernel_runs`), the input by ``mixed_norm``, then
         ``kernel_gpu_tokens.token_matmul`` (16-bit weights, no epilogue); None where neither kernel takes these
         inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs over many sources;
         the caller then computes on ``materialize()``)."""
@@ -153,7 +151,7 @@ class MixedInput:
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
         act = tuple(sorted((activation or {}).items())) or None
         rows = jax.ShapeDtypeStruct((sources[0].shape[0], weights[0].shape[-1]), jnp.dtype(proj_dtype))
-        if (self.fused and self.tokens and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
+        if (self.fused and tokens and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
                 and (act is None or jnp.dtype(self.dtype) == jnp.dtype(proj_dtype))):
             # 5-64 tokens: the input by ``mixed_norm``, the product on the tensor cores (batch 64)
             x = self.materialize().reshape(rows.shape).astype(proj_dtype)
@@ -172,7 +170,7 @@ class MixedInput:
         return y.reshape(lead + (y.shape[-1],))
 
 
-def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False, tokens: bool = False) -> MixedInput:
+def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False) -> MixedInput:
     """The input ``norm(mix(stream.add(sum(addends))))`` of a decoding layer as a :class:`MixedInput`, from
     the bound ``AttnResMix`` ``mix`` and ``RMSNorm`` ``norm`` modules' parameters and the ``ResidualStream``
     (whose last add, where it kept its terms, the kernel repeats: ``ResidualStream.last``)."""
@@ -182,17 +180,15 @@ def mixed_input(mix, norm, stream, addends: tuple = (), interpret: bool = False,
     sources = tuple(stream.stored) + (partial,)
     weights = mix.weights() if len(sources) > 1 else ()
     return MixedInput(sources=sources, mix=weights, mix_eps=mix.eps, scale=_scale(norm), norm_eps=norm.eps,
-                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, fused=True, interpret=interpret,
-                      tokens=tokens)
+                      dtype=mix.dtype, wide=mix.wide_dtype, addends=addends, fused=True, interpret=interpret)
 
 
-def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False,
-                 tokens: bool = False) -> MixedInput:
+def normed_input(x: jax.Array, norm, gate: jax.Array | None = None, interpret: bool = False) -> MixedInput:
     """``norm(x, gate=gate)`` (a bound ``RMSNorm``) as a :class:`MixedInput` of one source: the norm inside the
     kernel of the projection that reads it (the MoE's latent norm before ``up_proj``; KDA's per-head
     output norm and gate before ``o_proj``)."""
     return MixedInput(sources=(x,), mix=(), mix_eps=0.0, scale=_scale(norm), norm_eps=norm.eps, dtype=norm.dtype,
-                      wide=norm.wide_dtype, gate=gate, fused=True, interpret=interpret, tokens=tokens)
+                      wide=norm.wide_dtype, gate=gate, fused=True, interpret=interpret)
 
 
 def _scale(norm) -> jax.Array:

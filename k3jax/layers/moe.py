@@ -27,7 +27,7 @@ from k3jax import balance
 from k3jax.config import ModelConfig
 from k3jax.layers import moe_decode, mxfp4
 from k3jax.layers.linear import constrain, param, proj, wide_param_dtype
-from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input, token_kernel_runs
+from k3jax.layers.mixed_input import MixedInput, kernel_runs, normed_input
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norm import norm
 from k3jax.layers.routing import route
@@ -197,8 +197,7 @@ class MoE(nn.Module):
                 latent_norm = norm(cfg, "latent_norm", axis="latent")
                 # decoding, the norm may run inside up_proj's kernel (k3jax.layers.mixed_input)
                 lazy = decode and kernel_runs(cfg.decode_glue_implementation)
-                tokens = lazy and token_kernel_runs(cfg.decode_glue_implementation)
-                y = normed_input(y, latent_norm, tokens=tokens) if lazy else latent_norm(y)
+                y = normed_input(y, latent_norm) if lazy else latent_norm(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
         if not m.num_shared_experts:

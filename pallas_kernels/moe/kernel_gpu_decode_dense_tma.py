@@ -36,6 +36,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, persistent_kernel
+from pallas_kernels.moe.validate import passes
 
 TOKEN_ROWS = 64  # one wgmma row group: every token of a tile in one accumulator
 
@@ -61,7 +62,7 @@ DEFAULT = TmaTiles(tile_n=64, tile_k=64, stages=5)
 
 def takes(T: int, L: int, F: int, tiles: TmaTiles = DEFAULT) -> bool:
     """Whether the kernels take ``T`` tokens and experts ``[L, F]`` / ``[F, L]`` (:func:`check_widths` of both)."""
-    return 1 <= T <= TOKEN_ROWS and all(K % tiles.tile_k == 0 and N % tiles.cta_n() == 0 for K, N in ((L, F), (F, L)))
+    return all(passes(check_widths, T, K, N, tiles, "takes") for K, N in ((L, F), (F, L)))
 
 
 def check_widths(T: int, K: int, N: int, tiles: TmaTiles, name: str) -> None:

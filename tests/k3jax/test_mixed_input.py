@@ -21,7 +21,7 @@ import k3jax.model as model
 from k3jax import config
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_layout, forward_cached, prefill
-from k3jax.layers import linear, mixed_input
+from k3jax.layers import linear, mixed_input, mlp
 from k3jax.model import Transformer
 from pallas_kernels.target import Target, compile_for
 from sharding import use_mesh
@@ -49,12 +49,12 @@ def _interpreted(monkeypatch, drop=None, tokens=False):
                kw.get("gate") is not None)] += 1
         return run(sources, mix, scale, weights, **kw)
 
-    def lazy_input(mix, norm, stream, addends=(), tokens=tokens):
+    def lazy_input(mix, norm, stream, addends=()):
         if drop == "mixer":  # the feed-forward's input without the mixer's output
             addends = ()
         if drop == "ffn" and stream.last:  # the next layer's input without the feed-forward's outputs
             stream = stream.replace(last=stream.last[:1])
-        return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True, tokens=tokens)
+        return mixed_input.mixed_input(mix, norm, stream, addends, interpret=True)
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_matvec", counted)
     monkeypatch.setattr(block, "kernel_runs", lambda implementation: True)
@@ -66,7 +66,7 @@ def _interpreted(monkeypatch, drop=None, tokens=False):
     monkeypatch.setattr(model, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(model, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
-    for module in (block, kda, moe, linear):  # token_matmul at 5-64 rows ("pallas" asked for) or not
+    for module in (linear, mlp):  # token_matmul at 5-64 rows ("pallas" asked for) or not
         monkeypatch.setattr(module, "token_kernel_runs", lambda implementation: tokens)
     return calls
 
