@@ -62,8 +62,8 @@ class ModelConfig:
     # latent norm before ``up_proj``, the head's) computed by one kernel (``k3jax.layers.mixed_input``),
     # and KDA's convs, norms and gates by its step's kernel (``KDA._fused_step``): "pallas"; None (the
     # default): where a CUDA GPU runs it (small() on the H100: batch 1 0.774 -> 0.727 ms, batch 64 level;
-    # benchmarks/RESULTS.md, stop 54); "xla": XLA's kernels. "pallas" alone also runs the 16-bit projections
-    # of 5-64 rows on ``kernel_gpu_tokens.token_matmul`` (untimed so far: RESULTS.md stop 55).
+    # benchmarks/RESULTS.md, stop 54); "xla": XLA's kernels. Both run the 16-bit projections of 5-64 rows
+    # on ``kernel_gpu_tokens.token_matmul`` (batch 64 -1.4 % on the H100, RESULTS.md stop 56).
     decode_glue_implementation: str | None = None
 
     def __post_init__(self):

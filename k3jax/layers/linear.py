@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from k3jax.layers.mixed_input import MixedInput, token_kernel_runs
+from k3jax.layers.mixed_input import MixedInput, kernel_runs
 from pallas_kernels.mix_matvec import kernel_gpu_tokens
 
 PRECISION: jax.lax.Precision | str | None = None
@@ -94,7 +94,7 @@ class Proj(nn.Module):
             contracted = len(w_axes) - 1  # decode_layout's [N, *in] against x's trailing axes
             if split is None and self.has_variable("decode", "kernel_t") and x_axes.endswith(w_axes[1:]):
                 y = x.project((kernel.reshape(kernel.shape[0], -1),), self.dtype, self.out_dtype,
-                              contracted=contracted, tokens=token_kernel_runs(self.decode_glue))
+                              contracted=contracted, tokens=kernel_runs(self.decode_glue))
                 if y is not None:
                     return y
             x = x.materialize()
@@ -109,7 +109,7 @@ class Proj(nn.Module):
                      for w in (kernel[..., :split], kernel[..., split:]))
 
     def _token_product(self, x: jax.Array, eq: str, kernel: jax.Array) -> jax.Array | None:
-        """The product by ``kernel_gpu_tokens.token_matmul`` where ``token_kernel_runs`` and it takes ``x``'s
+        """The product by ``kernel_gpu_tokens.token_matmul`` where ``kernel_runs`` and it takes ``x``'s
         5-64 rows (16-bit, contracting x's trailing axes with ``kernel [N, *in]``); else None."""
         x_axes, w_axes = eq.split("->")[0].split(",")
         contracted = len(w_axes) - 1
@@ -117,7 +117,7 @@ class Proj(nn.Module):
         rows = jax.ShapeDtypeStruct((math.prod(lead), math.prod(x.shape[-contracted:])), jnp.dtype(self.dtype))
         w = jax.ShapeDtypeStruct((N, rows.shape[1]), jnp.dtype(self.dtype))
         if not (x_axes.endswith(w_axes[1:]) and kernel_gpu_tokens.accepts(rows, (w,))
-                and token_kernel_runs(self.decode_glue)):
+                and kernel_runs(self.decode_glue)):
             return None
         out = None if self.out_dtype is None else jnp.dtype(self.out_dtype)
         y = kernel_gpu_tokens.token_matmul(x.reshape(rows.shape).astype(self.dtype),
@@ -165,7 +165,7 @@ def packed_product(module: nn.Module, x: jax.Array | MixedInput, dtype: Any) -> 
     if not module.has_variable("decode", PACKED):
         return None
     w = module.get_variable("decode", PACKED)  # [N, D]
-    tokens = isinstance(x, MixedInput) and token_kernel_runs(module.cfg.decode_glue_implementation)
+    tokens = isinstance(x, MixedInput) and kernel_runs(module.cfg.decode_glue_implementation)
     y = x.project((w,), dtype, tokens=tokens) if isinstance(x, MixedInput) else None  # the input computed inside
     if y is None:
         x = x.materialize() if isinstance(x, MixedInput) else x

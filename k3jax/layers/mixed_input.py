@@ -51,14 +51,6 @@ def kernel_runs(implementation: str | None) -> bool:
     return implementation != "xla" and cuda and parallel_context() is None
 
 
-def token_kernel_runs(implementation: str | None) -> bool:
-    """Whether the decode projections of 5-64 rows run ``kernel_gpu_tokens.token_matmul``: only where
-    ``implementation`` is ``"pallas"`` itself (and :func:`kernel_runs`), not by default — the kernel is
-    untimed on a GPU so far (benchmarks/RESULTS.md, stop 55: ``bench_token_matmul.py`` and
-    ``bench_infer.py --variant tokens:decode_glue_implementation=pallas`` decide its default)."""
-    return implementation == "pallas" and kernel_runs(implementation)
-
-
 @dataclasses.dataclass(frozen=True)
 class MixedInput:
     """``RMSNorm(mix(sources))`` in ``dtype``, uncomputed. ``sources``: ``[..., D]`` each, the stored block
@@ -142,7 +134,7 @@ class MixedInput:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; at 5-64 tokens, where ``tokens`` (:func:`token_kernel_runs`), the input by ``mixed_norm``, then
+        ``[..., N]``; at 5-64 tokens, where ``tokens`` (:func:`kernel_runs`), the input by ``mixed_norm``, then
         ``kernel_gpu_tokens.token_matmul`` (16-bit weights, no epilogue); None where neither kernel takes these
         inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs over many sources;
         the caller then computes on ``materialize()``)."""
@@ -195,4 +187,4 @@ def _scale(norm) -> jax.Array:
     return nn.meta.unbox(norm.get_variable("params", "scale"))
 
 
-__all__ = ["IMPLEMENTATIONS", "MixedInput", "kernel_runs", "mixed_input", "normed_input", "token_kernel_runs"]
+__all__ = ["IMPLEMENTATIONS", "MixedInput", "kernel_runs", "mixed_input", "normed_input"]

@@ -66,8 +66,8 @@ def _interpreted(monkeypatch, drop=None, tokens=False):
     monkeypatch.setattr(model, "kernel_runs", lambda implementation: True)
     monkeypatch.setattr(model, "mixed_input", lazy_input)
     monkeypatch.setattr(moe, "normed_input", functools.partial(mixed_input.normed_input, interpret=True))
-    for module in (linear, mlp):  # token_matmul at 5-64 rows ("pallas" asked for) or not
-        monkeypatch.setattr(module, "token_kernel_runs", lambda implementation: tokens)
+    for module in (linear, mlp):  # token_matmul at 5-64 rows, or XLA's products there
+        monkeypatch.setattr(module, "kernel_runs", lambda implementation: tokens)
     return calls
 
 
@@ -177,14 +177,11 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
 
 
 def test_the_switch():
-    """None: the kernels where a CUDA GPU compiles (but token_matmul), never on a CPU; "xla": never; off a mesh
+    """None: the kernels where a CUDA GPU compiles, never on a CPU; "xla": never; off a mesh
     only; "pallas" without a CUDA GPU and unknown values: errors naming the field."""
     with compile_for(Target("gpu", "NVIDIA H200", cuda=True)):
         assert mixed_input.kernel_runs(None) and mixed_input.kernel_runs("pallas")
         assert not mixed_input.kernel_runs("xla")
-        # token_matmul (5-64 rows, untimed so far) only where "pallas" is asked for
-        assert mixed_input.token_kernel_runs("pallas")
-        assert not mixed_input.token_kernel_runs(None) and not mixed_input.token_kernel_runs("xla")
         mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
         with use_mesh(mesh):  # sharded decoding stays on XLA
             assert not mixed_input.kernel_runs(None)
