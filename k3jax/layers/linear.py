@@ -94,7 +94,7 @@ class Proj(nn.Module):
             contracted = len(w_axes) - 1  # decode_layout's [N, *in] against x's trailing axes
             if split is None and self.has_variable("decode", "kernel_t") and x_axes.endswith(w_axes[1:]):
                 y = x.project((kernel.reshape(kernel.shape[0], -1),), self.dtype, self.out_dtype,
-                              contracted=contracted, tokens=kernel_runs(self.decode_glue))
+                              contracted=contracted)
                 if y is not None:
                     return y
             x = x.materialize()
@@ -165,8 +165,7 @@ def packed_product(module: nn.Module, x: jax.Array | MixedInput, dtype: Any) -> 
     if not module.has_variable("decode", PACKED):
         return None
     w = module.get_variable("decode", PACKED)  # [N, D]
-    tokens = isinstance(x, MixedInput) and kernel_runs(module.cfg.decode_glue_implementation)
-    y = x.project((w,), dtype, tokens=tokens) if isinstance(x, MixedInput) else None  # the input computed inside
+    y = x.project((w,), dtype) if isinstance(x, MixedInput) else None  # the input computed inside
     if y is None:
         x = x.materialize() if isinstance(x, MixedInput) else x
         y = einsum("...D,ND->...N", x.astype(dtype), w.astype(dtype))

@@ -130,12 +130,12 @@ class MixedInput:
         return self.materialize()
 
     def project(self, weights: tuple, proj_dtype, out_dtype=None, activation: dict | None = None,
-                epilogue: str | None = None, contracted: int = 1, tokens: bool = False) -> jax.Array | None:
+                epilogue: str | None = None, contracted: int = 1) -> jax.Array | None:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; at 5-64 tokens, where ``tokens`` (:func:`kernel_runs`), the input by ``mixed_norm``, then
-        ``kernel_gpu_tokens.token_matmul`` (16-bit weights, no epilogue); None where neither kernel takes these
+        ``[..., N]``; at 5-64 tokens the input by ``mixed_norm``, then ``kernel_gpu_tokens.token_matmul``
+        (16-bit weights, no epilogue); None where neither kernel takes these
         inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs over many sources;
         the caller then computes on ``materialize()``)."""
         lead = self.shape[:-contracted]
@@ -143,7 +143,7 @@ class MixedInput:
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
         act = tuple(sorted((activation or {}).items())) or None
         rows = jax.ShapeDtypeStruct((sources[0].shape[0], weights[0].shape[-1]), jnp.dtype(proj_dtype))
-        if (self.fused and tokens and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
+        if (self.fused and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
                 and (act is None or jnp.dtype(self.dtype) == jnp.dtype(proj_dtype))):
             # 5-64 tokens: the input by ``mixed_norm``, the product on the tensor cores (batch 64)
             x = self.materialize().reshape(rows.shape).astype(proj_dtype)

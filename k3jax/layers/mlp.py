@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import proj
-from k3jax.layers.mixed_input import MixedInput, kernel_runs
+from k3jax.layers.mixed_input import MixedInput
 from pallas_kernels.moe.activations import split_gated_activation
 
 
@@ -42,4 +42,4 @@ class MLP(nn.Module):
         m = self.cfg.mlp
         act = dict(activation=m.activation, situ_beta=m.situ_beta, situ_linear_beta=m.situ_linear_beta)
         return x.project(tuple(p.get_variable("decode", "kernel_t") for p in (gate, up)), self.cfg.compute_dtype,
-                         activation=act, tokens=kernel_runs(self.cfg.decode_glue_implementation))
+                         activation=act)
