@@ -1,8 +1,9 @@
-"""benchmarks/bench_infer.py: the decode variants' split into XLA options and model overrides."""
+"""benchmarks/bench_infer.py: the decode variants' split into XLA options and model overrides; the HBM
+bandwidth its rooflines use."""
 
 import pytest
 
-from benchmarks.bench_infer import decode_variants
+from benchmarks.bench_infer import decode_variants, hbm_tbps
 from k3jax import config
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
@@ -27,3 +28,12 @@ def test_decode_variants_split_xla_options_from_model_overrides():
         decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
     with pytest.raises(ValueError, match="no field 'nope'"):
         decode_variants(cfg, ["z:moe.nope=1"])
+
+
+def test_hbm_bandwidth_follows_the_device():
+    """The datasheet figure of the GPU the run is on (an H100's 3.35 TB/s, not the H200's 4.8), unless given."""
+    assert hbm_tbps("NVIDIA H100 80GB HBM3", None) == (3.35, "H100 datasheet")
+    assert hbm_tbps("NVIDIA H200", None) == (4.8, "H200 datasheet")
+    assert hbm_tbps("NVIDIA H100 80GB HBM3", 3.0) == (3.0, "--hbm-tbps")
+    tbps, source = hbm_tbps("cpu", None)
+    assert tbps == 4.8 and "pass --hbm-tbps" in source
