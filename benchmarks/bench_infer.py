@@ -3,9 +3,10 @@ and the mean accepted length of a briefly trained speculative draft.
 
 1. Decode tokens/s at batch 1 and 64 for small() (bf16 weights; ``--mxfp4`` also with MXFP4 routed
    experts), after a prompt of ``--prompt`` tokens, and the bytes a step reads against the HBM
-   roofline (``--hbm-tbps``; default the GPU's datasheet figure, ``hbm_tbps``): "all weights" (every parameter but the embedding table, plus the KDA
-   states and the MLA latents up to the current length) and "needed weights" (the same less the
-   experts no token of this batch was routed to, counted from the router's loads of one step).
+   roofline (``--hbm-tbps``; default the GPU's datasheet figure, ``hbm_tbps``): "all weights" (every
+   parameter but the embedding table, plus the KDA states and the MLA latents up to the current length)
+   and "needed weights" (the same less the experts no token of this batch was routed to, counted from
+   the router's loads of one step).
    Steps run as one device-side loop on per-layer weights (as ``generate`` and the serving engine
    run them, ``k3jax.infer.decode.decode_layout``); with ``--host-loop`` the step time of a Python
    loop of jitted ``decode_step`` calls is printed beside it. ``--variant NAME:KEY=VALUE,…`` builds
@@ -326,8 +327,9 @@ def main():
     else:
         variables = build(cfg)
     variables, cfg = decode_layout(variables, cfg)  # as generate and the serving engine decode
-    args.hbm_tbps, source = hbm_tbps(jax.devices()[0].device_kind, args.hbm_tbps)
-    results = {"device": jax.devices()[0].device_kind, "config": cfg.name, "hbm_tbps": args.hbm_tbps,
+    device = jax.devices()[0].device_kind
+    args.hbm_tbps, source = hbm_tbps(device, args.hbm_tbps)
+    results = {"device": device, "config": cfg.name, "hbm_tbps": args.hbm_tbps,
                "target": args.target or "random init", "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"{cfg.name} built on {results['device']} (rooflines at {args.hbm_tbps} TB/s: {source}); timing decode "
           f"at batches {batches}", flush=True)
