@@ -71,7 +71,7 @@ class MatvecTiles:
     """``block_n`` output columns a program (at most; the largest power of two dividing N below it),
     ``block_d`` input columns a step (at most; the largest power of two >= 16 dividing D below it)."""
 
-    block_n: int = 16  # of 16-bit weights: halved for two weights (an MLP's gate and up) and for float32
+    block_n: int = 8  # of 16-bit weights: halved for two weights (an MLP's gate and up) and for float32
     block_d: int = 1024
     num_warps: int = 4
 
