@@ -71,9 +71,9 @@ class MatvecTiles:
     """``block_n`` output columns a program (at most; the largest power of two dividing N below it),
     ``block_d`` input columns a step (at most; the largest power of two >= 16 dividing D below it)."""
 
-    # of 16-bit weights, halved for two weights (an MLP's gate and up) and for float32. 8 (128 programs for
-    # small()'s 1024-wide outputs): its batch-1 step 0.755 -> 0.707 ms on an H100 against 16; 4 0.725,
-    # 16 only for the 1024-wide products 0.748, 8 warps 0.722 (RESULTS.md, stop 57)
+    # columns of 16-bit weights (halved for two weights, an MLP's gate and up, and for float32 ones). 8 gives
+    # small()'s 1024-wide products 128 programs: its batch-1 step 0.707 ms on an H100 against 0.755 at 16
+    # and 0.725 at 4 (RESULTS.md, stop 57)
     block_n: int = 8
     block_d: int = 1024
     num_warps: int = 4
