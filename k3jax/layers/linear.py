@@ -147,11 +147,20 @@ def proj(cfg: ModelConfig, eq: str, shape: tuple[int, ...], axes: tuple[str | No
 PACKED = "in_proj"
 
 
+# The packed kernel's rows are padded with zero rows to a multiple of this, so the batch-64 product takes
+# ``token_matmul``'s 16-row dot tiles (small()'s KDA inputs: 4232 -> 4256 rows, 133 programs of 32 columns).
+# XLA ran the 4232-wide product as a split-K GEMM and its reduction, two kernels on the step's chain.
+PACKED_ROWS = 32
+
+
 def pack_kernels(kernels: Sequence[jax.Array], outs: Sequence[tuple[int, ...]]) -> jax.Array:
     """Kernels ``[*L, D, *out_i]`` (boxed or not) as one ``[*L, N, D]``: each output flattened, the
-    outputs concatenated, output axis first (as ``OUTPUT_FIRST`` kernels are stored for decode)."""
+    outputs concatenated, output axis first (as ``OUTPUT_FIRST`` kernels are stored for decode), then zero
+    rows up to a multiple of ``PACKED_ROWS`` (their outputs, zeros, are never read: ``split_packed``)."""
     flat = [k.reshape(k.shape[:-len(out)] + (-1,)) for k, out in zip(map(nn.meta.unbox, kernels), outs)]
-    return jnp.swapaxes(jnp.concatenate(flat, axis=-1), -1, -2)
+    packed = jnp.concatenate(flat, axis=-1)
+    pad = [(0, 0)] * (packed.ndim - 1) + [(0, -packed.shape[-1] % PACKED_ROWS)]
+    return jnp.swapaxes(jnp.pad(packed, pad), -1, -2)
 
 
 def packed_product(module: nn.Module, x: jax.Array | MixedInput, dtype: Any) -> jax.Array | None:
@@ -175,7 +184,8 @@ def packed_product(module: nn.Module, x: jax.Array | MixedInput, dtype: Any) -> 
 def split_packed(y: jax.Array, outs: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, jax.Array]:
     """:func:`packed_product`'s output as ``{name: [..., *out]}``, in ``outs``' order."""
     ends = np.cumsum([int(np.prod(out)) for _, out in outs])
-    return {name: part.reshape(y.shape[:-1] + out) for (name, out), part in zip(outs, jnp.split(y, ends[:-1], -1))}
+    parts = jnp.split(y[..., :ends[-1]], ends[:-1], -1)  # the padding rows' outputs dropped
+    return {name: part.reshape(y.shape[:-1] + out) for (name, out), part in zip(outs, parts)}
 
 
 def packed_products(module: nn.Module, x: jax.Array | MixedInput, outs: Sequence[tuple[str, tuple[int, ...]]],

@@ -114,12 +114,12 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
 
 def test_decode_layout_decodes_as_the_plain_layout(model):
     """``decode_layout`` packs a layer's input projections into one ``decode`` entry (KDA's six, MLA's
-    q_a and kv_a: ``linear.PACKED``, output axis first) and stores the other ``OUTPUT_FIRST`` kernels
+    q_a and kv_a: ``linear.PACKED``, output axis first, zero rows to a multiple of ``PACKED_ROWS``) and stores the other ``OUTPUT_FIRST`` kernels
     output axis first (``kernel_t``): prefill and decode on it give the logits of the plain per-layer
     tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
     from k3jax.layers import kda, mla
-    from k3jax.layers.linear import OUTPUT_FIRST, PACKED
+    from k3jax.layers.linear import OUTPUT_FIRST, PACKED, PACKED_ROWS
     from k3jax.layout import scan_plan, to_per_layer
 
     cfg, variables = model
@@ -133,7 +133,10 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
             seen.add(kind)
             kernels = [node[kind][name]["kernel"] for name, _ in kinds[kind]]
             rows = np.concatenate([np.reshape(k, (k.shape[0], -1)) for k in kernels], axis=1).T  # [N, D]
-            np.testing.assert_array_equal(packed["decode"][layer][kind][PACKED], rows)
+            got = np.asarray(packed["decode"][layer][kind][PACKED])
+            assert got.shape[0] == rows.shape[0] + (-rows.shape[0] % PACKED_ROWS)  # zero rows up to the multiple
+            np.testing.assert_array_equal(got[:rows.shape[0]], rows)
+            assert not got[rows.shape[0]:].any()
             assert not {name for name, _ in kinds[kind]} & set(packed["params"][layer][kind])
     assert seen == {"kda", "mla"}
     moved = [path for path, _ in jax.tree_util.tree_flatten_with_path(packed["decode"])[0]
