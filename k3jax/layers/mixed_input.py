@@ -134,10 +134,10 @@ class MixedInput:
         """``x · W`` for ``weights = (W,)`` (``[N, F]``, output axis first, contracting ``x``'s last
         ``contracted`` axes flattened to ``F``; ``epilogue="sigmoid"``: its sigmoid) or
         ``act(x · W_gate, x · W_up)`` (``activation``: ``gated_activation``'s keywords) as one kernel,
-        ``[..., N]``; at 5-64 tokens ``kernel_gpu_tokens.token_matmul`` (16-bit weights, no epilogue) on the
-        input by ``mixed_norm``, or, a lone source, normed inside the product's kernel; None where neither
-        kernel takes these inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs
-        over many sources; the caller then computes on ``materialize()``)."""
+        ``[..., N]``; at 5-64 tokens the input by ``mixed_norm``, then ``kernel_gpu_tokens.token_matmul``
+        (16-bit weights, no epilogue); None where neither kernel takes these
+        inputs or the matvec would lose to XLA's kernels (``kernel_gpu.pays``: wide inputs over many sources;
+        the caller then computes on ``materialize()``)."""
         lead = self.shape[:-contracted]
         sources, addends, gate = self._rows(contracted)
         weights = tuple(w.astype(proj_dtype) if w.dtype != jnp.dtype(proj_dtype) else w for w in weights)
@@ -145,19 +145,10 @@ class MixedInput:
         rows = jax.ShapeDtypeStruct((sources[0].shape[0], weights[0].shape[-1]), jnp.dtype(proj_dtype))
         if (self.fused and epilogue is None and kernel_gpu_tokens.accepts(rows, weights, act)
                 and (act is None or jnp.dtype(self.dtype) == jnp.dtype(proj_dtype))):
-            # 5-64 tokens, the product on the tensor cores (batch 64); its input by ``mixed_norm``, or a lone
-            # source's norm (and gate) inside the product's kernel: one kernel fewer on the step's chain
+            # 5-64 tokens: the input by ``mixed_norm``, the product on the tensor cores (batch 64)
+            x = self.materialize().reshape(rows.shape).astype(proj_dtype)
             out = None if out_dtype is None else jnp.dtype(out_dtype)
-            (x,) = sources if len(sources) == 1 else (None,)
-            if (x is not None and not addends and x.dtype == jnp.dtype(proj_dtype)
-                    and kernel_gpu_tokens.accepts(x, weights, act, scale=self.scale, gate=gate)):
-                y = kernel_gpu_tokens.token_matmul(x, weights, out_dtype=out, activation=act, scale=self.scale,
-                                                   gate=gate, norm_eps=self.norm_eps, norm_dtype=jnp.dtype(self.dtype),
-                                                   interpret=self.interpret)
-            else:
-                x = self.materialize().reshape(rows.shape).astype(proj_dtype)
-                y = kernel_gpu_tokens.token_matmul(x, weights, out_dtype=out, activation=act,
-                                                   interpret=self.interpret)
+            y = kernel_gpu_tokens.token_matmul(x, weights, out_dtype=out, activation=act, interpret=self.interpret)
             return y.reshape(lead + (y.shape[-1],))
         if not (kernel_gpu.accepts(sources, self.mix, self.scale, weights, epilogue=epilogue, addends=addends,
                                    gate=gate) and kernel_gpu.pays(sources, addends, gate)):

@@ -74,10 +74,8 @@ def block_d(D: int, tiles: TokenTiles = TokenTiles()) -> int:
     return b if b >= 16 else 0
 
 
-def check_inputs(x, weights: tuple, activation: tuple | None = None, tiles: TokenTiles = TokenTiles(), scale=None,
-                 gate=None) -> None:
-    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs (``scale``, ``gate``:
-    :func:`token_matmul`'s input norm)."""
+def check_inputs(x, weights: tuple, activation: tuple | None = None, tiles: TokenTiles = TokenTiles()) -> None:
+    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
     if getattr(x, "ndim", 0) != 2 or not takes_tokens(x.shape[0]):
         raise ValueError(f"x must be [T, D] with {MAX_TOKENS} < T <= {MAX_ROWS} tokens, got shape "
                          f"{getattr(x, 'shape', None)}")
@@ -97,115 +95,56 @@ def check_inputs(x, weights: tuple, activation: tuple | None = None, tiles: Toke
         raise ValueError(f"N={N} must be a multiple of 16 (tiles.block_n={tiles.block_n})")
     if not is_block_dim(tiles.block_d) or not block_d(D, tiles):
         raise ValueError(f"D={D} must be a multiple of 16 (tiles.block_d={tiles.block_d}: a power of two >= 16)")
-    if scale is not None:
-        G = scale.shape[0] if scale.ndim == 1 else 0
-        if not G or D % G or (G != D and not is_block_dim(G)):
-            raise ValueError(f"scale must be [D]=[{D}] (one norm over the row) or [G] with G a power of two >= 16 "
-                             f"dividing D (a norm per group of G columns), got {scale.shape}")
-        if gate is not None and gate.shape != x.shape:
-            raise ValueError(f"gate must be [T, D]={x.shape} (the norm's output gate logits), got {gate.shape}")
-    elif gate is not None:
-        raise ValueError("gate (the norm's output gate) needs the norm's scale")
 
 
-def accepts(x, weights: tuple, activation: tuple | None = None, tiles: TokenTiles = TokenTiles(), scale=None,
-            gate=None) -> bool:
+def accepts(x, weights: tuple, activation: tuple | None = None, tiles: TokenTiles = TokenTiles()) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
-    return passes(check_inputs, x, weights, activation, tiles, scale, gate)
+    return passes(check_inputs, x, weights, activation, tiles)
 
 
-def _kernel(x_ref, *refs, block_d: int, activation, out_dtype, norm):
-    """``norm``: None, or ``(G, eps, dtype, gated)``, the input's norm (``refs`` then start with its scale and,
-    gated, the gate's logits)."""
-    f32 = jnp.float32
-    if norm is not None:
-        G, eps, norm_dtype, gated = norm
-        scale_ref, gate_ref, refs = refs[0], refs[1] if gated else None, refs[1 + gated:]
+def _kernel(x_ref, *refs, block_d: int, activation, out_dtype):
     w_refs, out_ref = refs[:-1], refs[-1]
     D = x_ref.shape[1]
-    cols = lambda i: pl.ds(pl.multiple_of(i * block_d, block_d), block_d)
-
-    inv = None
-    if norm is not None and G == D:  # one norm over the row: its 1/rms first, a pass over x (L2-resident)
-        def squares(i, acc):
-            h = x_ref[:, cols(i)].astype(f32)
-            return acc + jnp.sum(h * h, axis=1)
-
-        total = jax.lax.fori_loop(0, D // block_d, squares, jnp.zeros((x_ref.shape[0],), f32))
-        inv = jax.lax.rsqrt(total / D + eps)
-
-    def normed(i):
-        """Step ``i``'s ``[T, block_d]`` slab of the product's input: x, or x normed (per group: the slab is
-        one group), scaled and gated in float32 and rounded to the norm's dtype, then x's."""
-        x = x_ref[:, cols(i)]
-        if norm is None:
-            return x
-        h = x.astype(f32)
-        row = inv if inv is not None else jax.lax.rsqrt(jnp.sum(h * h, axis=1) / G + eps)
-        y = h * row[:, None] * scale_ref[cols(i) if G == D else pl.ds(0, G)].astype(f32)[None, :]
-        if gate_ref is not None:
-            y = y * jax.nn.sigmoid(gate_ref[:, cols(i)].astype(f32))
-        return y.astype(norm_dtype).astype(x.dtype)
 
     def step(i, accs):
-        x = normed(i)
+        ks = pl.ds(pl.multiple_of(i * block_d, block_d), block_d)
+        x = x_ref[:, ks]
         dims = (((1,), (1,)), ((), ()))  # x [T, block_d] against W's rows [block_n, block_d]
-        return tuple(acc + jax.lax.dot_general(x, w[:, cols(i)], dims, preferred_element_type=f32)
+        return tuple(acc + jax.lax.dot_general(x, w[:, ks], dims, preferred_element_type=jnp.float32)
                      for acc, w in zip(accs, w_refs))
 
-    zeros = tuple(jnp.zeros((x_ref.shape[0], out_ref.shape[1]), f32) for _ in w_refs)
+    zeros = tuple(jnp.zeros((x_ref.shape[0], out_ref.shape[1]), jnp.float32) for _ in w_refs)
     accs = jax.lax.fori_loop(0, D // block_d, step, zeros)
     if len(accs) == 1:
         out_ref[...] = accs[0].astype(out_dtype)
     else:
-        g, u = (a.astype(x_ref.dtype).astype(f32) for a in accs)
+        g, u = (a.astype(x_ref.dtype).astype(jnp.float32) for a in accs)
         out_ref[...] = gated_activation(g, u, **activation).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "activation", "norm_eps", "norm_dtype", "tiles",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "activation", "tiles", "interpret"))
 def token_matmul(x: Float[Array, "T D"], weights: tuple, *, out_dtype=None, activation: tuple | None = None,
-                 scale: Float[Array, "G"] | None = None, gate: Float[Array, "T D"] | None = None,
-                 norm_eps: float | None = None, norm_dtype=None, tiles: TokenTiles = TokenTiles(),
-                 interpret: bool = False) -> Float[Array, "T N"]:
+                 tiles: TokenTiles = TokenTiles(), interpret: bool = False) -> Float[Array, "T N"]:
     """``x · Wᵀ`` for ``weights = (W,)`` (``[N, D]``) in ``out_dtype`` (default: x's), or
     ``act(round(x · W_gateᵀ), round(x · W_upᵀ))`` (``activation``: ``gated_activation``'s keywords as a
-    tuple of pairs) in x's dtype; ``[T, N]``.
-
-    With ``scale`` the product's input is ``x`` RMS-normed first, as ``mixed_norm`` norms a lone source
-    (``reference.mixed_input``): over the row (``scale [D]``) or per group of ``G`` columns (``[G]``, KDA's
-    per-head output norm; the kernel then steps a group at a time), ``× sigmoid(gate)`` where given, in
-    float32, rounded to ``norm_dtype`` (default: x's) and to x's dtype — so a lone source's norm costs no
-    kernel of its own (the MoE's latent norm before ``up_proj``, KDA's output norm and gate before
-    ``o_proj``): each program norms the L2-resident rows it reads."""
-    check_inputs(x, weights, activation, tiles, scale, gate)
-    if (scale is None) != (norm_eps is None):
-        raise ValueError(f"norm_eps (the input norm's epsilon) goes with scale: got norm_eps={norm_eps} and "
-                         f"scale {'None' if scale is None else scale.shape}")
+    tuple of pairs) in x's dtype; ``[T, N]``."""
+    check_inputs(x, weights, activation, tiles)
     T, D = x.shape
     N = weights[0].shape[0]
     Tp = max(16, 1 << (T - 1).bit_length())  # the dot's rows: a power of two
-    pad = lambda a: jnp.pad(a, ((0, Tp - T), (0, 0))) if Tp != T else a
+    xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
     bn = block_n(N, tiles)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None or activation is not None else out_dtype)
-    norm, norm_in, norm_specs = None, (), []
-    bd = block_d(D, tiles)
-    if scale is not None:
-        G = scale.shape[0]
-        bd = bd if G == D else G  # per group: a step is one group
-        norm = (G, float(norm_eps), jnp.dtype(norm_dtype or x.dtype), gate is not None)
-        norm_in = (scale,) + (() if gate is None else (pad(gate),))
-        norm_specs = [pl.BlockSpec(a.shape, lambda j, n=a.ndim: (0,) * n) for a in norm_in]
-    kernel = functools.partial(_kernel, block_d=bd, activation=dict(activation or ()), out_dtype=out_dtype, norm=norm)
+    kernel = functools.partial(_kernel, block_d=block_d(D, tiles), activation=dict(activation or ()),
+                               out_dtype=out_dtype)
     y = pl.pallas_call(
         kernel, grid=(N // bn,),
-        in_specs=[pl.BlockSpec((Tp, D), lambda j: (0, 0))] + norm_specs
-        + [pl.BlockSpec((bn, D), lambda j: (j, 0))] * len(weights),
+        in_specs=[pl.BlockSpec((Tp, D), lambda j: (0, 0))] + [pl.BlockSpec((bn, D), lambda j: (j, 0))] * len(weights),
         out_specs=pl.BlockSpec((Tp, bn), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((Tp, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="token_matmul",
-    )(pad(x), *norm_in, *weights)
+    )(xp, *weights)
     return y[:T]
 
 

@@ -70,14 +70,11 @@ def mixed_matvec_reference(sources: tuple, mix: tuple, mix_eps: float, scale: Fl
     return gated_activation(g, u, **activation).astype(dtype)
 
 
-def token_matmul_reference(x: Float[Array, "T D"], weights: tuple, out_dtype=None, activation: dict | None = None,
-                           scale=None, gate=None, norm_eps: float | None = None, norm_dtype=None) -> Float[Array, "T N"]:
+def token_matmul_reference(x: Float[Array, "T D"], weights: tuple, out_dtype=None,
+                           activation: dict | None = None) -> Float[Array, "T N"]:
     """``kernel_gpu_tokens.token_matmul``'s definition: ``x · Wᵀ`` (``W [N, D]``) summed in float32 and
     rounded once to ``out_dtype`` (default: x's), as the model's einsum; with ``(W_gate, W_up)`` both
-    products rounded to x's dtype, ``gated_activation`` in float32, rounded to x's dtype. With ``scale``,
-    ``x`` is first the lone source's :func:`mixed_input` (normed, gated, in ``norm_dtype``), then x's dtype."""
-    if scale is not None:
-        x = mixed_input((x,), (), 0.0, scale, norm_eps, norm_dtype or x.dtype, gate=gate).astype(x.dtype)
+    products rounded to x's dtype, ``gated_activation`` in float32, rounded to x's dtype."""
     ys = [jnp.einsum("td,nd->tn", x, w, preferred_element_type=jnp.float32) for w in weights]
     if activation is None:
         return ys[0].astype(out_dtype or x.dtype)

@@ -129,10 +129,10 @@ def test_the_adds_inside_the_kernel_are_checked(decoding, monkeypatch, drop):
 
 
 def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
-    """Above the matvec kernel's 4 tokens the normed input of a mix is one ``mixed_norm`` kernel a mixing point
-    (the outputs just added to the stream added inside), a lone source's norm (and gate) runs inside the
-    product's kernel, and the 16-bit projections, of those and of plain inputs, are ``token_matmul`` kernels
-    (an MLP's gate and up one kernel with the activation; the float32 router stays XLA's): same logits."""
+    """Above the matvec kernel's 4 tokens the normed input is one ``mixed_norm`` kernel a mixing point (the
+    outputs just added to the stream added inside) and the 16-bit projections, of it and of plain inputs,
+    are ``token_matmul`` kernels (an MLP's gate and up one kernel with the activation; the float32 router
+    stays XLA's): same logits."""
     cfg = config.tiny()
     tokens = jax.random.randint(jax.random.key(2), (8, 9), 0, cfg.vocab_size)
     variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
@@ -151,8 +151,7 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     run_tokens = mixed_input.kernel_gpu_tokens.token_matmul
 
     def counted_tokens(x, weights, **kw):
-        normed = "gated" if kw.get("gate") is not None else "normed" if kw.get("scale") is not None else None
-        products[(x.shape[-1], weights[0].shape[0], len(weights), normed)] += 1
+        products[(x.shape[-1], weights[0].shape[0], len(weights))] += 1
         return run_tokens(x, weights, **{**kw, "interpret": True})
 
     monkeypatch.setattr(mixed_input.kernel_gpu, "mixed_norm", counted)
@@ -160,22 +159,21 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     got, _ = forward_cached(variables, cfg, tokens[:, 8:], cache)
     assert not calls  # no matvec kernel at 8 tokens
     by_kind = collections.Counter()
-    for (n_src, adds, gated), n in norms.items():
-        by_kind[n_src > 1, adds, gated] += n
-    # (run eagerly, each reader materializes its input: one kernel a reader) the mixes only: the feed-forwards'
-    # inputs (the mixer's output added: router, down_proj, the shared experts' gate and up together, the dense
-    # MLP's gate and up); the layer inputs after a MoE layer and the head's (its two outputs)
-    assert by_kind == {(True, 1, False): 17, (True, 2, False): 7}
-    # tiny(): up_proj (latent 32 -> 64, its norm inside) and down_proj (64 -> 32) in each of the 5 MoE layers,
-    # the shared experts' gate and up (64 -> 2 x 32) there and the dense MLP's (64 -> 96) in layer 0, KDA's
-    # o_proj (4 heads x 16 -> 64, its output norm and gate inside) in its 4 layers, MLA's packed q_a and kv_a
-    # (64 -> 24 + 16 + 8, padded to 64) in its 2, KDA's packed inputs (64 -> 276, padded to 288:
-    # ``linear.PACKED_ROWS``) in its 4 (layer 0's on the embedding, normed inside); of plain inputs (``Proj``):
-    # the shared experts' down (2 x 32 -> 64) in 5 layers, MLA's o_proj (4 x 16 -> 64) in 2, the dense MLP's
-    # down (96 -> 64); MLA's q_b (not stored output axis first) stays XLA's
-    assert products == {(32, 64, 1, "normed"): 5, (64, 32, 1, None): 5, (64, 64, 2, None): 5, (64, 96, 2, None): 1,
-                        (64, 64, 1, "gated"): 4, (64, 64, 1, None): 5 + 2 + 2, (64, 288, 1, "normed"): 1,
-                        (64, 288, 1, None): 3, (96, 64, 1, None): 1}
+    for (_, adds, gated), n in norms.items():
+        by_kind[adds, gated] += n
+    # (run eagerly, each reader materializes its input: one kernel a reader) layer 0's input and the latent
+    # norms; KDA's output norms; the feed-forwards' inputs (the mixer's output added: router, down_proj,
+    # the shared experts' gate and up together, the dense MLP's gate and up); the layer inputs after a MoE
+    # layer and the head's (its two outputs)
+    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 17, (2, False): 7}
+    # tiny(): up_proj (latent 32 -> 64) and down_proj (64 -> 32) in each of the 5 MoE layers, the shared
+    # experts' gate and up (64 -> 2 x 32) there and the dense MLP's (64 -> 96) in layer 0, KDA's o_proj
+    # (4 heads x 16 -> 64) in its 4 layers, MLA's packed q_a and kv_a (64 -> 24 + 16 + 8, padded to 64) in its
+    # 2, KDA's packed inputs (64 -> 276, padded to 288: ``linear.PACKED_ROWS``) in its 4; of plain inputs
+    # (``Proj``): the shared experts' down (2 x 32 -> 64) in 5 layers, MLA's o_proj (4 x 16 -> 64) in 2, the
+    # dense MLP's down (96 -> 64); MLA's q_b (not stored output axis first) stays XLA's
+    assert products == {(32, 64, 1): 5, (64, 32, 1): 5, (64, 64, 2): 5, (64, 96, 2): 1, (64, 64, 1): 4 + 5 + 2 + 2,
+                        (64, 288, 1): 4, (96, 64, 1): 1}
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
