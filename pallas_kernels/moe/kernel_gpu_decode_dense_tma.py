@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
+from pallas_kernels.moe import slot_ring
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, persistent_kernel
 from pallas_kernels.moe.validate import passes
 
@@ -49,6 +50,7 @@ class TmaTiles:
     tile_n: int = 128
     tile_k: int = 64
     stages: int = 2
+    ring: bool = False  # one slot ring across a CTA's tiles (``_ring_body``) instead of a pipeline per tile
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -127,6 +129,75 @@ def _body(lhs_gmem, *refs, tiles: TmaTiles, epilogue, shared_lhs: bool):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _ring_body(lhs_gmem, *refs, tiles: TmaTiles, epilogue, shared_lhs: bool):
+    """:func:`_body` over one ``slot_ring`` that persists across the CTA's tiles: the memory warpgroup loads
+    the next tile's first slabs while the compute warpgroups finish a tile and store it, and one step's
+    wgmmas stay in flight (``kernel_gpu_gmm_ring``'s pattern)."""
+    *w_gmems, out_gmem = refs
+    E, K, N = w_gmems[0].shape
+    Tp, tn, tk, cta_n = lhs_gmem.shape[-2], tiles.tile_n, tiles.tile_k, tiles.cta_n()
+    dtype, n_tiles, ksteps = lhs_gmem.dtype, N // cta_n, K // tiles.tile_k
+
+    def for_each_tile(per_tile):
+        """``per_tile(step0, e, ni)`` over this CTA's (expert, column tile) pairs, ``step0`` the ring steps of
+        its earlier tiles; returns the steps of all of them."""
+
+        @plgpu.nd_loop((E * n_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+            per_tile(carry, info.index[0] // n_tiles, info.index[0] % n_tiles)
+            return carry + ksteps
+
+        return _tiles
+
+    w_smems = {f"w{i}_smem": plgpu.SMEM((tiles.stages, tk, cta_n), dtype, transforms=_swizzled(cta_n, dtype))
+               for i in range(len(w_gmems))}
+
+    @slot_ring.scoped(tiles.stages, copies_per_step=1 + len(w_gmems),
+                      x_smem=plgpu.SMEM((tiles.stages, Tp, tk), dtype, transforms=_swizzled(tk, dtype)),
+                      o_smem=plgpu.SMEM((_COMPUTE_WGS, Tp, tn), out_gmem.dtype), **w_smems)
+    def _scope(ring, x_smem, o_smem, **w_refs):
+        ws = [w_refs[f"w{i}_smem"] for i in range(len(w_gmems))]
+
+        def memory():
+            def per_tile(step0, e, ni):
+                lhs = lhs_gmem if shared_lhs else lhs_gmem.at[e]
+                cols = pl.ds(ni * cta_n, cta_n)
+
+                @pl.loop(0, ksteps)
+                def _(kk):
+                    kcols = pl.ds(kk * tk, tk)
+                    ring.load(step0 + kk, [(lhs.at[:, kcols], x_smem)]
+                              + [(w.at[e, kcols, cols], w_smem) for w, w_smem in zip(w_gmems, ws)])
+
+            ring.drain(for_each_tile(per_tile))
+
+        def compute(wg):
+            wg_n = pl.ds(wg * tn, tn)
+
+            def per_tile(step0, e, ni):
+                def step(accs, kk):
+                    slot = ring.take(step0 + kk)
+                    for acc, w_smem in zip(accs, ws):
+                        plgpu.wgmma(acc, x_smem.at[slot], w_smem.at[slot, :, wg_n])
+                    ring.release_previous(step0 + kk, kk == 0)
+
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((Tp, tn), jnp.float32) for _ in w_gmems])
+                def _acc(accs):
+                    pl.loop(0, ksteps)(functools.partial(step, accs))
+                    plgpu.wgmma_wait(0)
+                    ring.release(step0 + ksteps - 1)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
+                    o_smem.at[wg][...] = epilogue(accs).astype(out_gmem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[e, :, pl.ds(ni * cta_n + wg * tn, tn)])
+
+            for_each_tile(per_tile)
+
+        slot_ring.split_warpgroups(memory, compute)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _pad_tokens(x, axis: int):
     T = x.shape[axis]
     pad = [(0, 0)] * x.ndim
@@ -148,7 +219,7 @@ def gate_up(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[Array, 
         g, u = (acc[...].astype(dt).astype(jnp.float32) for acc in accs)
         return gated_activation(g, u, activation, situ_beta, situ_linear_beta)
 
-    body = functools.partial(_body, tiles=tiles, epilogue=epilogue, shared_lhs=True)
+    body = functools.partial(_ring_body if tiles.ring else _body, tiles=tiles, epilogue=epilogue, shared_lhs=True)
     return persistent_kernel(body, jax.ShapeDtypeStruct((E, TOKEN_ROWS, F), dt), interpret=interpret,
                              name="moe_decode_dense_tma_gate_up")(_pad_tokens(x, 0), w1, w3)
 
@@ -159,7 +230,8 @@ def down(a: Float[Array, "E Tp F"], w2: Float[Array, "E F L"], *, tiles: TmaTile
     E, Tp, F = a.shape
     L = w2.shape[2]
     check_widths(Tp, F, L, tiles, "down")
-    body = functools.partial(_body, tiles=tiles, epilogue=lambda accs: accs[0][...], shared_lhs=False)
+    body = functools.partial(_ring_body if tiles.ring else _body, tiles=tiles, epilogue=lambda accs: accs[0][...],
+                             shared_lhs=False)
     return persistent_kernel(body, jax.ShapeDtypeStruct((E, Tp, L), a.dtype), interpret=interpret,
                              name="moe_decode_dense_tma_down")(a, w2)
 
