@@ -142,7 +142,7 @@ def main(argv=None) -> int:
             fns[name] = functools.partial(routed_dense_experts_pallas, routing=routing, **act, tiles=t,
                                           interpret=args.interpret)
         for t in TMA_TILES:
-            fns[f"tma n={t.tile_n} k={t.tile_k} s={t.stages}{' ring' if t.ring else ''}"] = functools.partial(
+            fns[f"tma n={t.tile_n} k={t.tile_k} s={t.stages}"] = functools.partial(
                 tma_dense, routing=routing, **act, tiles=t, interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
     outs = {name: np.asarray(jax.jit(fn)(x, scores, bias, *ws), np.float32) for name, fn in fns.items()}

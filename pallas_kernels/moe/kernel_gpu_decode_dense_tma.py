@@ -3,11 +3,11 @@
 ``kernel_gpu_decode_dense`` runs the gate/up and down products of every expert on every token as
 Pallas-Triton kernels, whose ``cp.async`` copies stream ``small()``'s 100 MB of experts at ~2.2 TB/s
 on the H200 (RESULTS.md stop 52), under half its HBM. Here the same two kernels are persistent
-Hopper kernels with a warp-specialised pipeline (as the training forward's ``kernel_gpu.gmm``): one
-memory warpgroup streams TMA copies of ``[tile_k, 2·tile_n]`` weight slabs (and the token rows'
-``[Tp, tile_k]`` slab, L2-resident) into ``stages`` shared-memory slots, two compute warpgroups
-issue ``wgmma`` into float32 accumulators, each owning ``tile_n`` of the slab's columns. A CTA loops
-over (expert, column tile) pairs.
+Hopper kernels, warp-specialised (as the training forward's ``kernel_gpu_gmm_ring``): one memory
+warpgroup streams TMA copies of ``[tile_k, 2·tile_n]`` weight slabs (and the token rows' ``[Tp, tile_k]``
+slab, L2-resident) into a ring of ``stages`` shared-memory slots (``slot_ring``) that runs on across the
+CTA's (expert, column tile) pairs, two compute warpgroups issue ``wgmma`` into float32 accumulators, each
+owning ``tile_n`` of the slab's columns, and release a slot once the next step's wgmmas are issued.
 
 1. :func:`gate_up`: ``x [Tp, L]`` (every expert's rows) against ``W1_e``, ``W3_e`` — two
    accumulators, both rounded to the compute dtype, the gated activation in float32, rounded, and
@@ -19,7 +19,9 @@ order differs. ``Tp`` is the token count padded to ``TOKEN_ROWS`` (one ``wgmma``
 tokens take the Triton kernels). ``kernel_gpu_decode_dense.expert_outputs`` runs these where they take
 the shapes (:func:`takes`) and no Triton tiling is asked for: on an H100 they stream small()'s experts
 5.7 % faster (51.5 against 54.6 µs a layer; XLA's one-pass read of the same 100 MB, 41.8 µs, is the
-ceiling measured beside them). ``interpret=True`` runs the GPU interpreter on the CPU.
+ceiling measured beside them), and the ring 1.6 % faster again than one pipeline a tile (50.7 against
+51.6 µs; the decode step at batch 64 1.745 -> 1.734 ms; RESULTS.md stop 58). ``interpret=True`` runs
+the GPU interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
@@ -50,7 +51,6 @@ class TmaTiles:
     tile_n: int = 128
     tile_k: int = 64
     stages: int = 2
-    ring: bool = False  # one slot ring across a CTA's tiles (``_ring_body``) instead of a pipeline per tile
 
     def cta_n(self) -> int:
         return _COMPUTE_WGS * self.tile_n
@@ -58,7 +58,9 @@ class TmaTiles:
 
 # 64 columns a compute warpgroup, 5 slabs in flight: small()'s batch 64 (E 64, L = F = 512) in 51.5 µs a
 # layer on an H100 against 54.6 for the Triton kernels' WIDE tiles and 53.4 with 128 columns and 2 slabs
-# (``bench_moe_decode.py --path dense``, cold weights; RESULTS.md stop 55)
+# (``bench_moe_decode.py --path dense``, cold weights; RESULTS.md stop 55); on the ring 50.7 µs, 4 slabs
+# 50.1, 3 slabs 51.3, 128-row slabs 52.7, 128 columns 54.9 (stop 58; 32-row slabs and 32 columns do not
+# lower)
 DEFAULT = TmaTiles(tile_n=64, tile_k=64, stages=5)
 
 
@@ -77,62 +79,11 @@ def check_widths(T: int, K: int, N: int, tiles: TmaTiles, name: str) -> None:
 
 
 def _body(lhs_gmem, *refs, tiles: TmaTiles, epilogue, shared_lhs: bool):
-    """Persistent CTA: (expert, column tile) pairs; ``refs`` = weights ``[E, K, N]`` then the output
-    ``[E, Tp, N_out]``. ``epilogue(accs) -> tile`` makes the stored tile from the accumulators."""
-    *w_gmems, out_gmem = refs
-    E, K, N = w_gmems[0].shape
-    Tp, tn, tk, cta_n = lhs_gmem.shape[-2], tiles.tile_n, tiles.tile_k, tiles.cta_n()
-    dtype = lhs_gmem.dtype
-    n_tiles = N // cta_n
-    w_spec = plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=_swizzled(cta_n, dtype))
-    pipeline = functools.partial(
-        plgpu.emit_pipeline_warp_specialized, grid=(K // tk,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((Tp, tk), lambda kk: (0, kk), transforms=_swizzled(tk, dtype))]
-        + [w_spec] * len(w_gmems),
-        wg_axis="wg", num_compute_wgs=_COMPUTE_WGS, max_concurrent_steps=tiles.stages)
-    ignore = lambda *_, **__: None
-    lhs0 = lhs_gmem if shared_lhs else lhs_gmem.at[0]
-    w0 = [w.at[0, :, pl.ds(0, cta_n)] for w in w_gmems]
-
-    @functools.partial(pl.run_scoped,
-                       allocs=pipeline(ignore, compute_context=ignore).get_allocations(lhs0, *w0),
-                       o_smem=plgpu.SMEM((_COMPUTE_WGS, Tp, tn), out_gmem.dtype), collective_axes="wg")
-    def _scope(allocs, o_smem):
-        wg = lax.axis_index("wg")
-        wg_n = pl.ds(wg * tn, tn)
-
-        @plgpu.nd_loop((E * n_tiles,), collective_axes="sm")
-        def _tiles(info):
-            e, ni = info.index[0] // n_tiles, info.index[0] % n_tiles
-
-            def compute_context(run):
-                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((Tp, tn), jnp.float32) for _ in w_gmems])
-                def _acc(accs):
-                    run(accs)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
-                    o_smem.at[wg][...] = epilogue(accs).astype(out_gmem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[e, :, pl.ds(ni * cta_n + wg * tn, tn)])
-
-            def mma(_, lhs_smem, *w_and_accs):
-                w_smems, accs = w_and_accs[:-1], w_and_accs[-1]
-                for w_smem, acc in zip(w_smems, accs):
-                    plgpu.wgmma(acc, lhs_smem, w_smem.at[:, wg_n])
-                plgpu.wgmma_wait(0)  # a slot is released when mma returns
-                return accs
-
-            cols = pl.ds(ni * cta_n, cta_n)
-            pipeline(mma, compute_context=compute_context)(
-                lhs_gmem if shared_lhs else lhs_gmem.at[e], *(w.at[e, :, cols] for w in w_gmems),
-                allocations=allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _ring_body(lhs_gmem, *refs, tiles: TmaTiles, epilogue, shared_lhs: bool):
-    """:func:`_body` over one ``slot_ring`` that persists across the CTA's tiles: the memory warpgroup loads
-    the next tile's first slabs while the compute warpgroups finish a tile and store it, and one step's
-    wgmmas stay in flight (``kernel_gpu_gmm_ring``'s pattern)."""
+    """Persistent CTA: (expert, column tile) pairs over one ``slot_ring`` that persists across its tiles;
+    ``refs`` = weights ``[E, K, N]`` then the output ``[E, Tp, N_out]``; ``epilogue(accs) -> tile`` makes the
+    stored tile from the accumulators. The memory warpgroup loads the next tile's first slabs while the
+    compute warpgroups finish a tile and store it, and one step's wgmmas stay in flight
+    (``kernel_gpu_gmm_ring``'s pattern)."""
     *w_gmems, out_gmem = refs
     E, K, N = w_gmems[0].shape
     Tp, tn, tk, cta_n = lhs_gmem.shape[-2], tiles.tile_n, tiles.tile_k, tiles.cta_n()
@@ -219,7 +170,7 @@ def gate_up(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[Array, 
         g, u = (acc[...].astype(dt).astype(jnp.float32) for acc in accs)
         return gated_activation(g, u, activation, situ_beta, situ_linear_beta)
 
-    body = functools.partial(_ring_body if tiles.ring else _body, tiles=tiles, epilogue=epilogue, shared_lhs=True)
+    body = functools.partial(_body, tiles=tiles, epilogue=epilogue, shared_lhs=True)
     return persistent_kernel(body, jax.ShapeDtypeStruct((E, TOKEN_ROWS, F), dt), interpret=interpret,
                              name="moe_decode_dense_tma_gate_up")(_pad_tokens(x, 0), w1, w3)
 
@@ -230,8 +181,7 @@ def down(a: Float[Array, "E Tp F"], w2: Float[Array, "E F L"], *, tiles: TmaTile
     E, Tp, F = a.shape
     L = w2.shape[2]
     check_widths(Tp, F, L, tiles, "down")
-    body = functools.partial(_ring_body if tiles.ring else _body, tiles=tiles, epilogue=lambda accs: accs[0][...],
-                             shared_lhs=False)
+    body = functools.partial(_body, tiles=tiles, epilogue=lambda accs: accs[0][...], shared_lhs=False)
     return persistent_kernel(body, jax.ShapeDtypeStruct((E, Tp, L), a.dtype), interpret=interpret,
                              name="moe_decode_dense_tma_down")(a, w2)
 

@@ -11,9 +11,10 @@ from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _in
 
 
 @pytest.mark.parametrize("T,E,L,F,activation,tiles", [
-    (8, 4, 256, 256, "situ", tma.TmaTiles()),            # one column tile a weight, 2 slots
+    (8, 4, 256, 256, "situ", tma.TmaTiles()),            # one column tile a weight, 2 slots; 2 tiles a CTA
     (64, 2, 128, 256, "swiglu", tma.TmaTiles(64, 64, 3)),  # every token row used; 2 K steps of 3 slots
     (1, 3, 128, 384, "situ", tma.TmaTiles(64, 64, 2)),    # one token; 3 column tiles of gate/up, 1 of down
+    (1, 3, 128, 384, "swiglu", tma.TmaTiles(64, 64, 3)),  # the ring's 3 slots across tiles of 2 K steps
 ])
 def test_interpreted_expert_outputs(T, E, L, F, activation, tiles):
     """Every expert's output on every token equals the Triton kernels' and, per expert, the definition
