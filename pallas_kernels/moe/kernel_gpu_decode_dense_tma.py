@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe import slot_ring
+from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.kernel_gpu_base import _COMPUTE_WGS, _swizzled, persistent_kernel
 from pallas_kernels.moe.validate import passes
 
