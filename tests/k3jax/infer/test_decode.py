@@ -114,9 +114,9 @@ def test_bfloat16_decode_tracks_forward(tiny_model):
 
 def test_decode_layout_decodes_as_the_plain_layout(model):
     """``decode_layout`` packs a layer's input projections into one ``decode`` entry (KDA's six, MLA's
-    q_a and kv_a: ``linear.PACKED``, output axis first, zero rows to a multiple of ``PACKED_ROWS``) and stores the other ``OUTPUT_FIRST`` kernels
-    output axis first (``kernel_t``): prefill and decode on it give the logits of the plain per-layer
-    tree (to fp32 summation order) and the forward's."""
+    q_a and kv_a: ``linear.PACKED``, output axis first, zero rows to a multiple of ``PACKED_ROWS``) and
+    stores the other ``OUTPUT_FIRST`` kernels output axis first (``kernel_t``): prefill and decode on it
+    give the logits of the plain per-layer tree (to fp32 summation order) and the forward's."""
     from k3jax.infer.decode import decode_layout
     from k3jax.layers import kda, mla
     from k3jax.layers.linear import OUTPUT_FIRST, PACKED, PACKED_ROWS
