@@ -181,9 +181,10 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
         return out
 
     l2 = lambda x: (x * jax.lax.rsqrt(jnp.sum(x * x) + eps)).astype(dt).astype(f32)
-    qs = [l2(x) for x in silu_conv(window(0, 0, K), wq_ref, pl.ds(0, K))]
-    ks = [l2(x) for x in silu_conv(window(1, 0, K), wk_ref, pl.ds(0, K))]
-    vs = [x.astype(dt).astype(f32) for x in silu_conv(window(2, first, bv), wv_ref, pl.ds(first, bv))]
+    windows = [window(0, 0, K), window(1, 0, K), window(2, first, bv)]
+    qs = [l2(x) for x in silu_conv(windows[0], wq_ref, pl.ds(0, K))]
+    ks = [l2(x) for x in silu_conv(windows[1], wk_ref, pl.ds(0, K))]
+    vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
     if product:  # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile: 128 registers a thread)
         R = decay_ref.shape[0]
         step = min(R, 32)
@@ -205,9 +206,11 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
         o, S = _delta_rule(S, qs[t], ks[t], vs[t], g, beta, scale)
         o_ref[t, :] = o.astype(o_ref.dtype)
     s_out_ref[...] = S
-    # the conv inputs that continue the row: window positions n .. n+W-2, this program's columns
+    # the conv inputs that continue the row: window positions n .. n+W-2, this program's columns. A program
+    # that owns its head's whole V writes the tails it read, in place: from the windows read at its start
+    # (before the reductions' barriers), never from the buffer it is overwriting
     for c in range(3):
-        xs = window(c, first, bv)
+        xs = windows[c] if bv == K else window(c, first, bv)
         for i in range(Wm1):
             pick = xs[0]
             for p in range(1, len(xs)):
@@ -252,7 +255,7 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
                    pl.BlockSpec((3, None, W - 1, bv), lambda b, h, j: (0, b, 0, h * nv + j))],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), y.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(tails.shape, tails.dtype)],
-        input_output_aliases={9: 1},
+        input_output_aliases={9: 1, 2: 2} if nv == 1 else {9: 1},  # tails in place where race-free
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="kda_decode_fused",
     )(num_new.astype(jnp.int32), y, tails, *conv_weights, decay, dt_bias, a_log, state)
