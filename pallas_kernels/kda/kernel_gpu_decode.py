@@ -20,7 +20,9 @@ head's q and k columns and its V block of v from the packed output, runs the cau
 the cached inputs and the new tokens, SiLU, q and k's L2 norms, β's sigmoid and the decay gate (``f_a ·
 W_fb`` of its head in 32-row steps, ``+ dt_bias``, the bounded or softplus gate), makes a ragged row's
 tokens past ``num_new`` no-ops, then the delta rule on its state slice, and writes the conv inputs that
-continue the row for its columns: one kernel on the chain where XLA runs three (small()'s batch-1 step
+continue the row for its columns (in place where a program owns its head's whole V, ``BLOCK_V >= V``: the
+other programs of a head read all of its q and k tails; elsewhere to a new buffer, which the decode loop
+copies into its state, one copy a layer): one kernel on the chain where XLA runs three (small()'s batch-1 step
 224.7 → 197.5 kernels, 120 → 102 chained with the glue kernels, device-less; benchmarks/RESULTS.md,
 stop 54). From ``FUSED_PRODUCT_STATES`` states every program re-reading its head's ``W_fb`` costs more
 than XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around
