@@ -95,6 +95,17 @@ def test_a_row_with_no_real_token_keeps_its_state():
     assert not np.array_equal(np.asarray(state[1]), np.asarray(args[6][1]))
 
 
+@pytest.mark.parametrize("K,in_place", [(16, True), (32, True), (64, False)])
+def test_tails_in_place_where_a_program_owns_the_heads_v(K, in_place):
+    """The state is always updated in place; the conv tails only where one program holds a head's whole V
+    (``BLOCK_V`` >= V), the other programs of a head reading all of its q and k tails otherwise."""
+    args, kw = _inputs(0, 2, 1, 2, K)
+    jaxpr = jax.make_jaxpr(lambda *a: fused_step_pallas(*a, **kw, interpret=True))(*args)
+    calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    assert dict(calls[0].params["input_output_aliases"]) == ({9: 1, 2: 2} if in_place else {9: 1})
+
+
 @pytest.mark.unchecked
 def test_errors_name_the_argument():
     args, kw = _inputs(0, 1, 1, 2, 16)
