@@ -153,7 +153,8 @@ def fused_accepts(y, tails, conv_weights, decay, dt_bias, a_log, state, num_new,
 
 
 def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bias_ref, alog_ref, s_ref,
-                  o_ref, s_out_ref, tail_out_ref, *, offsets, product: bool, scale: float, lower_bound, eps: float):
+                  o_ref, s_out_ref, tail_out_ref, *, offsets, product: bool, in_place: bool, scale: float, lower_bound,
+                  eps: float):
     f32 = jnp.float32
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     T, Wm1 = y_ref.shape[0], tail_ref.shape[1]
@@ -212,7 +213,7 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
     # that owns its head's whole V writes the tails it read, in place: from the windows read at its start
     # (before the reductions' barriers), never from the buffer it is overwriting
     for c in range(3):
-        xs = windows[c] if bv == K else window(c, first, bv)
+        xs = windows[c] if in_place else window(c, first, bv)
         for i in range(Wm1):
             pick = xs[0]
             for p in range(1, len(xs)):
@@ -239,12 +240,13 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
     W, V = tails.shape[2] + 1, state.shape[3]
     bv = min(BLOCK_V, V)
     nv = V // bv
+    in_place = nv == 1  # the tails aliased: no other program reads the head's q and k tails
     per_head = lambda *lead: pl.BlockSpec((*lead, None, K), lambda b, h, j: (0,) * len(lead) + (h, 0))
     per_row = pl.BlockSpec((None, T, None, K), lambda b, h, j: (b, 0, h, 0))  # z's tokens of one (b, h)
     states = pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))
     o, state, tails_out = pl.pallas_call(
-        functools.partial(_fused_kernel, offsets=offsets, product=product, scale=scale, lower_bound=lower_bound,
-                          eps=eps),
+        functools.partial(_fused_kernel, offsets=offsets, product=product, in_place=in_place, scale=scale,
+                          lower_bound=lower_bound, eps=eps),
         grid=(B, H, nv),
         in_specs=[pl.BlockSpec((B,), lambda b, h, j: (0,)),
                   pl.BlockSpec((None, T, N), lambda b, h, j: (b, 0, 0)),
@@ -257,7 +259,7 @@ def fused_step_pallas(y: Float[Array, "B T N"], tails: Float[Array, "3 B Wm1 C"]
                    pl.BlockSpec((3, None, W - 1, bv), lambda b, h, j: (0, b, 0, h * nv + j))],
         out_shape=[jax.ShapeDtypeStruct((B, T, H, V), y.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(tails.shape, tails.dtype)],
-        input_output_aliases={9: 1, 2: 2} if nv == 1 else {9: 1},  # tails in place where race-free
+        input_output_aliases={9: 1, 2: 2} if in_place else {9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="kda_decode_fused",
     )(num_new.astype(jnp.int32), y, tails, *conv_weights, decay, dt_bias, a_log, state)
