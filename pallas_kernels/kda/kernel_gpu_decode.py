@@ -41,7 +41,6 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.validate import passes
-from pallas_kernels.pdl import launch_dependents
 from pallas_kernels.triton_blocks import is_block_dim
 
 BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thread at 4 warps
@@ -73,7 +72,6 @@ def _delta_rule(S, q, k, v, g, b, scale: float):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref, *, scale: float, tokens: int):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     f32 = jnp.float32
     S = s_ref[...].astype(f32)  # [K, block_v]
     for t in range(tokens):  # a few tokens: unrolled, the state stays in registers
@@ -157,7 +155,6 @@ def fused_accepts(y, tails, conv_weights, decay, dt_bias, a_log, state, num_new,
 def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bias_ref, alog_ref, s_ref,
                   o_ref, s_out_ref, tail_out_ref, *, offsets, product: bool, in_place: bool, scale: float, lower_bound,
                   eps: float):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     f32 = jnp.float32
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     T, Wm1 = y_ref.shape[0], tail_ref.shape[1]

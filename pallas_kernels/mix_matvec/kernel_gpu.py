@@ -55,7 +55,6 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.validate import passes
-from pallas_kernels.pdl import launch_dependents
 
 MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
 # Every program re-reads a token's sources, addends and gate for its prologue: past this many bytes of them
@@ -257,7 +256,6 @@ def _split_refs(refs, n_src: int, n_add: int, n_gate: int):
 
 def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, mix_eps: float, norm_eps: float,
             dtype, proj_dtype, out_dtype, activation, epilogue):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     src_refs, add_refs, mix_refs, scale_ref, gate_refs, refs = _split_refs(refs, n_src, n_add, n_gate)
     w_refs, out_ref = refs[:-1], refs[-1]
     pro = _Prologue(src_refs, add_refs, mix_refs, scale_ref, gate_refs, block_d=block_d, mix_eps=mix_eps,
@@ -335,7 +333,6 @@ def mixed_matvec(sources: tuple, mix: tuple, scale: Float[Array, "G"], weights: 
 
 
 def _norm_kernel(*refs, n_src: int, n_add: int, n_gate: int, block_d: int, mix_eps: float, norm_eps: float, dtype):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     src_refs, add_refs, mix_refs, scale_ref, gate_refs, (out_ref,) = _split_refs(refs, n_src, n_add, n_gate)
     pro = _Prologue(src_refs, add_refs, mix_refs, scale_ref, gate_refs, block_d=block_d, mix_eps=mix_eps,
                     norm_eps=norm_eps, dtype=dtype)

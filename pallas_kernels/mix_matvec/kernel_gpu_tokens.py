@@ -34,7 +34,6 @@ from jaxtyping import Array, Float
 from pallas_kernels.mix_matvec.kernel_gpu import MAX_TOKENS
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.validate import passes
-from pallas_kernels.pdl import launch_dependents
 from pallas_kernels.triton_blocks import is_block_dim
 
 MAX_ROWS = 64  # one tile of token rows; past it (up to 256 tokens) XLA's GEMMs have rows enough to tile
@@ -104,7 +103,6 @@ def accepts(x, weights: tuple, activation: tuple | None = None, tiles: TokenTile
 
 
 def _kernel(x_ref, *refs, block_d: int, activation, out_dtype):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     w_refs, out_ref = refs[:-1], refs[-1]
     D = x_ref.shape[1]
 

@@ -28,7 +28,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.pdl import launch_dependents
 from pallas_kernels.triton_blocks import is_block_dim
 
 SPLIT_PROGRAMS = 256  # programs to aim for over (sequence, split): about two per SM of an H100/H200
@@ -119,7 +118,6 @@ def _rows(ref, rows, cols, n: int):
 
 def _kernel(qc_ref, qr_ref, last_ref, lat_ref, o_ref, m_ref, l_ref, *, scale: float, block_s: int, per: int,
             group: int):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     f32 = jnp.float32
     S, C = lat_ref.shape
     n_rows, R = qc_ref.shape

@@ -49,7 +49,6 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
-from pallas_kernels.pdl import launch_dependents
 from pallas_kernels.triton_blocks import is_block_dim
 
 
@@ -97,7 +96,6 @@ def accepts_routing(x, scores, bias, w1, w3, w2, routing: Routing, tiles: Decode
 
 def _kernel(*refs, routing: Routing | None, top_k: int, block_f: int, activation: str, situ_beta: float,
             situ_linear_beta: float, prefetch: bool):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     f32 = jnp.float32
     i, j = pl.program_id(0), pl.program_id(1)
     if routing is None:  # the slots' experts given

@@ -45,7 +45,6 @@ from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
-from pallas_kernels.pdl import launch_dependents
 from pallas_kernels.target import current_target
 from pallas_kernels.triton_blocks import is_block_dim
 
@@ -139,14 +138,12 @@ def _products(a_ref, w_refs, block_k: int) -> list:
 
 
 def _gate_up_kernel(x_ref, w1_ref, w3_ref, a_ref, *, block_k, activation, situ_beta, situ_linear_beta):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     dt = a_ref.dtype
     g, u = _products(x_ref, (w1_ref, w3_ref), block_k)
     a_ref[...] = gated_activation(g.astype(dt), u.astype(dt), activation, situ_beta, situ_linear_beta).astype(dt)
 
 
 def _down_kernel(a_ref, w2_ref, y_ref, *, block_k):
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     (y,) = _products(a_ref, (w2_ref,), block_k)
     y_ref[...] = y.astype(y_ref.dtype)
 
@@ -200,7 +197,6 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
 def _combine_kernel(scores_ref, bias_ref, y_ref, out_ref, *, routing: Routing):
     """Program ``(t, j)``: token t's k experts' outputs in column block j, in ``lax.top_k``'s order,
     weighted and summed in fp32 — the router's top-k found here (``rank_routing``)."""
-    launch_dependents()  # the next kernel may launch now (pallas_kernels/pdl.py)
     t, j = pl.program_id(0), pl.program_id(1)
     bn = out_ref.shape[-1]
     cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
