@@ -42,6 +42,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
+from pallas_kernels.triton_sums import sums
 
 BLOCK_V = 32  # state columns per program: [128, 32] fp32 is 32 registers a thread at 4 warps
 # Below this many (sequence, head) states XLA's path wins: it fuses the whole step, the q/k norms and
@@ -183,19 +184,23 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
             out.append(acc * jax.nn.sigmoid(acc))
         return out
 
-    l2 = lambda x: (x * jax.lax.rsqrt(jnp.sum(x * x) + eps)).astype(dt).astype(f32)
     windows = [window(0, 0, K), window(1, 0, K), window(2, first, bv)]
-    qs = [l2(x) for x in silu_conv(windows[0], wq_ref, pl.ds(0, K))]
-    ks = [l2(x) for x in silu_conv(windows[1], wk_ref, pl.ds(0, K))]
+    qks = silu_conv(windows[0], wq_ref, pl.ds(0, K)) + silu_conv(windows[1], wk_ref, pl.ds(0, K))
+    squares = sums(*(x * x for x in qks))  # every token's q and k norms in one reduction
+    qks = [(x * jax.lax.rsqrt(ss + eps)).astype(dt).astype(f32) for x, ss in zip(qks, squares)]
+    qs, ks = qks[:T], qks[T:]
     vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
     if product:  # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile: 128 registers a thread)
         R = decay_ref.shape[0]
         step = min(R, 32)
-        zs = [jnp.zeros((K,), f32)] * T
-        for r in range(0, R, step):
-            fb = decay_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
-            fas = [y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32) for t in range(T)]
-            zs = [z + jnp.sum(fa[:, None] * fb, axis=0) for z, fa in zip(zs, fas)]
+        terms = []  # token-major: token t's R / step partial products
+        for t in range(T):
+            for r in range(0, R, step):
+                fb = decay_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
+                terms.append(y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32)[:, None] * fb)
+        parts = sums(*terms)  # one reduction
+        per = R // step
+        zs = [functools.reduce(jnp.add, parts[t * per:(t + 1) * per]) for t in range(T)]
         zs = [z.astype(dt).astype(f32) for z in zs]  # the f_b projection's output, rounded as the layer's
     else:
         zs = [decay_ref[t, :].astype(f32) for t in range(T)]

@@ -55,6 +55,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.validate import passes
+from pallas_kernels.triton_sums import sums
 
 MAX_TOKENS = 4  # 8 tokens spill registers (ptxas, sm_90a: 255 and 40 spilled at 1024 wide)
 # Every program re-reads a token's sources, addends and gate for its prologue: past this many bytes of them
@@ -211,8 +212,9 @@ class _Prologue:
             def reduce_sources(c, acc):
                 d = self.mix[1][self.cols(c)].astype(_F32) * self.mix[0][self.cols(c)].astype(_F32)  # γ ⊙ w
                 vs = [self.source(n, t, c) for n in range(n_src)]
-                return (tuple(a + jnp.sum(v * d) for a, v in zip(acc[0], vs)),
-                        tuple(a + jnp.sum(v * v) for a, v in zip(acc[1], vs)))
+                total = sums(*(v * d for v in vs), *(v * v for v in vs))  # one reduction for all of them
+                return (tuple(a + s for a, s in zip(acc[0], total[:n_src])),
+                        tuple(a + s for a, s in zip(acc[1], total[n_src:])))
 
             zeros = (jnp.float32(0.0),) * n_src
             dots, squares = jax.lax.fori_loop(0, self.steps, reduce_sources, (zeros, zeros))
@@ -269,11 +271,9 @@ def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, 
     def products(c, acc, ws=None):
         ws = [w_ref[:, pro.cols(c)] for w_ref in w_refs] if ws is None else ws  # [block_n, block_d] each
         ws = [_rounded(w, proj_dtype) for w in ws]
-        out = []
-        for t, (p, inv) in enumerate(terms):
-            x = _rounded(pro.x(t, p, inv, c), proj_dtype)
-            out.extend(a + jnp.sum(x[None, :] * w, axis=1) for a, w in zip(acc[t * n_w:(t + 1) * n_w], ws))
-        return tuple(out)
+        xs = [_rounded(pro.x(t, p, inv, c), proj_dtype) for t, (p, inv) in enumerate(terms)]
+        # every token's products with every weight in one reduction, in acc's order (token-major)
+        return tuple(a + s for a, s in zip(acc, sums(*(x[None, :] * w for x in xs for w in ws), axis=1)))
 
     bn = out_ref.shape[-1]
     acc = products(0, (jnp.zeros((bn,), _F32),) * (T * n_w), first)

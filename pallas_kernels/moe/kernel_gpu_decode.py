@@ -47,9 +47,10 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe.activations import gated_activation
-from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
+from pallas_kernels.moe.rank_routing import Routing, check_routing, slots
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.triton_blocks import is_block_dim
+from pallas_kernels.triton_sums import sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +104,15 @@ def _kernel(*refs, routing: Routing | None, top_k: int, block_f: int, activation
         e = ids_ref[i]  # the slot's expert: a dynamic index into the weight refs
     else:  # routed here, from the router's scores
         scores_ref, bias_ref, x_ref, w1_ref, w3_ref, w2_ref, out_ref, weight_ref = refs
-        e, weight = slot(*token_ranks(scores_ref, bias_ref, i // top_k, routing), i % top_k)
+        [(e, weight)] = slots(scores_ref, bias_ref, i // top_k, routing, [i % top_k])
         weight_ref[...] = weight
     dt = x_ref.dtype
     cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
     w1, w3, w2 = (w1_ref[e, :, cols], w3_ref[e, :, cols], w2_ref[e, cols, :]) if prefetch else (None,) * 3
     h = x_ref[i // top_k, :].astype(f32)  # [L]
     w1 = w1_ref[e, :, cols] if w1 is None else w1
-    g = jnp.sum(h[:, None] * w1.astype(f32), axis=0).astype(dt)  # [BF]
     w3 = w3_ref[e, :, cols] if w3 is None else w3
-    u = jnp.sum(h[:, None] * w3.astype(f32), axis=0).astype(dt)
+    g, u = (s.astype(dt) for s in sums(h[:, None] * w1.astype(f32), h[:, None] * w3.astype(f32)))  # [BF] each
     a = gated_activation(g, u, activation, situ_beta, situ_linear_beta).astype(dt).astype(f32)
     w2 = w2_ref[e, cols, :] if w2 is None else w2
     out_ref[...] = jnp.sum(a[:, None] * w2.astype(f32), axis=0)  # [L]

@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.activations import gated_activation
-from pallas_kernels.moe.rank_routing import Routing, check_routing, slot, token_ranks
+from pallas_kernels.moe.rank_routing import Routing, check_routing, slots
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
 from pallas_kernels.target import current_target
 from pallas_kernels.triton_blocks import is_block_dim
@@ -200,10 +200,8 @@ def _combine_kernel(scores_ref, bias_ref, y_ref, out_ref, *, routing: Routing):
     t, j = pl.program_id(0), pl.program_id(1)
     bn = out_ref.shape[-1]
     cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
-    ranked = token_ranks(scores_ref, bias_ref, t, routing)
     acc = jnp.zeros((bn,), jnp.float32)
-    for s in range(routing.top_k):
-        e, w = slot(*ranked, s)
+    for e, w in slots(scores_ref, bias_ref, t, routing, range(routing.top_k)):
         acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
     out_ref[...] = acc.astype(out_ref.dtype)
 

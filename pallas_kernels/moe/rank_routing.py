@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_blocks import is_block_dim
+from pallas_kernels.triton_sums import sums
 
 # pairs of experts compared at a time: [E, RANK_PAIRS / E] int32 in registers (4096 over 4 warps: 32 a
 # thread; E = 256 at [256, 64] spilled 228 bytes a thread in the gather kernel, ptxas for sm_90a)
@@ -57,9 +58,9 @@ def check_routing(scores, bias, tokens: int, num_experts: int, routing: Routing)
 
 
 def token_ranks(scores_ref, bias_ref, t, routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Inside a kernel: ``(rank [E], weight [E], expert index [E])`` of token ``t`` (whole-array refs
-    ``scores [T, E]``, ``bias [E]``), ``weight`` the routing weight of each chosen expert (rank <
-    top_k; zero elsewhere); the pairs compared ``RANK_PAIRS / E`` experts at a time."""
+    """Inside a kernel: ``(rank [E], chosen [E], expert index [E])`` of token ``t`` (whole-array refs
+    ``scores [T, E]``, ``bias [E]``), ``chosen`` the score of each chosen expert (rank < top_k; zero
+    elsewhere); the pairs compared ``RANK_PAIRS / E`` experts at a time."""
     E = bias_ref.shape[0]
     f32, i32 = jnp.float32, jnp.int32
     scores = scores_ref[t, :].astype(f32)
@@ -73,21 +74,25 @@ def token_ranks(scores_ref, bias_ref, t, routing: Routing) -> tuple[jax.Array, j
         before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None])
                                                      & (other_idx[None, :] < idx[:, None]))
         rank = rank + jnp.sum(before.astype(i32), axis=1)
-    chosen = jnp.where(rank < routing.top_k, scores, 0.0)
-    if routing.renormalize:
-        chosen = chosen / (jnp.sum(chosen) + routing.eps)
-    return rank, chosen * routing.scaling, idx
+    return rank, jnp.where(rank < routing.top_k, scores, 0.0), idx
 
 
-def slot(rank, weight, idx, s) -> tuple[jax.Array, jax.Array]:
-    """Inside a kernel: slot ``s``'s expert and weight from :func:`token_ranks`' outputs.
+def slots(scores_ref, bias_ref, t, routing: Routing, which) -> list[tuple[jax.Array, jax.Array]]:
+    """Inside a kernel: ``(expert, weight)`` of each slot ``s`` in ``which`` for token ``t`` (refs as
+    :func:`token_ranks`), the weight ``scaling · score / (Σ chosen scores + eps)`` (renormalised) or
+    ``scaling · score``. The slots' experts and scores and the chosen scores' sum come out of one
+    reduction (``triton_sums.sums``): each separate sum is a round of barriers.
 
     Finite keys have distinct ranks (ties go by index), so one expert holds rank s. A NaN key compares
     false both ways and ranks collide, so the expert is clamped into ``[0, E)``: a NaN router row
     gives a NaN output (its weight), never a read past the expert weights."""
-    mine = rank == s
-    e = jnp.minimum(jnp.sum(jnp.where(mine, idx, 0)), idx.shape[0] - 1)
-    return e, jnp.sum(jnp.where(mine, weight, 0.0))
+    rank, chosen, idx = token_ranks(scores_ref, bias_ref, t, routing)
+    mine = [rank == s for s in which]
+    total, *parts = sums(chosen, *(jnp.where(m, idx, 0) for m in mine), *(jnp.where(m, chosen, 0.0) for m in mine))
+    experts, scores = parts[:len(mine)], parts[len(mine):]
+    if routing.renormalize:
+        scores = [x / (total + routing.eps) for x in scores]
+    return [(jnp.minimum(e, idx.shape[0] - 1), x * routing.scaling) for e, x in zip(experts, scores)]
 
 
-__all__ = ["MAX_EXPERTS", "RANK_PAIRS", "Routing", "check_routing", "slot", "token_ranks"]
+__all__ = ["MAX_EXPERTS", "RANK_PAIRS", "Routing", "check_routing", "slots", "token_ranks"]

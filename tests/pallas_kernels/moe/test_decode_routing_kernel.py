@@ -212,7 +212,7 @@ def test_nan_scores_stay_within_the_experts():
     """A NaN router score makes ranks collide; every slot's expert still lies in [0, E) (on the GPU a
     larger one would read past the weights) and the NaN reaches the weights."""
     from jax.experimental import pallas as pl
-    from pallas_kernels.moe.rank_routing import slot, token_ranks
+    from pallas_kernels.moe.rank_routing import slots
 
     E, k = 16, 4
     scores = jnp.asarray(np.random.default_rng(0).uniform(size=(1, E)), jnp.float32)
@@ -220,9 +220,8 @@ def test_nan_scores_stay_within_the_experts():
     bias = jnp.zeros((E,), jnp.float32)
 
     def kernel(scores_ref, bias_ref, e_ref, w_ref):
-        ranked = token_ranks(scores_ref, bias_ref, 0, Routing(k))
-        for s in range(k):
-            e_ref[s], w_ref[s] = slot(*ranked, s)
+        for s, (e, w) in enumerate(slots(scores_ref, bias_ref, 0, Routing(k), range(k))):
+            e_ref[s], w_ref[s] = e, w
 
     e, w = pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((k,), jnp.int32),
                                              jax.ShapeDtypeStruct((k,), jnp.float32)), interpret=True)(scores, bias)
