@@ -36,6 +36,7 @@ def _abstract_eval(*avals, axis: int):
 
 @triton_lowering.register_lowering(sums_p)
 def _triton_lowering(ctx: triton_lowering.LoweringRuleContext, *xs, axis: int):
+    # jax's own multi-operand tt.reduce builder (private; the pinned jax 0.11.2's, as its argmax uses it)
     add = lambda left, right: tuple(a + b for a, b in zip(left, right))
     return triton_lowering._reduction_lowering(add, ctx, tuple(xs), axes=(axis,))
 

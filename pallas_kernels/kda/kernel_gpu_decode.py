@@ -190,7 +190,7 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
     qks = [(x * jax.lax.rsqrt(ss + eps)).astype(dt).astype(f32) for x, ss in zip(qks, squares)]
     qs, ks = qks[:T], qks[T:]
     vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
-    if product:  # z = f_a · W_fb of head h in R-row steps (a [R, K] float32 tile: 128 registers a thread)
+    if product:  # z = f_a · W_fb of head h in R-row steps, their partial sums in one reduction (ptxas: 96 registers)
         R = decay_ref.shape[0]
         step = min(R, 32)
         terms = []  # token-major: token t's R / step partial products
