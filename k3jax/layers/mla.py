@@ -29,11 +29,12 @@ from jaxtyping import Array, Bool, Float, Int
 from k3jax.config import ModelConfig
 from k3jax.layers import attention as attention_lib
 from k3jax.layers.gates import sigmoid_gate
-from k3jax.layers.mixed_input import MixedInput
+from k3jax.layers.mixed_input import MixedInput, kernel_runs
 from k3jax.layers import rope as rope_lib
-from k3jax.layers.linear import einsum, packed_products, proj
+from k3jax.layers.linear import einsum, packed_product, proj, split_packed
 from k3jax.layers.norm import norm
 from pallas_kernels.mla_attention import KEY_BLOCK, cached_attention, mla_attention
+from pallas_kernels.mla_attention import kernel_gpu_query
 from sharding import current as parallel_context
 from sharding.cp_attention import mla_attention_cp
 
@@ -173,11 +174,12 @@ class MLA(nn.Module):
         return mla_attention_cp(q, c.astype(dt), k_rope[:, :, 0], kernel, scale=scale, nope_dim=m.qk_nope_head_dim,
                                 segment_ids=segment_ids, implementation="pallas" if flash else "xla")
 
-    def _attend_cached(self, q, c, k_rope, kv_b, cache, scale):
+    def _attend_cached(self, q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed: bool = False):
         """Absorbed decode attention (SPEC §3): write ``[c, k_r]`` at each row's length, then
-        ``q_nope W_k`` attends over the latent and ``W_v`` expands only the weighted latent."""
+        ``q_nope W_k`` attends over the latent and ``W_v`` expands only the weighted latent
+        (``absorbed``: ``q_nope`` is ``q_nope W_k`` already, :meth:`_absorbed_query`)."""
         m, wide = self.cfg.mla, self.cfg.fp32_dtype
-        B, T = q.shape[:2]
+        B, T = q_nope.shape[:2]
         dn = m.qk_nope_head_dim
         latent = cache.latent
         rows = jnp.concatenate([c, k_rope[:, :, 0]], axis=-1).astype(latent.dtype)  # [B, T, Rkv+dr]
@@ -186,16 +188,38 @@ class MLA(nn.Module):
         kv_b(c[:, :0])  # creates or binds the kernel
         kernel = nn.unbox(kv_b.variables["params"]["kernel"])  # [Rkv, H, dn+dv]
         dt = self.cfg.compute_dtype
-        if T >= PREFILL_FLASH_TOKENS and parallel_context() is None and attention_lib.use_flash(
+        if not absorbed and T >= PREFILL_FLASH_TOKENS and parallel_context() is None and attention_lib.use_flash(
                 m.attention_implementation, dt, B, m.num_heads):
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
             o = flash_cached_attention(q, latent, kernel.astype(dt), cache.lengths, scale, nope_dim=dn)
             return o, cache.replace(latent=latent)
         kernel = kernel.astype(wide)
-        q_c = einsum("BTHK,RHK->BTHR", q[..., :dn], kernel[..., :dn])  # W_k absorbed into the query
-        o_c = sharded_cached_attention(q_c, q[..., dn:], latent, pos, scale,  # [B, T, H, Rkv]
+        # W_k absorbed into the query
+        q_c = q_nope if absorbed else einsum("BTHK,RHK->BTHR", q_nope, kernel[..., :dn])
+        o_c = sharded_cached_attention(q_c, q_rope, latent, pos, scale,  # [B, T, H, Rkv]
                                        implementation=m.attention_implementation)
         o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
+
+    def _absorbed_query(self, y):
+        """Decoding a few tokens on one device with the glue kernels (``kernel_runs``): ``(q_nope W_k,
+        q_rope)`` in float32 by one kernel from the packed input projections ``y [B, T, N]``
+        (``kernel_gpu_query.absorbed_query``: the norm, ``q_b`` and ``W_k``, where XLA runs three
+        kernels on the step's chain); None where it does not apply (no query LoRA or packed kernel,
+        more than ``MAX_ROWS`` rows, widths the kernel does not take)."""
+        cfg, m = self.cfg, self.cfg.mla
+        if y is None or m.q_lora_rank is None or not kernel_runs(cfg.decode_glue_implementation):
+            return None
+        B, T = y.shape[:2]
+        stored = lambda name: nn.meta.unbox(self.get_variable("params", name))
+        # q_b in the compute dtype, as its projection reads it; W_k as stored, widened in the kernel
+        args = (y.reshape(B * T, -1), stored("q_norm")["scale"], stored("q_b")["kernel"].astype(cfg.compute_dtype),
+                stored("kv_b")["kernel"])
+        kw = dict(offset=0, nope_dim=m.qk_nope_head_dim)  # q_a: packed_inputs' first output
+        if not kernel_gpu_query.accepts(*args, **kw):
+            return None
+        q_c, q_rope = kernel_gpu_query.absorbed_query(*args, **kw, eps=m.lora_norm_eps)
+        return q_c.reshape(B, T, *q_c.shape[1:]), q_rope.reshape(B, T, *q_rope.shape[1:])
 
     def _attend_full(self, q_nope, q_rope, c, kv_b, k_rope, segment_ids, scale, flash: bool):
         """Training / prefill attention: the flash kernel (``flash``, k3jax/layers/attention.py), else
@@ -225,9 +249,13 @@ class MLA(nn.Module):
         ctx = parallel_context()
         full = cache is None and not (ctx is not None and ctx.sequence_parallel)
         flash = full and attention_lib.use_flash(m.attention_implementation, cfg.compute_dtype, B, H)
-        packed = packed_products(self, x, packed_inputs(cfg), cfg.compute_dtype)  # decode_layout's tree
+        y = packed_product(self, x, cfg.compute_dtype)  # decode_layout's tree: the input projections, packed
+        packed = None if y is None else split_packed(y, packed_inputs(cfg))
+        absorbed = None if cache is None else self._absorbed_query(y)
         if flash:
             q_nope, q_rope = (q.astype(wide) for q in self._query(x, split=True))
+        elif absorbed is not None:
+            q_nope, q_rope = absorbed  # q_nope W_k [B, T, H, Rkv], q_rope [B, T, H, dr]
         else:
             q = self._query(x, packed=packed).astype(wide)  # [B, T, H, dn+dr]
             q_nope, q_rope = q[..., :dn], q[..., dn:]
@@ -238,13 +266,13 @@ class MLA(nn.Module):
             positions = jnp.arange(T)[None] if cache is None else cache.lengths[:, None] + jnp.arange(T)[None]
             q_rope = rope_lib.apply_rope(q_rope, positions, m.rope, wide)
             k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
         scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
         if cache is not None:
-            o, cache = self._attend_cached(q, c, k_rope, kv_b, cache, scale)
+            o, cache = self._attend_cached(q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed is not None)
             num_new = T if valid is None else jnp.sum(valid, axis=1, dtype=cache.lengths.dtype)
             cache = cache.replace(lengths=cache.lengths + num_new)
         elif not full:  # context parallel
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
             o, max_logit = self._attend_cp(q, c, k_rope, kv_b, segment_ids, scale)
         else:
             o, max_logit = self._attend_full(q_nope, q_rope, c, kv_b, k_rope, segment_ids, scale, flash)

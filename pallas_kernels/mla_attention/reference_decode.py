@@ -5,7 +5,8 @@ and attends, with the shared rope query part ``q_r``, over the cached rows ``[c,
 S, R + dr]``) at positions ``s <= last[b, t]``: logits ``scale·(q_c·c + q_r·k_r)``, softmax in the
 queries' (wide) dtype at JAX's default matmul precision (as the model's ``linear.einsum``), and the
 output is the attention-weighted latent ``Σ p·c`` (the caller applies ``W_v``). Rows past the cache
-see all of it.
+see all of it. :func:`absorbed_query_reference` makes ``q_c`` and ``q_r`` from the layer's packed input
+projections, as the query kernel (``kernel_gpu_query``) does.
 """
 
 from __future__ import annotations
@@ -71,4 +72,20 @@ def cached_attention_reference(q_c: Float[Array, "B T H R"], q_r: Float[Array, "
     return acc / jnp.moveaxis(l, 1, 2)[..., None]
 
 
-__all__ = ["KEY_BLOCK", "cached_attention_reference"]
+def absorbed_query_reference(y: Float[Array, "rows N"], scale: Float[Array, "R"], w_qb: Float[Array, "R H Dq"],
+                             w_kv_b: Float[Array, "Rkv H Dkv"], *, offset: int, nope_dim: int,
+                             eps: float) -> tuple[Float[Array, "rows H Rkv"], Float[Array, "rows H dr"]]:
+    """The decode query with ``W_k`` absorbed, at the layer's rounding points (``MLA._query``, then
+    ``_attend_cached``): ``q_a = y[:, offset:offset+R]`` RMS-normed in float32 and rounded to ``W_qb``'s
+    dtype, ``q = q_a·W_qb`` summed in float32 and rounded to it, then ``(q_nope·W_k, q_rope)`` in float32
+    (``W_k = w_kv_b[..., :nope_dim]``)."""
+    f32, dt, R = jnp.float32, w_qb.dtype, w_qb.shape[0]
+    c = y[:, offset:offset + R].astype(f32)
+    normed = (c * jax.lax.rsqrt(jnp.mean(jnp.square(c), axis=-1, keepdims=True) + eps) * scale.astype(f32)).astype(dt)
+    q = jnp.einsum("TR,RHK->THK", normed, w_qb, preferred_element_type=f32).astype(dt).astype(f32)
+    q_c = jnp.einsum("THK,RHK->THR", q[..., :nope_dim], w_kv_b[..., :nope_dim].astype(f32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return q_c, q[..., nope_dim:]
+
+
+__all__ = ["KEY_BLOCK", "absorbed_query_reference", "cached_attention_reference"]

@@ -1,0 +1,83 @@
+"""Decoding with MLA's query kernel (``MLA._absorbed_query``: ``q_norm``, ``q_b`` and ``W_k``'s absorption in
+one kernel, ``ModelConfig.decode_glue_implementation``): the kernel (CPU interpreter) gives the layer's XLA
+path's logits and caches, ragged rows included, and it runs only where it should.
+
+``kernel_runs`` is forced on for the MLA layers (as on a CUDA GPU) and the kernel runs interpreted; tiny()'s
+MLA is widened to what the kernel takes (a rank in parts of 16, a rope part of 16)."""
+
+import dataclasses
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax.layers.mla as mla
+from k3jax import config
+from k3jax.infer.cache import init_cache
+from k3jax.infer.decode import decode_layout, forward_cached, prefill
+from k3jax.model import Transformer
+from pallas_kernels.mla_attention import kernel_gpu_query
+
+KERNEL = kernel_gpu_query.absorbed_query
+
+
+@pytest.fixture(scope="module")
+def decoding():
+    """tiny() with MLA widths the kernel takes, after 8-token prompts of 2 rows on decode_layout's tree, and
+    3 more tokens a row."""
+    cfg = config.tiny()
+    cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, q_lora_rank=48, kv_lora_rank=32,
+                                                           qk_rope_head_dim=16))
+    tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
+    variables, cfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    _, cache = prefill(variables, cfg, tokens[:, :8], jnp.array([8, 8]), init_cache(cfg, 2, 16))
+    return variables, cfg, cache, tokens[:, 8:]
+
+
+def _step(monkeypatch, decoding, tokens, num_new=None, kernel=True):
+    """One forward_cached call, MLA's query kernel on (interpreted) or its XLA path; the rows the kernel took."""
+    variables, cfg, cache, _ = decoding
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[0])
+        return KERNEL(*args, **kw, interpret=True)
+
+    with monkeypatch.context() as m:
+        m.setattr(mla, "kernel_runs", lambda implementation: kernel)
+        m.setattr(kernel_gpu_query, "absorbed_query", counted)
+        out = forward_cached(variables, cfg, tokens, cache, num_new=num_new)
+    return out, calls
+
+
+def _leaves(tree):
+    return [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("T,num_new", [(1, None), (2, [2, 1])])
+def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
+    """Logits and every cache leaf to float32 rounding: the kernel keeps the layer's rounding points."""
+    tokens = decoding[3][:, :T]
+    num_new = None if num_new is None else jnp.array(num_new)
+    (want, want_cache), none = _step(monkeypatch, decoding, tokens, num_new, kernel=False)
+    (got, got_cache), calls = _step(monkeypatch, decoding, tokens, num_new)
+    n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
+    assert not none and n_mla and calls == [2 * T] * n_mla
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_off_by_default_and_past_its_rows(decoding, monkeypatch):
+    """Off a CUDA GPU (here: the CPU) the kernel never runs; nor past ``MAX_ROWS`` rows (2 rows x 3 tokens),
+    where the layer's own path runs."""
+    variables, cfg, cache, tokens = decoding
+    with monkeypatch.context() as m:
+        m.setattr(kernel_gpu_query, "absorbed_query", lambda *a, **k: pytest.fail("the query kernel ran"))
+        forward_cached(variables, cfg, tokens[:, :1], cache)
+    (want, _), _ = _step(monkeypatch, decoding, tokens, kernel=False)
+    (got, _), calls = _step(monkeypatch, decoding, tokens)
+    assert not calls
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
