@@ -1,20 +1,24 @@
 """MLA's decode query in one kernel: ``q_norm``, ``q_b`` and ``W_k``'s absorption.
 
-Decoding a few tokens, XLA runs the query of an MLA layer with a query LoRA (K3, Kimi-Linear, ``small()``)
-as three kernels on the step's longest chain, each waiting for the one before: ``q_norm``'s sum of squares
-over the packed ``q_a`` output, the ``q_b`` product (the norm fused into it) and ``W_k``'s absorption
-into the query (``q_c = q_nope·W_k``, ``[H, Rkv]`` fp32; ``benchmarks/decode_kernels.py``). Here one
-Pallas-Triton kernel does all three: program ``(row, h, r)`` reads the row's ``q_a`` from the layer's
-packed input projections (no slice of it materialised), norms it, multiplies it by head ``h``'s nope
-columns of ``W_qb``, rounds ``q`` as the projection does, and absorbs rows ``[r·block_r, (r+1)·block_r)``
-of its head's ``W_k``; the ``r = 0`` program also writes the head's rope part of ``q``. The programs of
-a head each recompute its ``q_nope``: its ``W_qb`` columns come from HBM once and from L2 after.
+Decoding, XLA runs the query of an MLA layer with a query LoRA (K3, Kimi-Linear, ``small()``) as three
+kernels on the step's longest chain at batch 1 (``q_norm``'s sum of squares over the packed ``q_a``
+output, the ``q_b`` product with the norm fused in, ``W_k``'s absorption into the query, ``q_c =
+q_nope·W_k``) and four at batch 64 (the norm, ``q_b`` as a split-K GEMM and its reduction, the
+absorption; ``benchmarks/decode_kernels.py``). Here one Pallas-Triton kernel does all of it for up to
+``MAX_ROWS`` rows: program ``(h, r)`` reads every row's ``q_a`` from the layer's packed input projections
+(no slice of it materialised), norms it, multiplies it by head ``h``'s nope columns of ``W_qb``, rounds
+``q`` as the projection does, and absorbs rows ``[r·block_r, (r+1)·block_r)`` of its head's ``W_k``; the
+``r = 0`` program also writes the head's rope part of ``q``. Both products are tensor-core dots over the
+rows padded to 16 (or a power of two): their contractions need no cross-warp reduction, which as sums
+took 47 barriers a program against 11 (ptxas, sm_90a, batch 1). The programs of a head each recompute its
+``q_nope``: its ``W_qb`` columns come from HBM once and from L2 after.
 
 Rounding points are the layer's (``k3jax.layers.mla.MLA._query``, then ``_attend_cached``; the reference
 is :func:`reference_decode.absorbed_query_reference`): the norm in float32, rounded to the compute
 dtype (``W_qb``'s); ``q`` accumulated in float32 over the rank and rounded to it; the absorption in
-float32 from ``q_nope`` and ``W_k``. Only the float32 summation order differs. ``interpret=True`` runs
-the kernel in the CPU interpreter (the default suite's test).
+float32 (``q_nope`` is 16-bit once rounded, ``W_k`` 16-bit or, stored in float32, three bfloat16 parts that
+sum to it, so the tensor cores' products are exact). Only the float32 summation order differs. ``interpret=True`` runs the kernel in the CPU interpreter (the default
+suite's test).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 from pallas_kernels.triton_sums import sums
 
-MAX_ROWS = 4  # tokens a call: each row's programs re-read their head's W_qb columns (from L2)
+MAX_ROWS = 64  # rows a call: one program takes them all (tensor-core products), padded to 16 or a power of two
 PIECE = 128  # rows of q_a (and W_qb) a part
 # A program holds its head's nope columns of W_qb in registers (small(): 384 x 128 bf16, 96 KB over 8
 # warps); wider query ranks (K3's 1536) take the layer's XLA path.
@@ -43,7 +47,7 @@ MAX_HEAD_BYTES = 96 * 1024
 class QueryTiles:
     """``block_r``: rows of ``W_k`` (columns of ``q_c``) a program; ``num_warps``: Triton warps a program."""
 
-    block_r: int = 64  # small(): 8 heads x 4 blocks = 32 programs a token
+    block_r: int = 64  # small(): 8 heads x 4 blocks = 32 programs
     num_warps: int = 8
 
 
@@ -70,6 +74,10 @@ def check_inputs(y, scale, w_qb, w_kv_b, *, offset: int, nope_dim: int, tiles: Q
     R, _, Dq = w_qb.shape
     Rkv = w_kv_b.shape[0]
     rope = Dq - nope_dim
+    if jnp.dtype(w_qb.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or jnp.dtype(
+            w_kv_b.dtype) not in (jnp.dtype(w_qb.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"w_qb must be 16-bit (the compute dtype) and w_kv_b in its dtype or float32 (the products "
+                         f"run on the tensor cores), got {w_qb.dtype}, {w_kv_b.dtype}")
     if scale.shape != (R,):
         raise ValueError(f"scale must be [R] = [{R}] (q_norm's), got {scale.shape}")
     if not 0 <= offset <= y.shape[1] - R:
@@ -84,7 +92,7 @@ def check_inputs(y, scale, w_qb, w_kv_b, *, offset: int, nope_dim: int, tiles: Q
     if not is_block_dim(tiles.block_r) or Rkv % block_r(Rkv, tiles):
         raise ValueError(f"tiles.block_r={tiles.block_r} must be a power of two >= 16 dividing Rkv={Rkv} (or above it, "
                          f"Rkv a power of two)")
-    if any(jnp.dtype(x.dtype) == jnp.float64 for x in (y, scale, w_qb, w_kv_b)):
+    if any(jnp.dtype(x.dtype) == jnp.float64 for x in (y, scale)):
         raise ValueError("the query kernel takes no float64 input (Triton); the layer's XLA path does")
 
 
@@ -94,29 +102,48 @@ def accepts(y, scale, w_qb, w_kv_b, *, offset: int, nope_dim: int, tiles: QueryT
                   y, scale, w_qb, w_kv_b)
 
 
-def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, nope: int, block_r: int, eps: float):
+def _dot(a, b, contract):
+    """``a·b`` over ``contract`` on the tensor cores, float32 accumulation (bf16 operands: exact products)."""
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _parts(w):
+    """``w`` as 16-bit tensor-core operands: itself, or a float32 ``w`` as three bfloat16 parts whose sum is
+    ``w`` (8 significant bits each; the products with a 16-bit operand stay exact)."""
+    if w.dtype != jnp.float32:
+        return [w]
+    hi = w.astype(jnp.bfloat16)
+    rest = w - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    return [hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)]
+
+
+def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, R: int, Dq: int, nope: int, Rkv: int,
+            Dkv: int, block_r: int, group: int, eps: float):
     f32 = jnp.float32
-    t, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R, _, Dq = wq_ref.shape
-    dt = wq_ref.dtype
+    h, r = pl.program_id(0), pl.program_id(1)
+    n_rows, dt = y_ref.shape[0], wq_ref.dtype
+    rows = jnp.arange(group)
+    live, at_row = rows < n_rows, jnp.minimum(rows, n_rows - 1)[:, None]  # padding rows: the last row, unstored
+    cols = lambda start, n: start + jnp.arange(n)[None, :]
     parts = pieces(R)
     # the weights first: they do not wait for the norm's reductions
-    w_nope = [wq_ref[pl.ds(at, n), h, pl.ds(0, nope)] for at, n in parts]  # [n, dn] each
-    w_k = wk_ref[pl.ds(pl.multiple_of(r * block_r, block_r), block_r), h, pl.ds(0, nope)]  # [block_r, dn]
-    c = [y_ref[t, pl.ds(offset + at, n)].astype(f32) for at, n in parts]
-    squares = sums(*(x * x for x in c))
-    inv = jax.lax.rsqrt(sum(squares) / R + eps)
-    normed = [(x * inv * scale_ref[pl.ds(at, n)].astype(f32)).astype(dt).astype(f32) for x, (at, n) in zip(c, parts)]
-    q_nope = sum(sums(*(x[:, None] * w.astype(f32) for x, w in zip(normed, w_nope)), axis=0))
-    q_nope = q_nope.astype(dt).astype(f32)  # [dn]: q_b's output, rounded
-    qc_ref[t, h, pl.ds(pl.multiple_of(r * block_r, block_r), block_r)] = jnp.sum(q_nope[None, :] * w_k.astype(f32),
-                                                                                 axis=1)
+    w_nope = [wq_ref[pl.ds(at, n), pl.ds(pl.multiple_of(h * Dq, Dq), nope)] for at, n in parts]  # [n, dn] each
+    w_k = wk_ref[pl.ds(pl.multiple_of(r * block_r, block_r), block_r), pl.ds(pl.multiple_of(h * Dkv, Dkv), nope)]
+    c = [y_ref[at_row, cols(offset + at, n)].astype(f32) for at, n in parts]  # [group, n] each
+    inv = jax.lax.rsqrt(sum(sums(*(x * x for x in c), axis=1)) / R + eps)  # [group]
+    normed = [(x * inv[:, None] * scale_ref[pl.ds(at, n)].astype(f32)[None, :]).astype(dt)
+              for x, (at, n) in zip(c, parts)]
+    q_nope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
+    q_c = sum(_dot(q_nope, w, ((1,), (1,))) for w in _parts(w_k))  # [group, block_r]
+    plgpu.store(qc_ref.at[rows[:, None], cols(h * Rkv + r * block_r, block_r)], q_c, mask=live[:, None])
 
     @pl.when(r == 0)
     def _rope():
-        w_rope = [wq_ref[pl.ds(at, n), h, pl.ds(nope, Dq - nope)] for at, n in parts]
-        q_rope = sum(sums(*(x[:, None] * w.astype(f32) for x, w in zip(normed, w_rope)), axis=0))
-        qr_ref[t, h, :] = q_rope.astype(dt).astype(f32)
+        w_rope = [wq_ref[pl.ds(at, n), pl.ds(pl.multiple_of(h * Dq + nope, Dq - nope), Dq - nope)] for at, n in parts]
+        q_rope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_rope)).astype(dt).astype(f32)
+        dr = Dq - nope
+        plgpu.store(qr_ref.at[rows[:, None], cols(h * dr, dr)], q_rope, mask=live[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "nope_dim", "eps", "tiles", "interpret"))
@@ -127,20 +154,23 @@ def absorbed_query(y: Float[Array, "rows N"], scale: Float[Array, "R"], w_qb: Fl
     ``q = W_qb·RMSNorm(q_a; scale, eps)`` (in ``W_qb``'s dtype), ``q_c = q[:, :, :nope_dim]·W_k`` with
     ``W_k = w_kv_b[:, :, :nope_dim]``."""
     check_inputs(y, scale, w_qb, w_kv_b, offset=offset, nope_dim=nope_dim, tiles=tiles)
-    rows, (_, H, Dq), Rkv = y.shape[0], w_qb.shape, w_kv_b.shape[0]
-    whole = lambda a: pl.BlockSpec(a.shape, lambda t, h, r: (0,) * a.ndim)
-    out_shape = [jax.ShapeDtypeStruct((rows, H, Rkv), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, H, Dq - nope_dim), jnp.float32)]
-    br = block_r(Rkv, tiles)
-    return tuple(pl.pallas_call(
-        functools.partial(_kernel, offset=offset, nope=nope_dim, block_r=br, eps=eps),
-        grid=(rows, H, Rkv // br),
-        in_specs=[whole(a) for a in (y, scale, w_qb, w_kv_b)],
+    rows, (R, H, Dq), (Rkv, _, Dkv) = y.shape[0], w_qb.shape, w_kv_b.shape
+    br, dr = block_r(Rkv, tiles), Dq - nope_dim
+    whole = lambda a: pl.BlockSpec(a.shape, lambda h, r: (0,) * a.ndim)
+    out_shape = [jax.ShapeDtypeStruct((rows, H * Rkv), jnp.float32), jax.ShapeDtypeStruct((rows, H * dr), jnp.float32)]
+    # the heads flattened into the columns (free reshapes): every load and store is a 2-D tile
+    args = (y, scale, w_qb.reshape(R, H * Dq), w_kv_b.reshape(Rkv, H * Dkv))
+    q_c, q_rope = pl.pallas_call(
+        functools.partial(_kernel, offset=offset, R=R, Dq=Dq, nope=nope_dim, Rkv=Rkv, Dkv=Dkv, block_r=br,
+                          group=max(16, pl.next_power_of_2(rows)), eps=eps),
+        grid=(H, Rkv // br),
+        in_specs=[whole(a) for a in args],
         out_specs=[whole(o) for o in out_shape],
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret, name="mla_decode_query",
-    )(y, scale, w_qb, w_kv_b))
+    )(*args)
+    return q_c.reshape(rows, H, Rkv), q_rope.reshape(rows, H, dr)
 
 
 __all__ = ["MAX_HEAD_BYTES", "MAX_ROWS", "PIECE", "QueryTiles", "absorbed_query", "accepts", "block_r", "check_inputs", "pieces"]

@@ -22,11 +22,11 @@ from pallas_kernels.mla_attention import kernel_gpu_query
 KERNEL = kernel_gpu_query.absorbed_query
 
 
-@pytest.fixture(scope="module")
-def decoding():
-    """tiny() with MLA widths the kernel takes, after 8-token prompts of 2 rows on decode_layout's tree, and
-    3 more tokens a row."""
-    cfg = config.tiny()
+@pytest.fixture(scope="module", params=[jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def decoding(request):
+    """tiny() with MLA widths the kernel takes and bf16 or float32 parameters (W_k as stored: whole, or in
+    three bf16 parts), after 8-token prompts of 2 rows on decode_layout's tree, and 3 more tokens a row."""
+    cfg = dataclasses.replace(config.tiny(), param_dtype=request.param)
     cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, q_lora_rank=48, kv_lora_rank=32,
                                                            qk_rope_head_dim=16))
     tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, cfg.vocab_size)
@@ -71,9 +71,10 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
 
 
 def test_off_by_default_and_past_its_rows(decoding, monkeypatch):
-    """Off a CUDA GPU (here: the CPU) the kernel never runs; nor past ``MAX_ROWS`` rows (2 rows x 3 tokens),
-    where the layer's own path runs."""
+    """Off a CUDA GPU (here: the CPU) the kernel never runs; nor past ``MAX_ROWS`` rows (patched to 4: 2 rows x
+    3 tokens), where the layer's own path runs."""
     variables, cfg, cache, tokens = decoding
+    monkeypatch.setattr(kernel_gpu_query, "MAX_ROWS", 4)
     with monkeypatch.context() as m:
         m.setattr(kernel_gpu_query, "absorbed_query", lambda *a, **k: pytest.fail("the query kernel ran"))
         forward_cached(variables, cfg, tokens[:, :1], cache)
