@@ -34,7 +34,7 @@ from k3jax.layers import rope as rope_lib
 from k3jax.layers.linear import einsum, packed_product, proj, split_packed
 from k3jax.layers.norm import norm
 from pallas_kernels.mla_attention import KEY_BLOCK, cached_attention, mla_attention
-from pallas_kernels.mla_attention import kernel_gpu_query
+from pallas_kernels.mla_attention import kernel_gpu_decode, kernel_gpu_output, kernel_gpu_query
 from sharding import current as parallel_context
 from sharding.cp_attention import mla_attention_cp
 
@@ -174,10 +174,11 @@ class MLA(nn.Module):
         return mla_attention_cp(q, c.astype(dt), k_rope[:, :, 0], kernel, scale=scale, nope_dim=m.qk_nope_head_dim,
                                 segment_ids=segment_ids, implementation="pallas" if flash else "xla")
 
-    def _attend_cached(self, q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed: bool = False):
+    def _attend_cached(self, q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed: bool = False, gate=None):
         """Absorbed decode attention (SPEC §3): write ``[c, k_r]`` at each row's length, then
         ``q_nope W_k`` attends over the latent and ``W_v`` expands only the weighted latent
-        (``absorbed``: ``q_nope`` is ``q_nope W_k`` already, :meth:`_absorbed_query`)."""
+        (``absorbed``: ``q_nope`` is ``q_nope W_k`` already, :meth:`_absorbed_query`); ``gate``: the
+        output gate's logits, applied here."""
         m, wide = self.cfg.mla, self.cfg.fp32_dtype
         B, T = q_nope.shape[:2]
         dn = m.qk_nope_head_dim
@@ -188,18 +189,35 @@ class MLA(nn.Module):
         kv_b(c[:, :0])  # creates or binds the kernel
         kernel = nn.unbox(kv_b.variables["params"]["kernel"])  # [Rkv, H, dn+dv]
         dt = self.cfg.compute_dtype
+        gated = lambda o: o if gate is None else sigmoid_gate(o, gate, wide, dt)
         if not absorbed and T >= PREFILL_FLASH_TOKENS and parallel_context() is None and attention_lib.use_flash(
                 m.attention_implementation, dt, B, m.num_heads):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             o = flash_cached_attention(q, latent, kernel.astype(dt), cache.lengths, scale, nope_dim=dn)
-            return o, cache.replace(latent=latent)
-        kernel = kernel.astype(wide)
+            return gated(o), cache.replace(latent=latent)
         # W_k absorbed into the query
-        q_c = q_nope if absorbed else einsum("BTHK,RHK->BTHR", q_nope, kernel[..., :dn])
-        o_c = sharded_cached_attention(q_c, q_rope, latent, pos, scale,  # [B, T, H, Rkv]
-                                       implementation=m.attention_implementation)
-        o = einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:])  # W_v absorbed into the output
+        q_c = q_nope if absorbed else einsum("BTHK,RHK->BTHR", q_nope, kernel[..., :dn].astype(wide))
+        o = self._gated_output(q_c, q_rope, latent, pos, scale, kernel, gate) if absorbed else None
+        if o is None:
+            o_c = sharded_cached_attention(q_c, q_rope, latent, pos, scale,  # [B, T, H, Rkv]
+                                           implementation=m.attention_implementation)
+            o = gated(einsum("BTHR,RHV->BTHV", o_c, kernel[..., dn:].astype(wide)))  # W_v absorbed into the output
         return o, cache.replace(latent=latent)
+
+    def _gated_output(self, q_c, q_rope, latent, pos, scale, kernel, gate):
+        """Where the query kernel ran (:meth:`_absorbed_query`) and the decode attention kernel takes the
+        call: its key splits merged, ``W_v`` and the output gate in one kernel
+        (``kernel_gpu_output.gated_output``, where XLA runs five at batch 64), in the compute dtype; else None."""
+        m = self.cfg.mla
+        if gate is None or m.attention_implementation == "xla" or not kernel_gpu_decode.accepts(q_c, q_rope, latent, pos):
+            return None
+        shape = kernel_gpu_decode.split_shape(q_c, latent)
+        f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        kw = dict(nope_dim=m.qk_nope_head_dim)
+        if not kernel_gpu_output.accepts(f32(shape), f32(shape[:3]), f32(shape[:3]), kernel, gate, **kw):
+            return None
+        splits = kernel_gpu_decode.split_outputs(q_c, q_rope, latent, pos, scale=float(scale))
+        return kernel_gpu_output.gated_output(*splits, kernel, gate, **kw)
 
     def _absorbed_query(self, y):
         """Decoding a few tokens on one device with the glue kernels (``kernel_runs``): ``(q_nope W_k,
@@ -267,8 +285,10 @@ class MLA(nn.Module):
             q_rope = rope_lib.apply_rope(q_rope, positions, m.rope, wide)
             k_rope = rope_lib.apply_rope(k_rope, positions, m.rope, wide)
         scale = m.qk_head_dim ** -0.5 * rope_lib.softmax_scale_factor(m.rope)
-        if cache is not None:
-            o, cache = self._attend_cached(q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed is not None)
+        gate = proj(cfg, "BTD,DHV->BTHV", (D, H, dv), ("embed", "heads", "head_dim"), "g_proj")(x) if m.output_gate \
+            else None
+        if cache is not None:  # the gate applied inside
+            o, cache = self._attend_cached(q_nope, q_rope, c, k_rope, kv_b, cache, scale, absorbed is not None, gate)
             num_new = T if valid is None else jnp.sum(valid, axis=1, dtype=cache.lengths.dtype)
             cache = cache.replace(lengths=cache.lengths + num_new)
         elif not full:  # context parallel
@@ -278,8 +298,7 @@ class MLA(nn.Module):
             o, max_logit = self._attend_full(q_nope, q_rope, c, kv_b, k_rope, segment_ids, scale, flash)
         if cache is None and not self.is_initializing():
             self.sow("stats", "max_logit", max_logit)
-        if m.output_gate:
-            gate = proj(cfg, "BTD,DHV->BTHV", (D, H, dv), ("embed", "heads", "head_dim"), "g_proj")(x)
+        if cache is None and gate is not None:
             o = sigmoid_gate(o, gate, wide, cfg.compute_dtype)
         o = o.astype(cfg.compute_dtype)  # [B, T, H, dv]
         y = proj(cfg, "BTHV,HVD->BTD", (H, dv, D), ("heads", "head_dim", "embed"), "o_proj")(o)

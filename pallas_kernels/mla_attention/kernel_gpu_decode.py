@@ -156,6 +156,15 @@ def _kernel(qc_ref, qr_ref, last_ref, lat_ref, o_ref, m_ref, l_ref, *, scale: fl
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
+def split_shape(q_c, latent) -> tuple[int, int, int, int]:
+    """``(B, n, M, R)``: :func:`split_outputs`' ``o`` for these inputs (``n`` splits, ``M`` query rows in
+    whole row groups)."""
+    B, T, H, R = q_c.shape
+    G, Mg = row_groups(T, H, R)
+    n, _ = splits_for(B * G, -(-latent.shape[1] // key_block(R, latent.shape[1])))
+    return B, n, G * Mg, R
+
+
 def split_outputs(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T H K"], latent: Float[Array, "B S C"],
                   last: Int[Array, "B T"], *, scale: float, interpret: bool = False):
     """The kernel: per split ``(o [B, n, M, R], row max [B, n, M], row sum [B, n, M])``, fp32, unnormalised;
@@ -197,4 +206,4 @@ def cached_attention_pallas(q_c: Float[Array, "B T H R"], q_r: Float[Array, "B T
     return out[:, :T * H].reshape(B, T, H, R).astype(jnp.promote_types(q_c.dtype, jnp.float32))
 
 
-__all__ = ["accepts", "cached_attention_pallas", "check_inputs", "row_groups", "split_outputs"]
+__all__ = ["accepts", "cached_attention_pallas", "check_inputs", "row_groups", "split_outputs", "split_shape"]

@@ -107,7 +107,7 @@ def _dot(a, b, contract):
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _parts(w):
+def bf16_parts(w):
     """``w`` as 16-bit tensor-core operands: itself, or a float32 ``w`` as three bfloat16 parts whose sum is
     ``w`` (8 significant bits each; the products with a 16-bit operand stay exact)."""
     if w.dtype != jnp.float32:
@@ -135,7 +135,7 @@ def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, R:
     normed = [(x * inv[:, None] * scale_ref[pl.ds(at, n)].astype(f32)[None, :]).astype(dt)
               for x, (at, n) in zip(c, parts)]
     q_nope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
-    q_c = sum(_dot(q_nope, w, ((1,), (1,))) for w in _parts(w_k))  # [group, block_r]
+    q_c = sum(_dot(q_nope, w, ((1,), (1,))) for w in bf16_parts(w_k))  # [group, block_r]
     plgpu.store(qc_ref.at[rows[:, None], cols(h * Rkv + r * block_r, block_r)], q_c, mask=live[:, None])
 
     @pl.when(r == 0)
@@ -173,4 +173,5 @@ def absorbed_query(y: Float[Array, "rows N"], scale: Float[Array, "R"], w_qb: Fl
     return q_c.reshape(rows, H, Rkv), q_rope.reshape(rows, H, dr)
 
 
-__all__ = ["MAX_HEAD_BYTES", "MAX_ROWS", "PIECE", "QueryTiles", "absorbed_query", "accepts", "block_r", "check_inputs", "pieces"]
+__all__ = ["MAX_HEAD_BYTES", "MAX_ROWS", "PIECE", "QueryTiles", "absorbed_query", "accepts", "bf16_parts", "block_r",
+           "check_inputs", "pieces"]

@@ -88,4 +88,20 @@ def absorbed_query_reference(y: Float[Array, "rows N"], scale: Float[Array, "R"]
     return q_c, q[..., nope_dim:]
 
 
-__all__ = ["KEY_BLOCK", "absorbed_query_reference", "cached_attention_reference"]
+def gated_output_reference(o: Float[Array, "B n M R"], m: Float[Array, "B n M"], l: Float[Array, "B n M"],
+                           w_kv_b: Float[Array, "R H Dkv"], gate: Float[Array, "B T H dv"], *,
+                           nope_dim: int) -> Float[Array, "B T H dv"]:
+    """The decode output from the attention's key splits, at the layer's rounding points (the merge of
+    ``kernel_gpu_decode.cached_attention_pallas``, ``W_v`` in float32 as ``MLA._attend_cached``, then
+    ``gates.sigmoid_gate``), in ``gate``'s dtype."""
+    B, T, H, _ = gate.shape
+    top = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - top))
+    latent = jnp.sum(o * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]  # [B, M, R]
+    latent = latent[:, :T * H].reshape(B, T, H, -1)
+    v = jnp.einsum("BTHR,RHV->BTHV", latent, w_kv_b[..., nope_dim:].astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return (v * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(gate.dtype)
+
+
+__all__ = ["KEY_BLOCK", "absorbed_query_reference", "cached_attention_reference", "gated_output_reference"]

@@ -1,11 +1,13 @@
-"""Decoding with MLA's query kernel (``MLA._absorbed_query``: ``q_norm``, ``q_b`` and ``W_k``'s absorption in
-one kernel, ``ModelConfig.decode_glue_implementation``): the kernel (CPU interpreter) gives the layer's XLA
-path's logits and caches, ragged rows included, and it runs only where it should.
+"""Decoding with MLA's query and output kernels (``MLA._absorbed_query``: ``q_norm``, ``q_b`` and ``W_k``'s
+absorption in one kernel; ``MLA._gated_output``: the attention's splits merged, ``W_v`` and the output gate
+in one; ``ModelConfig.decode_glue_implementation``): the kernels (CPU interpreter) give the layer's XLA path's
+logits and caches, ragged rows included, and they run only where they should.
 
-``kernel_runs`` is forced on for the MLA layers (as on a CUDA GPU) and the kernel runs interpreted; tiny()'s
-MLA is widened to what the kernel takes (a rank in parts of 16, a rope part of 16)."""
+``kernel_runs`` is forced on for the MLA layers (as on a CUDA GPU) and the kernels run interpreted; tiny()'s
+MLA is widened to what the kernels take (a rank in parts of 16, a rope part of 16)."""
 
 import dataclasses
+import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,11 @@ from k3jax import config
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import decode_layout, forward_cached, prefill
 from k3jax.model import Transformer
-from pallas_kernels.mla_attention import kernel_gpu_query
+from pallas_kernels.mla_attention import kernel_gpu_decode, kernel_gpu_output, kernel_gpu_query
 
-KERNEL = kernel_gpu_query.absorbed_query
+KERNELS = {"query": (kernel_gpu_query, "absorbed_query"), "split": (kernel_gpu_decode, "split_outputs"),
+           "output": (kernel_gpu_output, "gated_output")}
+ORIGINAL = {name: getattr(module, fn) for name, (module, fn) in KERNELS.items()}
 
 
 @pytest.fixture(scope="module", params=[jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -37,17 +41,18 @@ def decoding(request):
 
 
 def _step(monkeypatch, decoding, tokens, num_new=None, kernel=True):
-    """One forward_cached call, MLA's query kernel on (interpreted) or its XLA path; the rows the kernel took."""
+    """One forward_cached call, MLA's kernels on (interpreted) or its XLA path; the rows each kernel took."""
     variables, cfg, cache, _ = decoding
-    calls = []
+    calls = {name: [] for name in KERNELS}
 
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return KERNEL(*args, **kw, interpret=True)
+    def counted(name, *args, **kw):
+        calls[name].append(args[-1].shape[0] * args[-1].shape[1] if name == "output" else args[0].shape[0])
+        return ORIGINAL[name](*args, **kw, interpret=True)
 
     with monkeypatch.context() as m:
         m.setattr(mla, "kernel_runs", lambda implementation: kernel)
-        m.setattr(kernel_gpu_query, "absorbed_query", counted)
+        for name, (module, fn) in KERNELS.items():
+            m.setattr(module, fn, functools.partial(counted, name))
         out = forward_cached(variables, cfg, tokens, cache, num_new=num_new)
     return out, calls
 
@@ -64,7 +69,8 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
     (want, want_cache), none = _step(monkeypatch, decoding, tokens, num_new, kernel=False)
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens, num_new)
     n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
-    assert not none and n_mla and calls == [2 * T] * n_mla
+    assert not any(none.values()) and n_mla
+    assert calls["query"] == calls["output"] == [2 * T] * n_mla and calls["split"] == [2] * n_mla  # the sequences
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -76,9 +82,10 @@ def test_off_by_default_and_past_its_rows(decoding, monkeypatch):
     variables, cfg, cache, tokens = decoding
     monkeypatch.setattr(kernel_gpu_query, "MAX_ROWS", 4)
     with monkeypatch.context() as m:
-        m.setattr(kernel_gpu_query, "absorbed_query", lambda *a, **k: pytest.fail("the query kernel ran"))
+        for module, fn in KERNELS.values():
+            m.setattr(module, fn, lambda *a, **k: pytest.fail("a kernel ran"))
         forward_cached(variables, cfg, tokens[:, :1], cache)
     (want, _), _ = _step(monkeypatch, decoding, tokens, kernel=False)
     (got, _), calls = _step(monkeypatch, decoding, tokens)
-    assert not calls
+    assert not any(calls.values())
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
