@@ -16,7 +16,9 @@ length, attends over the compressed cache with ``W_kvb`` absorbed into the query
 (the cache is never expanded per head; on a CUDA GPU by a Pallas kernel, see
 :func:`sharded_cached_attention`), and returns ``(y, new_cache)``. A call of many new tokens
 (chunked prefill, ``PREFILL_FLASH_TOKENS``) runs the flash kernel instead where it can
-(:func:`flash_cached_attention`).
+(:func:`flash_cached_attention`). With the decode glue kernels (``ModelConfig.decode_glue_implementation``,
+1-64 rows on one CUDA GPU) the absorbed query is one kernel from the packed input projections
+(:meth:`MLA._absorbed_query`) and the attention's output, ``W_v`` and the gate one more (:meth:`MLA._gated_output`).
 """
 
 from __future__ import annotations
@@ -209,7 +211,8 @@ class MLA(nn.Module):
         call: its key splits merged, ``W_v`` and the output gate in one kernel
         (``kernel_gpu_output.gated_output``, where XLA runs five at batch 64), in the compute dtype; else None."""
         m = self.cfg.mla
-        if gate is None or m.attention_implementation == "xla" or not kernel_gpu_decode.accepts(q_c, q_rope, latent, pos):
+        if (gate is None or m.attention_implementation == "xla"
+                or not kernel_gpu_decode.accepts(q_c, q_rope, latent, pos)):
             return None
         shape = kernel_gpu_decode.split_shape(q_c, latent)
         f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)

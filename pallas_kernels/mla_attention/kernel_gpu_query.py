@@ -17,8 +17,8 @@ Rounding points are the layer's (``k3jax.layers.mla.MLA._query``, then ``_attend
 is :func:`reference_decode.absorbed_query_reference`): the norm in float32, rounded to the compute
 dtype (``W_qb``'s); ``q`` accumulated in float32 over the rank and rounded to it; the absorption in
 float32 (``q_nope`` is 16-bit once rounded, ``W_k`` 16-bit or, stored in float32, three bfloat16 parts that
-sum to it, so the tensor cores' products are exact). Only the float32 summation order differs. ``interpret=True`` runs the kernel in the CPU interpreter (the default
-suite's test).
+sum to it, so the tensor cores' products are exact). Only the float32 summation order differs.
+``interpret=True`` runs the kernel in the CPU interpreter (the default suite's test).
 """
 
 from __future__ import annotations
