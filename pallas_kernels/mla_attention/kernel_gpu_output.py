@@ -4,9 +4,11 @@ After the decode attention (``kernel_gpu_decode.split_outputs``: per key split, 
 latent with its row max and sum), XLA runs an MLA layer's output at batch 64 as five kernels on the
 step's longest chain: the splits' weights, their merge, ``W_v`` as a split-K batched matmul, its
 reduction with the output gate, and a transpose (``benchmarks/decode_kernels.py``). Here one Pallas-Triton
-kernel does it for up to ``MAX_ROWS`` new tokens: program ``(h, g)`` takes head ``h`` of ``GROUP`` token
-rows, merges their splits (the splits' row maxes first, then one split at a time into a float32
-accumulator), multiplies the merged latent by its head's ``W_v`` on the tensor cores and gates it.
+kernel does it for ``GROUP`` to ``MAX_ROWS`` new tokens: program ``(h, g)`` takes head ``h`` of ``GROUP``
+token rows, merges their splits (the splits' row maxes first, then one split at a time into a float32
+accumulator), multiplies the merged latent by its head's ``W_v`` on the tensor cores and gates it. Below
+``GROUP`` rows XLA fuses the merge, ``W_v``, the gate and the gate's product into one kernel already, and
+the splits are many (18 at batch 1 over a 1 K cache: as many dependent steps of the loop here).
 
 Rounding points are the layer's (``k3jax.layers.mla.MLA._attend_cached`` with
 ``kernel_gpu_decode.cached_attention_pallas``'s merge, then ``gates.sigmoid_gate``; the reference is
@@ -41,8 +43,9 @@ def check_inputs(o, m, l, w_kv_b, gate, *, nope_dim: int) -> None:
         raise ValueError(f"o must be [B, n, M, R] and m, l [B, n, M] (split_outputs'), got {o.shape}, {m.shape}, "
                          f"{l.shape}")
     B, _, M, R = o.shape
-    if gate.ndim != 4 or gate.shape[0] != B or not 1 <= B * gate.shape[1] <= MAX_ROWS:
-        raise ValueError(f"gate must be [B, T, H, dv] = [{B}, T, H, dv] with 1 <= B·T <= {MAX_ROWS}, got {gate.shape}")
+    if gate.ndim != 4 or gate.shape[0] != B or not GROUP <= B * gate.shape[1] <= MAX_ROWS:
+        raise ValueError(f"gate must be [B, T, H, dv] = [{B}, T, H, dv] with {GROUP} <= B·T <= {MAX_ROWS}, got "
+                         f"{gate.shape}")
     _, T, H, dv = gate.shape
     if w_kv_b.ndim != 3 or w_kv_b.shape[:2] != (R, H) or w_kv_b.shape[2] != nope_dim + dv or T * H > M:
         raise ValueError(f"w_kv_b must be [R, H, nope_dim + dv] = [{R}, {H}, {nope_dim + dv}] with T·H <= M={M}, "

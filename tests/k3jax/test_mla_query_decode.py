@@ -24,19 +24,21 @@ from pallas_kernels.mla_attention import kernel_gpu_decode, kernel_gpu_output, k
 KERNELS = {"query": (kernel_gpu_query, "absorbed_query"), "split": (kernel_gpu_decode, "split_outputs"),
            "output": (kernel_gpu_output, "gated_output")}
 ORIGINAL = {name: getattr(module, fn) for name, (module, fn) in KERNELS.items()}
+ROWS = 16
 
 
 @pytest.fixture(scope="module", params=[jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def decoding(request):
     """tiny() with MLA widths the kernel takes and bf16 or float32 parameters (W_k as stored: whole, or in
-    three bf16 parts), after 8-token prompts of 2 rows on decode_layout's tree, and 3 more tokens a row."""
+    three bf16 parts), after 8-token prompts of 16 rows (the output kernel's ``GROUP``) on decode_layout's tree,
+    and 3 more tokens a row."""
     cfg = dataclasses.replace(config.tiny(), param_dtype=request.param)
     cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, q_lora_rank=48, kv_lora_rank=32,
                                                            qk_rope_head_dim=16))
-    tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(3), (ROWS, 11), 0, cfg.vocab_size)
     variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), tokens))
     variables, cfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
-    _, cache = prefill(variables, cfg, tokens[:, :8], jnp.array([8, 8]), init_cache(cfg, 2, 16))
+    _, cache = prefill(variables, cfg, tokens[:, :8], jnp.full((ROWS,), 8), init_cache(cfg, ROWS, 16))
     return variables, cfg, cache, tokens[:, 8:]
 
 
@@ -61,7 +63,7 @@ def _leaves(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("T,num_new", [(1, None), (2, [2, 1])])
+@pytest.mark.parametrize("T,num_new", [(1, None), (2, [2, 1] * (ROWS // 2))])
 def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
     """Logits and every cache leaf to float32 rounding: the kernel keeps the layer's rounding points."""
     tokens = decoding[3][:, :T]
@@ -70,17 +72,29 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens, num_new)
     n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
     assert not any(none.values()) and n_mla
-    assert calls["query"] == calls["output"] == [2 * T] * n_mla and calls["split"] == [2] * n_mla  # the sequences
+    assert calls["query"] == calls["output"] == [ROWS * T] * n_mla and calls["split"] == [ROWS] * n_mla  # sequences
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_below_the_output_kernels_rows(decoding, monkeypatch):
+    """Below ``GROUP`` rows (patched to 32: 16 rows) the query kernel runs and the output stays on XLA's path."""
+    monkeypatch.setattr(kernel_gpu_output, "GROUP", 32)
+    tokens = decoding[3][:, :1]
+    (want, want_cache), _ = _step(monkeypatch, decoding, tokens, kernel=False)
+    (got, got_cache), calls = _step(monkeypatch, decoding, tokens)
+    assert calls["query"] and not calls["output"] and not calls["split"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_off_by_default_and_past_its_rows(decoding, monkeypatch):
-    """Off a CUDA GPU (here: the CPU) the kernel never runs; nor past ``MAX_ROWS`` rows (patched to 4: 2 rows x
+    """Off a CUDA GPU (here: the CPU) the kernels never run; nor past ``MAX_ROWS`` rows (patched to 32: 16 rows x
     3 tokens), where the layer's own path runs."""
     variables, cfg, cache, tokens = decoding
-    monkeypatch.setattr(kernel_gpu_query, "MAX_ROWS", 4)
+    monkeypatch.setattr(kernel_gpu_query, "MAX_ROWS", 32)
     with monkeypatch.context() as m:
         for module, fn in KERNELS.values():
             m.setattr(module, fn, lambda *a, **k: pytest.fail("a kernel ran"))
