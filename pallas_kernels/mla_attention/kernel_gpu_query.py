@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,8 @@ def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, R:
 
     @pl.when(r == 0)
     def _rope():
-        w_rope = [wq_ref[pl.ds(at, n), pl.ds(pl.multiple_of(h * Dq + nope, Dq - nope), Dq - nope)] for at, n in parts]
+        start = pl.multiple_of(h * Dq + nope, math.gcd(Dq, nope))
+        w_rope = [wq_ref[pl.ds(at, n), pl.ds(start, Dq - nope)] for at, n in parts]
         q_rope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_rope)).astype(dt).astype(f32)
         dr = Dq - nope
         plgpu.store(qr_ref.at[rows[:, None], cols(h * dr, dr)], q_rope, mask=live[:, None])
