@@ -8,6 +8,7 @@ MLA is widened to what the kernels take (a rank in parts of 16, a rope part of 1
 
 import dataclasses
 import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
