@@ -13,8 +13,8 @@ the splits are many (18 at batch 1 over a 1 K cache: as many dependent steps of 
 Rounding points are the layer's (``k3jax.layers.mla.MLA._attend_cached`` with
 ``kernel_gpu_decode.cached_attention_pallas``'s merge, then ``gates.sigmoid_gate``; the reference is
 :func:`reference_decode.gated_output_reference`): the merge and ``W_v`` in float32 — the merged latent
-enters the tensor cores as three bfloat16 parts that sum to it, ``W_v`` whole (16-bit) or in three parts
-(float32), so every product is exact — the gate in float32, one rounding to the output dtype. Only the
+enters the tensor cores as three bfloat16 parts that sum to it, ``W_v`` is 16-bit, so every product is exact
+— the gate in float32, one rounding to the output dtype. Only the
 float32 summation order differs. ``interpret=True`` runs the kernel in the CPU interpreter.
 """
 
@@ -54,8 +54,10 @@ def check_inputs(o, m, l, w_kv_b, gate, *, nope_dim: int) -> None:
         raise ValueError(f"the output kernel needs R={R} and dv={dv} powers of two >= 16")
     if any(jnp.dtype(x.dtype) != jnp.float32 for x in (o, m, l)):
         raise ValueError(f"o, m, l must be float32 (split_outputs'), got {o.dtype}, {m.dtype}, {l.dtype}")
-    if jnp.dtype(w_kv_b.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)):
-        raise ValueError(f"w_kv_b must be bfloat16, float16 or float32, got {w_kv_b.dtype}")
+    if jnp.dtype(w_kv_b.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16)):
+        # float32 W_v in three parts held all nine products' operands: 25 K spilled stores (ptxas, sm_90a)
+        raise ValueError(f"w_kv_b must be bfloat16 or float16 (float32 parameters take the layer's XLA path), got "
+                         f"{w_kv_b.dtype}")
     if jnp.dtype(gate.dtype) == jnp.float64:
         raise ValueError("the output kernel takes no float64 input (Triton); the layer's XLA path does")
 
@@ -93,7 +95,7 @@ def _kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M
 
     num, den = jax.lax.fori_loop(0, splits, merge, (jnp.zeros((GROUP, R), f32), jnp.zeros((GROUP,), f32)))
     latent = num / den[:, None]  # [G, R]: the attention-weighted latent
-    o = sum(_dot(x, w) for x in bf16_parts(latent) for w in bf16_parts(w_v))  # [G, dv], W_v applied
+    o = sum(_dot(x, w_v) for x in bf16_parts(latent))  # [G, dv], W_v applied
     gated = (o * jax.nn.sigmoid(gate)).astype(out_ref.dtype)
     plgpu.store(out_ref.at[rows[:, None], (h * dv + jnp.arange(dv))[None, :]], gated, mask=live[:, None])
 

@@ -42,7 +42,7 @@ def _check(args, dn, interpret=True):
 @pytest.mark.parametrize("B,T,H,R,dr,dn,dv,S,w_dtype", [
     (64, 1, 8, 256, 64, 128, 128, 1089, jnp.bfloat16),  # small() at batch 64: 4 splits, 4 row groups
     (9, 2, 4, 32, 16, 16, 32, 300, jnp.bfloat16),       # two tokens a row, 18 rows: the second group padded
-    (20, 1, 2, 32, 16, 16, 16, 64, jnp.float32),        # float32 W_v in three bf16 parts
+    (20, 1, 2, 32, 16, 16, 16, 64, jnp.float16),        # float16 W_v
 ])
 def test_interpreted_kernel_matches_reference(B, T, H, R, dr, dn, dv, S, w_dtype):
     _check(*_inputs(0, B, T, H, R, dr, dn, dv, S, True, w_dtype))
@@ -57,7 +57,7 @@ def test_errors_name_the_argument():
         ((o, m, l, w[:, :2], gate), "w_kv_b must be"),
         ((o, m, l, w, jnp.zeros((16, 1, 4, 24), jnp.bfloat16)), "w_kv_b must be"),
         ((o.astype(jnp.bfloat16), m, l, w, gate), "float32"),
-        ((o, m, l, w.astype(jnp.int8), gate), "w_kv_b must be bfloat16"),
+        ((o, m, l, w.astype(jnp.float32), gate), "w_kv_b must be bfloat16 or float16"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
