@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-from pallas_kernels.mla_attention.kernel_gpu_query import MAX_ROWS, bf16_parts
+from pallas_kernels.mla_attention.kernel_gpu_query import MAX_ROWS, bf16_parts, dot_f32
 from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 
@@ -67,10 +67,6 @@ def accepts(o, m, l, w_kv_b, gate, *, nope_dim: int) -> bool:
     return passes(functools.partial(check_inputs, nope_dim=nope_dim), o, m, l, w_kv_b, gate)
 
 
-def _dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M: int, R: int, dv: int, Dkv: int,
             nope: int, splits: int):
     f32 = jnp.float32
@@ -95,7 +91,7 @@ def _kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M
 
     num, den = jax.lax.fori_loop(0, splits, merge, (jnp.zeros((GROUP, R), f32), jnp.zeros((GROUP,), f32)))
     latent = num / den[:, None]  # [G, R]: the attention-weighted latent
-    o = sum(_dot(x, w_v) for x in bf16_parts(latent))  # [G, dv], W_v applied
+    o = sum(dot_f32(x, w_v, ((1,), (0,))) for x in bf16_parts(latent))  # [G, dv], W_v applied
     gated = (o * jax.nn.sigmoid(gate)).astype(out_ref.dtype)
     plgpu.store(out_ref.at[rows[:, None], (h * dv + jnp.arange(dv))[None, :]], gated, mask=live[:, None])
 

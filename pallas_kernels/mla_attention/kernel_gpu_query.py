@@ -103,7 +103,7 @@ def accepts(y, scale, w_qb, w_kv_b, *, offset: int, nope_dim: int, tiles: QueryT
                   y, scale, w_qb, w_kv_b)
 
 
-def _dot(a, b, contract):
+def dot_f32(a, b, contract):
     """``a·b`` over ``contract`` on the tensor cores, float32 accumulation (bf16 operands: exact products)."""
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
@@ -135,15 +135,15 @@ def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, R:
     inv = jax.lax.rsqrt(sum(sums(*(x * x for x in c), axis=1)) / R + eps)  # [group]
     normed = [(x * inv[:, None] * scale_ref[pl.ds(at, n)].astype(f32)[None, :]).astype(dt)
               for x, (at, n) in zip(c, parts)]
-    q_nope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
-    q_c = sum(_dot(q_nope, w, ((1,), (1,))) for w in bf16_parts(w_k))  # [group, block_r]
+    q_nope = sum(dot_f32(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
+    q_c = sum(dot_f32(q_nope, w, ((1,), (1,))) for w in bf16_parts(w_k))  # [group, block_r]
     plgpu.store(qc_ref.at[rows[:, None], cols(h * Rkv + r * block_r, block_r)], q_c, mask=live[:, None])
 
     @pl.when(r == 0)
     def _rope():
         start = pl.multiple_of(h * Dq + nope, math.gcd(Dq, nope))
         w_rope = [wq_ref[pl.ds(at, n), pl.ds(start, Dq - nope)] for at, n in parts]
-        q_rope = sum(_dot(x, w, ((1,), (0,))) for x, w in zip(normed, w_rope)).astype(dt).astype(f32)
+        q_rope = sum(dot_f32(x, w, ((1,), (0,))) for x, w in zip(normed, w_rope)).astype(dt).astype(f32)
         dr = Dq - nope
         plgpu.store(qr_ref.at[rows[:, None], cols(h * dr, dr)], q_rope, mask=live[:, None])
 
@@ -176,4 +176,4 @@ def absorbed_query(y: Float[Array, "rows N"], scale: Float[Array, "R"], w_qb: Fl
 
 
 __all__ = ["MAX_HEAD_BYTES", "MAX_ROWS", "PIECE", "QueryTiles", "absorbed_query", "accepts", "bf16_parts", "block_r",
-           "check_inputs", "pieces"]
+           "check_inputs", "dot_f32", "pieces"]
