@@ -129,7 +129,21 @@ class MoE(nn.Module):
         w2 = param(self, "w2", init, (E, F, L), ("experts", "expert_mlp", "latent"), cfg.param_dtype)
         return w1, w3, w2
 
-    def _experts(self, u: Float[Array, "T L"], scores, bias, decode: bool) -> Float[Array, "T L"]:
+    def _normed_experts(self, u: Float[Array, "T L"], scores, bias, latent_norm: nn.Module) -> Array | MixedInput:
+        """Decoding with the glue kernels: the routed experts' output normed by the bound ``latent_norm``, in
+        the dense decode path's combine kernel where it runs (``moe_decode.routed_experts(norm_scale=)``),
+        else lazily (``normed_input``: inside the kernel of ``up_proj``, which reads it)."""
+        m = self.cfg.moe
+        dense = moe_decode.decode_path(u.shape[0], m.top_k, m.num_experts) == "dense"
+        if dense and parallel_context() is None and not self._with_stats():
+            latent_norm(u[:0])  # creates or binds the scale
+            scale = nn.meta.unbox(latent_norm.get_variable("params", "scale"))
+            return self._experts(u, scores, bias, True, norm=(scale, latent_norm.eps))
+        return normed_input(self._experts(u, scores, bias, True), latent_norm)
+
+    def _experts(self, u: Float[Array, "T L"], scores, bias, decode: bool, norm: tuple | None = None) -> Array:
+        """``norm``: ``(scale, eps)`` of the RMSNorm that the decode path applies to its output, where it
+        routes the tokens itself (in the dense path's combine kernel where that runs)."""
         cfg, m = self.cfg, self.cfg.moe
         dt = cfg.compute_dtype
         ws = self._expert_weights()
@@ -141,9 +155,10 @@ class MoE(nn.Module):
             # the decode kernels take plain weights; MXFP4 experts stay on XLA
             impl = m.decode_implementation if not any(isinstance(w, mxfp4.Mxfp4) for w in ws) else "xla"
             if not self._with_stats():  # routed inside the path's kernels where they run
+                scale, eps = norm or (None, 1e-6)
                 return moe_decode.routed_experts(u.astype(dt), scores, bias, *ws, path=path, top_k=m.top_k,
                                                  renormalize=m.renormalize, scaling=m.routed_scaling_factor, **act,
-                                                 implementation=impl)
+                                                 norm_scale=scale, norm_eps=eps, implementation=impl)
             experts = moe_decode.gathered_experts if path == "gather" else moe_decode.dense_experts
             return experts(u.astype(dt), *self._route(scores, bias), *ws, **act, implementation=impl)
         ids, weights = self._route(scores, bias)
@@ -192,12 +207,12 @@ class MoE(nn.Module):
         else:
             L = m.latent_dim
             u = proj(cfg, "TD,DL->TL", (D, L), ("embed", "latent"), "down_proj")(xt)
-            y = self._experts(u, scores, bias, decode)  # [T, L]
-            if m.latent_norm:
-                latent_norm = norm(cfg, "latent_norm", axis="latent")
-                # decoding, the norm may run inside up_proj's kernel (k3jax.layers.mixed_input)
-                lazy = decode and kernel_runs(cfg.decode_glue_implementation)
-                y = normed_input(y, latent_norm) if lazy else latent_norm(y)
+            latent_norm = norm(cfg, "latent_norm", axis="latent") if m.latent_norm else None
+            if latent_norm is not None and decode and kernel_runs(cfg.decode_glue_implementation):
+                y = self._normed_experts(u, scores, bias, latent_norm)  # the norm inside a kernel
+            else:
+                y = self._experts(u, scores, bias, decode)  # [T, L]
+                y = y if latent_norm is None else latent_norm(y)
             y = proj(cfg, "TL,LD->TD", (L, D), ("latent", "embed"), "up_proj")(y)
         y = y.reshape(B, T, D)
         if not m.num_shared_experts:

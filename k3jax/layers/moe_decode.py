@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from k3jax.layers.linear import einsum
 from k3jax.layers.mxfp4 import Mxfp4
+from k3jax.layers.norm import rms_norm
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe import kernel_gpu_decode, kernel_gpu_decode_dense
 from pallas_kernels.moe.activations import gated_activation
@@ -101,6 +102,7 @@ def gathered_experts(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights: Fl
 def routed_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], w1: Weights,
                    w3: Weights, w2: Weights, *, path: str, top_k: int, renormalize: bool, scaling: float,
                    activation: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                   norm_scale: Float[Array, "L"] | None = None, norm_eps: float = 1e-6,
                    implementation: str | None = None, interpret: bool = False) -> Float[Array, "T L"]:
     """The ``path`` (``"gather"`` or ``"dense"``) from the router's scores: :func:`k3jax.layers.routing.route`
     (no statistics), then :func:`gathered_experts` or :func:`dense_experts` — the reference. Where the
@@ -109,7 +111,11 @@ def routed_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Fl
     gather kernel's programs before reading their expert's weights, the dense path in the kernel that
     combines every expert's outputs. XLA's bias add, top-k, weight sum and the ids' copy (4 kernels,
     6.1 µs of a batch-1 MoE layer's 8.6 µs router on the H200, RESULTS.md "Stop 49") are gone. Same
-    experts in the same order; the weights equal up to the order of the fp32 sum of the chosen scores."""
+    experts in the same order; the weights equal up to the order of the fp32 sum of the chosen scores.
+
+    ``norm_scale``: the output ``RMSNorm``-ed with this scale and ``norm_eps`` (the latent MoE's
+    ``latent_norm``), by the dense path's combine kernel where it runs (no norm kernel on the step's
+    chain), else after the path as ``RMSNorm`` does it."""
     if path not in ("gather", "dense"):
         raise ValueError(f"path must be 'gather' or 'dense', got {path!r}")
     args = (x, scores, bias, w1, w3, w2)
@@ -118,11 +124,17 @@ def routed_experts(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Fl
     routing = Routing(top_k, renormalize, scaling, RENORM_EPS)
     accepts = lambda *a: kernels.accepts_routing(*a, routing)
     if _implementation(implementation, accepts, args, interpret) == "pallas" and accepts(*args):
-        run = kernels.routed_experts_pallas if path == "gather" else kernels.routed_dense_experts_pallas
-        return run(*args, routing=routing, **act, interpret=interpret)
-    ids, weights = route(scores, bias, top_k, renormalize=renormalize, scaling=scaling, with_stats=False)
-    experts = gathered_experts if path == "gather" else dense_experts
-    return experts(x, ids, weights, w1, w3, w2, **act, implementation=implementation, interpret=interpret)
+        if path == "dense":
+            return kernels.routed_dense_experts_pallas(*args, routing=routing, **act, norm_scale=norm_scale,
+                                                       norm_eps=norm_eps, interpret=interpret)
+        y = kernels.routed_experts_pallas(*args, routing=routing, **act, interpret=interpret)
+    else:
+        ids, weights = route(scores, bias, top_k, renormalize=renormalize, scaling=scaling, with_stats=False)
+        experts = gathered_experts if path == "gather" else dense_experts
+        y = experts(x, ids, weights, w1, w3, w2, **act, implementation=implementation, interpret=interpret)
+    if norm_scale is None:
+        return y
+    return rms_norm(y, norm_scale, norm_eps, accum_dtype(y.dtype)).astype(y.dtype)
 
 
 def _implementation(implementation: str | None, accepts, args: tuple, interpret: bool) -> str:

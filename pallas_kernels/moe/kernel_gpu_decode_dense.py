@@ -194,37 +194,67 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
     return y[:, :T]
 
 
-def _combine_kernel(scores_ref, bias_ref, y_ref, out_ref, *, routing: Routing):
+def _combine_kernel(scores_ref, bias_ref, y_ref, *refs, routing: Routing, block_n: int, norm_eps: float | None):
     """Program ``(t, j)``: token t's k experts' outputs in column block j, in ``lax.top_k``'s order,
-    weighted and summed in fp32 — the router's top-k found here (``rank_routing``)."""
-    t, j = pl.program_id(0), pl.program_id(1)
-    bn = out_ref.shape[-1]
-    cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
-    acc = jnp.zeros((bn,), jnp.float32)
-    for e, w in slots(scores_ref, bias_ref, t, routing, range(routing.top_k)):
-        acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
-    out_ref[...] = acc.astype(out_ref.dtype)
+    weighted and summed in fp32 — the router's top-k found here (``rank_routing``). With a norm
+    (``norm_eps``; one program a token, ``refs`` the scale then the output) the sum is rounded, its
+    ``1/rms`` reduced over the row's blocks, and the blocks summed again and normed as ``RMSNorm``."""
+    t = pl.program_id(0)
+    picked = slots(scores_ref, bias_ref, t, routing, range(routing.top_k))
+    dt = y_ref.dtype
+
+    def row(c):  # the weighted sum over block c of the row, rounded to y's dtype (kept in fp32)
+        cols = pl.ds(pl.multiple_of(c * block_n, block_n), block_n)
+        acc = jnp.zeros((block_n,), jnp.float32)
+        for e, w in picked:
+            acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
+        return cols, acc.astype(dt).astype(jnp.float32)
+
+    if norm_eps is None:
+        (out_ref,) = refs
+        out_ref[...] = row(pl.program_id(1))[1].astype(out_ref.dtype)
+        return
+    scale_ref, out_ref = refs
+    L = y_ref.shape[-1]
+    steps = L // block_n
+    squares = jax.lax.fori_loop(0, steps, lambda c, a: a + jnp.sum(jnp.square(row(c)[1])), jnp.float32(0.0))
+    inv = jax.lax.rsqrt(squares / L + norm_eps)
+
+    def write(c, carry):
+        cols, h = row(c)
+        out_ref[cols] = (h * inv * scale_ref[cols].astype(jnp.float32)).astype(out_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, steps, write, 0)
 
 
 def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], *,
-                   routing: Routing, tiles: DenseTiles | None = None, interpret: bool = False) -> Float[Array, "T L"]:
+                   routing: Routing, norm_scale: Float[Array, "L"] | None = None, norm_eps: float = 1e-6,
+                   tiles: DenseTiles | None = None, interpret: bool = False) -> Float[Array, "T L"]:
     """Each token's k picked outputs of ``y`` (every expert on every token), weighted and summed: one
-    kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5."""
+    kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5. With
+    ``norm_scale`` the sum is also ``RMSNorm``-ed (``k3jax.layers.norm.rms_norm`` with ``norm_eps``, then
+    rounded): the latent MoE's ``latent_norm`` before ``up_proj``, one program a token, so the norm is not
+    a kernel of its own on the decode step's chain."""
     E, T, L = y.shape
     tiles = tiles or default_tiles(L, L)
     bn = min(tiles.block_n, L)
     if L % bn or not is_block_dim(bn):
         raise ValueError(f"y's L={L} must be a multiple of tiles.block_n={tiles.block_n} or a power of two >= 16 "
                          f"below it")
+    if norm_scale is not None and tuple(norm_scale.shape) != (L,):
+        raise ValueError(f"norm_scale must have shape ({L},) (y's L), got {tuple(norm_scale.shape)}")
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
+    normed = norm_scale is not None
+    kernel = functools.partial(_combine_kernel, routing=routing, block_n=bn, norm_eps=norm_eps if normed else None)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, routing=routing), grid=(T, L // bn),
-        in_specs=[whole(scores), whole(bias), whole(y)],
-        out_specs=pl.BlockSpec((None, bn), lambda t, j: (t, j)),
+        kernel, grid=(T, 1 if normed else L // bn),
+        in_specs=[whole(scores), whole(bias), whole(y), *([whole(norm_scale)] if normed else [])],
+        out_specs=pl.BlockSpec((None, L if normed else bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((T, L), y.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="moe_decode_dense_combine",
-    )(scores, bias, y)
+    )(scores, bias, y, *([norm_scale] if normed else []))
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "situ_beta", "situ_linear_beta", "tiles", "interpret"))
@@ -241,20 +271,23 @@ def dense_experts_pallas(x: Float[Array, "T L"], ids: Int[Array, "T k"], weights
     return jnp.sum(picked * weights.astype(jnp.float32)[..., None], axis=1).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("routing", "activation", "situ_beta", "situ_linear_beta", "tiles",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("routing", "activation", "situ_beta", "situ_linear_beta", "norm_eps",
+                                             "tiles", "interpret"))
 def routed_dense_experts_pallas(x: Float[Array, "T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"],
                                 w1: Float[Array, "E L F"], w3: Float[Array, "E L F"], w2: Float[Array, "E F L"], *,
                                 routing: Routing, activation: str, situ_beta: float = 4.0,
-                                situ_linear_beta: float = 25.0, tiles: DenseTiles | None = None,
+                                situ_linear_beta: float = 25.0, norm_scale: Float[Array, "L"] | None = None,
+                                norm_eps: float = 1e-6, tiles: DenseTiles | None = None,
                                 interpret: bool = False) -> Float[Array, "T L"]:
     """``moe_decode.routed_experts`` on the dense path: the two kernels, then :func:`routed_combine`
-    (the expert products never wait for the routing: only the combine reads it)."""
+    (the expert products never wait for the routing: only the combine reads it; ``norm_scale``: it
+    also norms the result)."""
     asked, tiles = tiles, _tiles(tiles, w1)
     check_routing_inputs(x, scores, bias, w1, w3, w2, routing, tiles)
     y = expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
                        situ_linear_beta=situ_linear_beta, tiles=asked, interpret=interpret)  # None: maybe TMA
-    return routed_combine(y, scores, bias, routing=routing, tiles=tiles, interpret=interpret)
+    return routed_combine(y, scores, bias, routing=routing, norm_scale=norm_scale, norm_eps=norm_eps, tiles=tiles,
+                          interpret=interpret)
 
 
 __all__ = ["WIDE", "DenseTiles", "accepts", "accepts_routing", "check_inputs", "check_routing_inputs",

@@ -161,11 +161,11 @@ def test_batch_8_takes_the_norm_and_token_kernels(monkeypatch):
     by_kind = collections.Counter()
     for (_, adds, gated), n in norms.items():
         by_kind[adds, gated] += n
-    # (run eagerly, each reader materializes its input: one kernel a reader) layer 0's input and the latent
-    # norms; KDA's output norms; the feed-forwards' inputs (the mixer's output added: router, down_proj,
-    # the shared experts' gate and up together, the dense MLP's gate and up); the layer inputs after a MoE
-    # layer and the head's (its two outputs)
-    assert by_kind == {(0, False): 6, (0, True): 4, (1, False): 17, (2, False): 7}
+    # (run eagerly, each reader materializes its input: one kernel a reader) layer 0's input (the latent
+    # norms are the dense path's: in its combine, moe_decode.routed_experts(norm_scale=)); KDA's output norms;
+    # the feed-forwards' inputs (the mixer's output added: router, down_proj, the shared experts' gate and up
+    # together, the dense MLP's gate and up); the layer inputs after a MoE layer and the head's (its two outputs)
+    assert by_kind == {(0, False): 1, (0, True): 4, (1, False): 17, (2, False): 7}
     # tiny(): up_proj (latent 32 -> 64) and down_proj (64 -> 32) in each of the 5 MoE layers, the shared
     # experts' gate and up (64 -> 2 x 32) there and the dense MLP's (64 -> 96) in layer 0, KDA's o_proj
     # (4 heads x 16 -> 64) in its 4 layers, MLA's packed q_a and kv_a (64 -> 24 + 16 + 8, padded to 64) in its

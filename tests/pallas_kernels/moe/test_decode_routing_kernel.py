@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 from k3jax import config
+from k3jax.layers import moe as moe_module
 from k3jax.layers import moe_decode
 from k3jax.layers.moe import MoE
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe.kernel_gpu_decode import expert_blocks, routed_experts_pallas
-from pallas_kernels.moe.kernel_gpu_decode_dense import expert_outputs, routed_combine, routed_dense_experts_pallas
+from pallas_kernels.moe.kernel_gpu_decode_dense import (DenseTiles, expert_outputs, routed_combine,
+                                                       routed_dense_experts_pallas)
 from pallas_kernels.moe.rank_routing import Routing
 from pallas_kernels.target import Target, compile_for
 from tests.pallas_kernels.moe.test_decode_kernel import _assert_within_ulps, _rounded_reference
@@ -92,6 +94,25 @@ def test_interpreted_dense_combine_matches_route(T, k, E, L, renormalize, scalin
                               np.asarray(got))
 
 
+@pytest.mark.parametrize("L,block_n", [(128, 128), (192, 64)])  # one column block; three
+def test_interpreted_dense_combine_norms(L, block_n):
+    """With ``norm_scale`` the combine also applies the latent MoE's ``RMSNorm`` (``rms_norm`` of the
+    bf16 sum in fp32, times the scale, rounded), over the row's column blocks."""
+    T, k, E = 16, 8, 64
+    _, scores, bias, _ = _inputs(7, T, k, E, 16, 16)
+    rng = np.random.default_rng(L)
+    y = jnp.asarray(rng.normal(size=(E, T, L)), jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, size=L), jnp.float32)
+    ids, weights = route(scores, bias, k, renormalize=True, scaling=1.0, with_stats=False)
+    got = routed_combine(y, scores, bias, routing=Routing(k), norm_scale=scale, norm_eps=1e-5,
+                         tiles=DenseTiles(block_n=block_n), interpret=True)
+    assert got.shape == (T, L) and got.dtype == y.dtype
+    h = _picked_sum(y, ids, weights)
+    want = h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + 1e-5) * np.asarray(scale)
+    _assert_within_ulps(got, want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32),
+                        max_fraction=0.03)
+
+
 def test_interpreted_dense_routing_matches_route():
     """The dense path end to end (16 tokens, small()'s 64 experts of 64 × 64): the two kernels and the
     combine against ``route`` then the kernels given the ids."""
@@ -150,6 +171,29 @@ def test_moe_layer_routes_in_the_kernels_at_decode(path):
         assert "pallas_call" in stats and routed not in stats
 
 
+def test_moe_layer_norms_the_latent_in_the_dense_combine(monkeypatch):
+    """Decoding with the glue kernels on the dense path, the latent norm runs in the combine kernel (no
+    ``mixed_norm`` of its own before ``up_proj``) and the layer's output is XLA's path's (the kernels
+    interpreted, on CPU). (At batch 1, the gather path, it stays in ``up_proj``'s kernel: test_mixed_input.py.)"""
+    base = config.tiny()
+    cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, latent_dim=64, expert_intermediate=64))
+    assert cfg.moe.latent_norm
+    T = 2 * cfg.moe.num_experts // cfg.moe.top_k
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(T, 1, cfg.hidden)), jnp.bfloat16)
+    variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(0), x))
+    step = lambda v, x: MoE(cfg).apply(v, x, decode=True)
+    with compile_for(H200):
+        jaxpr = _kernels(step, variables, x)
+        assert "moe_decode_dense_combine" in jaxpr and "mixed_norm" not in jaxpr
+    want = step(variables, x)  # CPU: XLA's path, the latent_norm module
+    run = moe_decode.routed_experts
+    monkeypatch.setattr(moe_module, "kernel_runs", lambda implementation: True)
+    monkeypatch.setattr(moe_decode, "routed_experts",
+                        lambda *a, **kw: run(*a, **{**kw, "implementation": "pallas"}, interpret=True))
+    got = step(variables, x)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.05, atol=0.02)
+
+
 @pytest.mark.unchecked
 def test_bad_routing_inputs_raise():
     x, scores, bias, ws = _inputs(0, 1, 4, 32, 64, 32, ties=False)
@@ -172,6 +216,10 @@ def test_bad_routing_inputs_raise():
     y = jnp.zeros((32, 16, 48), jnp.bfloat16)  # the combine alone: 48 columns fit no block (an empty grid before)
     with pytest.raises(ValueError, match="y's L=48 must be a multiple of tiles.block_n=64"):
         routed_combine(y, *_inputs(0, 16, 4, 32, 64, 64, ties=False)[1:3], routing=Routing(4), interpret=True)
+    with pytest.raises(ValueError, match=r"norm_scale must have shape \(64,\) \(y's L\), got \(63,\)"):
+        routed_combine(jnp.zeros((32, 16, 64), jnp.bfloat16),
+                       *_inputs(0, 16, 4, 32, 64, 64, ties=False)[1:3], routing=Routing(4),
+                       norm_scale=jnp.ones((63,), jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="float32 scores and bias"):
         dense = _inputs(0, 16, 4, 32, 64, 64, ties=False)
         routed_dense_experts_pallas(dense[0], dense[1], dense[2].astype(jnp.bfloat16), *dense[3], routing=Routing(4),
