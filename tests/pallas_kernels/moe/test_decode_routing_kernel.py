@@ -94,23 +94,32 @@ def test_interpreted_dense_combine_matches_route(T, k, E, L, renormalize, scalin
                               np.asarray(got))
 
 
-@pytest.mark.parametrize("L,block_n", [(128, 128), (192, 64)])  # one column block; three
-def test_interpreted_dense_combine_norms(L, block_n):
-    """With ``norm_scale`` the combine also applies the latent MoE's ``RMSNorm`` (``rms_norm`` of the
-    bf16 sum in fp32, times the scale, rounded), over the row's column blocks."""
-    T, k, E = 16, 8, 64
+def _normed_combine_case(L, block_n, T=16, k=8, E=64, interpret=True):
+    """``routed_combine`` with ``norm_scale`` against the latent MoE's ``RMSNorm`` of the exact pick (``rms_norm``
+    of the bf16 sum in fp32, times the scale, rounded), over the row's column blocks."""
     _, scores, bias, _ = _inputs(7, T, k, E, 16, 16)
     rng = np.random.default_rng(L)
     y = jnp.asarray(rng.normal(size=(E, T, L)), jnp.bfloat16)
     scale = jnp.asarray(rng.uniform(0.5, 1.5, size=L), jnp.float32)
     ids, weights = route(scores, bias, k, renormalize=True, scaling=1.0, with_stats=False)
     got = routed_combine(y, scores, bias, routing=Routing(k), norm_scale=scale, norm_eps=1e-5,
-                         tiles=DenseTiles(block_n=block_n), interpret=True)
+                         tiles=DenseTiles(block_n=block_n), interpret=interpret)
     assert got.shape == (T, L) and got.dtype == y.dtype
     h = _picked_sum(y, ids, weights)
     want = h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + 1e-5) * np.asarray(scale)
     _assert_within_ulps(got, want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32),
                         max_fraction=0.03)
+
+
+@pytest.mark.parametrize("L,block_n", [(128, 128), (192, 64)])  # one column block; three
+def test_interpreted_dense_combine_norms(L, block_n):
+    _normed_combine_case(L, block_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 64])
+def test_compiled_dense_combine_norms(T):
+    _normed_combine_case(512, 128, T=T, interpret=False)  # small()'s latent at batches 16 and 64
 
 
 def test_interpreted_dense_routing_matches_route():
