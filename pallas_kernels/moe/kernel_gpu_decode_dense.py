@@ -15,7 +15,9 @@ product — and the activation kernel reads the gate and up products back in bet
 3. XLA picks each token's k outputs and takes their weighted sum in fp32 (one small fusion); or, in
    the decode step (:func:`routed_dense_experts_pallas`), :func:`routed_combine` routes each token from the
    router's scores (``rank_routing``) and sums its k outputs: one kernel for XLA's five (bias add,
-   top-k, the chosen scores, their sum, the pick).
+   top-k, the chosen scores, their sum, the pick). Given the latent MoE's ``latent_norm`` scale it also
+   norms each token's sum (``norm_scale``), so no norm kernel of its own sits before ``up_proj`` on the
+   step's chain (small() at batch 64: 169 → 158 kernels on it, device-less; RESULTS.md stop 62).
 
 Where they take the shapes (at most 64 tokens, widths of whole column tiles: small()'s batch 64), the
 GPU is a Hopper and no tiling is asked for, the two products run as the Mosaic GPU kernels of
