@@ -46,6 +46,11 @@ from sharding.cp_attention import mla_attention_cp
 QUERY_BLOCK = 512
 # New tokens per row from which a cached call (chunked prefill) runs the flash kernel where it can.
 PREFILL_FLASH_TOKENS = 256
+# Rows (B·T) from which decoding runs the query kernel (``_absorbed_query``): where the output kernel runs.
+# On the H200 the query kernel alone did not pay (batch 1: 0.609 ms a small() step without it, 0.615 with;
+# batch 64 with the output kernel off: 1.495 / 1.497 ms), the output kernel, which needs it, did (batch 64
+# 1.495 → 1.456 ms; benchmarks/RESULTS.md, stop 62).
+QUERY_KERNEL_ROWS = kernel_gpu_output.GROUP
 
 
 def attention_mask(segment_ids: Int[Array, "B T"] | None, batch: int, length: int) -> Bool[Array, "B T S"]:
@@ -226,12 +231,14 @@ class MLA(nn.Module):
         """Decoding a few tokens on one device with the glue kernels (``kernel_runs``): ``(q_nope W_k,
         q_rope)`` in float32 by one kernel from the packed input projections ``y [B, T, N]``
         (``kernel_gpu_query.absorbed_query``: the norm, ``q_b`` and ``W_k``, where XLA runs three
-        kernels on the step's chain); None where it does not apply (no query LoRA or packed kernel,
-        more than ``MAX_ROWS`` rows, widths the kernel does not take)."""
+        kernels on the step's chain); None where it does not apply (no query LoRA or packed kernel, fewer
+        than ``QUERY_KERNEL_ROWS`` or more than ``MAX_ROWS`` rows, widths the kernel does not take)."""
         cfg, m = self.cfg, self.cfg.mla
         if y is None or m.q_lora_rank is None or not kernel_runs(cfg.decode_glue_implementation):
             return None
         B, T = y.shape[:2]
+        if B * T < QUERY_KERNEL_ROWS:
+            return None
         stored = lambda name: nn.meta.unbox(self.get_variable("params", name))
         # q_b in the compute dtype, as its projection reads it; W_k as stored, widened in the kernel
         args = (y.reshape(B * T, -1), stored("q_norm")["scale"], stored("q_b")["kernel"].astype(cfg.compute_dtype),

@@ -198,36 +198,31 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
 
 def _combine_kernel(scores_ref, bias_ref, y_ref, *refs, routing: Routing, block_n: int, norm_eps: float | None):
     """Program ``(t, j)``: token t's k experts' outputs in column block j, in ``lax.top_k``'s order,
-    weighted and summed in fp32 — the router's top-k found here (``rank_routing``). With a norm
-    (``norm_eps``; one program a token, ``refs`` the scale then the output) the sum is rounded, its
-    ``1/rms`` reduced over the row's blocks, and the blocks summed again and normed as ``RMSNorm``."""
-    t = pl.program_id(0)
+    weighted and summed in fp32 — the router's top-k found here (``rank_routing``) — and rounded. With a
+    norm (``norm_eps``; ``refs`` the scale then the output) every program also sums the whole row's
+    squares (its blocks unrolled, so their loads issue together) for ``RMSNorm``'s ``1/rms``."""
+    t, j = pl.program_id(0), pl.program_id(1)
     picked = slots(scores_ref, bias_ref, t, routing, range(routing.top_k))
     dt = y_ref.dtype
 
-    def row(c):  # the weighted sum over block c of the row, rounded to y's dtype (kept in fp32)
+    def block(c):  # the weighted sum over column block c, rounded to y's dtype (kept in fp32)
         cols = pl.ds(pl.multiple_of(c * block_n, block_n), block_n)
         acc = jnp.zeros((block_n,), jnp.float32)
         for e, w in picked:
             acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
-        return cols, acc.astype(dt).astype(jnp.float32)
+        return acc.astype(dt).astype(jnp.float32)
 
+    h = block(j)
     if norm_eps is None:
         (out_ref,) = refs
-        out_ref[...] = row(pl.program_id(1))[1].astype(out_ref.dtype)
+        out_ref[...] = h.astype(out_ref.dtype)
         return
     scale_ref, out_ref = refs
     L = y_ref.shape[-1]
-    steps = L // block_n
-    squares = jax.lax.fori_loop(0, steps, lambda c, a: a + jnp.sum(jnp.square(row(c)[1])), jnp.float32(0.0))
-    inv = jax.lax.rsqrt(squares / L + norm_eps)
-
-    def write(c, carry):
-        cols, h = row(c)
-        out_ref[cols] = (h * inv * scale_ref[cols].astype(jnp.float32)).astype(out_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, steps, write, 0)
+    squares = functools.reduce(jnp.add, [jnp.square(block(c)) for c in range(L // block_n)])
+    inv = jax.lax.rsqrt(jnp.sum(squares) / L + norm_eps)
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    out_ref[...] = (h * inv * scale_ref[cols].astype(jnp.float32)).astype(out_ref.dtype)
 
 
 def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], *,
@@ -236,8 +231,8 @@ def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: 
     """Each token's k picked outputs of ``y`` (every expert on every token), weighted and summed: one
     kernel where XLA routes (bias add, top-k, the chosen scores, their sum) and picks in 5. With
     ``norm_scale`` the sum is also ``RMSNorm``-ed (``k3jax.layers.norm.rms_norm`` with ``norm_eps``, then
-    rounded): the latent MoE's ``latent_norm`` before ``up_proj``, one program a token, so the norm is not
-    a kernel of its own on the decode step's chain."""
+    rounded): the latent MoE's ``latent_norm`` before ``up_proj``, so the norm is not a kernel of its own on
+    the decode step's chain."""
     E, T, L = y.shape
     tiles = tiles or default_tiles(L, L)
     bn = min(tiles.block_n, L)
@@ -250,9 +245,9 @@ def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: 
     normed = norm_scale is not None
     kernel = functools.partial(_combine_kernel, routing=routing, block_n=bn, norm_eps=norm_eps if normed else None)
     return pl.pallas_call(
-        kernel, grid=(T, 1 if normed else L // bn),
+        kernel, grid=(T, L // bn),
         in_specs=[whole(scores), whole(bias), whole(y), *([whole(norm_scale)] if normed else [])],
-        out_specs=pl.BlockSpec((None, L if normed else bn), lambda t, j: (t, j)),
+        out_specs=pl.BlockSpec((None, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((T, L), y.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="moe_decode_dense_combine",

@@ -82,13 +82,17 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_below_the_output_kernels_rows(decoding, monkeypatch):
-    """Below ``GROUP`` rows (patched to 32: 16 rows) the query kernel runs and the output stays on XLA's path."""
+@pytest.mark.parametrize("query_rows", [32, 1])
+def test_below_the_output_kernels_rows(decoding, monkeypatch, query_rows):
+    """Below the output kernel's ``GROUP`` rows (patched to 32: 16 rows) the output stays on XLA's path; the
+    query kernel runs from ``mla.QUERY_KERNEL_ROWS`` rows (by default ``GROUP``: not here; patched to 1: alone)."""
+    assert mla.QUERY_KERNEL_ROWS == kernel_gpu_output.GROUP
     monkeypatch.setattr(kernel_gpu_output, "GROUP", 32)
+    monkeypatch.setattr(mla, "QUERY_KERNEL_ROWS", query_rows)
     tokens = decoding[3][:, :1]
     (want, want_cache), _ = _step(monkeypatch, decoding, tokens, kernel=False)
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens)
-    assert calls["query"] and not calls["output"] and not calls["split"]
+    assert bool(calls["query"]) == (query_rows <= ROWS) and not calls["output"] and not calls["split"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
