@@ -206,7 +206,7 @@ def _combine_kernel(scores_ref, bias_ref, y_ref, *refs, routing: Routing, block_
     dt = y_ref.dtype
 
     def block(c):  # the weighted sum over column block c, rounded to y's dtype (kept in fp32)
-        cols = pl.ds(pl.multiple_of(c * block_n, block_n), block_n)
+        cols = pl.ds(c * block_n if isinstance(c, int) else pl.multiple_of(c * block_n, block_n), block_n)
         acc = jnp.zeros((block_n,), jnp.float32)
         for e, w in picked:
             acc = acc + w * y_ref[e, t, cols].astype(jnp.float32)
