@@ -19,6 +19,10 @@ dtype (``W_qb``'s); ``q`` accumulated in float32 over the rank and rounded to it
 float32 (``q_nope`` is 16-bit once rounded, ``W_k`` 16-bit or, stored in float32, three bfloat16 parts that
 sum to it, so the tensor cores' products are exact). Only the float32 summation order differs.
 ``interpret=True`` runs the kernel in the CPU interpreter (the default suite's test).
+
+On the H200 the kernel alone does not pay (a ``small()`` step at batch 1: 0.609 ms without it, 0.615 with;
+benchmarks/RESULTS.md, stop 62), so the layer runs it only beside :mod:`kernel_gpu_output`, which needs it:
+from that kernel's 16 rows (``k3jax.layers.mla.QUERY_KERNEL_ROWS``).
 """
 
 from __future__ import annotations
