@@ -184,13 +184,16 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
             out.append(acc * jax.nn.sigmoid(acc))
         return out
 
+    # every input is read before the first reduction: Triton issues a load where the program reads it, and a
+    # load placed after a reduction's barriers is one more round trip on the step's chain
     windows = [window(0, 0, K), window(1, 0, K), window(2, first, bv)]
+    # the tails' sources: the windows themselves in place, else this program's columns of q's and k's
+    sources = windows if in_place else [window(0, first, bv), window(1, first, bv), windows[2]]
     qks = silu_conv(windows[0], wq_ref, pl.ds(0, K)) + silu_conv(windows[1], wk_ref, pl.ds(0, K))
-    squares = sums(*(x * x for x in qks))  # every token's q and k norms in one reduction
-    qks = [(x * jax.lax.rsqrt(ss + eps)).astype(dt).astype(f32) for x, ss in zip(qks, squares)]
-    qs, ks = qks[:T], qks[T:]
     vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
-    if product:  # z = f_a · W_fb of head h in R-row steps, their partial sums in one reduction (ptxas: 96 registers)
+    bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
+    logits = [y_ref[t, offsets[3] + h].astype(f32) for t in range(T)]  # beta's
+    if product:  # z = f_a · W_fb of head h in R-row steps (ptxas: 96 registers)
         R = decay_ref.shape[0]
         step = min(R, 32)
         terms = []  # token-major: token t's R / step partial products
@@ -198,27 +201,29 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
             for r in range(0, R, step):
                 fb = decay_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
                 terms.append(y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32)[:, None] * fb)
-        parts = sums(*terms)  # one reduction
+    else:
+        zs = [decay_ref[t, :].astype(f32) for t in range(T)]
+    squares = sums(*(x * x for x in qks))  # every token's q and k norms in one reduction
+    qks = [(x * jax.lax.rsqrt(ss + eps)).astype(dt).astype(f32) for x, ss in zip(qks, squares)]
+    qs, ks = qks[:T], qks[T:]
+    if product:
+        parts = sums(*terms)  # the partial sums in one reduction
         per = R // step
         zs = [functools.reduce(jnp.add, parts[t * per:(t + 1) * per]) for t in range(T)]
         zs = [z.astype(dt).astype(f32) for z in zs]  # the f_b projection's output, rounded as the layer's
-    else:
-        zs = [decay_ref[t, :].astype(f32) for t in range(T)]
-    bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
     for t in range(T):
         z = zs[t] + bias
         g = -rate * jax.nn.softplus(z) if lower_bound is None else lower_bound * jax.nn.sigmoid(rate * z)
-        beta = jax.nn.sigmoid(y_ref[t, offsets[3] + h].astype(f32))
+        beta = jax.nn.sigmoid(logits[t])
         real = t < n
         g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
         o, S = _delta_rule(S, qs[t], ks[t], vs[t], g, beta, scale)
         o_ref[t, :] = o.astype(o_ref.dtype)
     s_out_ref[...] = S
-    # the conv inputs that continue the row: window positions n .. n+W-2, this program's columns. A program
-    # that owns its head's whole V writes the tails it read, in place: from the windows read at its start
-    # (before the reductions' barriers), never from the buffer it is overwriting
+    # the conv inputs that continue the row: window positions n .. n+W-2, this program's columns, from what it
+    # read at its start (in place, never from the buffer it is overwriting)
     for c in range(3):
-        xs = windows[c] if in_place else window(c, first, bv)
+        xs = sources[c]
         for i in range(Wm1):
             pick = xs[0]
             for p in range(1, len(xs)):

@@ -181,6 +181,16 @@ class _Prologue:
         self.D = src_refs[0].shape[1]
         self.steps = self.D // block_d
         self.grouped = scale_ref.shape[0] != self.D  # a norm per group of scale's columns (per head)
+        self.scale, self.gates = None, []
+
+    def preload(self, tokens) -> None:
+        """Read the norm's scale and the tokens' gates now where they are one step (the whole row, or a per-head
+        scale): Triton issues a load where the program reads it, so read inside :meth:`x` they would wait
+        behind the prologue's reductions — one more round trip to L2 on the kernel's chain."""
+        if self.grouped or self.steps == 1:
+            self.scale = self.scale_ref[...].astype(_F32)
+        if self.gate and self.steps == 1:
+            self.gates = [self.gate[0][t, self.cols(0)].astype(_F32) for t in tokens]
 
     def cols(self, c):
         bd = self.block_d
@@ -228,10 +238,11 @@ class _Prologue:
         hh = jax.lax.fori_loop(0, self.steps, lambda c, a: a + jnp.sum(jnp.square(self.h(t, p, c))), jnp.float32(0.0))
         return p, jax.lax.rsqrt(hh / D + self.norm_eps)
 
-    def x(self, t, p, inv, c):
-        """``x`` over step ``c`` of token ``t``, normed (and gated), rounded to the compute dtype (in float32)."""
+    def x(self, t, p, inv, c, slot=None):
+        """``x`` over step ``c`` of token ``t`` (``slot``: its place in :meth:`preload`'s ``tokens``, by default
+        ``t``), normed (and gated), rounded to the compute dtype (in float32)."""
         h, bd = self.h(t, p, c), self.block_d
-        scale = (self.scale_ref[...] if self.grouped else self.scale_ref[self.cols(c)]).astype(_F32)
+        scale = self.scale if self.scale is not None else self.scale_ref[self.cols(c)].astype(_F32)
         if self.grouped:  # the step's groups of G columns, each normed on its own
             G = scale.shape[0]
             hg = h.reshape(bd // G, G)
@@ -240,7 +251,8 @@ class _Prologue:
         else:
             x = h * inv * scale
         if self.gate:
-            x = x * jax.nn.sigmoid(self.gate[0][t, self.cols(c)].astype(_F32))
+            gate = self.gates[t if slot is None else slot] if self.gates else self.gate[0][t, self.cols(c)].astype(_F32)
+            x = x * jax.nn.sigmoid(gate)
         return _rounded(x, self.dtype)
 
 
@@ -266,6 +278,7 @@ def _kernel(*refs, n_src: int, n_add: int, n_gate: int, n_w: int, block_d: int, 
     # the first step's weight rows, read before the prologue so that their trip from HBM overlaps it
     # (read where the products use them, they wait behind the prologue's reductions)
     first = [w_ref[:, pro.cols(0)] for w_ref in w_refs]
+    pro.preload(range(T))
     terms = [pro.terms(t) for t in range(T)]  # per token: the mix weights and the norm's 1/rms
 
     def products(c, acc, ws=None):
@@ -337,10 +350,11 @@ def _norm_kernel(*refs, n_src: int, n_add: int, n_gate: int, block_d: int, mix_e
     pro = _Prologue(src_refs, add_refs, mix_refs, scale_ref, gate_refs, block_d=block_d, mix_eps=mix_eps,
                     norm_eps=norm_eps, dtype=dtype)
     t = pl.program_id(0)
+    pro.preload([t])
     p, inv = pro.terms(t)
 
     def write(c, carry):
-        out_ref[pro.cols(c)] = pro.x(t, p, inv, c).astype(out_ref.dtype)
+        out_ref[pro.cols(c)] = pro.x(t, p, inv, c, slot=0).astype(out_ref.dtype)
         return carry
 
     jax.lax.fori_loop(0, pro.steps, write, 0)
