@@ -27,7 +27,11 @@ copies into its state, one copy a layer): one kernel on the chain where XLA runs
 stop 54). From ``FUSED_PRODUCT_STATES`` states every program re-reading its head's ``W_fb`` costs more
 than XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around
 the unfused one (batch 64: 372.4 → 335.4 kernels; on the H100 39.2 µs against the unfused path's 44.2).
-ptxas (sm_90a): 80 registers at one token, 168 at four, 72 with ``z`` given, no spills.
+Every input is read before the first reduction (the state, the windows, the taps, the ``f_b`` terms, the
+bias, β's logits, the tails' sources): a load placed after a reduction's barriers is one more trip to
+memory on the step's chain (stop 63: device-less 29 → 41 of the 76 loads before the first barrier at batch
+1, 29 → 41 of 45 at batch 64; on an H100 the batch-1 step 0.651 → 0.632 ms with the matvecs' own reorder,
+batch 64 1.622 → 1.595). ptxas (sm_90a): 128 registers at one token, 94 with ``z`` given, no spills.
 """
 
 from __future__ import annotations

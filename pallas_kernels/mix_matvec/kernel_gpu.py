@@ -10,7 +10,9 @@ H200 the first two cost 2.4 + 1.1 µs at each of a step's 24 mixing points (benc
 
 Here one kernel does all of it: program ``j`` owns ``block_n`` output columns of ``W`` (stored output
 axis first, ``[N, D]``, as ``decode_layout`` stores the projections), reads its first ``block_d`` columns
-of them at once (their trip from HBM overlaps the prologue) and, for each of the ``T`` tokens,
+of them at once (their trip from HBM overlaps the prologue), with the norm's scale and the gate where they
+are one step (:meth:`_Prologue.preload`: every load before the first reduction's barriers), and, for each
+of the ``T`` tokens,
 
 1. reduces every source over ``D`` (``block_d`` columns a step): ``v·d`` and ``Σ v²``, so the logits
    ``(v·d)/rms(v)`` and their softmax ``p`` (skipped for a lone source, whose mix is itself) — the

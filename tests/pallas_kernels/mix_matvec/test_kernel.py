@@ -56,6 +56,7 @@ def _assert_close(got, want, ulp=BF16_ULP):
     (2, 64, 32, 2, 2, 2, None),  # an MLP's gate and up with the activation; the MoE's two outputs added
     (4, 128, 16, 1, 1, False, None),  # one source: the norm only (the latent norm before up_proj)
     (2, 64, 16, 1, 1, False, 16),  # KDA's output: a norm per head of 16 and the output gate, then o_proj
+    (1, 96, 16, 1, 1, False, 16),  # the same over three 32-column steps: the gate read a step at a time
 ])
 def test_kernel_matches_reference(T, D, N, n_src, n_w, addend, group):
     got, want = _run(_inputs(T * 10 + n_src, T, D, N, n_src, n_w, addend=addend, group=group, gate=bool(group)))
