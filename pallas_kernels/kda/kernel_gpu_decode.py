@@ -197,7 +197,7 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
     vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
     bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
     logits = [y_ref[t, offsets[3] + h].astype(f32) for t in range(T)]  # beta's
-    if product:  # z = f_a · W_fb of head h in R-row steps (ptxas: 96 registers)
+    if product:  # z = f_a · W_fb of head h in R-row steps
         R = decay_ref.shape[0]
         step = min(R, 32)
         terms = []  # token-major: token t's R / step partial products
