@@ -132,21 +132,30 @@ def _kernel(y_ref, scale_ref, wq_ref, wk_ref, qc_ref, qr_ref, *, offset: int, R:
     live, at_row = rows < n_rows, jnp.minimum(rows, n_rows - 1)[:, None]  # padding rows: the last row, unstored
     cols = lambda start, n: start + jnp.arange(n)[None, :]
     parts = pieces(R)
-    # the weights first: they do not wait for the norm's reductions
-    w_nope = [wq_ref[pl.ds(at, n), pl.ds(pl.multiple_of(h * Dq, Dq), nope)] for at, n in parts]  # [n, dn] each
-    w_k = wk_ref[pl.ds(pl.multiple_of(r * block_r, block_r), block_r), pl.ds(pl.multiple_of(h * Dkv, Dkv), nope)]
-    c = [y_ref[at_row, cols(offset + at, n)].astype(f32) for at, n in parts]  # [group, n] each
-    inv = jax.lax.rsqrt(sum(sums(*(x * x for x in c), axis=1)) / R + eps)  # [group]
-    normed = [(x * inv[:, None] * scale_ref[pl.ds(at, n)].astype(f32)[None, :]).astype(dt)
-              for x, (at, n) in zip(c, parts)]
-    q_nope = sum(dot_f32(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
-    q_c = sum(dot_f32(q_nope, w, ((1,), (1,))) for w in bf16_parts(w_k))  # [group, block_r]
-    plgpu.store(qc_ref.at[rows[:, None], cols(h * Rkv + r * block_r, block_r)], q_c, mask=live[:, None])
 
-    @pl.when(r == 0)
-    def _rope():
+    def normed_q_a():
+        """The rows' ``q_a`` normed and rounded, each part: called after the program reads its weights (Triton
+        issues a load where the program reads it), so that they and these inputs are in flight before the
+        norm's reductions."""
+        c = [y_ref[at_row, cols(offset + at, n)].astype(f32) for at, n in parts]  # [group, n] each
+        scales = [scale_ref[pl.ds(at, n)].astype(f32)[None, :] for at, n in parts]
+        inv = jax.lax.rsqrt(sum(sums(*(x * x for x in c), axis=1)) / R + eps)  # [group]
+        return [(x * inv[:, None] * sc).astype(dt) for x, sc in zip(c, scales)]
+
+    @pl.when(r < Rkv // block_r)
+    def _absorbed():  # q_nope, then rows [r·block_r, (r+1)·block_r) of its absorption
+        w_nope = [wq_ref[pl.ds(at, n), pl.ds(pl.multiple_of(h * Dq, Dq), nope)] for at, n in parts]  # [n, dn] each
+        w_k = wk_ref[pl.ds(pl.multiple_of(r * block_r, block_r), block_r), pl.ds(pl.multiple_of(h * Dkv, Dkv), nope)]
+        normed = normed_q_a()
+        q_nope = sum(dot_f32(x, w, ((1,), (0,))) for x, w in zip(normed, w_nope)).astype(dt)  # q_b's output, rounded
+        q_c = sum(dot_f32(q_nope, w, ((1,), (1,))) for w in bf16_parts(w_k))  # [group, block_r]
+        plgpu.store(qc_ref.at[rows[:, None], cols(h * Rkv + r * block_r, block_r)], q_c, mask=live[:, None])
+
+    @pl.when(r == Rkv // block_r)
+    def _rope():  # a program of its own: no program's products wait for the rope columns' trip from HBM
         start = pl.multiple_of(h * Dq + nope, math.gcd(Dq, nope))
         w_rope = [wq_ref[pl.ds(at, n), pl.ds(start, Dq - nope)] for at, n in parts]
+        normed = normed_q_a()
         q_rope = sum(dot_f32(x, w, ((1,), (0,))) for x, w in zip(normed, w_rope)).astype(dt).astype(f32)
         dr = Dq - nope
         plgpu.store(qr_ref.at[rows[:, None], cols(h * dr, dr)], q_rope, mask=live[:, None])
@@ -169,7 +178,7 @@ def absorbed_query(y: Float[Array, "rows N"], scale: Float[Array, "R"], w_qb: Fl
     q_c, q_rope = pl.pallas_call(
         functools.partial(_kernel, offset=offset, R=R, Dq=Dq, nope=nope_dim, Rkv=Rkv, Dkv=Dkv, block_r=br,
                           group=max(16, pl.next_power_of_2(rows)), eps=eps),
-        grid=(H, Rkv // br),
+        grid=(H, Rkv // br + 1),  # the last program of a head: its rope part
         in_specs=[whole(a) for a in args],
         out_specs=[whole(o) for o in out_shape],
         out_shape=out_shape,
