@@ -27,11 +27,12 @@ copies into its state, one copy a layer): one kernel on the chain where XLA runs
 stop 54). From ``FUSED_PRODUCT_STATES`` states every program re-reading its head's ``W_fb`` costs more
 than XLA's matmul, so the layer passes the product ``z`` instead, and the kernel replaces the six around
 the unfused one (batch 64: 372.4 → 335.4 kernels; on the H100 39.2 µs against the unfused path's 44.2).
-Every input is read before the first reduction (the state, the windows, the taps, the ``f_b`` terms, the
-bias, β's logits, the tails' sources): a load placed after a reduction's barriers is one more trip to
-memory on the step's chain (stop 63: device-less 29 → 41 of the 76 loads before the first barrier at batch
-1, 29 → 41 of 45 at batch 64; on an H100 the batch-1 step 0.651 → 0.632 ms with the matvecs' own reorder,
-batch 64 1.622 → 1.595). ptxas (sm_90a): 128 registers at one token, 94 with ``z`` given, no spills.
+Every input is read before any other work (the state, the windows, the taps, β's logits, the ``f_b``
+terms, the bias last): a load placed after a reduction's or a layout conversion's barriers is one more trip
+to memory on the step's chain (stop 63: device-less 29 → 41 of the 76 loads before the first barrier at
+batch 1, 29 → 41 of 45 at batch 64, on an H100 the batch-1 step 0.651 → 0.632 ms with the matvecs' own
+reorder, batch 64 1.622 → 1.595; then, staged, all 76 and all 45). ptxas (sm_90a): 128 registers at one
+token, 91 with ``z`` given, no spills.
 """
 
 from __future__ import annotations
@@ -177,9 +178,11 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
         return ([tail_ref[c, i, cols].astype(f32) for i in range(Wm1)]
                 + [y_ref[t, pl.ds(offsets[c] + head + start, width)].astype(f32) for t in range(T)])
 
-    def silu_conv(xs, w_ref, cols):
+    def taps(w_ref, cols):
+        return [w_ref[i, cols].astype(f32) for i in range(Wm1 + 1)]
+
+    def silu_conv(xs, taps):
         """``SiLU`` of the causal conv of each new token (taps in order, as ``causal_conv1d`` sums)."""
-        taps = [w_ref[i, cols].astype(f32) for i in range(Wm1 + 1)]
         out = []
         for t in range(T):
             acc = xs[t] * taps[0]
@@ -188,25 +191,28 @@ def _fused_kernel(n_ref, y_ref, tail_ref, wq_ref, wk_ref, wv_ref, decay_ref, bia
             out.append(acc * jax.nn.sigmoid(acc))
         return out
 
-    # every input is read before the first reduction: Triton issues a load where the program reads it, and a
-    # load placed after a reduction's barriers is one more round trip on the step's chain
+    # every input is read before any other work: Triton issues a load where the program reads it, and the first
+    # layout conversion or reduction puts a barrier before every load after it (one more round trip on the
+    # step's chain)
     windows = [window(0, 0, K), window(1, 0, K), window(2, first, bv)]
     # the tails' sources: the windows themselves in place, else this program's columns of q's and k's
     sources = windows if in_place else [window(0, first, bv), window(1, first, bv), windows[2]]
-    qks = silu_conv(windows[0], wq_ref, pl.ds(0, K)) + silu_conv(windows[1], wk_ref, pl.ds(0, K))
-    vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], wv_ref, pl.ds(first, bv))]
-    bias, rate = bias_ref[...].astype(f32), jnp.exp(alog_ref[h].astype(f32))
+    conv_taps = [taps(wq_ref, pl.ds(0, K)), taps(wk_ref, pl.ds(0, K)), taps(wv_ref, pl.ds(first, bv))]
     logits = [y_ref[t, offsets[3] + h].astype(f32) for t in range(T)]  # beta's
     if product:  # z = f_a · W_fb of head h in R-row steps
         R = decay_ref.shape[0]
         step = min(R, 32)
-        terms = []  # token-major: token t's R / step partial products
-        for t in range(T):
-            for r in range(0, R, step):
-                fb = decay_ref[pl.ds(r, step), :].astype(dt).astype(f32)  # as the layer's f_b product takes it
-                terms.append(y_ref[t, pl.ds(offsets[4] + r, step)].astype(f32)[:, None] * fb)
+        fbs = [decay_ref[pl.ds(r, step), :] for r in range(0, R, step)]
+        fas = [[y_ref[t, pl.ds(offsets[4] + r, step)] for r in range(0, R, step)] for t in range(T)]
     else:
         zs = [decay_ref[t, :].astype(f32) for t in range(T)]
+    # last: Triton converts the bias to the state columns' layout where it reads it (a barrier)
+    alog, bias = alog_ref[h].astype(f32), bias_ref[...].astype(f32)
+    qks = silu_conv(windows[0], conv_taps[0]) + silu_conv(windows[1], conv_taps[1])
+    vs = [x.astype(dt).astype(f32) for x in silu_conv(windows[2], conv_taps[2])]
+    rate = jnp.exp(alog)
+    if product:  # token-major: token t's R / step partial products, f_b as the layer's product takes it
+        terms = [fa.astype(f32)[:, None] * fb.astype(dt).astype(f32) for t in range(T) for fa, fb in zip(fas[t], fbs)]
     squares = sums(*(x * x for x in qks))  # every token's q and k norms in one reduction
     qks = [(x * jax.lax.rsqrt(ss + eps)).astype(dt).astype(f32) for x, ss in zip(qks, squares)]
     qs, ks = qks[:T], qks[T:]
