@@ -202,6 +202,9 @@ def _combine_kernel(scores_ref, bias_ref, y_ref, *refs, routing: Routing, block_
     norm (``norm_eps``; ``refs`` the scale then the output) every program also sums the whole row's
     squares (its blocks unrolled, so their loads issue together) for ``RMSNorm``'s ``1/rms``."""
     t, j = pl.program_id(0), pl.program_id(1)
+    if norm_eps is not None:  # the norm's scale read first: read after the routing's reductions, it would wait
+        scale_ref, out_ref = refs
+        scale = scale_ref[pl.ds(pl.multiple_of(j * block_n, block_n), block_n)].astype(jnp.float32)
     picked = slots(scores_ref, bias_ref, t, routing, range(routing.top_k))
     dt = y_ref.dtype
 
@@ -217,12 +220,10 @@ def _combine_kernel(scores_ref, bias_ref, y_ref, *refs, routing: Routing, block_
         (out_ref,) = refs
         out_ref[...] = h.astype(out_ref.dtype)
         return
-    scale_ref, out_ref = refs
     L = y_ref.shape[-1]
     squares = functools.reduce(jnp.add, [jnp.square(block(c)) for c in range(L // block_n)])
     inv = jax.lax.rsqrt(jnp.sum(squares) / L + norm_eps)
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-    out_ref[...] = (h * inv * scale_ref[cols].astype(jnp.float32)).astype(out_ref.dtype)
+    out_ref[...] = (h * inv * scale).astype(out_ref.dtype)
 
 
 def routed_combine(y: Float[Array, "E T L"], scores: Float[Array, "T E"], bias: Float[Array, "E"], *,
