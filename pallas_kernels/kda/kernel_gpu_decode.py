@@ -31,8 +31,9 @@ Every input is read before any other work (the state, the windows, the taps, β'
 terms, the bias last): a load placed after a reduction's or a layout conversion's barriers is one more trip
 to memory on the step's chain (stop 63: device-less 29 → 41 of the 76 loads before the first barrier at
 batch 1, 29 → 41 of 45 at batch 64, on an H100 the batch-1 step 0.651 → 0.632 ms with the matvecs' own
-reorder, batch 64 1.622 → 1.595; then, staged, all 76 and all 45). ptxas (sm_90a): 128 registers at one
-token, 91 with ``z`` given, no spills.
+reorder, batch 64 1.622 → 1.595; stop 64: all 76 and all 45, with the MLA query's and the dense combine's
+reorders 0.667–0.668 → 0.660–0.663 ms and 1.591–1.597 → 1.576–1.592 in one process). ptxas (sm_90a): 128
+registers at one token, 91 with ``z`` given, no spills.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ q_nope·W_k``) and four at batch 64 (the norm, ``q_b`` as a split-K GEMM and its
 absorption; ``benchmarks/decode_kernels.py``). Here one Pallas-Triton kernel does all of it for up to
 ``MAX_ROWS`` rows: program ``(h, r)`` reads every row's ``q_a`` from the layer's packed input projections
 (no slice of it materialised), norms it, multiplies it by head ``h``'s nope columns of ``W_qb``, rounds
-``q`` as the projection does, and absorbs rows ``[r·block_r, (r+1)·block_r)`` of its head's ``W_k``; the
-``r = 0`` program also writes the head's rope part of ``q``. Both products are tensor-core dots over the
+``q`` as the projection does, and absorbs rows ``[r·block_r, (r+1)·block_r)`` of its head's ``W_k``; a last
+program per head writes its rope part of ``q`` (stop 64: inside the ``r = 0`` programs its columns' trip from
+HBM came after their products). Every program reads its weights before ``q_a`` and the norm's reductions
+(Triton issues a load where the program reads it). Both products are tensor-core dots over the
 rows padded to 16 (or a power of two): their contractions need no cross-warp reduction, which as sums
 took 47 barriers a program against 11 (ptxas, sm_90a, batch 1). The programs of a head each recompute its
 ``q_nope``: its ``W_qb`` columns come from HBM once and from L2 after.
@@ -20,9 +22,10 @@ float32 (``q_nope`` is 16-bit once rounded, ``W_k`` 16-bit or, stored in float32
 sum to it, so the tensor cores' products are exact). Only the float32 summation order differs.
 ``interpret=True`` runs the kernel in the CPU interpreter (the default suite's test).
 
-On the H200 the kernel alone does not pay (a ``small()`` step at batch 1: 0.609 ms without it, 0.615 with;
-benchmarks/RESULTS.md, stop 62), so the layer runs it only beside :mod:`kernel_gpu_output`, which needs it:
-from that kernel's 16 rows (``k3jax.layers.mla.QUERY_KERNEL_ROWS``).
+The kernel alone does not pay (a ``small()`` step at batch 1 on the H200: 0.609 ms without it, 0.615 with,
+stop 62; with the rope programs on an H100, 0.643 against 0.663, stop 64; benchmarks/RESULTS.md), so the layer
+runs it only beside :mod:`kernel_gpu_output`, which needs it: from that kernel's 16 rows
+(``k3jax.layers.mla.QUERY_KERNEL_ROWS``).
 """
 
 from __future__ import annotations
