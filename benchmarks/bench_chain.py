@@ -41,17 +41,13 @@ import numpy as np
 
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 from pallas_kernels.mix_matvec import kernel_gpu, kernel_gpu_tokens
+from pallas_kernels.mix_matvec.reference import mixed_input
 from pallas_kernels.moe import kernel_gpu_decode_dense_tma as tma
 
 OPS = ("matvec", "matvec_mix3", "xla", "xla_norm", "tokens", "xla64", "tma", "xla_tma")
 TMA_EXPERTS = 4
 BF = jnp.bfloat16
 EPS = 1e-6
-
-
-def _norm(x, scale):
-    f = x.astype(jnp.float32)
-    return (f * jax.lax.rsqrt(jnp.mean(f * f, -1, keepdims=True) + EPS)).astype(BF) * scale
 
 
 def _matvec(x, w, extra, interpret, mix=False):
@@ -74,7 +70,7 @@ def op_calls(D: int, interpret: bool) -> dict:
         "matvec": (functools.partial(_matvec, interpret=interpret), row, square, mv),
         "matvec_mix3": (functools.partial(_matvec, interpret=interpret, mix=True), row, square, mv),
         "xla": (lambda x, w, _: (x @ w.T).astype(BF), row, square, ()),
-        "xla_norm": (lambda x, w, s: (_norm(x, s) @ w.T).astype(BF), row, square, scale),
+        "xla_norm": (lambda x, w, s: (mixed_input((x,), (), EPS, s, EPS, BF) @ w.T).astype(BF), row, square, scale),
         "tokens": (lambda x, w, _: kernel_gpu_tokens.token_matmul(x, (w,), interpret=interpret), rows, square, ()),
         "xla64": (lambda x, w, _: (x @ w.T).astype(BF), rows, square, ()),
         "tma": (lambda x, w, _: tma.down(x, w, interpret=interpret), jnp.broadcast_to(rows, (TMA_EXPERTS, 64, D)),
