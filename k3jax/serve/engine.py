@@ -70,8 +70,7 @@ class Engine:
         if (draft is None) != (ecfg.draft_tokens == 0):
             raise ValueError(f"draft_tokens={ecfg.draft_tokens}: speculative decoding needs both draft_tokens >= 1 "
                              "and draft parameters (Engine(draft=...); on the command line --draft FILE)")
-        # decode reads per-layer weights (a scanned stack's slices are copied before each matmul)
-        variables, cfg = decode_layout(variables, cfg)
+        variables, cfg = decode_layout(variables, cfg)  # per-layer weights (scanned slices copy before each matmul)
         self.variables, self.cfg, self.ecfg, self.decode = variables, cfg, ecfg, decode
         probe = paged_ops.init_paged(cfg, num_slots=1, num_pages=1, page_size=ecfg.page_size, num_snapshots=1)
         self.page_bytes, self.snapshot_bytes = paged_ops.page_bytes(probe), paged_ops.snapshot_bytes(probe)
