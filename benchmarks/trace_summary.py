@@ -1,11 +1,17 @@
 """Where the time goes in a ``jax.profiler`` trace: total time per op or kernel name, largest first.
 
-    python benchmarks/trace_summary.py DIR [--top 30] [--process GPU] [--key tf_op --depth 4]
+    python benchmarks/trace_summary.py DIR [--top 30] [--process GPU] [--key tf_op --depth 4] [--marginal]
 
 Reads the newest ``perfetto_trace.json.gz`` under ``DIR`` (written by
 ``jax.profiler.trace(DIR, create_perfetto_trace=True)``, e.g. ``bench_train.py --profile DIR``),
 keeps complete events (``ph == "X"``) of the processes whose name contains ``--process`` (on a GPU
 trace, the device streams; ``""`` keeps all) and prints per name: total ms, share, calls.
+
+``--marginal`` ranks by what each kernel adds to the timeline instead of by its duration: events sorted by
+their end, each is charged from the latest end before it to its own (its wait for its inputs, its launch gap and
+its work past its predecessor's end). A decode step's kernels are launched early (programmatic dependent
+launch), so a kernel's own duration counts its wait for the kernel before it; its marginal time does not, and
+the marginal times of a run add up to its span.
 
 ``--hlo DUMP`` names where each XLA fusion comes from: it reads the optimised HLO that
 ``XLA_FLAGS=--xla_dump_to=DUMP`` wrote (``*after_optimizations.txt``) and prints, under each
@@ -55,6 +61,22 @@ def summarise(events: list[dict], names: dict[int, str], process: str, key: str 
     return [(name, ms, calls[name]) for name, ms in total.most_common()]
 
 
+def marginal(events: list[dict], names: dict[int, str], process: str, key: str = "name",
+             depth: int | None = None) -> list[tuple[str, float, int]]:
+    """``(group, ms, calls)`` like :func:`summarise`, each event charged its end minus the latest end of the
+    events that end before it (the first event: its duration), largest first."""
+    total, calls = collections.Counter(), collections.Counter()
+    last = None
+    for e in sorted((e for e in events if process.lower() in names.get(e["pid"], "").lower()),
+                    key=lambda e: e["ts"] + e["dur"]):
+        end = e["ts"] + e["dur"]
+        group = event_key(e, key, depth)
+        total[group] += (end - (e["ts"] if last is None else last)) / 1e3
+        calls[group] += 1
+        last = end
+    return [(name, ms, calls[name]) for name, ms in total.most_common()]
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)?) [\w\-]+\(.*?metadata=\{([^}]*)\}")
 
 
@@ -82,11 +104,12 @@ def main() -> None:
     ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
     ap.add_argument("--key", default="name", help="group by the event name or an args field, e.g. tf_op")
     ap.add_argument("--depth", type=int, default=None, help="keep the first DEPTH '/'-parts of the key")
+    ap.add_argument("--marginal", action="store_true", help="charge each event from the previous end to its own")
     ap.add_argument("--hlo", default=None, metavar="DUMP", help="an XLA dump directory: print each fusion's origin")
     a = ap.parse_args()
     origins = hlo_origins(a.hlo) if a.hlo else {}
     events, names = load_events(a.directory)
-    rows = summarise(events, names, a.process, a.key, a.depth)
+    rows = (marginal if a.marginal else summarise)(events, names, a.process, a.key, a.depth)
     if not rows:
         raise SystemExit(f"no events in processes matching --process={a.process!r}; processes: "
                          f"{sorted(set(names.values()))}")

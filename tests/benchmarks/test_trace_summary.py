@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_summary import event_key, load_events, summarise
+from benchmarks.trace_summary import event_key, load_events, marginal, summarise
 
 
 def test_totals_per_name_for_matching_processes(tmp_path):
@@ -40,3 +40,14 @@ def test_group_by_an_args_field_cut_to_a_depth():
     rows = summarise(events, names, "GPU", key="tf_op", depth=3)
     assert rows == [("jit(step)/layers_2/moe", 4.0, 1), ("jit(step)/layers_1/kda", 3.0, 2), ("memcpy", 0.5, 1)]
     assert event_key(events[0]) == "fusion"
+
+
+def test_marginal_time_charges_each_event_past_the_previous_end():
+    ev = lambda name, ts, dur: {"ph": "X", "name": name, "pid": 1, "ts": ts, "dur": dur}
+    # b launched early (waits on a), c after a gap, d overlaps c and ends first; e on the host
+    events = [ev("a", 0, 4000), ev("b", 1000, 5000), ev("c", 8000, 2000), ev("d", 8500, 1000),
+              {"ph": "X", "name": "e", "pid": 2, "ts": 0, "dur": 99000}]
+    names = {1: "/device:GPU:0", 2: "/host:CPU"}
+    rows = marginal(events, names, "GPU")
+    assert dict((n, ms) for n, ms, _ in rows) == {"a": 4.0, "b": 2.0, "d": 3.5, "c": 0.5}
+    assert sum(ms for _, ms, _ in rows) == 10.0  # the span, first start to last end
