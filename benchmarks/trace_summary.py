@@ -1,6 +1,7 @@
 """Where the time goes in a ``jax.profiler`` trace: total time per op or kernel name, largest first.
 
     python benchmarks/trace_summary.py DIR [--top 30] [--process GPU] [--key tf_op --depth 4] [--marginal]
+    python benchmarks/trace_summary.py DIR --timeline MARKER[:K]
 
 Reads the newest ``perfetto_trace.json.gz`` under ``DIR`` (written by
 ``jax.profiler.trace(DIR, create_perfetto_trace=True)``, e.g. ``bench_train.py --profile DIR``),
@@ -12,6 +13,11 @@ their end, each is charged from the latest end before it to its own (its wait fo
 its work past its predecessor's end). A decode step's kernels are launched early (programmatic dependent
 launch), so a kernel's own duration counts its wait for the kernel before it; its marginal time does not, and
 the marginal times of a run add up to its span.
+
+``--timeline MARKER[:K]`` prints one window of the run event by event instead (start, duration and end in µs from
+the window's start, the thread, the name): from the end of the K-th event named MARKER (default 1) to the end of the
+next, e.g. one decode step between two runs of the head's kernel. Side by side with ``--marginal`` it shows a
+step's critical path: which kernel each one waited for, and which ran beside it.
 
 ``--hlo DUMP`` names where each XLA fusion comes from: it reads the optimised HLO that
 ``XLA_FLAGS=--xla_dump_to=DUMP`` wrote (``*after_optimizations.txt``) and prints, under each
@@ -77,6 +83,20 @@ def marginal(events: list[dict], names: dict[int, str], process: str, key: str =
     return [(name, ms, calls[name]) for name, ms in total.most_common()]
 
 
+def timeline(events: list[dict], names: dict[int, str], process: str, marker: str,
+             k: int = 1) -> list[tuple[float, float, float, int, str]]:
+    """``(start, duration, end, thread, name)`` in µs from the end of the ``k``-th event named ``marker`` (counted
+    from 1, by start) of the matching processes, for the events that end after it, up to the end of the next
+    ``marker`` event, by start. ``ValueError`` names ``marker`` and ``k`` when there is no such window."""
+    kept = sorted((e for e in events if process.lower() in names.get(e["pid"], "").lower()), key=lambda e: e["ts"])
+    ends = [e["ts"] + e["dur"] for e in kept if e["name"] == marker]
+    if not 1 <= k < len(ends):
+        raise ValueError(f"--timeline needs events named marker={marker!r} at k={k} and after it: found {len(ends)}")
+    t0, t1 = ends[k - 1], ends[k]
+    return [(e["ts"] - t0, e["dur"], e["ts"] + e["dur"] - t0, e["tid"], e["name"]) for e in kept
+            if t0 < e["ts"] + e["dur"] <= t1]
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)?) [\w\-]+\(.*?metadata=\{([^}]*)\}")
 
 
@@ -105,10 +125,24 @@ def main() -> None:
     ap.add_argument("--key", default="name", help="group by the event name or an args field, e.g. tf_op")
     ap.add_argument("--depth", type=int, default=None, help="keep the first DEPTH '/'-parts of the key")
     ap.add_argument("--marginal", action="store_true", help="charge each event from the previous end to its own")
+    ap.add_argument("--timeline", default=None, metavar="MARKER[:K]",
+                    help="print the events from the K-th MARKER event's end to the next one's, one a line")
     ap.add_argument("--hlo", default=None, metavar="DUMP", help="an XLA dump directory: print each fusion's origin")
     a = ap.parse_args()
     origins = hlo_origins(a.hlo) if a.hlo else {}
     events, names = load_events(a.directory)
+    if a.timeline:
+        marker, sep, k = a.timeline.rpartition(":")
+        if not (sep and k.isdigit()):  # no K given (a kernel name may hold a colon)
+            marker, k = a.timeline, "1"
+        try:
+            rows = timeline(events, names, a.process, marker, int(k))
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        print(f"{rows[-1][2] if rows else 0.0:.2f} us from the end of {marker!r} #{k} to the next")
+        for start, dur, end, tid, name in rows:
+            print(f"{start:9.2f} {dur:8.2f} {end:9.2f}  {tid!s:>8}  {name[:90]}")
+        return
     rows = (marginal if a.marginal else summarise)(events, names, a.process, a.key, a.depth)
     if not rows:
         raise SystemExit(f"no events in processes matching --process={a.process!r}; processes: "

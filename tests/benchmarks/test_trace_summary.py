@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_summary import event_key, load_events, marginal, summarise
+from benchmarks.trace_summary import event_key, load_events, marginal, summarise, timeline
 
 
 def test_totals_per_name_for_matching_processes(tmp_path):
@@ -51,3 +51,14 @@ def test_marginal_time_charges_each_event_past_the_previous_end():
     rows = marginal(events, names, "GPU")
     assert dict((n, ms) for n, ms, _ in rows) == {"a": 4.0, "b": 2.0, "d": 3.5, "c": 0.5}
     assert sum(ms for _, ms, _ in rows) == 10.0  # the span, first start to last end
+
+
+def test_timeline_lists_one_window_between_two_markers():
+    ev = lambda name, ts, dur, tid=7: {"ph": "X", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+    events = [ev("head", 0, 10), ev("a", 12, 3), ev("b", 13, 6, tid=8), ev("head", 20, 10), ev("c", 31, 1),
+              ev("head", 40, 10)]
+    names = {1: "/device:GPU:0"}
+    assert timeline(events, names, "GPU", "head") == [(2, 3, 5, 7, "a"), (3, 6, 9, 8, "b"), (10, 10, 20, 7, "head")]
+    assert [r[4] for r in timeline(events, names, "GPU", "head", k=2)] == ["c", "head"]
+    with pytest.raises(ValueError, match="marker='head' at k=3"):
+        timeline(events, names, "GPU", "head", k=3)
