@@ -42,16 +42,29 @@ def _with_product(args, kw):
     return args[:3] + (z,) + args[4:], kw
 
 
+def _assert_float32_but_one_flip(state, want):
+    """Interpreted, the kernel's float32 sums almost always run as the reference's (CPU) and the state agrees to
+    float32. Where XLA:CPU orders one otherwise, a value one float32 ulp from a bf16 rounding tie rounds the other
+    way (hypothesis found seed 3063, B=3, T=4, H=2, K=32, rows [0, 0, 1]: k of row 2, head 1, channel 8 sits one
+    ulp from the tie), and that head's whole update moves by a bf16-input error (8.7e-5). So one (row, head) may
+    miss float32, within the bf16-input tolerance; a wrong rounding point would move every head."""
+    errs = [rel_rmse(state[b, h], want[b, h]) for b in range(state.shape[0]) for h in range(state.shape[1])]
+    assert sum(e > F32_RTOL for e in errs) <= 1 and max(errs) <= BF16_FWD_RTOL, errs
+
+
 def _check(args, kw, interpret=True):
-    """Interpreted, the kernel's float32 sums run as the reference's (CPU) and the state agrees to float32;
-    compiled, another summation order flips some of the bf16 roundings of q, k, v and the decay product
-    inside the step (H100: state 2e-4 with z given, 2e-3 with the product inside), a bf16-input error."""
+    """Interpreted, the state agrees to float32 (:func:`_assert_float32_but_one_flip`); compiled, another
+    summation order flips some of the bf16 roundings of q, k, v and the decay product inside the step (H100:
+    state 2e-4 with z given, 2e-3 with the product inside), a bf16-input error."""
     want = jax.jit(lambda *a: fused_step_reference(*a, **kw))(*args)
     got = fused_step_pallas(*args, **kw, interpret=interpret)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
     o, state, tails = got
-    assert rel_rmse(state, want[1]) <= (F32_RTOL if interpret else BF16_FWD_RTOL)
+    if interpret:
+        _assert_float32_but_one_flip(state, want[1])
+    else:
+        assert rel_rmse(state, want[1]) <= BF16_FWD_RTOL
     assert rel_rmse(o, want[0]) <= BF16_FWD_RTOL
     np.testing.assert_array_equal(np.asarray(tails), np.asarray(want[2]))  # copies of the inputs
 
@@ -84,6 +97,16 @@ def test_property_kernel_matches_reference(seed, B, T, H, K, data):
     """Any batch, token count up to ``MAX_FUSED_TOKENS``, heads and ragged real-token counts."""
     num_new = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
     _check(*_inputs(seed, B, T, H, K, num_new))
+
+
+def test_one_rounding_flip_moves_one_head_only():
+    """The property test's counterexample (:func:`_assert_float32_but_one_flip`), kept: one head of row 2 misses
+    float32 by a bf16 rounding of k, every other head matches to float32."""
+    args, kw = _inputs(3063, 3, 4, 2, 32, [0, 0, 1])
+    _check(args, kw)
+    state = fused_step_pallas(*args, **kw, interpret=True)[1]
+    want = jax.jit(lambda *a: fused_step_reference(*a, **kw))(*args)[1]
+    assert rel_rmse(state[2, 1], want[2, 1]) > F32_RTOL  # the flip is there: the check above allowed it
 
 
 def test_a_row_with_no_real_token_keeps_its_state():
