@@ -55,32 +55,37 @@ def event_key(event: dict, key: str = "name", depth: int | None = None) -> str:
     return value if depth is None else "/".join(value.split("/")[:depth])
 
 
+def _matching(events: list[dict], names: dict[int, str], process: str) -> list[dict]:
+    """The events of the processes whose name contains ``process`` (case-insensitive)."""
+    return [e for e in events if process.lower() in names.get(e["pid"], "").lower()]
+
+
+def _ranked(charges, key: str, depth: int | None) -> list[tuple[str, float, int]]:
+    """``(group, ms, calls)`` over ``(event, µs)`` charges, largest total first."""
+    total, calls = collections.Counter(), collections.Counter()
+    for e, us in charges:
+        group = event_key(e, key, depth)
+        total[group] += us / 1e3
+        calls[group] += 1
+    return [(name, ms, calls[name]) for name, ms in total.most_common()]
+
+
 def summarise(events: list[dict], names: dict[int, str], process: str, key: str = "name",
               depth: int | None = None) -> list[tuple[str, float, int]]:
     """``(group, total ms, calls)`` over events of matching processes, largest total first."""
-    total, calls = collections.Counter(), collections.Counter()
-    for e in events:
-        if process.lower() in names.get(e["pid"], "").lower():
-            group = event_key(e, key, depth)
-            total[group] += e["dur"] / 1e3
-            calls[group] += 1
-    return [(name, ms, calls[name]) for name, ms in total.most_common()]
+    return _ranked(((e, e["dur"]) for e in _matching(events, names, process)), key, depth)
 
 
 def marginal(events: list[dict], names: dict[int, str], process: str, key: str = "name",
              depth: int | None = None) -> list[tuple[str, float, int]]:
     """``(group, ms, calls)`` like :func:`summarise`, each event charged its end minus the latest end of the
     events that end before it (the first event: its duration), largest first."""
-    total, calls = collections.Counter(), collections.Counter()
-    last = None
-    for e in sorted((e for e in events if process.lower() in names.get(e["pid"], "").lower()),
-                    key=lambda e: e["ts"] + e["dur"]):
+    charges, last = [], None
+    for e in sorted(_matching(events, names, process), key=lambda e: e["ts"] + e["dur"]):
         end = e["ts"] + e["dur"]
-        group = event_key(e, key, depth)
-        total[group] += (end - (e["ts"] if last is None else last)) / 1e3
-        calls[group] += 1
+        charges.append((e, end - (e["ts"] if last is None else last)))
         last = end
-    return [(name, ms, calls[name]) for name, ms in total.most_common()]
+    return _ranked(charges, key, depth)
 
 
 def timeline(events: list[dict], names: dict[int, str], process: str, marker: str,
@@ -88,7 +93,7 @@ def timeline(events: list[dict], names: dict[int, str], process: str, marker: st
     """``(start, duration, end, thread, name)`` in µs from the end of the ``k``-th event named ``marker`` (counted
     from 1, by start) of the matching processes, for the events that end after it, up to the end of the next
     ``marker`` event, by start. ``ValueError`` names ``marker`` and ``k`` when there is no such window."""
-    kept = sorted((e for e in events if process.lower() in names.get(e["pid"], "").lower()), key=lambda e: e["ts"])
+    kept = sorted(_matching(events, names, process), key=lambda e: e["ts"])
     ends = [e["ts"] + e["dur"] for e in kept if e["name"] == marker]
     if not 1 <= k < len(ends):
         raise ValueError(f"--timeline needs events named marker={marker!r} at k={k} and after it: found {len(ends)}")
