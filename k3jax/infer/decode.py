@@ -54,9 +54,11 @@ def decode_layout(variables: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]
       stop 51) — one matrix-vector kernel where XLA ran one per projection, each recomputing the
       norm before it. Packed here once: made in the decode program, XLA would write the
       concatenation every step at batch 64, so a tree not converted here decodes with one product
-      per projection. (Not packed: MLA's output gate, whose product XLA fuses with the attention's
-      epilogue — packed, that epilogue split into 5 kernels; and the MoE's ``down_proj`` with the
-      shared gate and up, whose packed product XLA splits back into one per consumer.)
+      per projection. (Not packed: MLA's output gate, whose own product runs beside the attention, off
+      the step's chain — packed, it lengthened the input kernel on the chain, batch 64 +0.3–1.4 % on an
+      H100 (RESULTS.md stop 66), and on XLA's path the attention's epilogue split into 5 kernels; and the
+      MoE's ``down_proj`` with the shared gate and up, whose packed product XLA splits back into one per
+      consumer.)
     - ``linear.OUTPUT_FIRST`` kernels (and the packed KDA kernel) are stored output axis first
       (``Proj``): XLA then sums each product in one pass instead of writing the weight-sized
       product first (batch 1: 100 -> 32 MB written a step), and the products it fuses with the

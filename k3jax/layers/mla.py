@@ -133,7 +133,7 @@ def flash_cached_attention(q: Float[Array, "B T H Dq"], latent: Float[Array, "B 
 def packed_inputs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """What ``decode_layout`` packs into one kernel (``linear.packed_products``): the query's first
     projection (``q_a``, or ``q_proj`` without a query LoRA) and ``kv_a``. Not the output gate
-    ``g_proj``: XLA fuses its product into the attention's epilogue, which a packed one splits."""
+    ``g_proj``: its own product runs beside the attention, off the step's chain (``decode_layout``)."""
     m = cfg.mla
     query = [("q_a", (m.q_lora_rank,))] if m.q_lora_rank is not None else [("q_proj", (m.num_heads, m.qk_head_dim))]
     return query + [("kv_a", (m.kv_lora_rank + m.qk_rope_head_dim,))]
@@ -204,7 +204,7 @@ class MLA(nn.Module):
             return gated(o), cache.replace(latent=latent)
         # W_k absorbed into the query
         q_c = q_nope if absorbed else einsum("BTHK,RHK->BTHR", q_nope, kernel[..., :dn].astype(wide))
-        o = self._gated_output(q_c, q_rope, latent, pos, scale, kernel, gate) if absorbed else None
+        o = self._gated_output(q_c, q_rope, latent, pos, scale, kernel, gate)
         if o is None:
             o_c = sharded_cached_attention(q_c, q_rope, latent, pos, scale,  # [B, T, H, Rkv]
                                            implementation=m.attention_implementation)
@@ -212,11 +212,11 @@ class MLA(nn.Module):
         return o, cache.replace(latent=latent)
 
     def _gated_output(self, q_c, q_rope, latent, pos, scale, kernel, gate):
-        """Where the query kernel ran (:meth:`_absorbed_query`) and the decode attention kernel takes the
-        call: its key splits merged, ``W_v`` and the output gate in one kernel
-        (``kernel_gpu_output.gated_output``, where XLA runs five at batch 64), in the compute dtype; else None."""
+        """Where the glue kernels run (``kernel_runs``) and the decode attention kernel takes the call: its key
+        splits merged, ``W_v`` and the output gate in one kernel (``kernel_gpu_output.gated_output``, where XLA
+        runs five at batch 64), in the compute dtype; else None."""
         m = self.cfg.mla
-        if (gate is None or m.attention_implementation == "xla"
+        if (gate is None or m.attention_implementation == "xla" or not kernel_runs(self.cfg.decode_glue_implementation)
                 or not kernel_gpu_decode.accepts(q_c, q_rope, latent, pos)):
             return None
         shape = kernel_gpu_decode.split_shape(q_c, latent)

@@ -4,11 +4,14 @@ After the decode attention (``kernel_gpu_decode.split_outputs``: per key split, 
 latent with its row max and sum), XLA runs an MLA layer's output at batch 64 as five kernels on the
 step's longest chain: the splits' weights, their merge, ``W_v`` as a split-K batched matmul, its
 reduction with the output gate, and a transpose (``benchmarks/decode_kernels.py``). Here one Pallas-Triton
-kernel does it for ``GROUP`` to ``MAX_ROWS`` new tokens: program ``(h, g)`` takes head ``h`` of ``GROUP``
-token rows, merges their splits (the splits' row maxes first, then one split at a time into a float32
-accumulator), multiplies the merged latent by its head's ``W_v`` on the tensor cores and gates it. Below
-``GROUP`` rows XLA fuses the merge, ``W_v``, the gate and the gate's product into one kernel already, and
-the splits are many (18 at batch 1 over a 1 K cache: as many dependent steps of the loop here).
+kernel does it for 1 to ``MAX_ROWS`` new tokens. From ``GROUP`` rows program ``(h, g)`` takes head ``h`` of
+``GROUP`` token rows, merges their splits (the splits' row maxes first, then one split at a time into a
+float32 accumulator), multiplies the merged latent by its head's ``W_v`` on the tensor cores and gates it.
+Below ``GROUP`` rows the splits are many (18 at batch 1 over a 1 K cache: as many dependent steps of that
+loop), so program ``(h, r)`` takes one row and reads ``SPLIT_CHUNK`` splits at once. At batch 1 XLA fused
+the merge, ``W_v`` and the gate with the gate's own 2 MB product into one kernel of 7.3 µs on the chain
+(H100, RESULTS.md stop 65); here that product runs beside the attention, off the chain, and ``small()``'s
+batch-1 step takes 0.613 → 0.604 ms (H100, stop 66).
 
 Rounding points are the layer's (``k3jax.layers.mla.MLA._attend_cached`` with
 ``kernel_gpu_decode.cached_attention_pallas``'s merge, then ``gates.sigmoid_gate``; the reference is
@@ -34,6 +37,7 @@ from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 GROUP = 16  # token rows a program: one tensor-core row tile
+SPLIT_CHUNK = 32  # below GROUP rows: key splits read at once
 NUM_WARPS = 4
 
 
@@ -43,8 +47,8 @@ def check_inputs(o, m, l, w_kv_b, gate, *, nope_dim: int) -> None:
         raise ValueError(f"o must be [B, n, M, R] and m, l [B, n, M] (split_outputs'), got {o.shape}, {m.shape}, "
                          f"{l.shape}")
     B, _, M, R = o.shape
-    if gate.ndim != 4 or gate.shape[0] != B or not GROUP <= B * gate.shape[1] <= MAX_ROWS:
-        raise ValueError(f"gate must be [B, T, H, dv] = [{B}, T, H, dv] with {GROUP} <= B·T <= {MAX_ROWS}, got "
+    if gate.ndim != 4 or gate.shape[0] != B or not 1 <= B * gate.shape[1] <= MAX_ROWS:
+        raise ValueError(f"gate must be [B, T, H, dv] = [{B}, T, H, dv] with 1 <= B·T <= {MAX_ROWS}, got "
                          f"{gate.shape}")
     _, T, H, dv = gate.shape
     if w_kv_b.ndim != 3 or w_kv_b.shape[:2] != (R, H) or w_kv_b.shape[2] != nope_dim + dv or T * H > M:
@@ -96,6 +100,30 @@ def _kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M
     plgpu.store(out_ref.at[rows[:, None], (h * dv + jnp.arange(dv))[None, :]], gated, mask=live[:, None])
 
 
+def _few_kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M: int, R: int, dv: int,
+                Dkv: int, nope: int, splits: int):
+    """Below ``GROUP`` rows: program ``(h, r)`` takes head ``h`` of token row ``r`` alone and reads its splits
+    ``SPLIT_CHUNK`` at a time, every chunk's loads issued at once (the row-group kernel's loop over the splits is
+    one dependent trip to memory a split); ``W_v`` by the vector units."""
+    f32 = jnp.float32
+    h, r = pl.program_id(0), pl.program_id(1)
+    b, at = r // T, (r % T) * H + h
+    w_v = wv_ref[:, pl.ds(pl.multiple_of(h * Dkv + nope, math.gcd(Dkv, nope)), dv)].astype(f32)  # [R, dv]
+    gate = gate_ref[r, pl.ds(h * dv, dv)].astype(f32)  # [dv]
+    chunks = [(c, jnp.arange(SPLIT_CHUNK) + c) for c in range(0, splits, SPLIT_CHUNK)]
+    # every split's row max, sum and latent read before the first reduction
+    reads = [(s < splits, m_ref[b, jnp.minimum(s, splits - 1) * M + at], l_ref[b, jnp.minimum(s, splits - 1) * M + at],
+              o_ref[b, (jnp.minimum(s, splits - 1) * M + at)[:, None] * R + jnp.arange(R)[None, :]])
+             for _, s in chunks]
+    top = functools.reduce(jnp.maximum, [jnp.max(jnp.where(ok, mx, -jnp.inf)) for ok, mx, _, _ in reads])
+    num, den = jnp.zeros((R,), f32), jnp.zeros((), f32)
+    for ok, mx, lx, part in reads:  # a split that saw nothing (or past the last) weighs 0
+        w = jnp.where(ok & (mx != -jnp.inf), jnp.exp(mx - top), 0.0)
+        num, den = num + jnp.sum(part * w[:, None], axis=0), den + jnp.sum(lx * w)
+    o = jnp.sum((num / den)[:, None] * w_v, axis=0)  # [dv], W_v applied
+    out_ref[r, pl.ds(h * dv, dv)] = (o * jax.nn.sigmoid(gate)).astype(out_ref.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("nope_dim", "interpret"))
 def gated_output(o: Float[Array, "B n M R"], m: Float[Array, "B n M"], l: Float[Array, "B n M"],
                  w_kv_b: Float[Array, "R H Dkv"], gate: Float[Array, "B T H dv"], *, nope_dim: int,
@@ -112,9 +140,11 @@ def gated_output(o: Float[Array, "B n M R"], m: Float[Array, "B n M"], l: Float[
             gate.reshape(B * T, H * dv))
     whole = lambda a: pl.BlockSpec(a.shape, lambda h, g: (0,) * a.ndim)
     out_shape = jax.ShapeDtypeStruct((B * T, H * dv), gate.dtype)
+    few = B * T < GROUP
     out = pl.pallas_call(
-        functools.partial(_kernel, T=T, H=H, M=M, R=R, dv=dv, Dkv=Dkv, nope=nope_dim, splits=n),
-        grid=(H, pl.cdiv(B * T, GROUP)),
+        functools.partial(_few_kernel if few else _kernel, T=T, H=H, M=M, R=R, dv=dv, Dkv=Dkv, nope=nope_dim,
+                          splits=n),
+        grid=(H, B * T if few else pl.cdiv(B * T, GROUP)),
         in_specs=[whole(a) for a in args],
         out_specs=whole(out_shape),
         out_shape=out_shape,

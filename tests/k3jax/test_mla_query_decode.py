@@ -83,26 +83,31 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
 
 
 @pytest.mark.parametrize("query_rows", [32, 1])
-def test_below_the_output_kernels_rows(decoding, monkeypatch, query_rows):
-    """Below the output kernel's ``GROUP`` rows (patched to 32: 16 rows) the output stays on XLA's path; the
-    query kernel runs from ``mla.QUERY_KERNEL_ROWS`` rows (by default ``GROUP``: not here; patched to 1: alone)."""
+def test_output_kernel_below_its_row_group(decoding, monkeypatch, query_rows):
+    """Below the output kernel's ``GROUP`` rows (patched to 32: 16 rows) it still runs, a program a (head, row),
+    with the query kernel or without it (that one runs from ``mla.QUERY_KERNEL_ROWS`` rows: by default
+    ``GROUP``, not here; patched to 1, beside it), and gives the layer's XLA path's logits and caches."""
     assert mla.QUERY_KERNEL_ROWS == kernel_gpu_output.GROUP
     monkeypatch.setattr(kernel_gpu_output, "GROUP", 32)
     monkeypatch.setattr(mla, "QUERY_KERNEL_ROWS", query_rows)
     tokens = decoding[3][:, :1]
     (want, want_cache), _ = _step(monkeypatch, decoding, tokens, kernel=False)
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens)
-    assert bool(calls["query"]) == (query_rows <= ROWS) and not calls["output"] and not calls["split"]
+    n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
+    outputs = n_mla if decoding[1].param_dtype == jnp.bfloat16 else 0  # 16-bit W_v only
+    assert bool(calls["query"]) == (query_rows <= ROWS)
+    assert calls["output"] == [ROWS] * outputs and calls["split"] == [ROWS] * outputs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(_leaves(got_cache), _leaves(want_cache)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_off_by_default_and_past_its_rows(decoding, monkeypatch):
-    """Off a CUDA GPU (here: the CPU) the kernels never run; nor past ``MAX_ROWS`` rows (patched to 32: 16 rows x
-    3 tokens), where the layer's own path runs."""
+    """Off a CUDA GPU (here: the CPU) the kernels never run; nor past ``MAX_ROWS`` rows (both kernels' patched to
+    32: 16 rows x 3 tokens), where the layer's own path runs."""
     variables, cfg, cache, tokens = decoding
     monkeypatch.setattr(kernel_gpu_query, "MAX_ROWS", 32)
+    monkeypatch.setattr(kernel_gpu_output, "MAX_ROWS", 32)
     with monkeypatch.context() as m:
         for module, fn in KERNELS.values():
             m.setattr(module, fn, lambda *a, **k: pytest.fail("a kernel ran"))
