@@ -38,6 +38,7 @@ from pallas_kernels.triton_blocks import is_block_dim
 
 GROUP = 16  # token rows a program: one tensor-core row tile
 SPLIT_CHUNK = 32  # below GROUP rows: key splits read at once
+HOISTED_FLOATS = 1 << 14  # below GROUP rows: latent floats read before the first reduction (128 a thread)
 NUM_WARPS = 4
 
 
@@ -103,22 +104,25 @@ def _kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M
 def _few_kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: int, M: int, R: int, dv: int,
                 Dkv: int, nope: int, splits: int):
     """Below ``GROUP`` rows: program ``(h, r)`` takes head ``h`` of token row ``r`` alone and reads its splits
-    ``SPLIT_CHUNK`` at a time, every chunk's loads issued at once (the row-group kernel's loop over the splits is
-    one dependent trip to memory a split); ``W_v`` by the vector units."""
+    ``SPLIT_CHUNK`` at a time (the row-group kernel's loop over the splits is one dependent trip to memory a
+    split): every split's row max and sum, and the latents of the first ``HOISTED_FLOATS`` worth of chunks,
+    before the first reduction; ``W_v`` by the vector units."""
     f32 = jnp.float32
     h, r = pl.program_id(0), pl.program_id(1)
     b, at = r // T, (r % T) * H + h
     w_v = wv_ref[:, pl.ds(pl.multiple_of(h * Dkv + nope, math.gcd(Dkv, nope)), dv)].astype(f32)  # [R, dv]
     gate = gate_ref[r, pl.ds(h * dv, dv)].astype(f32)  # [dv]
-    chunks = [(c, jnp.arange(SPLIT_CHUNK) + c) for c in range(0, splits, SPLIT_CHUNK)]
-    # every split's row max, sum and latent read before the first reduction
-    reads = [(s < splits, m_ref[b, jnp.minimum(s, splits - 1) * M + at], l_ref[b, jnp.minimum(s, splits - 1) * M + at],
-              o_ref[b, (jnp.minimum(s, splits - 1) * M + at)[:, None] * R + jnp.arange(R)[None, :]])
-             for _, s in chunks]
-    top = functools.reduce(jnp.maximum, [jnp.max(jnp.where(ok, mx, -jnp.inf)) for ok, mx, _, _ in reads])
+    rows = [(s < splits, jnp.minimum(s, splits - 1) * M + at)
+            for s in (jnp.arange(SPLIT_CHUNK) + c for c in range(0, splits, SPLIT_CHUNK))]
+    latent = lambda i: o_ref[b, rows[i][1][:, None] * R + jnp.arange(R)[None, :]]  # [SPLIT_CHUNK, R]
+    hoisted = [latent(i) for i in range(min(len(rows), max(1, HOISTED_FLOATS // (SPLIT_CHUNK * R))))]
+    ms = [jnp.where(ok, m_ref[b, at_s], -jnp.inf) for ok, at_s in rows]
+    ls = [l_ref[b, at_s] for _, at_s in rows]
+    top = functools.reduce(jnp.maximum, [jnp.max(mx) for mx in ms])
     num, den = jnp.zeros((R,), f32), jnp.zeros((), f32)
-    for ok, mx, lx, part in reads:  # a split that saw nothing (or past the last) weighs 0
-        w = jnp.where(ok & (mx != -jnp.inf), jnp.exp(mx - top), 0.0)
+    for i, (mx, lx) in enumerate(zip(ms, ls)):  # a split that saw nothing (or past the last) weighs 0
+        w = jnp.where(mx != -jnp.inf, jnp.exp(mx - top), 0.0)
+        part = hoisted[i] if i < len(hoisted) else latent(i)
         num, den = num + jnp.sum(part * w[:, None], axis=0), den + jnp.sum(lx * w)
     o = jnp.sum((num / den)[:, None] * w_v, axis=0)  # [dv], W_v applied
     out_ref[r, pl.ds(h * dv, dv)] = (o * jax.nn.sigmoid(gate)).astype(out_ref.dtype)

@@ -46,6 +46,7 @@ def _check(args, dn, interpret=True):
     (1, 1, 8, 256, 64, 128, 128, 1089, jnp.bfloat16),   # small() at batch 1: a program a head, 18 splits at once
     (3, 2, 4, 32, 16, 16, 32, 300, jnp.bfloat16),       # 6 rows (under a row group): a program a (head, row)
     (1, 1, 2, 32, 16, 16, 16, 5000, jnp.bfloat16),      # 79 splits: three chunks of SPLIT_CHUNK
+    (1, 1, 2, 256, 16, 16, 16, 5000, jnp.bfloat16),     # a 256 latent: two chunks read first, the third after
 ])
 def test_interpreted_kernel_matches_reference(B, T, H, R, dr, dn, dv, S, w_dtype):
     _check(*_inputs(0, B, T, H, R, dr, dn, dv, S, True, w_dtype))
