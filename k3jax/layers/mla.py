@@ -48,8 +48,8 @@ QUERY_BLOCK = 512
 PREFILL_FLASH_TOKENS = 256
 # Rows (B·T) from which decoding runs the query kernel (``_absorbed_query``): where the output kernel runs.
 # On the H200 the query kernel alone did not pay (batch 1: 0.609 ms a small() step without it, 0.615 with;
-# batch 64 with the output kernel off: 1.495 / 1.497 ms), the output kernel, which needs it, did (batch 64
-# 1.495 → 1.456 ms; benchmarks/RESULTS.md, stop 62).
+# batch 64 with the output kernel off: 1.495 / 1.497 ms), the output kernel beside it did (batch 64
+# 1.495 → 1.456 ms; benchmarks/RESULTS.md, stop 62). Since stop 66 the output kernel runs without it too.
 QUERY_KERNEL_ROWS = kernel_gpu_output.GROUP
 
 

@@ -24,8 +24,8 @@ sum to it, so the tensor cores' products are exact). Only the float32 summation 
 
 The kernel alone does not pay (a ``small()`` step at batch 1 on the H200: 0.609 ms without it, 0.615 with,
 stop 62; with the rope programs on an H100, 0.643 against 0.663, stop 64; benchmarks/RESULTS.md), so the layer
-runs it only beside :mod:`kernel_gpu_output`, which needs it: from that kernel's 16 rows
-(``k3jax.layers.mla.QUERY_KERNEL_ROWS``).
+runs it from 16 rows (``k3jax.layers.mla.QUERY_KERNEL_ROWS``), where it was timed beside :mod:`kernel_gpu_output`
+(which since stop 66 also runs without it, below 16 rows).
 """
 
 from __future__ import annotations
