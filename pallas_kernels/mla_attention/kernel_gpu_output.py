@@ -112,8 +112,8 @@ def _few_kernel(o_ref, m_ref, l_ref, wv_ref, gate_ref, out_ref, *, T: int, H: in
     b, at = r // T, (r % T) * H + h
     w_v = wv_ref[:, pl.ds(pl.multiple_of(h * Dkv + nope, math.gcd(Dkv, nope)), dv)].astype(f32)  # [R, dv]
     gate = gate_ref[r, pl.ds(h * dv, dv)].astype(f32)  # [dv]
-    rows = [(s < splits, jnp.minimum(s, splits - 1) * M + at)
-            for s in (jnp.arange(SPLIT_CHUNK) + c for c in range(0, splits, SPLIT_CHUNK))]
+    chunks = [c + jnp.arange(SPLIT_CHUNK) for c in range(0, splits, SPLIT_CHUNK)]  # each chunk's splits
+    rows = [(s < splits, jnp.minimum(s, splits - 1) * M + at) for s in chunks]  # (a real split, its m / l index)
     latent = lambda i: o_ref[b, rows[i][1][:, None] * R + jnp.arange(R)[None, :]]  # [SPLIT_CHUNK, R]
     hoisted = [latent(i) for i in range(min(len(rows), max(1, HOISTED_FLOATS // (SPLIT_CHUNK * R))))]
     ms = [jnp.where(ok, m_ref[b, at_s], -jnp.inf) for ok, at_s in rows]

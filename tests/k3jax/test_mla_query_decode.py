@@ -60,6 +60,13 @@ def _step(monkeypatch, decoding, tokens, num_new=None, kernel=True):
     return out, calls
 
 
+def _output_calls(decoding):
+    """``(MLA layers, output kernel calls expected)``: the output kernel takes 16-bit ``W_v`` only, so float32
+    parameters keep XLA's output path."""
+    n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
+    return n_mla, n_mla if decoding[1].param_dtype == jnp.bfloat16 else 0
+
+
 def _leaves(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
 
@@ -71,10 +78,8 @@ def test_kernel_matches_the_layers_query(decoding, monkeypatch, T, num_new):
     num_new = None if num_new is None else jnp.array(num_new)
     (want, want_cache), none = _step(monkeypatch, decoding, tokens, num_new, kernel=False)
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens, num_new)
-    n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
+    n_mla, outputs = _output_calls(decoding)
     assert not any(none.values()) and n_mla
-    # the output kernel takes 16-bit W_v only: float32 parameters keep XLA's output path
-    outputs = n_mla if decoding[1].param_dtype == jnp.bfloat16 else 0
     assert calls["query"] == [ROWS * T] * n_mla
     assert calls["output"] == [ROWS * T] * outputs and calls["split"] == [ROWS] * outputs  # split: the sequences
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -93,8 +98,7 @@ def test_output_kernel_below_its_row_group(decoding, monkeypatch, query_rows):
     tokens = decoding[3][:, :1]
     (want, want_cache), _ = _step(monkeypatch, decoding, tokens, kernel=False)
     (got, got_cache), calls = _step(monkeypatch, decoding, tokens)
-    n_mla = sum(kind == "mla" for kind in decoding[1].layer_kinds)
-    outputs = n_mla if decoding[1].param_dtype == jnp.bfloat16 else 0  # 16-bit W_v only
+    _, outputs = _output_calls(decoding)
     assert bool(calls["query"]) == (query_rows <= ROWS)
     assert calls["output"] == [ROWS] * outputs and calls["split"] == [ROWS] * outputs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
