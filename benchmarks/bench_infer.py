@@ -7,8 +7,9 @@ and the mean accepted length of a briefly trained speculative draft.
    parameter but the embedding table, plus the KDA states and the MLA latents up to the current length)
    and "needed weights" (the same less the experts no token of this batch was routed to, counted from
    the router's loads of one step).
-   Steps run as one device-side loop on per-layer weights (as ``generate`` and the serving engine
-   run them, ``k3jax.infer.decode.decode_layout``); with ``--host-loop`` the step time of a Python
+   Steps run as one device-side loop on per-layer weights, shaped as ``generate``'s and compiled with
+   its ``DECODE_XLA_OPTIONS`` (``k3jax.infer.decode``; per-layer weights as ``decode_layout`` and the
+   serving engine run them); with ``--host-loop`` the step time of a Python
    loop of jitted ``decode_step`` calls is printed beside it. ``--variant NAME:KEY=VALUE,…`` builds
    the decode loop again with XLA options (``xla_…``) or ``ModelConfig`` overrides and times every
    build round-robin in this process, so an A/B of decode does not compare two machines' clocks.
@@ -116,13 +117,22 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
 
 
 def _greedy_loop(variables, tok, cache, *, cfg, steps):
-    """``steps`` greedy decode steps in one ``fori_loop``; returns the last tokens."""
-    def body(_, carry):
-        tok, cache = carry
-        logits, cache = decode_step(variables, cfg, tok, cache)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
+    every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
+    last tokens. (With ``DECODE_XLA_OPTIONS`` a ``fori_loop`` of known length ran level with this form at batch
+    1 and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
+    def cond(carry):
+        i, _, alive, _ = carry
+        return (i < steps) & jnp.any(alive)
 
-    return jax.lax.fori_loop(0, steps, body, (tok, cache))[0]
+    def body(carry):
+        i, tok, alive, cache = carry
+        logits, cache = decode_step(variables, cfg, tok, cache)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return i + 1, tok, alive & (tok[:, 0] != -1), cache
+
+    alive = jnp.ones(tok.shape[:1], bool)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), tok, alive, cache))[1]
 
 
 def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
@@ -163,7 +173,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     _, cache = prefill_jit(variables, cfg, tokens, jnp.full((batch,), prompt, jnp.int32), cache)
     args = (variables, tokens[:, -1:], cache)
     host_step_s = _host_loop_step(cfg, *args, steps) if host_loop else float("nan")
-    # The greedy steps as one device-side loop (as `generate` runs them): no per-step dispatch.
+    # The greedy steps as one device-side loop shaped as `generate`'s: no per-step dispatch.
     calls, last = {}, {}
     for name, (vcfg, options) in variants.items():
         loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps))

@@ -27,10 +27,17 @@ from k3jax.model import Transformer
 # engine's steps): CONCURRENT lets the GPU's command buffers run a step's independent kernels side by
 # side (a MoE layer's router, shared experts and latent ``down_proj``; a layer's attention inputs) instead
 # of one after another. ``small()`` on the H200: batch 1 0.822 -> 0.763 ms a step, batch 64 1.696 ->
-# 1.591 ms, same tokens (benchmarks/RESULTS.md, stop 52). Other backends ignore the GPU option. jax takes
-# ``compiler_options`` on top-level jits only, so ``decode_step`` / ``prefill_jit`` (also called inside
-# users' loops) go without; a loop of your own takes them with ``jax.jit(..., compiler_options=...)``.
-DECODE_XLA_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# 1.591 ms, same tokens (benchmarks/RESULTS.md, stop 52). WHILE and CONDITIONAL, added to XLA's default
+# command buffer kinds, put a decode loop whose end depends on the tokens (``generate``'s stop tokens) in
+# one CUDA graph with conditional nodes: without them the host reads the loop's predicate back after every
+# step and launches the next step's graph, and the GPU waits (small() on an H100, generate's loop: batch 1
+# 0.650 -> 0.623 ms a step, batch 64 1.671 -> 1.597 ms; a loop of known length 0.625 / 1.623; stop 67).
+# Other backends ignore the GPU options. jax takes ``compiler_options`` on top-level jits only, so
+# ``decode_step`` / ``prefill_jit`` (also called inside users' loops) go without; a loop of your own takes
+# them with ``jax.jit(..., compiler_options=...)``.
+DECODE_XLA_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+                      "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                                                       "WHILE,CONDITIONAL"}
 
 
 def decode_program(**jit_kwargs):

@@ -23,7 +23,7 @@ def test_decode_variants_split_xla_options_from_model_overrides():
     exact = decode_variants(cfg, ["e:xla_allow_excess_precision=false"])["e"]
     assert exact == (cfg, {**DECODE_XLA_OPTIONS, "xla_allow_excess_precision": False})  # asked for, so kept
     serial = decode_variants(cfg, ["s:xla_gpu_command_buffer_scheduling_mode=SERIALIZE"])["s"][1]
-    assert serial == {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
+    assert serial == {**DECODE_XLA_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
     with pytest.raises(ValueError, match="no field 'nope'"):

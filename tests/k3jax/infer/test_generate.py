@@ -152,3 +152,22 @@ def test_decoding_runs_on_per_layer_weights(tiny_model, monkeypatch):
     assert out == again
     assert [c.scan_layers for _, c in seen] == [False, False]
     assert not is_scanned(seen[0][0]["params"])
+
+
+@pytest.mark.gpu
+def test_device_loop_streams_and_stops_on_gpu(tiny_model):
+    """On a GPU ``DECODE_XLA_OPTIONS`` puts the decode loop, whose end depends on the tokens, in one CUDA
+    graph with conditional nodes (WHILE / CONDITIONAL command buffers; the streaming callback keeps its
+    loop on the host). Greedy tokens still equal the forward's, the stream still sees every step, and a
+    stop token still ends its row early."""
+    assert jax.default_backend() == "gpu"
+    test_greedy_ragged_matches_forward_and_streams(tiny_model)
+    cfg, variables = tiny_model.cfg, tiny_model.variables
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
+    with jax.default_matmul_precision("highest"):
+        full = generate(variables, cfg, prompts, max_new_tokens=6, temperature=0.0)
+        stop = full[0][2]
+        cut = generate(variables, cfg, prompts, max_new_tokens=6, temperature=0.0, stop_tokens=[stop])
+    assert full == [_greedy_reference(cfg, variables, p, 6) for p in prompts]
+    assert cut[0] == full[0][:full[0].index(stop) + 1]
+    assert cut[1] == (full[1][:full[1].index(stop) + 1] if stop in full[1] else full[1])
