@@ -31,7 +31,7 @@ from k3jax.model import Transformer
 # command buffer kinds, put a decode loop whose end depends on the tokens (``generate``'s stop tokens) in
 # one CUDA graph with conditional nodes: without them the host reads the loop's predicate back after every
 # step and launches the next step's graph, and the GPU waits (small() on an H100, generate's loop: batch 1
-# 0.650 -> 0.623 ms a step, batch 64 1.671 -> 1.597 ms; a loop of known length 0.625 / 1.623; stop 67).
+# 0.645 -> 0.624 ms a step, batch 64 1.649 -> 1.596 ms, same tokens; benchmarks/RESULTS.md, stop 67).
 # Other backends ignore the GPU options. jax takes ``compiler_options`` on top-level jits only, so
 # ``decode_step`` / ``prefill_jit`` (also called inside users' loops) go without; a loop of your own takes
 # them with ``jax.jit(..., compiler_options=...)``.

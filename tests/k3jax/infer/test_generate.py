@@ -157,9 +157,9 @@ def test_decoding_runs_on_per_layer_weights(tiny_model, monkeypatch):
 @pytest.mark.gpu
 def test_device_loop_streams_and_stops_on_gpu(tiny_model):
     """On a GPU ``DECODE_XLA_OPTIONS`` puts the decode loop, whose end depends on the tokens, in one CUDA
-    graph with conditional nodes (WHILE / CONDITIONAL command buffers; the streaming callback keeps its
-    loop on the host). Greedy tokens still equal the forward's, the stream still sees every step, and a
-    stop token still ends its row early."""
+    graph with conditional nodes (WHILE / CONDITIONAL command buffers). Greedy tokens still equal the
+    forward's, a stream (a host callback inside the loop) still sees every step, and a stop token still
+    ends its row early."""
     assert jax.default_backend() == "gpu"
     test_greedy_ragged_matches_forward_and_streams(tiny_model)
     cfg, variables = tiny_model.cfg, tiny_model.variables
