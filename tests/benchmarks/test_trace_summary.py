@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_summary import event_key, load_events, marginal, summarise, timeline
+from benchmarks.trace_summary import event_key, idle_gaps, load_events, marginal, summarise, timeline
 
 
 def test_totals_per_name_for_matching_processes(tmp_path):
@@ -62,3 +62,15 @@ def test_timeline_lists_one_window_between_two_markers():
     assert [r[4] for r in timeline(events, names, "GPU", "head", k=2)] == ["c", "head"]
     with pytest.raises(ValueError, match="marker='head' at k=3"):
         timeline(events, names, "GPU", "head", k=3)
+
+
+def test_idle_gaps_by_the_events_around_them():
+    ev = lambda name, ts, dur, pid=1: {"ph": "X", "name": name, "pid": pid, "ts": ts, "dur": dur}
+    # a and b overlap (no gap), c after 5 us, c again after 2 us; d after 3; the host event never counts
+    events = [ev("a", 0, 10), ev("b", 4, 8), ev("c", 17, 1), ev("c", 20, 1), ev("d", 24, 6),
+              ev("c", 35, 1), ev("h", 0, 100, pid=2)]
+    names = {1: "/device:GPU:0", 2: "/host:CPU"}
+    idle, span, gaps = idle_gaps(events, names, "GPU")
+    assert (idle, span) == (15.0, 36.0)
+    assert gaps == [("b", "c", 5.0, 1), ("d", "c", 5.0, 1), ("c", "d", 3.0, 1), ("c", "c", 2.0, 1)]
+    assert idle_gaps(events, names, "TPU") == (0.0, 0.0, [])
