@@ -1,15 +1,17 @@
 """GPU kernels per decode step, counted in the optimized HLO of a device-less H200 compile (no GPU).
 
-Compiles what ``bench_infer.py`` times — ``--steps`` greedy steps of ``decode_step`` in one
-``fori_loop`` on ``decode_layout``'s weights (per layer, KDA inputs packed, output projections
-output axis first), random-init bf16 ``small()`` after a ``--prompt``-token cache — for
-``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin, no driver), then counts the kernels one step launches: every instruction of ENTRY and of the
-loop bodies / conditions it reaches, weighted by the loops' known trip counts, that is not free
-(parameters, tuples, get-tuple-element, bitcasts, constants, control flow and ``*-done`` halves
-are not counted; fusions, custom calls, copies and ``*-start`` halves are), and the bytes their
-outputs take (written, and read back by their consumers). Printed by layer kind
-and module (from each kernel's ``op_name``) and by kernel kind; ``--list PATTERN`` prints the
-kernels whose ``op_name`` matches, ``--hlo FILE`` keeps the optimized HLO text.
+Compiles what ``bench_infer.py`` times — ``--steps`` greedy steps of ``decode_step`` in one loop
+shaped as ``generate``'s on ``decode_layout``'s weights (per layer, KDA inputs packed, output
+projections output axis first), random-init bf16 ``small()`` after a ``--prompt``-token cache — for
+``h200:1x1`` (``k3jax.plan.topology``: needs the jax CUDA plugin, no driver), then counts the kernels
+one step launches: every instruction of ENTRY and of the loop bodies / conditions it reaches, weighted
+by the loops' trip counts (XLA's known ones; the greedy loop's, which XLA cannot know since its end
+depends on the tokens, as ``--steps``), that is not free (parameters, tuples, get-tuple-element,
+bitcasts, constants, control flow and ``*-done`` halves are not counted; fusions, custom calls, copies
+and ``*-start`` halves are), and the bytes their outputs take (written, and read back by their
+consumers). Printed by layer kind and module (from each kernel's ``op_name``) and by kernel kind;
+``--list PATTERN`` prints the kernels whose ``op_name`` matches, ``--hlo FILE`` keeps the optimized
+HLO text.
 
 The device-less compile runs no autotuning (GEMMs stay Triton fusions), so counts compare
 between trees compiled this way, not with a profile's kernel names one for one.
@@ -76,13 +78,19 @@ def _kind(op: str, rest: str, comps: dict) -> str:
     return "fusion:" + re.search(r"kind=(k\w+)", rest).group(1)
 
 
-def kernels(comps: dict, name: str, weight: float = 1) -> list[Kernel]:
-    """The kernels of computation ``name`` and of the loops / branches it runs, ``weight`` times each."""
+def _trips(rest: str, unknown: int) -> int:
+    """A while instruction's trip count: XLA's ``known_trip_count``, else ``unknown``."""
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    return int(trips.group(1)) if trips else unknown
+
+
+def kernels(comps: dict, name: str, weight: float = 1, unknown_trips: int = 1) -> list[Kernel]:
+    """The kernels of computation ``name`` and of the loops / branches it runs, ``weight`` times each; a loop
+    of ``name`` itself whose trip count XLA does not know runs ``unknown_trips`` times (inner ones once)."""
     out = []
     for _, op, rest, shape in comps[name]:
         if op == "while":
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            trips = int(trips.group(1)) if trips else 1
+            trips = _trips(rest, unknown_trips)
             out += kernels(comps, re.search(r"body=%([\w.-]+)", rest).group(1), weight * trips)
             out += kernels(comps, re.search(r"condition=%([\w.-]+)", rest).group(1), weight * (trips + 1))
         elif op == "conditional":  # every branch counted: an upper bound
@@ -107,18 +115,18 @@ def _operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.-]+)", rest)
 
 
-def chain(comps: dict, name: str, path: bool = False):
+def chain(comps: dict, name: str, path: bool = False, unknown_trips: int = 1):
     """Kernels on computation ``name``'s longest chain of data dependencies: what a GPU that ran every
     independent kernel at once (CONCURRENT command buffers) would still run one after another. Loops
-    count their trip count times their body's chain, branches their longest. ``path``: the chain's
-    instructions instead, ``(opcode, shape, op_name)`` in order (a loop or branch listed once)."""
+    count their trip count times their body's chain (``unknown_trips`` for a loop of ``name`` whose count
+    XLA does not know), branches their longest. ``path``: the chain's instructions instead, ``(opcode,
+    shape, op_name)`` in order (a loop or branch listed once)."""
     depth: dict[str, int] = {}
     prev: dict[str, tuple] = {}
     for iname, op, rest, shape in comps[name]:
         before = max(_operands(rest), key=lambda o: depth.get(o, 0), default=None)
         if op == "while":
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            cost = (int(trips.group(1)) if trips else 1) * chain(comps, re.search(r"body=%([\w.-]+)", rest).group(1))
+            cost = _trips(rest, unknown_trips) * chain(comps, re.search(r"body=%([\w.-]+)", rest).group(1))
         elif op == "conditional":
             branches = re.search(r"branch_computations=\{([^}]*)\}", rest).group(1)
             cost = max(chain(comps, b) for b in re.findall(r"%([\w.-]+)", branches))
@@ -158,7 +166,7 @@ def module_of(op_name: str, layer_kinds: dict[int, str]) -> str:
 
 def report(text: str, steps: int, pattern: str | None = None, show_chain: bool = False) -> dict:
     comps, entry = computations(text)
-    ks = kernels(comps, entry)
+    ks = kernels(comps, entry, unknown_trips=steps)  # the greedy loop, generate's shape, runs ``steps`` times
     layer_kinds = {int(m.group(1)): m.group(2) for m in re.finditer(r"layers_(\d+)____(kda|mla)____", text)}
     by_module, by_kind, by_layer = collections.Counter(), collections.Counter(), collections.Counter()
     for k in ks:
@@ -169,7 +177,8 @@ def report(text: str, steps: int, pattern: str | None = None, show_chain: bool =
     total = sum(k.count for k in ks) / steps
     written = sum(k.count * shape_bytes(k.shape) for k in ks) / steps
     print(f"kernels per step: {total:.1f}")
-    print(f"kernels on the step's longest dependency chain: {chain(comps, entry) / steps:.1f}")
+    longest = chain(comps, entry, unknown_trips=steps) / steps
+    print(f"kernels on the step's longest dependency chain: {longest:.1f}")
     print(f"bytes written per step: {written / 1e6:.1f} MB (all kernels' outputs; "
           f"{sum(k.count * shape_bytes(k.shape) for k in ks if shape_bytes(k.shape) >= 5e5) / steps / 1e6:.1f} MB "
           "by kernels writing >= 0.5 MB)")
@@ -186,7 +195,7 @@ def report(text: str, steps: int, pattern: str | None = None, show_chain: bool =
         print(f"the step's longest chain ({len(rows)} kernels):")
         for op, shape, op_name in rows:
             print(f"  {op:12s} {shape[:40]:40s} {op_name.split('decode_step)/')[-1]}")
-    return {"total": total, "chain": chain(comps, entry) / steps, "by_module": dict(by_module),
+    return {"total": total, "chain": longest, "by_module": dict(by_module),
             "by_kind": dict(by_kind)}
 
 
