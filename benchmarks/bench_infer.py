@@ -119,8 +119,8 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
 def _greedy_loop(variables, tok, cache, *, cfg, steps):
     """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
     every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
-    last tokens. (With ``DECODE_XLA_OPTIONS`` a ``fori_loop`` of known length ran level with this form at batch
-    1 and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
+    last tokens. (With WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form
+    at batch 1 and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
     def cond(carry):
         i, _, alive, _ = carry
         return (i < steps) & jnp.any(alive)

@@ -112,17 +112,16 @@ def idle_gaps(events: list[dict], names: dict[int, str], process: str) -> tuple[
     processes runs, grouped by the event that ended last before each (``before``) and the one that starts it
     (``after``), largest total first."""
     kept = sorted(_matching(events, names, process), key=lambda e: e["ts"])
-    total, count, busy_end, last, idle = collections.Counter(), collections.Counter(), None, None, 0.0
+    total, count, busy_end, last = collections.Counter(), collections.Counter(), None, None
     for e in kept:
         if busy_end is not None and e["ts"] > busy_end:
             gap = (last["name"], e["name"])
             total[gap] += e["ts"] - busy_end
             count[gap] += 1
-            idle += e["ts"] - busy_end
         if busy_end is None or e["ts"] + e["dur"] > busy_end:
             busy_end, last = e["ts"] + e["dur"], e
     span = busy_end - kept[0]["ts"] if kept else 0.0
-    return idle, span, [(a, b, us, count[(a, b)]) for (a, b), us in total.most_common()]
+    return float(sum(total.values())), span, [(a, b, us, count[(a, b)]) for (a, b), us in total.most_common()]
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)?) [\w\-]+\(.*?metadata=\{([^}]*)\}")
