@@ -116,10 +116,11 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
     return total
 
 
-def _greedy_loop(variables, tok, cache, *, cfg, steps):
+def _greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
     """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
     every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
-    last tokens. (With WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form
+    last tokens. ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
+    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form
     at batch 1 and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
     def cond(carry):
         i, _, alive, _ = carry
@@ -127,8 +128,11 @@ def _greedy_loop(variables, tok, cache, *, cfg, steps):
 
     def body(carry):
         i, tok, alive, cache = carry
-        logits, cache = decode_step(variables, cfg, tok, cache)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        if head == "greedy":
+            tok, cache = decode_step(variables, cfg, tok, cache, greedy=True)
+        else:
+            logits, cache = decode_step(variables, cfg, tok, cache)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
         return i + 1, tok, alive & (tok[:, 0] != -1), cache
 
     alive = jnp.ones(tok.shape[:1], bool)
@@ -147,20 +151,25 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
 
 
 def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
-    """``{"base": (cfg, DECODE_XLA_OPTIONS), NAME: (cfg', XLA options), …}`` for each ``--variant
-    NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
+    """``{"base": (cfg, DECODE_XLA_OPTIONS, "greedy"), NAME: (cfg', XLA options, head), …}`` for each
+    ``--variant NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
     ``DECODE_XLA_OPTIONS``, which ``generate`` and the serving engine compile with; ``serial:
-    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), any other a ``ModelConfig``
-    override (``moe.decode_implementation=xla``). ``ValueError`` names a malformed spec."""
-    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS))}
+    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), ``head=logits`` takes each token from
+    the logits (``_greedy_loop``), any other a ``ModelConfig`` override (``moe.decode_implementation=xla``).
+    ``ValueError`` names a malformed spec."""
+    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS), "greedy")}
     for spec in specs:
         name, assignments = parse_variant(spec, variants)
+        heads = [a.partition("=")[2] for a in assignments if a.startswith("head=")]
+        if any(h not in ("greedy", "logits") for h in heads):
+            raise ValueError(f"--variant={spec!r}: head must be 'greedy' or 'logits', got {heads}")
         xla = [a for a in assignments if a.startswith("xla_")]
-        model = [a for a in assignments if not a.startswith("xla_")]
+        model = [a for a in assignments if not a.startswith(("xla_", "head="))]
         options = xla_compiler_options(False, xla)
         if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
             del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
-        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options})
+        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options},
+                          heads[-1] if heads else "greedy")
     return variants
 
 
@@ -175,8 +184,8 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     host_step_s = _host_loop_step(cfg, *args, steps) if host_loop else float("nan")
     # The greedy steps as one device-side loop shaped as `generate`'s: no per-step dispatch.
     calls, last = {}, {}
-    for name, (vcfg, options) in variants.items():
-        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps))
+    for name, (vcfg, options, head) in variants.items():
+        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps, head=head))
         calls[name] = (loop.lower(*args).compile(compiler_options=options), args)
         last[name] = np.asarray(calls[name][0](*args))
     ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)

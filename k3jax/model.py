@@ -37,6 +37,7 @@ from k3jax.layers.mixed_input import kernel_runs, mixed_input
 from k3jax.layers.norm import norm
 from k3jax.layers.stack import layer_stack, run_stack
 from k3jax.layout import scan_plan
+from pallas_kernels.head_argmax import kernel_gpu as head_argmax
 
 REMAT = ("none", "layer", "moe")
 
@@ -132,8 +133,10 @@ class Transformer(nn.Module):
         return self.from_embeddings(self.embed(tokens), segment_ids=segment_ids, return_logits=False)
 
     def decode(self, tokens: Int[Array, "B T"], caches: tuple, *, num_new: Int[Array, "B"] | None = None,
-               return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None):
-        """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``.
+               return_hidden: bool = False, keep_steps: bool = False, embeddings: Float[Array, "B T D"] | None = None,
+               greedy: bool = False):
+        """Continue the cached sequences by ``tokens``: ``(logits [B,T,V], new_caches)``, or with ``greedy``
+        ``(each position's argmax token [B,T] int32, new_caches)`` (:meth:`greedy_tokens`).
 
         ``caches`` holds one mixer cache per layer (each scanned run's as one entry, ``k3jax.infer.cache``).
         ``num_new`` (default T) is how many of each row's tokens are real (a ragged prefill; the rest
@@ -147,6 +150,8 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         validate_inputs(cfg, tokens, None)
+        if greedy and return_hidden:
+            raise ValueError("greedy=True returns tokens, not logits: it cannot be combined with return_hidden=True")
         entries = len(self.layers) + len(self.stack)
         if len(caches) != entries:
             raise ValueError(f"caches must hold one cache per layer, each scanned run's as one entry ({entries}), "
@@ -162,8 +167,11 @@ class Transformer(nn.Module):
             # the head's input in one kernel (the output mix, the final norm, the last layer's add inside:
             # XLA runs four on the step's chain), then XLA's product (k3jax.layers.mixed_input)
             x = mixed_input(self.out_res, self.final_norm, stream).materialize(kernel=True)
-            return constrain(self.logits(x), ("batch", "length", "vocab")), new_caches
+            out = self.greedy_tokens(x) if greedy else constrain(self.logits(x), ("batch", "length", "vocab"))
+            return out, new_caches
         hidden = stream.partial if self.out_res is None else self.out_res(stream)
+        if greedy:
+            return self.greedy_tokens(self.final_norm(hidden)), new_caches
         logits = constrain(self.logits(self.final_norm(hidden)), ("batch", "length", "vocab"))  # [B, T, V]
         out = (logits, hidden, stream.blocks) if return_hidden else logits
         return out, new_caches
@@ -187,6 +195,20 @@ class Transformer(nn.Module):
                 stream, cache = self.layers[i](stream, cache=cache, valid=valid, keep_steps=keep_steps)
             new_caches.append(cache)
         return stream, None if caches is None else tuple(new_caches)
+
+    def greedy_tokens(self, h: Float[Array, "B T D"]) -> Int[Array, "B T"]:
+        """``argmax`` over the vocabulary of :meth:`logits` (the lowest id on ties), int32. Where the decode
+        kernels run (``kernel_runs``) and the untied head takes it (16-bit, up to ``MAX_ROWS`` positions),
+        one kernel keeps each row's best logit as it streams the head and never stores the logits
+        (``pallas_kernels.head_argmax``); elsewhere XLA's logits and argmax."""
+        cfg = self.cfg
+        B, T, D = h.shape
+        if not cfg.tie_embeddings and kernel_runs(cfg.decode_glue_implementation):
+            w = nn.meta.unbox(self.get_variable("params", "head"))["kernel"]
+            rows = h.reshape(B * T, D).astype(cfg.compute_dtype)
+            if head_argmax.accepts(rows, w):
+                return head_argmax.greedy_head(rows, w).reshape(B, T)
+        return jnp.argmax(self.logits(h), axis=-1).astype(jnp.int32)
 
     def logits(self, h: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """The output head (untied in every Kimi release; tied: the embedding transposed), fp32."""

@@ -117,15 +117,16 @@ def _to_decode_collection(variables: dict, cfg: ModelConfig) -> dict:
 
 def forward_cached(variables: dict, cfg: ModelConfig, tokens: Int[Array, "B T"], cache: Cache, *,
                    num_new: Int[Array, "B"] | None = None, return_hidden: bool = False, keep_steps: bool = False,
-                   embeddings: Float[Array, "B T D"] | None = None):
-    """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``.
+                   embeddings: Float[Array, "B T D"] | None = None, greedy: bool = False):
+    """One model call continuing ``cache``: ``(logits [B,T,V] (or (logits, hidden, blocks)), cache)``; with
+    ``greedy`` each position's argmax token ``[B,T]`` in place of the logits (``Transformer.greedy_tokens``).
 
     With ``keep_steps`` the cache comes back as a ``StepCache`` (``select_step`` rolls it back).
     ``embeddings`` replaces the token lookup (e.g. image features spliced in, ``k3jax.vision``).
     """
     out, layers = Transformer(cfg).apply(variables, tokens, cache.layers, num_new=num_new,
                                          return_hidden=return_hidden, keep_steps=keep_steps, embeddings=embeddings,
-                                         method=Transformer.decode)
+                                         greedy=greedy, method=Transformer.decode)
     if keep_steps:
         return out, StepCache(layers=layers, start=cache.lengths)
     consumed = tokens.shape[1] if num_new is None else num_new
@@ -222,7 +223,8 @@ def prefill_jit(variables, cfg, tokens, lengths, cache, chunk=2048):
     return prefill(variables, cfg, tokens, lengths, cache, chunk=chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def decode_step(variables, cfg, tokens: Int[Array, "B Tn"], cache: Cache):
-    """Advance every sequence by ``tokens`` (one or a few per row): ``(logits [B,Tn,V], cache)``."""
-    return forward_cached(variables, cfg, tokens, cache)
+@functools.partial(jax.jit, static_argnames=("cfg", "greedy"))
+def decode_step(variables, cfg, tokens: Int[Array, "B Tn"], cache: Cache, greedy: bool = False):
+    """Advance every sequence by ``tokens`` (one or a few per row): ``(logits [B,Tn,V], cache)``, or with
+    ``greedy`` ``(argmax tokens [B,Tn], cache)``."""
+    return forward_cached(variables, cfg, tokens, cache, greedy=greedy)

@@ -79,15 +79,14 @@ def _run(variables, tokens, lengths, cache: Cache, key, embeddings=None, *, cfg,
     stop_ids = jnp.asarray(stop if stop else (-2,), jnp.int32)
     last, cache = prefill(variables, cfg, tokens, lengths, cache, chunk=chunk, embeddings=embeddings)
 
-    def emit(i, logits, key, alive):
-        tok = sample(key, logits, temperature, top_k, top_p)
+    def emit(i, tok, alive):
         if streaming:
             io_callback(_stream_hook, None, i, tok, alive, ordered=True)
         return tok, alive & ~jnp.isin(tok, stop_ids)
 
     key, sub = jax.random.split(key)
     alive = jnp.ones((B,), bool)
-    tok, still = emit(0, last, sub, alive)
+    tok, still = emit(0, sample(sub, last, temperature, top_k, top_p), alive)
     out = jnp.full((B, max_new), DONE, jnp.int32).at[:, 0].set(tok)
 
     def cond(carry):
@@ -96,9 +95,14 @@ def _run(variables, tokens, lengths, cache: Cache, key, embeddings=None, *, cfg,
 
     def body(carry):
         i, tok, alive, out, cache, key = carry
-        logits, cache = forward_cached(variables, cfg, tok[:, None], cache)
         key, sub = jax.random.split(key)
-        tok, still = emit(i, logits[:, 0], sub, alive)
+        if temperature == 0:  # the argmax only: the greedy head never stores the logits
+            tok, cache = forward_cached(variables, cfg, tok[:, None], cache, greedy=True)
+            tok = tok[:, 0]
+        else:
+            logits, cache = forward_cached(variables, cfg, tok[:, None], cache)
+            tok = sample(sub, logits[:, 0], temperature, top_k, top_p)
+        tok, still = emit(i, tok, alive)
         out = out.at[:, i].set(jnp.where(alive, tok, DONE))
         return i + 1, tok, still, out, cache, key
 

@@ -10,24 +10,28 @@ from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
 def test_decode_variants_split_xla_options_from_model_overrides():
     """``xla_…`` keys are compile options of the variant's decode loop (typed, no excess-precision
-    default added) over the decode programs' ``DECODE_XLA_OPTIONS``, any other key overrides the variant's
-    ModelConfig; base keeps the config and the decode options; a malformed spec or override is named."""
+    default added) over the decode programs' ``DECODE_XLA_OPTIONS``, ``head`` picks the loop's tokens (the
+    greedy head by default, or the logits' argmax), any other key overrides the variant's ModelConfig; base
+    keeps the config, the decode options and the greedy head; a malformed spec, override or head is named."""
     cfg = config.tiny()
     variants = decode_variants(cfg, ["x:moe.decode_implementation=xla,xla_gpu_autotune_level=0",
-                                     "y:xla_gpu_enable_command_buffer=FUSION"])
-    assert variants["base"] == (cfg, DECODE_XLA_OPTIONS)
-    x_cfg, x_options = variants["x"]
+                                     "y:xla_gpu_enable_command_buffer=FUSION", "h:head=logits"])
+    assert variants["base"] == (cfg, DECODE_XLA_OPTIONS, "greedy")
+    assert variants["h"] == (cfg, DECODE_XLA_OPTIONS, "logits")
+    x_cfg, x_options, x_head = variants["x"]
     assert x_cfg.moe.decode_implementation == "xla" and cfg.moe.decode_implementation is None
-    assert x_options == {**DECODE_XLA_OPTIONS, "xla_gpu_autotune_level": 0}
-    assert variants["y"] == (cfg, {**DECODE_XLA_OPTIONS, "xla_gpu_enable_command_buffer": "FUSION"})
+    assert x_options == {**DECODE_XLA_OPTIONS, "xla_gpu_autotune_level": 0} and x_head == "greedy"
+    assert variants["y"] == (cfg, {**DECODE_XLA_OPTIONS, "xla_gpu_enable_command_buffer": "FUSION"}, "greedy")
     exact = decode_variants(cfg, ["e:xla_allow_excess_precision=false"])["e"]
-    assert exact == (cfg, {**DECODE_XLA_OPTIONS, "xla_allow_excess_precision": False})  # asked for, so kept
+    assert exact[:2] == (cfg, {**DECODE_XLA_OPTIONS, "xla_allow_excess_precision": False})  # asked for, so kept
     serial = decode_variants(cfg, ["s:xla_gpu_command_buffer_scheduling_mode=SERIALIZE"])["s"][1]
     assert serial == {**DECODE_XLA_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         decode_variants(cfg, ["base:xla_gpu_autotune_level=0"])
     with pytest.raises(ValueError, match="no field 'nope'"):
         decode_variants(cfg, ["z:moe.nope=1"])
+    with pytest.raises(ValueError, match="head must be 'greedy' or 'logits'"):
+        decode_variants(cfg, ["z:head=top"])
 
 
 def test_hbm_bandwidth_follows_the_device():

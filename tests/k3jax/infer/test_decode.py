@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax.infer.cache import KDACache, MLACache, init_cache
 from k3jax.infer.decode import decode_step, forward_cached, prefill_jit
@@ -165,3 +166,37 @@ def test_decode_layout_decodes_as_the_plain_layout(model):
     for a, b in zip(outs["packed"], outs["plain"]):  # one product over the packed kernels: fp32 order
         assert rel_rmse(a, b) <= F32_RTOL
     assert rel_rmse(np.stack(outs["packed"][1:], axis=1), ref[:, 13:]) <= F32_RTOL
+
+
+def test_greedy_decode_returns_the_logits_argmax(model):
+    """``greedy=True`` gives each position's argmax token (int32) where the logits would be, on the plain
+    and the decode layout, and the same cache; with ``return_hidden`` it is refused."""
+    from k3jax.infer.decode import decode_layout
+
+    cfg, variables = model
+    tokens = _tokens(5, length=6)
+    for vs, c in ((variables, cfg), decode_layout(variables, cfg)):
+        cache = init_cache(c, 2, 8)
+        logits, by_logits = decode_step(vs, c, tokens[:, :4], cache)
+        greedy, by_greedy = decode_step(vs, c, tokens[:, :4], cache, greedy=True)
+        assert greedy.dtype == jnp.int32 and greedy.shape == (2, 4)
+        np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
+        jax.tree.map(np.testing.assert_array_equal, by_logits, by_greedy)
+    with pytest.raises(ValueError, match="greedy=True returns tokens"):
+        forward_cached(variables, cfg, tokens[:, :1], init_cache(cfg, 2, 8), greedy=True, return_hidden=True)
+
+
+@pytest.mark.gpu
+def test_greedy_decode_runs_the_head_kernel_on_gpu(tiny_model):
+    """On a GPU, bf16 tiny() (head 64 × 256) decodes greedily through ``pallas_kernels.head_argmax``: the
+    compiled step holds the kernel, and each token holds its row's largest logit (to float32 order)."""
+    from k3jax.infer.decode import decode_layout
+
+    cfg = dataclasses.replace(tiny_model.cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, tiny_model.variables)
+    variables, cfg = decode_layout(variables, cfg)
+    tokens, cache = _tokens(6, B=5, length=1), init_cache(cfg, 5, 4)
+    assert "greedy_head" in decode_step.lower(variables, cfg, tokens, cache, greedy=True).as_text()
+    logits = np.asarray(decode_step(variables, cfg, tokens, cache)[0])[:, 0]
+    greedy = np.asarray(decode_step(variables, cfg, tokens, cache, greedy=True)[0])[:, 0]
+    np.testing.assert_allclose(logits[np.arange(5), greedy], logits.max(-1), rtol=1e-5, atol=1e-5)
