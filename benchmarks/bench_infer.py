@@ -173,6 +173,14 @@ def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
     return variants
 
 
+def without_loop_graphs(options: dict) -> dict:
+    """``options`` less the ``WHILE`` / ``CONDITIONAL`` command buffers: in one CUDA graph with conditional
+    nodes the profiler records the whole loop as one event (stop 68: a 38.6 ms ``loop_broadcast_fusion``),
+    so ``--profile`` traces the loop compiled so, its steps graphs of their own."""
+    kinds = options.get("xla_gpu_enable_command_buffer", "").split(",")
+    return {**options, "xla_gpu_enable_command_buffer": ",".join(k for k in kinds if k not in ("WHILE", "CONDITIONAL"))}
+
+
 def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False) -> list[dict]:
     """One row per variant (``decode_variants``); the variants' device-side loops are timed round-robin
     in this process (``timing.timeit_interleaved``), so each is compared on the same clocks."""
@@ -190,8 +198,12 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
         last[name] = np.asarray(calls[name][0](*args))
     ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)
     if profile:  # one more run of the base loop under the profiler (benchmarks/trace_summary.py reads it)
+        vcfg, options, head = variants["base"]
+        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps, head=head))
+        loop = loop.lower(*args).compile(compiler_options=without_loop_graphs(options))
+        jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
-            jax.block_until_ready(calls["base"][0](*args))
+            jax.block_until_ready(loop(*args))
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes = cache_read_bytes(cfg, cache, prompt + steps // 2)
@@ -321,7 +333,8 @@ def main():
     ap.add_argument("--draft-minutes", type=float, default=3.0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode, prefill, draft")
     ap.add_argument("--host-loop", action="store_true", help="also time a Python loop of jitted steps")
-    ap.add_argument("--profile", default=None, help="trace one decode loop per batch into this folder")
+    ap.add_argument("--profile", default=None, help="trace one decode loop per batch into this folder "
+                    "(compiled without WHILE / CONDITIONAL command buffers, under which the loop is one event)")
     ap.add_argument("--mxfp4", action="store_true", help="also time decode with MXFP4 expert weights")
     ap.add_argument("--batches", default=None, help="comma list of decode batch sizes (default 1,64; quick 1,4)")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")

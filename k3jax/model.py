@@ -198,15 +198,15 @@ class Transformer(nn.Module):
 
     def greedy_tokens(self, h: Float[Array, "B T D"]) -> Int[Array, "B T"]:
         """``argmax`` over the vocabulary of :meth:`logits` (the lowest id on ties), int32. Where the decode
-        kernels run (``kernel_runs``) and the untied head takes it (16-bit, up to ``MAX_ROWS`` positions),
-        one kernel keeps each row's best logit as it streams the head and never stores the logits
-        (``pallas_kernels.head_argmax``); elsewhere XLA's logits and argmax."""
+        kernels run (``kernel_runs``) and the untied head takes it (16-bit; 33 to 64 positions, where it
+        pays: ``head_argmax.pays``), one kernel keeps each row's best logit as it streams the head and never
+        stores the logits (``pallas_kernels.head_argmax``); elsewhere XLA's logits and argmax."""
         cfg = self.cfg
         B, T, D = h.shape
         if not cfg.tie_embeddings and kernel_runs(cfg.decode_glue_implementation):
             w = nn.meta.unbox(self.get_variable("params", "head"))["kernel"]
             rows = h.reshape(B * T, D).astype(cfg.compute_dtype)
-            if head_argmax.accepts(rows, w):
+            if head_argmax.pays(B * T) and head_argmax.accepts(rows, w):
                 return head_argmax.greedy_head(rows, w).reshape(B, T)
         return jnp.argmax(self.logits(h), axis=-1).astype(jnp.int32)
 

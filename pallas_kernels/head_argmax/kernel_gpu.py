@@ -33,6 +33,10 @@ from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 MAX_ROWS = 64  # one tile of rows: a decode batch of up to 64 sequences
+# From 33 rows (padded to 64) the kernel beats XLA's head and argmax: on an H100 at small()'s head it takes
+# 143 µs from 16 to 64 rows, XLA 116 at 1 row, 124 at 16, 143 at 32 and 170 at 64, whose float32 logits
+# grow with the rows (``bench_greedy_head.py``; benchmarks/RESULTS.md, stop 68).
+MIN_ROWS = 33
 _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -40,13 +44,20 @@ _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 class HeadTiles:
     """``block_v`` vocabulary columns a program, ``block_d`` rows of ``W`` a pipelined step."""
 
-    block_v: int = 128
+    block_v: int = 256
     block_d: int = 64
     num_warps: int = 4
     num_stages: int = 4
 
 
+# 256 columns a program: 144.4 / 143.4 µs at 64 rows against 147.4 with 128 (H100, stop 68; 128 rows a step
+# 148.2, 8 warps 148.3 / 145.5 with 3 stages, 64 columns 157.7)
 DEFAULT = HeadTiles()
+
+
+def pays(rows: int) -> bool:
+    """Whether the kernel beats XLA's logits and argmax for ``rows`` rows (``MIN_ROWS`` to ``MAX_ROWS``)."""
+    return MIN_ROWS <= rows <= MAX_ROWS
 
 
 def check_inputs(x, w, tiles: HeadTiles = DEFAULT) -> None:
@@ -104,4 +115,4 @@ def greedy_head(x: Float[Array, "T D"], w: Float[Array, "D V"], *, tiles: HeadTi
     return combine_partials(pmax.reshape(blocks, Tp), pidx.reshape(blocks, Tp))[:T]
 
 
-__all__ = ["DEFAULT", "MAX_ROWS", "HeadTiles", "accepts", "check_inputs", "greedy_head"]
+__all__ = ["DEFAULT", "MAX_ROWS", "MIN_ROWS", "HeadTiles", "accepts", "check_inputs", "greedy_head", "pays"]

@@ -3,7 +3,7 @@ bandwidth its rooflines use."""
 
 import pytest
 
-from benchmarks.bench_infer import decode_variants, hbm_tbps
+from benchmarks.bench_infer import decode_variants, hbm_tbps, without_loop_graphs
 from k3jax import config
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
@@ -41,3 +41,12 @@ def test_hbm_bandwidth_follows_the_device():
     assert hbm_tbps("NVIDIA H100 80GB HBM3", 3.0) == (3.0, "--hbm-tbps")
     tbps, source = hbm_tbps("cpu", None)
     assert tbps == 4.8 and "pass --hbm-tbps" in source
+
+
+def test_the_traced_loop_leaves_out_the_loop_graphs():
+    """``--profile`` compiles the loop without ``WHILE`` / ``CONDITIONAL`` command buffers (under them the
+    profiler sees one event for the whole loop), every other option kept."""
+    traced = without_loop_graphs(DECODE_XLA_OPTIONS)
+    assert traced["xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+    assert {k: v for k, v in traced.items() if k != "xla_gpu_enable_command_buffer"} == {
+        k: v for k, v in DECODE_XLA_OPTIONS.items() if k != "xla_gpu_enable_command_buffer"}

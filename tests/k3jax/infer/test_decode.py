@@ -188,15 +188,18 @@ def test_greedy_decode_returns_the_logits_argmax(model):
 
 @pytest.mark.gpu
 def test_greedy_decode_runs_the_head_kernel_on_gpu(tiny_model):
-    """On a GPU, bf16 tiny() (head 64 × 256) decodes greedily through ``pallas_kernels.head_argmax``: the
-    compiled step holds the kernel, and each token holds its row's largest logit (to float32 order)."""
+    """On a GPU, bf16 tiny() (head 64 × 256) at 40 rows decodes greedily through ``pallas_kernels.head_argmax``
+    (from 33 rows, where it pays): the compiled step holds the kernel, and each token holds its row's largest
+    logit (to float32 order); at 8 rows the step keeps XLA's logits and argmax."""
     from k3jax.infer.decode import decode_layout
 
     cfg = dataclasses.replace(tiny_model.cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, tiny_model.variables)
     variables, cfg = decode_layout(variables, cfg)
-    tokens, cache = _tokens(6, B=5, length=1), init_cache(cfg, 5, 4)
+    tokens, cache = _tokens(6, B=40, length=1), init_cache(cfg, 40, 4)
     assert "greedy_head" in decode_step.lower(variables, cfg, tokens, cache, greedy=True).as_text()
+    assert "greedy_head" not in decode_step.lower(variables, cfg, tokens[:8], init_cache(cfg, 8, 4),
+                                                  greedy=True).as_text()
     logits = np.asarray(decode_step(variables, cfg, tokens, cache)[0])[:, 0]
     greedy = np.asarray(decode_step(variables, cfg, tokens, cache, greedy=True)[0])[:, 0]
-    np.testing.assert_allclose(logits[np.arange(5), greedy], logits.max(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[np.arange(40), greedy], logits.max(-1), rtol=1e-5, atol=1e-5)
