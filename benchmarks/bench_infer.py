@@ -120,8 +120,9 @@ def _greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
     """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
     every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
     last tokens. ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
-    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form
-    at batch 1 and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
+    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
+    WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form at batch 1
+    and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
     def cond(carry):
         i, _, alive, _ = carry
         return (i < steps) & jnp.any(alive)
@@ -178,7 +179,8 @@ def without_loop_graphs(options: dict) -> dict:
     nodes the profiler records the whole loop as one event (stop 68: a 38.6 ms ``loop_broadcast_fusion``),
     so ``--profile`` traces the loop compiled so, its steps graphs of their own."""
     kinds = options.get("xla_gpu_enable_command_buffer", "").split(",")
-    return {**options, "xla_gpu_enable_command_buffer": ",".join(k for k in kinds if k not in ("WHILE", "CONDITIONAL"))}
+    kinds = [k for k in kinds if k not in ("WHILE", "CONDITIONAL")]
+    return {**options, "xla_gpu_enable_command_buffer": ",".join(kinds)}
 
 
 def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False) -> list[dict]:

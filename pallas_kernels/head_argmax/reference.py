@@ -45,8 +45,8 @@ def _larger(a, b):
 def combine_partials(pmax: Float[Array, "NB T"], pidx: Int[Array, "NB T"]) -> Int[Array, "T"]:
     """Each row's token from the blocks' partials: the lowest id among the blocks reaching the row's max
     (one variadic reduction: XLA runs it as one kernel, where an argmax then a gather took two)."""
-    return jax.lax.reduce((pmax, pidx), (jnp.array(-jnp.inf, pmax.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32)),
-                          _larger, (0,))[1]
+    inits = (jnp.array(-jnp.inf, pmax.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
+    return jax.lax.reduce((pmax, pidx), inits, _larger, (0,))[1]
 
 
 __all__ = ["block_partials", "combine_partials", "greedy_tokens", "logits"]
