@@ -7,7 +7,7 @@ reads them back in a two-kernel argmax; on an H100 the head took 148 µs and the
 ``block_v`` vocabulary columns of ``W`` (``[D, V]``, as the model stores its head), streams them in
 ``block_d``-row slabs (pipelined, ``num_stages``) against every row of ``x`` (L2-resident) on the tensor
 cores into a float32 accumulator, and keeps of it only each row's largest logit and that logit's
-lowest id: ``[V / block_v, T]`` partials, 0.6 % of the logits' bytes at ``block_v = 128``.
+lowest id: ``[V / block_v, T]`` partials, 0.8 % of the logits' bytes at the default ``block_v = 256``.
 ``reference.combine_partials`` (one small XLA reduction) picks each row's token from them.
 
 The logits are the model's (16-bit products summed in float32); only the summation order differs from
@@ -34,8 +34,8 @@ from pallas_kernels.triton_blocks import is_block_dim
 
 MAX_ROWS = 64  # one tile of rows: a decode batch of up to 64 sequences
 # From 33 rows (padded to 64) the kernel beats XLA's head and argmax: on an H100 at small()'s head it takes
-# 143 µs from 16 to 64 rows, XLA 116 at 1 row, 124 at 16, 143 at 32 and 170 at 64, whose float32 logits
-# grow with the rows (``bench_greedy_head.py``; benchmarks/RESULTS.md, stop 68).
+# 138-145 µs from 16 to 64 rows (141 at 1), XLA 116 at 1 row, 124 at 16, 143 at 32 and 170 at 64, whose
+# float32 logits grow with the rows (``bench_greedy_head.py``; benchmarks/RESULTS.md, stop 68).
 MIN_ROWS = 33
 _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
