@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
-import sys
 import time
 
 import flax.linen as nn
@@ -43,18 +41,16 @@ import numpy as np
 from k3jax import config
 from k3jax.data import ByteTokenizer, stdlib_corpus
 from k3jax.infer.cache import KDACache, MLACache, init_cache, tree_bytes
-from k3jax.infer.decode import DECODE_XLA_OPTIONS, decode_layout, decode_step, prefill_jit
+from k3jax.infer.decode import decode_layout, decode_step, prefill_jit
 from k3jax.infer.draft import train_draft
 from k3jax.infer.speculative import speculative_generate
 from k3jax.layers import mxfp4
 from k3jax.model import Transformer
 from k3jax.train.metrics import flops_per_token
 from k3jax.train.batched_calls import batch_random_draws
-from k3jax.train.config import override, xla_compiler_options
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import parse_variant  # noqa: E402  (benchmarks/ is the script's directory)
-from benchmarks.timing import timeit_interleaved  # noqa: E402
+from benchmarks.decode_loop import compile_loop, decode_variants
+from benchmarks.timing import timeit_interleaved
 
 
 def build(cfg, seed=0):
@@ -116,30 +112,6 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
     return total
 
 
-def _greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
-    """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
-    every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
-    last tokens. ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
-    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
-    WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form at batch 1
-    and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
-    def cond(carry):
-        i, _, alive, _ = carry
-        return (i < steps) & jnp.any(alive)
-
-    def body(carry):
-        i, tok, alive, cache = carry
-        if head == "greedy":
-            tok, cache = decode_step(variables, cfg, tok, cache, greedy=True)
-        else:
-            logits, cache = decode_step(variables, cfg, tok, cache)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        return i + 1, tok, alive & (tok[:, 0] != -1), cache
-
-    alive = jnp.ones(tok.shape[:1], bool)
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), tok, alive, cache))[1]
-
-
 def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
     """Seconds per step of a Python loop of jitted ``decode_step`` calls (host dispatch included)."""
     jax.block_until_ready(decode_step(variables, cfg, tok, cache)[0])  # compile
@@ -149,38 +121,6 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
     jax.block_until_ready(tok)
     return (time.perf_counter() - t0) / steps
-
-
-def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
-    """``{"base": (cfg, DECODE_XLA_OPTIONS, "greedy"), NAME: (cfg', XLA options, head), …}`` for each
-    ``--variant NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
-    ``DECODE_XLA_OPTIONS``, which ``generate`` and the serving engine compile with; ``serial:
-    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), ``head=logits`` takes each token from
-    the logits (``_greedy_loop``), any other a ``ModelConfig`` override (``moe.decode_implementation=xla``).
-    ``ValueError`` names a malformed spec."""
-    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS), "greedy")}
-    for spec in specs:
-        name, assignments = parse_variant(spec, variants)
-        heads = [a.partition("=")[2] for a in assignments if a.startswith("head=")]
-        if any(h not in ("greedy", "logits") for h in heads):
-            raise ValueError(f"--variant={spec!r}: head must be 'greedy' or 'logits', got {heads}")
-        xla = [a for a in assignments if a.startswith("xla_")]
-        model = [a for a in assignments if not a.startswith(("xla_", "head="))]
-        options = xla_compiler_options(False, xla)
-        if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
-            del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
-        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options},
-                          heads[-1] if heads else "greedy")
-    return variants
-
-
-def without_loop_graphs(options: dict) -> dict:
-    """``options`` less the ``WHILE`` / ``CONDITIONAL`` command buffers: in one CUDA graph with conditional
-    nodes the profiler records the whole loop as one event (stop 68: a 38.6 ms ``loop_broadcast_fusion``),
-    so ``--profile`` traces the loop compiled so, its steps graphs of their own."""
-    kinds = options.get("xla_gpu_enable_command_buffer", "").split(",")
-    kinds = [k for k in kinds if k not in ("WHILE", "CONDITIONAL")]
-    return {**options, "xla_gpu_enable_command_buffer": ",".join(kinds)}
 
 
 def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False) -> list[dict]:
@@ -194,15 +134,12 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     host_step_s = _host_loop_step(cfg, *args, steps) if host_loop else float("nan")
     # The greedy steps as one device-side loop shaped as `generate`'s: no per-step dispatch.
     calls, last = {}, {}
-    for name, (vcfg, options, head) in variants.items():
-        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps, head=head))
-        calls[name] = (loop.lower(*args).compile(compiler_options=options), args)
+    for name, variant in variants.items():
+        calls[name] = (compile_loop(variant, steps, args), args)
         last[name] = np.asarray(calls[name][0](*args))
     ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)
     if profile:  # one more run of the base loop under the profiler (benchmarks/trace_summary.py reads it)
-        vcfg, options, head = variants["base"]
-        loop = jax.jit(functools.partial(_greedy_loop, cfg=vcfg, steps=steps, head=head))
-        loop = loop.lower(*args).compile(compiler_options=without_loop_graphs(options))
+        loop = compile_loop(variants["base"], steps, args, traced=True)
         jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             jax.block_until_ready(loop(*args))

@@ -216,8 +216,7 @@ def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None =
     from k3jax.train.config import override
     from pallas_kernels.target import compile_for
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_infer import _greedy_loop
+    from benchmarks.decode_loop import greedy_loop
 
     device = get_topology("h200:1x1").devices[0]
     place = lambda tree: jax.tree.map(
@@ -232,7 +231,7 @@ def compile_decode(batch: int, prompt: int, steps: int, moe_decode: str | None =
         variables = place(jax.eval_shape(init))
         cache = place(jax.eval_shape(lambda: init_cache(cfg, batch, prompt + steps + 1)))
         tok = place(jax.ShapeDtypeStruct((batch, 1), jnp.int32))
-        loop = jax.jit(functools.partial(_greedy_loop, cfg=cfg, steps=steps))
+        loop = jax.jit(functools.partial(greedy_loop, cfg=cfg, steps=steps))
         with jax.default_device(device):  # Pallas-Triton kernels (KDA decode) read their target from it
             return loop.lower(variables, tok, cache).compile().as_text()
 

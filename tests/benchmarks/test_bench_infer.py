@@ -3,7 +3,8 @@ bandwidth its rooflines use."""
 
 import pytest
 
-from benchmarks.bench_infer import decode_variants, hbm_tbps, without_loop_graphs
+from benchmarks.bench_infer import hbm_tbps
+from benchmarks.decode_loop import decode_variants, without_loop_graphs
 from k3jax import config
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 

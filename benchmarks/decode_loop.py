@@ -1,0 +1,84 @@
+"""The greedy decode loop ``bench_infer.py`` times and ``decode_kernels.py`` counts, and its variants.
+
+``greedy_loop`` runs ``steps`` greedy steps of ``decode_step`` in one loop shaped as ``generate``'s;
+``decode_variants`` reads ``--variant NAME:KEY=VALUE,…`` specs into (config, XLA options, head) triples;
+``compile_loop`` compiles one (``traced=True``: in the form a profiler can see into, ``without_loop_graphs``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_layer import parse_variant
+from k3jax.infer.decode import DECODE_XLA_OPTIONS, decode_step
+from k3jax.train.config import override, xla_compiler_options
+
+
+def greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
+    """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
+    every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
+    last tokens. ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
+    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
+    WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form at batch 1
+    and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
+    def cond(carry):
+        i, _, alive, _ = carry
+        return (i < steps) & jnp.any(alive)
+
+    def body(carry):
+        i, tok, alive, cache = carry
+        if head == "greedy":
+            tok, cache = decode_step(variables, cfg, tok, cache, greedy=True)
+        else:
+            logits, cache = decode_step(variables, cfg, tok, cache)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return i + 1, tok, alive & (tok[:, 0] != -1), cache
+
+    alive = jnp.ones(tok.shape[:1], bool)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), tok, alive, cache))[1]
+
+
+def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
+    """``{"base": (cfg, DECODE_XLA_OPTIONS, "greedy"), NAME: (cfg', XLA options, head), …}`` for each
+    ``--variant NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
+    ``DECODE_XLA_OPTIONS``, which ``generate`` and the serving engine compile with; ``serial:
+    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), ``head=logits`` takes each token from
+    the logits (``greedy_loop``), any other a ``ModelConfig`` override (``moe.decode_implementation=xla``).
+    ``ValueError`` names a malformed spec."""
+    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS), "greedy")}
+    for spec in specs:
+        name, assignments = parse_variant(spec, variants)
+        heads = [a.partition("=")[2] for a in assignments if a.startswith("head=")]
+        if any(h not in ("greedy", "logits") for h in heads):
+            raise ValueError(f"--variant={spec!r}: head must be 'greedy' or 'logits', got {heads}")
+        xla = [a for a in assignments if a.startswith("xla_")]
+        model = [a for a in assignments if not a.startswith(("xla_", "head="))]
+        options = xla_compiler_options(False, xla)
+        if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
+            del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
+        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options},
+                          heads[-1] if heads else "greedy")
+    return variants
+
+
+def without_loop_graphs(options: dict) -> dict:
+    """``options`` less the ``WHILE`` / ``CONDITIONAL`` command buffers: in one CUDA graph with conditional
+    nodes the profiler records the whole loop as one event (stop 68: a 38.6 ms ``loop_broadcast_fusion``),
+    so ``--profile`` traces the loop compiled so, its steps graphs of their own."""
+    kinds = options.get("xla_gpu_enable_command_buffer", "").split(",")
+    kinds = [k for k in kinds if k not in ("WHILE", "CONDITIONAL")]
+    return {**options, "xla_gpu_enable_command_buffer": ",".join(kinds)}
+
+
+def compile_loop(variant: tuple, steps: int, args: tuple, traced: bool = False):
+    """``greedy_loop`` of ``steps`` steps for a ``decode_variants`` entry, compiled for ``args``
+    (``(variables, tokens [B, 1], cache)``) with the variant's XLA options (``traced``: less the loop graphs)."""
+    vcfg, options, head = variant
+    loop = jax.jit(functools.partial(greedy_loop, cfg=vcfg, steps=steps, head=head))
+    return loop.lower(*args).compile(compiler_options=without_loop_graphs(options) if traced else options)
+
+
+__all__ = ["compile_loop", "decode_variants", "greedy_loop", "without_loop_graphs"]
