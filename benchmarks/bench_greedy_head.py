@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.timing import timeit_interleaved  # noqa: E402
-from pallas_kernels.head_argmax.kernel_gpu import DEFAULT, HeadTiles, greedy_head  # noqa: E402
+from pallas_kernels.head_argmax.kernel_gpu import HeadTiles, default_tiles, greedy_head  # noqa: E402
 from pallas_kernels.head_argmax.reference import greedy_tokens  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
     a = ap.parse_args(argv)
-    tiles = {"kernel": DEFAULT, **{s: parse_tiles(s) for s in a.tiles.split(",") if s}}
+    tiles = {"kernel": default_tiles(a.vocab), **{s: parse_tiles(s) for s in a.tiles.split(",") if s}}
     rows = [r for b in map(int, a.batches.split(",")) for r in bench(b, a.hidden, a.vocab, a.steps, tiles, a.interpret)]
     if a.out:
         Path(a.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))

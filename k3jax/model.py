@@ -198,7 +198,7 @@ class Transformer(nn.Module):
 
     def greedy_tokens(self, h: Float[Array, "B T D"]) -> Int[Array, "B T"]:
         """``argmax`` over the vocabulary of :meth:`logits` (the lowest id on ties), int32. Where the decode
-        kernels run (``kernel_runs``) and the untied head takes it (16-bit; 33 to 64 positions, where it
+        kernels run (``kernel_runs``) and the untied head takes it (16-bit; 24 to 64 positions, where it
         pays: ``head_argmax.pays``), one kernel keeps each row's best logit as it streams the head and never
         stores the logits (``pallas_kernels.head_argmax``); elsewhere XLA's logits and argmax."""
         cfg = self.cfg

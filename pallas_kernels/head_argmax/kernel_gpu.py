@@ -7,7 +7,7 @@ reads them back in a two-kernel argmax; on an H100 the head took 148 µs and the
 ``block_v`` vocabulary columns of ``W`` (``[D, V]``, as the model stores its head), streams them in
 ``block_d``-row slabs (pipelined, ``num_stages``) against every row of ``x`` (L2-resident) on the tensor
 cores into a float32 accumulator, and keeps of it only each row's largest logit and that logit's
-lowest id: ``[V / block_v, T]`` partials, 0.8 % of the logits' bytes at the default ``block_v = 256``.
+lowest id: ``[V / block_v, T]`` partials, 0.4 % of the logits' bytes at the default ``block_v = 512``.
 ``reference.combine_partials`` (one small XLA reduction) picks each row's token from them.
 
 The logits are the model's (16-bit products summed in float32); only the summation order differs from
@@ -33,10 +33,11 @@ from pallas_kernels.moe.validate import passes
 from pallas_kernels.triton_blocks import is_block_dim
 
 MAX_ROWS = 64  # one tile of rows: a decode batch of up to 64 sequences
-# From 33 rows (padded to 64) the kernel beats XLA's head and argmax: on an H100 at small()'s head it takes
-# 138-145 µs from 16 to 64 rows (141 at 1), XLA 116 at 1 row, 124 at 16, 143 at 32 and 170 at 64, whose
-# float32 logits grow with the rows (``bench_greedy_head.py``; benchmarks/RESULTS.md, stop 68).
-MIN_ROWS = 33
+# From 24 rows (padded to 32) the kernel beats XLA's head and argmax: on an H100 at small()'s head it takes
+# 133-141 µs from 24 to 64 rows (126 at 16, 136 at 1), XLA 117 at 1 row, 123-127 at 16, 138 at 24, 143-146 at
+# 32 and 171-174 at 64, whose float32 logits grow with the rows (``bench_greedy_head.py``; benchmarks/RESULTS.md,
+# stops 68-69).
+MIN_ROWS = 24
 _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -44,15 +45,24 @@ _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 class HeadTiles:
     """``block_v`` vocabulary columns a program, ``block_d`` rows of ``W`` a pipelined step."""
 
-    block_v: int = 256
-    block_d: int = 64
-    num_warps: int = 4
+    block_v: int = 512
+    block_d: int = 32
+    num_warps: int = 8
     num_stages: int = 4
 
 
-# 256 columns a program: 144.4 / 143.4 µs at 64 rows against 147.4 with 128 (H100, stop 68; 128 rows a step
-# 148.2, 8 warps 148.3 / 145.5 with 3 stages, 64 columns 157.7)
+# 512 columns a program in 32-row steps at 8 warps (H100, stop 69): 139.8 µs at 64 rows, 137.4-138.4 at 32, 132.8
+# at 24, against 143.0-144.9 / 146.0-149.5 / 147.8 with stop 68's 256 columns in 64-row steps at 4 warps (which
+# beat 128 columns, 147.4, and 64, 157.7); 512 x 64 with 3 stages 145.9, 256 x 32 with 6 stages 145.5 at 64 rows
 DEFAULT = HeadTiles()
+
+
+def default_tiles(V: int) -> HeadTiles:
+    """``DEFAULT`` with its ``block_v`` halved (down to 16) until it divides the vocabulary ``V``."""
+    block_v = DEFAULT.block_v
+    while block_v > 16 and V % block_v:
+        block_v //= 2
+    return dataclasses.replace(DEFAULT, block_v=block_v)
 
 
 def pays(rows: int) -> bool:
@@ -60,13 +70,15 @@ def pays(rows: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS
 
 
-def check_inputs(x, w, tiles: HeadTiles = DEFAULT) -> None:
-    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs."""
+def check_inputs(x, w, tiles: HeadTiles | None = None) -> None:
+    """Raise ``ValueError`` naming the argument when the kernel cannot take these inputs (``tiles`` None:
+    ``default_tiles``)."""
     if getattr(x, "ndim", 0) != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [T, D] with 1 <= T <= {MAX_ROWS} rows, got shape {getattr(x, 'shape', None)}")
     T, D = x.shape
     if getattr(w, "ndim", 0) != 2 or w.shape[0] != D:
         raise ValueError(f"w must be [D={D}, V] (the head as stored), got shape {getattr(w, 'shape', None)}")
+    tiles = tiles or default_tiles(w.shape[1])
     dtypes = {jnp.dtype(x.dtype), jnp.dtype(w.dtype)}
     if len(dtypes) != 1 or not dtypes <= set(_16BIT):
         raise ValueError(f"x and w must share one 16-bit float dtype, got {sorted(map(str, dtypes))}")
@@ -76,7 +88,7 @@ def check_inputs(x, w, tiles: HeadTiles = DEFAULT) -> None:
         raise ValueError(f"D={D} must be a multiple of tiles.block_d={tiles.block_d} (a power of two >= 16)")
 
 
-def accepts(x, w, tiles: HeadTiles = DEFAULT) -> bool:
+def accepts(x, w, tiles: HeadTiles | None = None) -> bool:
     """Whether :func:`check_inputs` takes these inputs."""
     return passes(check_inputs, x, w, tiles)
 
@@ -95,12 +107,13 @@ def _kernel(x_ref, w_ref, max_ref, idx_ref, *, block_d: int):
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def greedy_head(x: Float[Array, "T D"], w: Float[Array, "D V"], *, tiles: HeadTiles = DEFAULT,
+def greedy_head(x: Float[Array, "T D"], w: Float[Array, "D V"], *, tiles: HeadTiles | None = None,
                 interpret: bool = False) -> Int[Array, "T"]:
-    """Each row's ``argmax_v (x · W)[v]`` (lowest id on ties), int32 ``[T]``."""
+    """Each row's ``argmax_v (x · W)[v]`` (lowest id on ties), int32 ``[T]``; ``tiles`` None: ``default_tiles``."""
     check_inputs(x, w, tiles)
     T, D = x.shape
     V = w.shape[1]
+    tiles = tiles or default_tiles(V)
     Tp = max(16, 1 << (T - 1).bit_length())
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
     blocks = V // tiles.block_v
@@ -115,4 +128,5 @@ def greedy_head(x: Float[Array, "T D"], w: Float[Array, "D V"], *, tiles: HeadTi
     return combine_partials(pmax.reshape(blocks, Tp), pidx.reshape(blocks, Tp))[:T]
 
 
-__all__ = ["DEFAULT", "MAX_ROWS", "MIN_ROWS", "HeadTiles", "accepts", "check_inputs", "greedy_head", "pays"]
+__all__ = ["DEFAULT", "MAX_ROWS", "MIN_ROWS", "HeadTiles", "accepts", "check_inputs", "default_tiles", "greedy_head",
+           "pays"]

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.head_argmax.kernel_gpu import HeadTiles, accepts, check_inputs, greedy_head, pays
+from pallas_kernels.head_argmax.kernel_gpu import (DEFAULT, HeadTiles, accepts, check_inputs, default_tiles,
+                                                 greedy_head, pays)
 from pallas_kernels.head_argmax.reference import block_partials, combine_partials, greedy_tokens, logits
 
 
@@ -57,18 +58,24 @@ def test_bad_inputs_raise():
         ((x[0], w), r"1 <= T <= 64 rows"), ((jnp.zeros((65, 64), x.dtype), w), r"1 <= T <= 64 rows"),
         ((x, w[:32]), r"w must be \[D=64, V\]"),
         ((x.astype(jnp.float32), w.astype(jnp.float32)), "16-bit"), ((x, w.astype(jnp.float16)), "16-bit"),
-        ((x, w[:, :200]), r"V=200 must be a multiple of tiles.block_v=256"),
+        ((x, w[:, :200]), r"V=200 must be a multiple of tiles.block_v=16"),
     ]:
         with pytest.raises(ValueError, match=match):
             check_inputs(*args)
     with pytest.raises(ValueError, match="D=64 must be a multiple of tiles.block_d=48"):
-        check_inputs(x, w, HeadTiles(block_d=48))
+        check_inputs(x, w, HeadTiles(block_v=256, block_d=48))
     assert accepts(x, w) and not accepts(x, w[:, :200])
 
 
-def test_pays_from_33_rows():
-    """Where the kernel beats XLA's head and argmax on an H100 (RESULTS.md stop 68): 33 to 64 rows."""
-    assert [pays(r) for r in (1, 16, 32, 33, 64, 65)] == [False, False, False, True, True, False]
+def test_default_tiles_divide_the_vocabulary():
+    """512 columns a program where they divide V (small() and K3: 163840), else the widest power of two that does."""
+    assert [default_tiles(V).block_v for V in (163840, 256, 32000, 48)] == [512, 256, 256, 16]
+    assert default_tiles(163840) == DEFAULT and default_tiles(256).block_d == DEFAULT.block_d
+
+
+def test_pays_from_24_rows():
+    """Where the kernel beats XLA's head and argmax on an H100 (RESULTS.md stops 68-69): 24 to 64 rows."""
+    assert [pays(r) for r in (1, 16, 23, 24, 64, 65)] == [False, False, False, True, True, False]
 
 
 @pytest.mark.gpu
