@@ -189,8 +189,9 @@ def test_greedy_decode_returns_the_logits_argmax(model):
 @pytest.mark.gpu
 def test_greedy_decode_runs_the_head_kernel_on_gpu(tiny_model):
     """On a GPU, bf16 tiny() (head 64 × 256) at 40 rows decodes greedily through ``pallas_kernels.head_argmax``
-    (from 24 rows, where it pays; 128 columns a program: tiny()'s 256-id vocabulary): the compiled step holds the kernel, and each token holds its row's largest
-    logit (to float32 order); at 8 rows the step keeps XLA's logits and argmax."""
+    (from 24 rows, where it pays; one program of 256 columns: tiny()'s 256-id vocabulary): the compiled step holds
+    the kernel, and each token holds its row's largest logit (to float32 order); at 8 rows the step keeps XLA's
+    logits and argmax."""
     from k3jax.infer.decode import decode_layout
 
     cfg = dataclasses.replace(tiny_model.cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
