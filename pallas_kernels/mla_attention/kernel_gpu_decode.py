@@ -32,8 +32,9 @@ from pallas_kernels.triton_blocks import is_block_dim
 
 SPLIT_PROGRAMS = 256  # programs to aim for over (sequence, split): about two per SM of an H100/H200
 NUM_WARPS = 4  # per 8 K accumulator elements (K3's [32, 512] groups: 8)
-# cache tiles in flight a program: small()'s batch 64 27.4 µs a call against 30.1 with 2 and 37.0 with 1
-# (H100, stop 69; 8 warps 38.0, 32-row tiles 32.4, 128 / 512 programs 32.0 / 32.2)
+# cache tiles in flight a program: small()'s batch 64 27.4 µs a call against 30.1 with 2 and 37.0 with 1, K3's
+# widths over 32 K at batch 1 / 8 127.5 / 817.2 against 137.7 / 907.2 with 2 (H100, stop 69; at small()'s batch 64
+# 8 warps 38.0, 32-row tiles 32.4, 128 / 512 programs 32.0 / 32.2)
 NUM_STAGES = 3
 MAX_ACC = 64 * 256  # fp32 accumulator elements per program (query rows × latent width)
 # Query rows (new tokens × heads) up to which ``implementation=None`` takes the kernel: every row group
