@@ -278,8 +278,10 @@ def main():
     ap.add_argument("--batches", default=None, help="comma list of decode batch sizes (default 1,64; quick 1,4)")
     ap.add_argument("--target", default=None, help="checkpoint for the target (HF folder or orbax run dir)")
     ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,…",
-                    help="also time decode built with these XLA options (xla_…=VALUE) or ModelConfig overrides "
-                         "(moe.decode_implementation=xla), interleaved with the base build (repeatable)")
+                    help="also time decode built with these XLA options (xla_…=VALUE), ModelConfig overrides "
+                         "(moe.decode_implementation=xla), the logits' argmax (head=logits) or module constants set "
+                         "while it compiles (@pallas_kernels.mla_attention.kernel_gpu_decode.NUM_STAGES=2), "
+                         "interleaved with the base build (repeatable)")
     args = ap.parse_args()
     if args.quick:
         cfg = dataclasses.replace(config.tiny(), name="tiny")

@@ -193,11 +193,12 @@ def matmul_ceiling() -> float:
 
 def parse_variant(spec: str, taken=("base",)) -> tuple[str, list[str]]:
     """A ``--variant`` of this script or ``bench_train.py``: ``NAME:KEY=VALUE,…`` -> (NAME, the
-    ``KEY=VALUE`` strings; a comma inside a value, as in a tuple, stays), NAME not in ``taken``."""
+    ``KEY=VALUE`` strings; a comma inside a value, as in a tuple, stays; a KEY may start with ``@``,
+    ``bench_infer.py``'s module constants), NAME not in ``taken``."""
     name, sep, body = spec.partition(":")
     if not sep or not name or name in taken or not body:
         raise ValueError(f"--variant={spec!r} must read NAME:KEY=VALUE[,KEY=VALUE…] with a new NAME (not 'base')")
-    return name, re.split(r",(?=[\w.]+=)", body)
+    return name, re.split(r",(?=@?[\w.]+=)", body)
 
 
 def compiler_variants(specs: list[str]) -> dict[str, dict]:

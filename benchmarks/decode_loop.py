@@ -1,13 +1,18 @@
 """The greedy decode loop ``bench_infer.py`` times and ``decode_kernels.py`` counts, and its variants.
 
 ``greedy_loop`` runs ``steps`` greedy steps of ``decode_step`` in one loop shaped as ``generate``'s;
-``decode_variants`` reads ``--variant NAME:KEY=VALUE,…`` specs into (config, XLA options, head) triples;
-``compile_loop`` compiles one (``traced=True``: in the form a profiler can see into, ``without_loop_graphs``).
+``decode_variants`` reads ``--variant NAME:KEY=VALUE,…`` specs into ``Variant`` s (config, XLA options, head,
+module constants); ``compile_loop`` compiles one (``traced=True``: in the form a profiler can see into,
+``without_loop_graphs``).
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import functools
+import importlib
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,27 +46,74 @@ def greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
     return jax.lax.while_loop(cond, body, (jnp.int32(0), tok, alive, cache))[1]
 
 
-def decode_variants(cfg, specs: list[str]) -> dict[str, tuple]:
-    """``{"base": (cfg, DECODE_XLA_OPTIONS, "greedy"), NAME: (cfg', XLA options, head), …}`` for each
-    ``--variant NAME:KEY=VALUE,…``: a KEY ``xla_…`` is an XLA option of the decode loop's compile (over
-    ``DECODE_XLA_OPTIONS``, which ``generate`` and the serving engine compile with; ``serial:
-    xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it), ``head=logits`` takes each token from
-    the logits (``greedy_loop``), any other a ``ModelConfig`` override (``moe.decode_implementation=xla``).
-    ``ValueError`` names a malformed spec."""
-    variants = {"base": (cfg, dict(DECODE_XLA_OPTIONS), "greedy")}
+class Variant(NamedTuple):
+    """One build of the decode loop: its ``ModelConfig``, its XLA options, where its tokens come from (``"greedy"``:
+    the greedy head, ``"logits"``: the logits' argmax) and the module constants set while it compiles
+    (``((module, name, value), …)``: a kernel's tiling, a threshold)."""
+
+    cfg: Any
+    options: dict
+    head: str = "greedy"
+    constants: tuple = ()
+
+
+def _constant(assignment: str, spec: str) -> tuple:
+    """``@package.module.NAME=VALUE`` -> ``(module, NAME, VALUE)``, VALUE a Python literal; ``ValueError`` naming
+    the module, the name or the value that is not there."""
+    target, _, text = assignment[1:].partition("=")
+    path, _, name = target.rpartition(".")
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ValueError(f"--variant={spec!r}: no module {path!r} to set {name!r} in") from e
+    if not hasattr(module, name):
+        raise ValueError(f"--variant={spec!r}: module {path} has no {name!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--variant={spec!r}: {text!r} is not a Python literal (@{target}=VALUE)") from e
+    return module, name, value
+
+
+def decode_variants(cfg, specs: list[str]) -> dict[str, Variant]:
+    """``{"base": Variant(cfg, DECODE_XLA_OPTIONS), NAME: Variant(…), …}`` for each ``--variant NAME:KEY=VALUE,…``:
+    a KEY ``xla_…`` is an XLA option of the decode loop's compile (over ``DECODE_XLA_OPTIONS``, which ``generate``
+    and the serving engine compile with; ``serial:xla_gpu_command_buffer_scheduling_mode=SERIALIZE`` undoes it),
+    ``head=logits`` takes each token from the logits (``greedy_loop``), ``@package.module.NAME`` a module constant
+    set while the variant compiles (``@pallas_kernels.mla_attention.kernel_gpu_decode.NUM_STAGES=2``), any other a
+    ``ModelConfig`` override (``moe.decode_implementation=xla``). ``ValueError`` names a malformed spec."""
+    variants = {"base": Variant(cfg, dict(DECODE_XLA_OPTIONS))}
     for spec in specs:
         name, assignments = parse_variant(spec, variants)
         heads = [a.partition("=")[2] for a in assignments if a.startswith("head=")]
         if any(h not in ("greedy", "logits") for h in heads):
             raise ValueError(f"--variant={spec!r}: head must be 'greedy' or 'logits', got {heads}")
         xla = [a for a in assignments if a.startswith("xla_")]
-        model = [a for a in assignments if not a.startswith(("xla_", "head="))]
+        constants = tuple(_constant(a, spec) for a in assignments if a.startswith("@"))
+        model = [a for a in assignments if not a.startswith(("xla_", "head=", "@"))]
         options = xla_compiler_options(False, xla)
         if not any(a.startswith("xla_allow_excess_precision=") for a in xla):
             del options["xla_allow_excess_precision"]  # the decode loop keeps XLA's default unless asked
-        variants[name] = (override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options},
-                          heads[-1] if heads else "greedy")
+        variants[name] = Variant(override(cfg, model) if model else cfg, {**DECODE_XLA_OPTIONS, **options},
+                                 heads[-1] if heads else "greedy", constants)
     return variants
+
+
+@contextlib.contextmanager
+def _constants_set(constants: tuple):
+    """The module constants set, then restored; JAX's trace caches cleared on the way in and out: ``decode_step``'s
+    jit and the kernels' own keep a trace per argument list, so a constant they read would otherwise be the first
+    compile's in every later one (stop 69's scratch A/Bs measured one program four times so)."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in constants]
+    jax.clear_caches()
+    try:
+        for module, name, value in constants:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        jax.clear_caches()
 
 
 def without_loop_graphs(options: dict) -> dict:
@@ -73,12 +125,14 @@ def without_loop_graphs(options: dict) -> dict:
     return {**options, "xla_gpu_enable_command_buffer": ",".join(kinds)}
 
 
-def compile_loop(variant: tuple, steps: int, args: tuple, traced: bool = False):
+def compile_loop(variant: Variant, steps: int, args: tuple, traced: bool = False):
     """``greedy_loop`` of ``steps`` steps for a ``decode_variants`` entry, compiled for ``args``
-    (``(variables, tokens [B, 1], cache)``) with the variant's XLA options (``traced``: less the loop graphs)."""
-    vcfg, options, head = variant
-    loop = jax.jit(functools.partial(greedy_loop, cfg=vcfg, steps=steps, head=head))
-    return loop.lower(*args).compile(compiler_options=without_loop_graphs(options) if traced else options)
+    (``(variables, tokens [B, 1], cache)``) with the variant's XLA options (``traced``: less the loop graphs) and,
+    while it compiles, its module constants."""
+    loop = jax.jit(functools.partial(greedy_loop, cfg=variant.cfg, steps=steps, head=variant.head))
+    options = without_loop_graphs(variant.options) if traced else variant.options
+    with _constants_set(variant.constants) if variant.constants else contextlib.nullcontext():
+        return loop.lower(*args).compile(compiler_options=options)
 
 
-__all__ = ["compile_loop", "decode_variants", "greedy_loop", "without_loop_graphs"]
+__all__ = ["Variant", "compile_loop", "decode_variants", "greedy_loop", "without_loop_graphs"]

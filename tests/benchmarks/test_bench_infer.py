@@ -1,10 +1,13 @@
-"""benchmarks/bench_infer.py: the decode variants' split into XLA options and model overrides; the HBM
-bandwidth its rooflines use."""
+"""benchmarks/bench_infer.py: the decode variants' split into XLA options, model overrides and module constants;
+the HBM bandwidth its rooflines use."""
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench_infer import hbm_tbps
-from benchmarks.decode_loop import decode_variants, without_loop_graphs
+from benchmarks.decode_loop import compile_loop, decode_variants, without_loop_graphs
 from k3jax import config
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
@@ -17,12 +20,12 @@ def test_decode_variants_split_xla_options_from_model_overrides():
     cfg = config.tiny()
     variants = decode_variants(cfg, ["x:moe.decode_implementation=xla,xla_gpu_autotune_level=0",
                                      "y:xla_gpu_enable_command_buffer=FUSION", "h:head=logits"])
-    assert variants["base"] == (cfg, DECODE_XLA_OPTIONS, "greedy")
-    assert variants["h"] == (cfg, DECODE_XLA_OPTIONS, "logits")
-    x_cfg, x_options, x_head = variants["x"]
+    assert variants["base"] == (cfg, DECODE_XLA_OPTIONS, "greedy", ())
+    assert variants["h"] == (cfg, DECODE_XLA_OPTIONS, "logits", ())
+    x_cfg, x_options, x_head, _ = variants["x"]
     assert x_cfg.moe.decode_implementation == "xla" and cfg.moe.decode_implementation is None
     assert x_options == {**DECODE_XLA_OPTIONS, "xla_gpu_autotune_level": 0} and x_head == "greedy"
-    assert variants["y"] == (cfg, {**DECODE_XLA_OPTIONS, "xla_gpu_enable_command_buffer": "FUSION"}, "greedy")
+    assert variants["y"] == (cfg, {**DECODE_XLA_OPTIONS, "xla_gpu_enable_command_buffer": "FUSION"}, "greedy", ())
     exact = decode_variants(cfg, ["e:xla_allow_excess_precision=false"])["e"]
     assert exact[:2] == (cfg, {**DECODE_XLA_OPTIONS, "xla_allow_excess_precision": False})  # asked for, so kept
     serial = decode_variants(cfg, ["s:xla_gpu_command_buffer_scheduling_mode=SERIALIZE"])["s"][1]
@@ -33,6 +36,35 @@ def test_decode_variants_split_xla_options_from_model_overrides():
         decode_variants(cfg, ["z:moe.nope=1"])
     with pytest.raises(ValueError, match="head must be 'greedy' or 'logits'"):
         decode_variants(cfg, ["z:head=top"])
+
+
+def test_module_constants_are_the_variants_own():
+    """``@package.module.NAME=VALUE`` sets a module constant while that variant compiles: its program holds the
+    value though ``decode_step``'s jit had traced the same config for base (the trace caches cleared), the module
+    keeps its own after, and a build compiled later does not inherit it; a missing module, name or literal is named."""
+    import k3jax.layers.kda as kda
+    from k3jax.infer.cache import init_cache
+    from k3jax.infer.decode import decode_layout, prefill
+    from k3jax.model import Transformer
+
+    cfg = config.tiny()
+    variants = decode_variants(cfg, ["eps:@k3jax.layers.kda.QK_L2_EPS=0.125,head=logits"])
+    eps = variants["eps"]
+    assert eps == (cfg, DECODE_XLA_OPTIONS, "logits", ((kda, "QK_L2_EPS", 0.125),))
+    tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
+    variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    _, cache = prefill(variables, dcfg, tokens[:, :4], jnp.array([4, 4]), init_cache(dcfg, 2, 8))
+    args = (variables, tokens[:, 4:], cache)
+    variants = decode_variants(dcfg, ["eps:@k3jax.layers.kda.QK_L2_EPS=0.4375"])
+    texts = [compile_loop(variants[n], 2, args).as_text() for n in ("base", "eps", "base")]
+    assert ["constant(0.4375)" in t for t in texts] == [False, True, False]
+    assert kda.QK_L2_EPS == 1e-6
+    for spec, match in [("a:@k3jax.nope.X=1", "no module 'k3jax.nope'"),
+                        ("a:@k3jax.layers.kda.NOPE=1", "has no 'NOPE'"),
+                        ("a:@k3jax.layers.kda.QK_L2_EPS=one", "'one' is not a Python literal")]:
+        with pytest.raises(ValueError, match=match):
+            decode_variants(cfg, [spec])
 
 
 def test_hbm_bandwidth_follows_the_device():
