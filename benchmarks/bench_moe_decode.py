@@ -39,7 +39,7 @@ import numpy as np
 from k3jax.layers import moe_decode
 from k3jax.layers.routing import RENORM_EPS, route
 from pallas_kernels.moe.kernel_gpu_decode import DecodeTiles, gathered_experts_pallas, routed_experts_pallas
-from pallas_kernels.moe import kernel_gpu_decode_dense_fused, kernel_gpu_decode_dense_tma
+from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.kernel_gpu_decode_dense import (WIDE, DenseTiles, dense_experts_pallas, routed_combine,
                                                        routed_dense_experts_pallas)
 from pallas_kernels.moe.rank_routing import Routing
@@ -81,13 +81,6 @@ def tma_dense(x, scores, bias, w1, w3, w2, *, routing, activation, tiles, interp
     routing combine."""
     y = kernel_gpu_decode_dense_tma.expert_outputs(x, w1, w3, w2, activation=activation, tiles=tiles,
                                                    interpret=interpret)
-    return routed_combine(y, scores, bias, routing=routing, interpret=interpret)
-
-
-def fused_dense(x, scores, bias, w1, w3, w2, *, routing, activation, interpret=False):
-    """The dense path's products in one Mosaic GPU kernel (``kernel_gpu_decode_dense_fused``), then the
-    routing combine."""
-    y = kernel_gpu_decode_dense_fused.expert_outputs(x, w1, w3, w2, activation=activation, interpret=interpret)
     return routed_combine(y, scores, bias, routing=routing, interpret=interpret)
 
 
@@ -151,8 +144,6 @@ def main(argv=None) -> int:
         for t in TMA_TILES:
             fns[f"tma n={t.tile_n} k={t.tile_k} s={t.stages}"] = functools.partial(
                 tma_dense, routing=routing, **act, tiles=t, interpret=args.interpret)
-        fns["fused (one kernel, a CTA an expert)"] = functools.partial(fused_dense, routing=routing, **act,
-                                                                      interpret=args.interpret)
         weight_bytes = 3 * E * L * F * 2
     outs = {name: np.asarray(jax.jit(fn)(x, scores, bias, *ws), np.float32) for name, fn in fns.items()}
     if args.path == "dense":  # a rate to compare with, not an output (its check is left out)

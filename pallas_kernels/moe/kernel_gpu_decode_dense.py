@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.moe import kernel_gpu_decode_dense_fused, kernel_gpu_decode_dense_tma
+from pallas_kernels.moe import kernel_gpu_decode_dense_tma
 from pallas_kernels.moe.activations import gated_activation
 from pallas_kernels.moe.rank_routing import Routing, check_routing, slots
 from pallas_kernels.moe.validate import check_decode_expert_args, passes
@@ -51,7 +51,6 @@ from pallas_kernels.target import current_target
 from pallas_kernels.triton_blocks import is_block_dim
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-FUSED = True  # A/B switch (stop 70): one kernel a CTA per expert where it fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,12 +181,9 @@ def expert_outputs(x: Float[Array, "T L"], w1: Float[Array, "E L F"], w3: Float[
     T, L = x.shape
     F = w1.shape[2]
     # (TMA and wgmma: Hopper only; the Triton kernels run on any CUDA GPU)
-    if tiles is None and (interpret or current_target().hopper):
-        kw = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, interpret=interpret)
-        if FUSED and kernel_gpu_decode_dense_fused.takes(T, L, F):
-            return kernel_gpu_decode_dense_fused.expert_outputs(x, w1, w3, w2, **kw)
-        if kernel_gpu_decode_dense_tma.takes(T, L, F):
-            return kernel_gpu_decode_dense_tma.expert_outputs(x, w1, w3, w2, **kw)
+    if tiles is None and kernel_gpu_decode_dense_tma.takes(T, L, F) and (interpret or current_target().hopper):
+        return kernel_gpu_decode_dense_tma.expert_outputs(x, w1, w3, w2, activation=activation, situ_beta=situ_beta,
+                                                          situ_linear_beta=situ_linear_beta, interpret=interpret)
     tiles = _tiles(tiles, w1)
     bt = _token_block(T, tiles)
     Tp = -(-T // bt) * bt
