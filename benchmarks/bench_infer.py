@@ -6,7 +6,9 @@ and the mean accepted length of a briefly trained speculative draft.
    roofline (``--hbm-tbps``; default the GPU's datasheet figure, ``hbm_tbps``): "all weights" (every
    parameter but the embedding table, plus the KDA states and the MLA latents up to the current length)
    and "needed weights" (the same less the experts no token of this batch was routed to, counted from
-   the router's loads of one step).
+   the router's loads of one step). Both also come with the cache a step writes back added (every KDA
+   state and conv tail, one latent row a sequence in each MLA layer): at batch 64 small()'s float32 KDA
+   states alone are 0.3 GB written a step, which the read-only rooflines leave out.
    Steps run as one device-side loop on per-layer weights, shaped as ``generate``'s and compiled with
    its ``DECODE_XLA_OPTIONS`` (``k3jax.infer.decode``; per-layer weights as ``decode_layout`` and the
    serving engine run them); with ``--host-loop`` the step time of a Python
@@ -112,6 +114,19 @@ def cache_read_bytes(cfg, cache, length: int) -> int:
     return total
 
 
+def cache_write_bytes(cache) -> int:
+    """Cache bytes one decode step writes: every KDA state and conv tail anew (the float32 state is read
+    and written whole each step), one latent row a sequence in every MLA layer."""
+    total = 0
+    for layer in _layer_caches(cache):
+        if isinstance(layer, KDACache):
+            total += tree_bytes(layer)
+        else:
+            *lead, _, C = layer.latent.shape
+            total += int(np.prod(lead)) * C * jnp.dtype(layer.latent.dtype).itemsize
+    return total
+
+
 def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
     """Seconds per step of a Python loop of jitted ``decode_step`` calls (host dispatch included)."""
     jax.block_until_ready(decode_step(variables, cfg, tok, cache)[0])  # compile
@@ -145,7 +160,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
             jax.block_until_ready(loop(*args))
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
-    c_bytes = cache_read_bytes(cfg, cache, prompt + steps // 2)
+    c_bytes, c_written = cache_read_bytes(cfg, cache, prompt + steps // 2), cache_write_bytes(cache)
     roof = lambda b: b / (hbm * 1e12)
     rows = []
     for name in variants:
@@ -160,7 +175,12 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
                      "roofline_ms_all_weights": 1e3 * roof(w_all + c_bytes),
                      "roofline_ms_needed_weights": 1e3 * roof(w_need + c_bytes),
                      "roofline_pct_all_weights": 100 * roof(w_all + c_bytes) / step_s,
-                     "roofline_pct_needed_weights": 100 * roof(w_need + c_bytes) / step_s})
+                     "roofline_pct_needed_weights": 100 * roof(w_need + c_bytes) / step_s,
+                     # the rooflines above count what a step reads; these add the cache it writes back
+                     "cache_bytes_written": c_written,
+                     "roofline_pct_all_weights_read_and_written": 100 * roof(w_all + c_bytes + c_written) / step_s,
+                     "roofline_pct_needed_weights_read_and_written":
+                         100 * roof(w_need + c_bytes + c_written) / step_s})
     return rows
 
 
@@ -329,7 +349,10 @@ def main():
                       f"all / {r['bytes_per_step_needed_weights'] / 1e9:.3f} GB needed (experts touched per layer "
                       f"{min(r['experts_touched_per_layer'])}-{max(r['experts_touched_per_layer'])}); roofline "
                       f"{r['roofline_ms_all_weights']:.3f} / {r['roofline_ms_needed_weights']:.3f} ms = "
-                      f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%{same}",
+                      f"{r['roofline_pct_all_weights']:.1f}% / {r['roofline_pct_needed_weights']:.1f}%; with the "
+                      f"{r['cache_bytes_written'] / 1e9:.3f} GB of cache written "
+                      f"{r['roofline_pct_all_weights_read_and_written']:.1f}% / "
+                      f"{r['roofline_pct_needed_weights_read_and_written']:.1f}%{same}",
                       flush=True)
     if "prefill" not in skip:
         results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk,

@@ -1,14 +1,16 @@
 """benchmarks/bench_infer.py: the decode variants' split into XLA options, model overrides and module constants;
-the HBM bandwidth its rooflines use."""
+the HBM bandwidth its rooflines use; the cache bytes a step reads and writes."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.bench_infer import hbm_tbps
+from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
 from benchmarks.decode_loop import compile_loop, decode_variants, without_loop_graphs
 from k3jax import config
+from k3jax.config import LayerKind
+from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
 
@@ -83,3 +85,20 @@ def test_the_traced_loop_leaves_out_the_loop_graphs():
     assert traced["xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
     assert {k: v for k, v in traced.items() if k != "xla_gpu_enable_command_buffer"} == {
         k: v for k, v in DECODE_XLA_OPTIONS.items() if k != "xla_gpu_enable_command_buffer"}
+
+
+def test_cache_bytes_a_step_reads_and_writes():
+    """tiny() at batch 3: the KDA float32 states and conv tails are read and written whole; MLA reads its
+    latents up to the length and writes one row a sequence."""
+    cfg = config.tiny()
+    cache = init_cache(cfg, 3, 40)
+    kda, mla = cfg.kda, cfg.mla
+    C = kda.num_heads * kda.head_dim
+    per_kda = 3 * kda.num_heads * kda.head_dim * kda.head_dim * 4 + 3 * 3 * (kda.conv_size - 1) * C * 4
+    latent_bytes = jnp.dtype(cfg.compute_dtype).itemsize
+    row = 3 * (mla.kv_lora_rank + mla.qk_rope_head_dim) * latent_bytes
+    n_kda = sum(kind == LayerKind.KDA for kind in cfg.layer_kinds)
+    n_mla = cfg.num_layers - n_kda
+    assert n_kda and n_mla
+    assert cache_write_bytes(cache) == n_kda * per_kda + n_mla * row
+    assert cache_read_bytes(cfg, cache, 10) == n_kda * per_kda + n_mla * 10 * row
