@@ -5,10 +5,8 @@ for each batch of ``--batches``, times ``--steps`` chained calls in one ``fori_l
 are scaled by a test on this call's tokens, so calls cannot overlap and host dispatch drops out),
 interleaved (``timing.timeit_interleaved``):
 - ``xla``: the model's head einsum (float32 logits) and ``jnp.argmax``, as decoding ran it (the peer);
-- ``kernel``: ``kernel_gpu.greedy_head`` (Pallas-Triton) at its default tiles, and each of ``--tiles``
-  (``V<block_v>D<block_d>S<stages>W<warps>``, e.g. ``V256D64S4W8``);
-- ``tma``: ``kernel_gpu_tma.greedy_head`` (Mosaic GPU, Hopper) at its default tiles, and each of ``--tma-tiles``
-  (``N<tile_n>K<tile_k>S<stages>``, e.g. ``N128K64S4``).
+- ``kernel``: ``kernel_gpu.greedy_head`` at its default tiles, and each of ``--tiles``
+  (``V<block_v>D<block_d>S<stages>W<warps>``, e.g. ``V256D64S4W8``).
 Prints µs a call, the weights' TB/s, XLA's time over each kernel's, and the share of rows whose token
 equals XLA's (random weights: a near-tie within float32 rounding could differ). Needs a CUDA GPU
 (``--interpret``: a CPU smoke run at toy sizes):
@@ -31,7 +29,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.timing import timeit_interleaved  # noqa: E402
-from pallas_kernels.head_argmax import kernel_gpu_tma  # noqa: E402
 from pallas_kernels.head_argmax.kernel_gpu import HeadTiles, default_tiles, greedy_head  # noqa: E402
 from pallas_kernels.head_argmax.reference import greedy_tokens  # noqa: E402
 
@@ -45,14 +42,6 @@ def parse_tiles(spec: str) -> HeadTiles:
     return HeadTiles(block_v=v, block_d=d, num_stages=s, num_warps=w)
 
 
-def parse_tma_tiles(spec: str) -> kernel_gpu_tma.TmaHeadTiles:
-    """``N<tile_n>K<tile_k>S<stages>`` -> ``TmaHeadTiles`` (``ValueError`` naming a malformed one)."""
-    m = re.fullmatch(r"N(\d+)K(\d+)S(\d+)", spec)
-    if not m:
-        raise ValueError(f"--tma-tiles entry {spec!r} must read N<tile_n>K<tile_k>S<stages>, e.g. N128K64S4")
-    return kernel_gpu_tma.TmaHeadTiles(*map(int, m.groups()))
-
-
 def chained(head, steps: int):
     """``steps`` dependent calls of ``head(x, w) -> tokens``; returns the last tokens."""
     def run(x, w):
@@ -64,15 +53,12 @@ def chained(head, steps: int):
     return jax.jit(run)
 
 
-def bench(batch: int, D: int, V: int, steps: int, tiles: dict[str, HeadTiles], interpret: bool = False,
-          tma_tiles: dict[str, kernel_gpu_tma.TmaHeadTiles] | None = None) -> list[dict]:
+def bench(batch: int, D: int, V: int, steps: int, tiles: dict[str, HeadTiles], interpret: bool = False) -> list[dict]:
     kx, kw = jax.random.split(jax.random.key(batch))
     x = jax.random.normal(kx, (batch, D), jnp.bfloat16)
     w = (jax.random.normal(kw, (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
     heads = {"xla": greedy_tokens, **{name: functools.partial(greedy_head, tiles=t, interpret=interpret)
-                                     for name, t in tiles.items()},
-             **{name: functools.partial(kernel_gpu_tma.greedy_head, tiles=t, interpret=interpret)
-                for name, t in (tma_tiles or {}).items()}}
+                                     for name, t in tiles.items()}}
     calls = {name: (chained(h, steps), (x, w)) for name, h in heads.items()}
     ms = timeit_interleaved(calls, reps=10, warmup=1, min_ms=50.0)
     ref = np.asarray(greedy_tokens(x, w))
@@ -94,16 +80,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--tiles", default="", help="comma list of extra tilings, V<block_v>D<block_d>S<stages>W<warps>")
-    ap.add_argument("--tma-tiles", default="", help="comma list of extra TMA tilings, N<tile_n>K<tile_k>S<stages>")
-    ap.add_argument("--no-tma", action="store_true", help="leave out the Mosaic GPU kernel (GPUs before Hopper)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (kernel interpreted)")
     a = ap.parse_args(argv)
     tiles = {"kernel": default_tiles(a.vocab), **{s: parse_tiles(s) for s in a.tiles.split(",") if s}}
-    tma = {} if a.no_tma else {"tma": kernel_gpu_tma.DEFAULT,
-                               **{s: parse_tma_tiles(s) for s in a.tma_tiles.split(",") if s}}
-    rows = [r for b in map(int, a.batches.split(",")) for r in bench(b, a.hidden, a.vocab, a.steps, tiles,
-                                                                     a.interpret, tma)]
+    rows = [r for b in map(int, a.batches.split(",")) for r in bench(b, a.hidden, a.vocab, a.steps, tiles, a.interpret)]
     if a.out:
         Path(a.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     return 0

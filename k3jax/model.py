@@ -37,8 +37,7 @@ from k3jax.layers.mixed_input import kernel_runs, mixed_input
 from k3jax.layers.norm import norm
 from k3jax.layers.stack import layer_stack, run_stack
 from k3jax.layout import scan_plan
-from pallas_kernels.head_argmax import kernel_gpu as head_argmax, kernel_gpu_tma as head_tma
-from pallas_kernels.target import current_target
+from pallas_kernels.head_argmax import kernel_gpu as head_argmax
 
 REMAT = ("none", "layer", "moe")
 
@@ -207,8 +206,6 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings and kernel_runs(cfg.decode_glue_implementation):
             w = nn.meta.unbox(self.get_variable("params", "head"))["kernel"]
             rows = h.reshape(B * T, D).astype(cfg.compute_dtype)
-            if head_tma.pays(B * T) and current_target().hopper and head_tma.accepts(rows, w):
-                return head_tma.greedy_head(rows, w).reshape(B, T)
             if head_argmax.pays(B * T) and head_argmax.accepts(rows, w):
                 return head_argmax.greedy_head(rows, w).reshape(B, T)
         return jnp.argmax(self.logits(h), axis=-1).astype(jnp.int32)
