@@ -6,8 +6,8 @@ and the mean accepted length of a briefly trained speculative draft.
    roofline (``--hbm-tbps``; default the GPU's datasheet figure, ``hbm_tbps``): "all weights" (every
    parameter but the embedding table, plus the KDA states and the MLA latents up to the current length)
    and "needed weights" (the same less the experts no token of this batch was routed to, counted from
-   the router's loads of one step). Both also come with the cache a step writes back added (every KDA
-   state and conv tail, one latent row a sequence in each MLA layer): at batch 64 small()'s float32 KDA
+   the router's loads of one step). Each is printed again with the cache a step writes back added (every
+   KDA state and conv tail, one latent row a sequence in each MLA layer): at batch 64 small()'s float32 KDA
    states alone are 0.3 GB written a step, which the read-only rooflines leave out.
    Steps run as one device-side loop on per-layer weights, shaped as ``generate``'s and compiled with
    its ``DECODE_XLA_OPTIONS`` (``k3jax.infer.decode``; per-layer weights as ``decode_layout`` and the
