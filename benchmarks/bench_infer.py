@@ -102,29 +102,27 @@ def _layer_caches(cache) -> list:
     return jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, (KDACache, MLACache)))
 
 
-def cache_read_bytes(cfg, cache, length: int) -> int:
-    """Cache bytes one decode step reads: KDA state and conv tails, MLA latents up to ``length``."""
+def _cache_bytes(cache, latent_rows: int) -> int:
+    """Every KDA state and conv tail whole, plus ``latent_rows`` latent rows a sequence in every MLA layer."""
     total = 0
     for layer in _layer_caches(cache):
         if isinstance(layer, KDACache):
             total += tree_bytes(layer)
         else:
             *lead, _, C = layer.latent.shape  # [B, S, C], or [R, B, S, C] in the scanned stack
-            total += int(np.prod(lead)) * length * C * jnp.dtype(layer.latent.dtype).itemsize
+            total += int(np.prod(lead)) * latent_rows * C * jnp.dtype(layer.latent.dtype).itemsize
     return total
+
+
+def cache_read_bytes(cfg, cache, length: int) -> int:
+    """Cache bytes one decode step reads: KDA state and conv tails, MLA latents up to ``length``."""
+    return _cache_bytes(cache, length)
 
 
 def cache_write_bytes(cache) -> int:
     """Cache bytes one decode step writes: every KDA state and conv tail anew (the float32 state is read
     and written whole each step), one latent row a sequence in every MLA layer."""
-    total = 0
-    for layer in _layer_caches(cache):
-        if isinstance(layer, KDACache):
-            total += tree_bytes(layer)
-        else:
-            *lead, _, C = layer.latent.shape
-            total += int(np.prod(lead)) * C * jnp.dtype(layer.latent.dtype).itemsize
-    return total
+    return _cache_bytes(cache, 1)
 
 
 def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
