@@ -45,7 +45,6 @@ def test_module_constants_are_the_variants_own():
     value though ``decode_step``'s jit had traced the same config for base (the trace caches cleared), the module
     keeps its own after, and a build compiled later does not inherit it; a missing module, name or literal is named."""
     import k3jax.layers.kda as kda
-    from k3jax.infer.cache import init_cache
     from k3jax.infer.decode import decode_layout, prefill
     from k3jax.model import Transformer
 
