@@ -55,6 +55,27 @@ if TYPECHECK:
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import xdist_recovery  # noqa: E402
+
+
+# A worker that crashes costs a rerun of its test, not a hung run (tests/xdist_recovery.py).
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_recovery.make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    xdist_recovery.handle_crash(crashitem, report, sched)
+
+
+def pytest_report_teststatus(report, config):
+    return xdist_recovery.teststatus(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    xdist_recovery.summary(terminalreporter)
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
