@@ -136,9 +136,33 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False) -> list[dict]:
+def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float]:
+    """``(ms a step, ms a call)`` from one loop program's time at ``steps`` and ``long_steps`` (``ms[steps]``,
+    ``ms[long_steps]``): the slope and the intercept of a call's time against its step count."""
+    step = (ms[long_steps] - ms[steps]) / (long_steps - steps)
+    return step, ms[steps] - steps * step
+
+
+def _step_and_call_ms(variant, variables, tokens, prompt, steps, long_steps) -> tuple[float, float]:
+    """:func:`split_call_time` of the base loop compiled once with its step count an argument, on a cache with room
+    for ``long_steps``, timed at ``steps`` and ``long_steps`` round-robin. The intercept is what every call of
+    ``generate`` pays once: the host's dispatch, the command buffers' update, the loop's setup and its last sync
+    (stop 71, H100: 3.0 ms a call at batch 1, 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
+    cfg, B = variant.cfg, tokens.shape[0]
+    cache = init_cache(cfg, B, prompt + long_steps + 1)
+    _, cache = prefill_jit(variables, cfg, tokens, jnp.full((B,), prompt, jnp.int32), cache)
+    args = (variables, tokens[:, -1:], cache)
+    loop = compile_loop(variant, None, args + (jnp.int32(steps),))
+    ms = timeit_interleaved({n: (loop, args + (jnp.int32(n),)) for n in (steps, long_steps)}, reps=10, warmup=1,
+                            min_ms=50.0)
+    return split_call_time(ms, steps, long_steps)
+
+
+def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False,
+                 long_steps=None) -> list[dict]:
     """One row per variant (``decode_variants``); the variants' device-side loops are timed round-robin
-    in this process (``timing.timeit_interleaved``), so each is compared on the same clocks."""
+    in this process (``timing.timeit_interleaved``), so each is compared on the same clocks. With ``long_steps``
+    the base row also splits a call's time into a step's and the call's own (``_step_and_call_ms``)."""
     cfg = variants["base"][0]
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, batch, prompt + steps + 1)
@@ -156,6 +180,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
         jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             jax.block_until_ready(loop(*args))
+    split = _step_and_call_ms(variants["base"], variables, tokens, prompt, steps, long_steps) if long_steps else None
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes, c_written = cache_read_bytes(cfg, cache, prompt + steps // 2), cache_write_bytes(cache)
@@ -163,7 +188,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     rows = []
     for name in variants:
         step_s = ms[name] / 1e3 / steps
-        rows.append({"variant": name, "batch": batch, "prompt": prompt, "step_ms": step_s * 1e3,
+        rows.append({"variant": name, "batch": batch, "prompt": prompt, "steps": steps, "step_ms": step_s * 1e3,
                      "tokens_per_s": batch / step_s,
                      "same_tokens_as_base": bool(np.array_equal(last[name], last["base"])),
                      "host_loop_step_ms": host_step_s * 1e3 if name == "base" else float("nan"),
@@ -179,6 +204,12 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
                      "roofline_pct_all_weights_read_and_written": 100 * roof(w_all + c_bytes + c_written) / step_s,
                      "roofline_pct_needed_weights_read_and_written":
                          100 * roof(w_need + c_bytes + c_written) / step_s})
+        if split and name == "base":  # a step's time without the call's own (from `long_steps`)
+            step_ms, call_ms = split
+            rows[-1].update({"long_steps": long_steps, "step_ms_without_call": step_ms, "call_ms": call_ms,
+                             "roofline_pct_all_weights_without_call": 100 * roof(w_all + c_bytes) / step_ms * 1e3,
+                             "roofline_pct_needed_weights_without_call":
+                                 100 * roof(w_need + c_bytes) / step_ms * 1e3})
     return rows
 
 
@@ -285,6 +316,9 @@ def main():
                     help="HBM bandwidth, TB/s (default: the GPU's datasheet figure, HBM_TBPS)")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--long-steps", type=int, default=None,
+                    help="also time the base loop at this many steps and split a call's time into a step's (the "
+                         "slope) and the call's own (the intercept)")
     ap.add_argument("--prefill-tokens", type=int, default=1_048_576)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--draft-minutes", type=float, default=3.0)
@@ -334,7 +368,7 @@ def main():
         for b in batches:
             trace = f"{args.profile}/{name}_b{b}" if args.profile else None
             rows = bench_decode(decode_variants(cfg, args.variants), v, b, args.prompt, args.decode_steps,
-                                args.hbm_tbps, trace, args.host_loop)
+                                args.hbm_tbps, trace, args.host_loop, args.long_steps)
             for r in rows:
                 r["experts"] = name
                 results["decode"].append(r)
@@ -352,6 +386,11 @@ def main():
                       f"{r['roofline_pct_all_weights_read_and_written']:.1f}% / "
                       f"{r['roofline_pct_needed_weights_read_and_written']:.1f}%{same}",
                       flush=True)
+                if "call_ms" in r:
+                    print(f"  without the call's own {r['call_ms']:.2f} ms ({r['steps']} and {r['long_steps']} "
+                          f"steps): step {r['step_ms_without_call']:.3f} ms = "
+                          f"{r['roofline_pct_all_weights_without_call']:.1f}% / "
+                          f"{r['roofline_pct_needed_weights_without_call']:.1f}%", flush=True)
     if "prefill" not in skip:
         results["prefill"] = p = bench_prefill(cfg, variables, args.prefill_tokens, args.prefill_chunk,
                                                1024 if args.quick else 8192)

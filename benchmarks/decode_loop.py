@@ -22,10 +22,11 @@ from k3jax.infer.decode import DECODE_XLA_OPTIONS, decode_step
 from k3jax.train.config import override, xla_compiler_options
 
 
-def greedy_loop(variables, tok, cache, *, cfg, steps, head="greedy"):
+def greedy_loop(variables, tok, cache, steps, *, cfg, head="greedy"):
     """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
     every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
-    last tokens. ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
+    last tokens. ``steps`` is a Python int (bound by keyword: a constant of the program) or an int32 scalar
+    argument (one program for any number of steps, which ``bench_infer.py --long-steps`` times at two). ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
     temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
     WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form at batch 1
     and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
@@ -125,11 +126,12 @@ def without_loop_graphs(options: dict) -> dict:
     return {**options, "xla_gpu_enable_command_buffer": ",".join(kinds)}
 
 
-def compile_loop(variant: Variant, steps: int, args: tuple, traced: bool = False):
+def compile_loop(variant: Variant, steps: int | None, args: tuple, traced: bool = False):
     """``greedy_loop`` of ``steps`` steps for a ``decode_variants`` entry, compiled for ``args``
-    (``(variables, tokens [B, 1], cache)``) with the variant's XLA options (``traced``: less the loop graphs) and,
-    while it compiles, its module constants."""
-    loop = jax.jit(functools.partial(greedy_loop, cfg=variant.cfg, steps=steps, head=variant.head))
+    (``(variables, tokens [B, 1], cache)``, and the int32 step count when ``steps`` is None) with the variant's
+    XLA options (``traced``: less the loop graphs) and, while it compiles, its module constants."""
+    fixed = {} if steps is None else {"steps": steps}
+    loop = jax.jit(functools.partial(greedy_loop, cfg=variant.cfg, head=variant.head, **fixed))
     options = without_loop_graphs(variant.options) if traced else variant.options
     with _constants_set(variant.constants) if variant.constants else contextlib.nullcontext():
         return loop.lower(*args).compile(compiler_options=options)

@@ -1,12 +1,13 @@
 """benchmarks/bench_infer.py: the decode variants' split into XLA options, model overrides and module constants;
-the HBM bandwidth its rooflines use; the cache bytes a step reads and writes."""
+the HBM bandwidth its rooflines use; the cache bytes a step reads and writes; one loop program for any step count
+and a call's time split into a step's and its own."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
+from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps, split_call_time
 from benchmarks.decode_loop import compile_loop, decode_variants, without_loop_graphs
 from k3jax import config
 from k3jax.config import LayerKind
@@ -101,3 +102,23 @@ def test_cache_bytes_a_step_reads_and_writes():
     assert n_kda and n_mla
     assert cache_write_bytes(cache) == n_kda * per_kda + n_mla * row
     assert cache_read_bytes(cfg, cache, 10) == n_kda * per_kda + n_mla * 10 * row
+
+
+def test_one_loop_program_runs_any_step_count():
+    """``compile_loop(…, None, …)`` takes the step count as an argument: after 2 and after 3 steps its tokens are
+    those of the programs compiled for 2 and for 3 steps; a call's time splits into the slope and the intercept."""
+    from k3jax.infer.decode import decode_layout, prefill
+    from k3jax.model import Transformer
+
+    cfg = config.tiny()
+    tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
+    variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    _, cache = prefill(variables, dcfg, tokens[:, :4], jnp.array([4, 4]), init_cache(dcfg, 2, 9))
+    args = (variables, tokens[:, 4:], cache)
+    base = decode_variants(dcfg, [])["base"]
+    any_count = compile_loop(base, None, args + (jnp.int32(2),))
+    for n in (2, 3):
+        assert (any_count(*args, jnp.int32(n)) == compile_loop(base, n, args)(*args)).all()
+    assert (any_count(*args, jnp.int32(2)) != any_count(*args, jnp.int32(3))).any()
+    assert split_call_time({64: 39.3, 256: 148.02}, 64, 256) == pytest.approx((0.56625, 3.06))
