@@ -15,6 +15,9 @@ and the mean accepted length of a briefly trained speculative draft.
    loop of jitted ``decode_step`` calls is printed beside it. ``--variant NAME:KEY=VALUE,…`` builds
    the decode loop again with XLA options (``xla_…``) or ``ModelConfig`` overrides and times every
    build round-robin in this process, so an A/B of decode does not compare two machines' clocks.
+   ``--long-steps N`` also times the base loop at ``--decode-steps`` and at N steps with one program and splits a
+   call's time into a step's (the slope) and the call's own (the intercept, which every ``generate`` call pays
+   once; stop 71 on an H100: ~3 ms, a sixteenth of a 64-step call at batch 1).
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
    causal attention; ``k3jax.train.metrics``) and their rate against a bf16 matmul measured in the
    same process, peak device memory, and the memory split (KDA states, MLA latents, weights)
@@ -51,7 +54,7 @@ from k3jax.model import Transformer
 from k3jax.train.metrics import flops_per_token
 from k3jax.train.batched_calls import batch_random_draws
 
-from benchmarks.decode_loop import compile_loop, decode_variants
+from benchmarks.decode_loop import compile_loop, decode_variants, step_and_call_ms
 from benchmarks.timing import timeit_interleaved
 
 
@@ -136,33 +139,11 @@ def _host_loop_step(cfg, variables, tok, cache, steps) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float]:
-    """``(ms a step, ms a call)`` from one loop program's time at ``steps`` and ``long_steps`` (``ms[steps]``,
-    ``ms[long_steps]``): the slope and the intercept of a call's time against its step count."""
-    step = (ms[long_steps] - ms[steps]) / (long_steps - steps)
-    return step, ms[steps] - steps * step
-
-
-def _step_and_call_ms(variant, variables, tokens, prompt, steps, long_steps) -> tuple[float, float]:
-    """:func:`split_call_time` of the base loop compiled once with its step count an argument, on a cache with room
-    for ``long_steps``, timed at ``steps`` and ``long_steps`` round-robin. The intercept is what every call of
-    ``generate`` pays once: the host's dispatch, the command buffers' update, the loop's setup and its last sync
-    (stop 71, H100: 3.0 ms a call at batch 1, 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
-    cfg, B = variant.cfg, tokens.shape[0]
-    cache = init_cache(cfg, B, prompt + long_steps + 1)
-    _, cache = prefill_jit(variables, cfg, tokens, jnp.full((B,), prompt, jnp.int32), cache)
-    args = (variables, tokens[:, -1:], cache)
-    loop = compile_loop(variant, None, args + (jnp.int32(steps),))
-    ms = timeit_interleaved({n: (loop, args + (jnp.int32(n),)) for n in (steps, long_steps)}, reps=10, warmup=1,
-                            min_ms=50.0)
-    return split_call_time(ms, steps, long_steps)
-
-
 def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, host_loop=False,
                  long_steps=None) -> list[dict]:
     """One row per variant (``decode_variants``); the variants' device-side loops are timed round-robin
     in this process (``timing.timeit_interleaved``), so each is compared on the same clocks. With ``long_steps``
-    the base row also splits a call's time into a step's and the call's own (``_step_and_call_ms``)."""
+    the base row also splits a call's time into a step's and the call's own (``decode_loop.step_and_call_ms``)."""
     cfg = variants["base"][0]
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     cache = init_cache(cfg, batch, prompt + steps + 1)
@@ -180,7 +161,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
         jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             jax.block_until_ready(loop(*args))
-    split = _step_and_call_ms(variants["base"], variables, tokens, prompt, steps, long_steps) if long_steps else None
+    split = step_and_call_ms(variants["base"], variables, tokens, prompt, steps, long_steps) if long_steps else None
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes, c_written = cache_read_bytes(cfg, cache, prompt + steps // 2), cache_write_bytes(cache)
