@@ -149,8 +149,8 @@ def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float
 def step_and_call_ms(variant, variables, tokens, prompt, steps, long_steps) -> tuple[float, float]:
     """:func:`split_call_time` of the base loop compiled once with its step count an argument, on a cache with room
     for ``long_steps``, timed at ``steps`` and ``long_steps`` round-robin. The intercept is what every call of
-    ``generate`` pays once: the host's dispatch, the command buffers' update, the loop's setup and its last sync
-    (stop 71, H100: 3.0 ms a call at batch 1, 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
+    ``generate`` pays once besides its steps: dispatch, launch, the loop's setup and its last sync, not told apart
+    here (stop 71, H100: 3.1 ms a call at batch 1 and 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
     cfg, B = variant.cfg, tokens.shape[0]
     cache = init_cache(cfg, B, prompt + long_steps + 1)
     _, cache = prefill_jit(variables, cfg, tokens, jnp.full((B,), prompt, jnp.int32), cache)
