@@ -323,6 +323,8 @@ def main():
     else:
         cfg = dataclasses.replace(config.small(), param_dtype=jnp.bfloat16)
         batches, draft_shape = (1, 64), dict(batch=4, length=256, gamma=4, max_new=64)
+    if args.long_steps is not None and args.long_steps <= args.decode_steps:
+        ap.error(f"--long-steps={args.long_steps} must exceed --decode-steps={args.decode_steps}")
     skip = args.skip.split(",")
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))

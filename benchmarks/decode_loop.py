@@ -28,8 +28,9 @@ def greedy_loop(variables, tok, cache, steps, *, cfg, head="greedy"):
     """``steps`` greedy decode steps in one ``while_loop`` shaped as ``generate``'s: it would also end once
     every row had emitted a stop token (-1 here, never), so its end depends on the tokens. Returns the
     last tokens. ``steps`` is a Python int (bound by keyword: a constant of the program) or an int32 scalar
-    argument (one program for any number of steps, which ``bench_infer.py --long-steps`` times at two). ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at
-    temperature 0 (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
+    argument (one program for any number of steps, which ``bench_infer.py --long-steps`` times at two).
+    ``head="greedy"`` takes each token from ``decode_step(greedy=True)`` as ``generate`` does at temperature 0
+    (the greedy head: no logits stored); ``"logits"``, the argmax of the step's logits. (With
     WHILE / CONDITIONAL command buffers a ``fori_loop`` of known length ran level with this form at batch 1
     and 1.2 % slower at batch 64 on an H100; benchmarks/RESULTS.md, stop 67.)"""
     def cond(carry):
@@ -142,6 +143,8 @@ def compile_loop(variant: Variant, steps: int | None, args: tuple, traced: bool 
 def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float]:
     """``(ms a step, ms a call)`` from one loop program's time at ``steps`` and ``long_steps`` (``ms[steps]``,
     ``ms[long_steps]``): the slope and the intercept of a call's time against its step count."""
+    if long_steps <= steps:
+        raise ValueError(f"long_steps={long_steps} must exceed steps={steps}: the split needs two lengths")
     step = (ms[long_steps] - ms[steps]) / (long_steps - steps)
     return step, ms[steps] - steps * step
 

@@ -122,3 +122,5 @@ def test_one_loop_program_runs_any_step_count():
         assert (any_count(*args, jnp.int32(n)) == compile_loop(base, n, args)(*args)).all()
     assert (any_count(*args, jnp.int32(2)) != any_count(*args, jnp.int32(3))).any()
     assert split_call_time({64: 39.3, 256: 148.02}, 64, 256) == pytest.approx((0.56625, 3.06))
+    with pytest.raises(ValueError, match="long_steps=64 must exceed steps=64"):
+        split_call_time({64: 39.3}, 64, 64)
