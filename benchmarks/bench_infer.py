@@ -54,7 +54,7 @@ from k3jax.model import Transformer
 from k3jax.train.metrics import flops_per_token
 from k3jax.train.batched_calls import batch_random_draws
 
-from benchmarks.decode_loop import compile_loop, decode_variants, step_and_call_ms
+from benchmarks.decode_loop import compile_loop, decode_variants, loop_args, step_and_call_ms
 from benchmarks.timing import timeit_interleaved
 
 
@@ -146,9 +146,8 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
     the base row also splits a call's time into a step's and the call's own (``decode_loop.step_and_call_ms``)."""
     cfg = variants["base"][0]
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
-    cache = init_cache(cfg, batch, prompt + steps + 1)
-    _, cache = prefill_jit(variables, cfg, tokens, jnp.full((batch,), prompt, jnp.int32), cache)
-    args = (variables, tokens[:, -1:], cache)
+    args = loop_args(cfg, variables, tokens, steps)
+    cache = args[2]
     host_step_s = _host_loop_step(cfg, *args, steps) if host_loop else float("nan")
     # The greedy steps as one device-side loop shaped as `generate`'s: no per-step dispatch.
     calls, last = {}, {}
@@ -161,7 +160,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
         jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             jax.block_until_ready(loop(*args))
-    split = step_and_call_ms(variants["base"], variables, tokens, prompt, steps, long_steps) if long_steps else None
+    split = step_and_call_ms(variants["base"], variables, tokens, steps, long_steps) if long_steps else None
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes, c_written = cache_read_bytes(cfg, cache, prompt + steps // 2), cache_write_bytes(cache)

@@ -140,6 +140,14 @@ def compile_loop(variant: Variant, steps: int | None, args: tuple, traced: bool 
         return loop.lower(*args).compile(compiler_options=options)
 
 
+def loop_args(cfg, variables, tokens, steps: int) -> tuple:
+    """``(variables, last tokens [B, 1], cache)`` for a loop of up to ``steps`` steps after the prompts ``tokens
+    [B, P]``: the cache has room for ``P + steps + 1`` tokens and holds the prefilled prompts."""
+    B, P = tokens.shape
+    _, cache = prefill_jit(variables, cfg, tokens, jnp.full((B,), P, jnp.int32), init_cache(cfg, B, P + steps + 1))
+    return variables, tokens[:, -1:], cache
+
+
 def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float]:
     """``(ms a step, ms a call)`` from one loop program's time at ``steps`` and ``long_steps`` (``ms[steps]``,
     ``ms[long_steps]``): the slope and the intercept of a call's time against its step count."""
@@ -149,20 +157,17 @@ def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float
     return step, ms[steps] - steps * step
 
 
-def step_and_call_ms(variant, variables, tokens, prompt, steps, long_steps) -> tuple[float, float]:
+def step_and_call_ms(variant, variables, tokens, steps, long_steps) -> tuple[float, float]:
     """:func:`split_call_time` of the base loop compiled once with its step count an argument, on a cache with room
     for ``long_steps``, timed at ``steps`` and ``long_steps`` round-robin. The intercept is what every call of
     ``generate`` pays once besides its steps: dispatch, launch, the loop's setup and its last sync, not told apart
     here (stop 71, H100: 3.1 ms a call at batch 1 and 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
-    cfg, B = variant.cfg, tokens.shape[0]
-    cache = init_cache(cfg, B, prompt + long_steps + 1)
-    _, cache = prefill_jit(variables, cfg, tokens, jnp.full((B,), prompt, jnp.int32), cache)
-    args = (variables, tokens[:, -1:], cache)
+    args = loop_args(variant.cfg, variables, tokens, long_steps)
     loop = compile_loop(variant, None, args + (jnp.int32(steps),))
     ms = timeit_interleaved({n: (loop, args + (jnp.int32(n),)) for n in (steps, long_steps)}, reps=10, warmup=1,
                             min_ms=50.0)
     return split_call_time(ms, steps, long_steps)
 
 
-__all__ = ["Variant", "compile_loop", "decode_variants", "greedy_loop", "split_call_time", "step_and_call_ms",
-           "without_loop_graphs"]
+__all__ = ["Variant", "compile_loop", "decode_variants", "greedy_loop", "loop_args", "split_call_time",
+           "step_and_call_ms", "without_loop_graphs"]

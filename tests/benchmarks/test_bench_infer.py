@@ -8,11 +8,24 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
-from benchmarks.decode_loop import compile_loop, decode_variants, split_call_time, without_loop_graphs
+from benchmarks.decode_loop import compile_loop, decode_variants, loop_args, split_call_time, without_loop_graphs
 from k3jax import config
 from k3jax.config import LayerKind
 from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
+
+
+def _tiny_loop_args(steps: int):
+    """tiny()'s decode config and a loop's arguments (``decode_loop.loop_args``): two 4-token prompts prefilled on
+    ``decode_layout``'s weights, room for ``steps`` steps."""
+    from k3jax.infer.decode import decode_layout
+    from k3jax.model import Transformer
+
+    cfg = config.tiny()
+    tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, cfg.vocab_size)
+    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
+    variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    return dcfg, loop_args(dcfg, variables, tokens, steps)
 
 
 def test_decode_variants_split_xla_options_from_model_overrides():
@@ -46,18 +59,12 @@ def test_module_constants_are_the_variants_own():
     value though ``decode_step``'s jit had traced the same config for base (the trace caches cleared), the module
     keeps its own after, and a build compiled later does not inherit it; a missing module, name or literal is named."""
     import k3jax.layers.kda as kda
-    from k3jax.infer.decode import decode_layout, prefill
-    from k3jax.model import Transformer
 
     cfg = config.tiny()
     variants = decode_variants(cfg, ["eps:@k3jax.layers.kda.QK_L2_EPS=0.125,head=logits"])
     eps = variants["eps"]
     assert eps == (cfg, DECODE_XLA_OPTIONS, "logits", ((kda, "QK_L2_EPS", 0.125),))
-    tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, cfg.vocab_size)
-    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
-    variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
-    _, cache = prefill(variables, dcfg, tokens[:, :4], jnp.array([4, 4]), init_cache(dcfg, 2, 8))
-    args = (variables, tokens[:, 4:], cache)
+    dcfg, args = _tiny_loop_args(steps=2)
     variants = decode_variants(dcfg, ["eps:@k3jax.layers.kda.QK_L2_EPS=0.4375"])
     texts = [compile_loop(variants[n], 2, args).as_text() for n in ("base", "eps", "base")]
     assert ["constant(0.4375)" in t for t in texts] == [False, True, False]
@@ -107,15 +114,7 @@ def test_cache_bytes_a_step_reads_and_writes():
 def test_one_loop_program_runs_any_step_count():
     """``compile_loop(…, None, …)`` takes the step count as an argument: after 2 and after 3 steps its tokens are
     those of the programs compiled for 2 and for 3 steps; a call's time splits into the slope and the intercept."""
-    from k3jax.infer.decode import decode_layout, prefill
-    from k3jax.model import Transformer
-
-    cfg = config.tiny()
-    tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, cfg.vocab_size)
-    variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
-    variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
-    _, cache = prefill(variables, dcfg, tokens[:, :4], jnp.array([4, 4]), init_cache(dcfg, 2, 9))
-    args = (variables, tokens[:, 4:], cache)
+    dcfg, args = _tiny_loop_args(steps=3)
     base = decode_variants(dcfg, [])["base"]
     any_count = compile_loop(base, None, args + (jnp.int32(2),))
     for n in (2, 3):
