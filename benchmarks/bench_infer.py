@@ -15,7 +15,7 @@ and the mean accepted length of a briefly trained speculative draft.
    loop of jitted ``decode_step`` calls is printed beside it. ``--variant NAME:KEY=VALUE,…`` builds
    the decode loop again with XLA options (``xla_…``) or ``ModelConfig`` overrides and times every
    build round-robin in this process, so an A/B of decode does not compare two machines' clocks.
-   ``--long-steps N`` also times the base loop at ``--decode-steps`` and at N steps with one program and splits a
+   ``--long-steps N`` also times each build's loop at ``--decode-steps`` and at N steps with one program and splits a
    call's time into a step's (the slope) and the call's own (the intercept, which every ``generate`` call pays
    once; stop 71 on an H100: ~3 ms, 8 % of a 64-step call at batch 1).
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
@@ -143,7 +143,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
                  long_steps=None) -> list[dict]:
     """One row per variant (``decode_variants``); the variants' device-side loops are timed round-robin
     in this process (``timing.timeit_interleaved``), so each is compared on the same clocks. With ``long_steps``
-    the base row also splits a call's time into a step's and the call's own (``decode_loop.step_and_call_ms``)."""
+    every row also splits a call's time into a step's and the call's own (``decode_loop.step_and_call_ms``)."""
     cfg = variants["base"][0]
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     args = loop_args(cfg, variables, tokens, steps)
@@ -160,7 +160,7 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
         jax.block_until_ready(loop(*args))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             jax.block_until_ready(loop(*args))
-    split = step_and_call_ms(variants["base"], variables, tokens, steps, long_steps) if long_steps else None
+    split = step_and_call_ms(variants, variables, tokens, steps, long_steps) if long_steps else None
     touched = experts_touched(cfg, variables, tokens[:, -1:], cache)
     w_all, w_need = weight_bytes(variables), needed_weight_bytes(cfg, variables, touched)
     c_bytes, c_written = cache_read_bytes(cfg, cache, prompt + steps // 2), cache_write_bytes(cache)
@@ -184,8 +184,8 @@ def bench_decode(variants, variables, batch, prompt, steps, hbm, profile=None, h
                      "roofline_pct_all_weights_read_and_written": 100 * roof(w_all + c_bytes + c_written) / step_s,
                      "roofline_pct_needed_weights_read_and_written":
                          100 * roof(w_need + c_bytes + c_written) / step_s})
-        if split and name == "base":  # a step's time without the call's own (from `long_steps`)
-            step_ms, call_ms = split
+        if split:  # a step's time without the call's own (from `long_steps`)
+            step_ms, call_ms = split[name]
             rows[-1].update({"long_steps": long_steps, "step_ms_without_call": step_ms, "call_ms": call_ms,
                              "roofline_pct_all_weights_without_call": 100 * roof(w_all + c_bytes) / step_ms * 1e3,
                              "roofline_pct_needed_weights_without_call":
@@ -297,7 +297,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--long-steps", type=int, default=None,
-                    help="also time the base loop at this many steps and split a call's time into a step's (the "
+                    help="also time each loop at this many steps and split a call's time into a step's (the "
                          "slope) and the call's own (the intercept)")
     ap.add_argument("--prefill-tokens", type=int, default=1_048_576)
     ap.add_argument("--prefill-chunk", type=int, default=8192)

@@ -3,7 +3,7 @@
 ``greedy_loop`` runs ``steps`` greedy steps of ``decode_step`` in one loop shaped as ``generate``'s;
 ``decode_variants`` reads ``--variant NAME:KEY=VALUE,…`` specs into ``Variant`` s (config, XLA options, head,
 module constants); ``compile_loop`` compiles one (``traced=True``: in the form a profiler can see into,
-``without_loop_graphs``); ``step_and_call_ms`` splits a loop call's time into a step's and the call's own.
+``without_loop_graphs``); ``step_and_call_ms`` splits each variant's loop call time into a step's and the call's own.
 """
 
 from __future__ import annotations
@@ -157,16 +157,19 @@ def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float
     return step, ms[steps] - steps * step
 
 
-def step_and_call_ms(variant, variables, tokens, steps, long_steps) -> tuple[float, float]:
-    """:func:`split_call_time` of the base loop compiled once with its step count an argument, on a cache with room
-    for ``long_steps``, timed at ``steps`` and ``long_steps`` round-robin. The intercept is what every call of
-    ``generate`` pays once besides its steps: dispatch, launch, the loop's setup and its last sync, not told apart
-    here (stop 71, H100: 3.1 ms a call at batch 1 and 0.566 ms a step, where 64 steps read 0.614 ms a step)."""
-    args = loop_args(variant.cfg, variables, tokens, long_steps)
-    loop = compile_loop(variant, None, args + (jnp.int32(steps),))
-    ms = timeit_interleaved({n: (loop, args + (jnp.int32(n),)) for n in (steps, long_steps)}, reps=10, warmup=1,
-                            min_ms=50.0)
-    return split_call_time(ms, steps, long_steps)
+def step_and_call_ms(variants: dict, variables, tokens, steps, long_steps) -> dict[str, tuple[float, float]]:
+    """``{name: split_call_time(…)}`` for each of ``variants`` (``decode_variants``' entries): its loop compiled once
+    with the step count an argument, on a cache with room for ``long_steps``, every variant at ``steps`` and at
+    ``long_steps`` timed round-robin. The intercept is what every call of ``generate`` pays once besides its steps:
+    dispatch, launch, the loop's setup and its last sync, not told apart here (stop 71, H100: 3.1 ms a call at batch
+    1 and 0.566 ms a step, where 64 steps read 0.614 ms a step); a variant of other XLA options shows what they
+    change of either."""
+    args = loop_args(variants["base"].cfg, variables, tokens, long_steps)
+    loops = {name: compile_loop(v, None, args + (jnp.int32(steps),)) for name, v in variants.items()}
+    ms = timeit_interleaved({(name, n): (loop, args + (jnp.int32(n),)) for name, loop in loops.items()
+                             for n in (steps, long_steps)}, reps=10, warmup=1, min_ms=50.0)
+    return {name: split_call_time({n: ms[name, n] for n in (steps, long_steps)}, steps, long_steps)
+            for name in loops}
 
 
 __all__ = ["Variant", "compile_loop", "decode_variants", "greedy_loop", "loop_args", "split_call_time",

@@ -1,6 +1,6 @@
 """benchmarks/bench_infer.py: the decode variants' split into XLA options, model overrides and module constants;
 the HBM bandwidth its rooflines use; the cache bytes a step reads and writes; one loop program for any step count
-and a call's time split into a step's and its own."""
+and each variant's call time split into a step's and its own."""
 
 import flax.linen as nn
 import jax
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
+from benchmarks import decode_loop
 from benchmarks.decode_loop import compile_loop, decode_variants, loop_args, split_call_time, without_loop_graphs
 from k3jax import config
 from k3jax.config import LayerKind
@@ -15,9 +16,8 @@ from k3jax.infer.cache import init_cache
 from k3jax.infer.decode import DECODE_XLA_OPTIONS
 
 
-def _tiny_loop_args(steps: int):
-    """tiny()'s decode config and a loop's arguments (``decode_loop.loop_args``): two 4-token prompts prefilled on
-    ``decode_layout``'s weights, room for ``steps`` steps."""
+def _tiny_decode():
+    """tiny()'s decode config, ``decode_layout``'s weights and two 4-token prompts."""
     from k3jax.infer.decode import decode_layout
     from k3jax.model import Transformer
 
@@ -25,6 +25,13 @@ def _tiny_loop_args(steps: int):
     tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, cfg.vocab_size)
     variables = nn.meta.unbox(Transformer(cfg).init(jax.random.key(1), tokens))
     variables, dcfg = decode_layout({k: variables[k] for k in ("params", "balance")}, cfg)
+    return dcfg, variables, tokens
+
+
+def _tiny_loop_args(steps: int):
+    """tiny()'s decode config and a loop's arguments (``decode_loop.loop_args``): the two prompts prefilled, room
+    for ``steps`` steps."""
+    dcfg, variables, tokens = _tiny_decode()
     return dcfg, loop_args(dcfg, variables, tokens, steps)
 
 
@@ -123,3 +130,24 @@ def test_one_loop_program_runs_any_step_count():
     assert split_call_time({64: 39.3, 256: 148.02}, 64, 256) == pytest.approx((0.56625, 3.06))
     with pytest.raises(ValueError, match="long_steps=64 must exceed steps=64"):
         split_call_time({64: 39.3}, 64, 64)
+
+
+def test_every_variant_splits_its_own_call_time(monkeypatch):
+    """``step_and_call_ms`` splits each variant's calls, not only the base's: every variant's one loop program is
+    timed at both lengths in one round-robin (here a stand-in timer that runs each call once and reports a time
+    made of a per-variant step and call cost), and each split recovers its own variant's pair."""
+    dcfg, variables, tokens = _tiny_decode()
+    variants = decode_variants(dcfg, ["x:xla_gpu_autotune_level=0"])
+    made = {"base": (0.5, 3.0), "x": (0.25, 1.0)}
+    timed = {}
+
+    def timer(calls, **_):
+        for key, (fn, args) in calls.items():
+            timed[key] = jax.block_until_ready(fn(*args))
+        return {(name, n): n * made[name][0] + made[name][1] for name, n in calls}
+
+    monkeypatch.setattr(decode_loop, "timeit_interleaved", timer)
+    split = decode_loop.step_and_call_ms(variants, variables, tokens, 2, 3)
+    assert set(timed) == {("base", 2), ("base", 3), ("x", 2), ("x", 3)}
+    assert (timed["base", 2] == timed["x", 2]).all() and (timed["base", 3] != timed["base", 2]).any()
+    assert split == {name: pytest.approx(pair) for name, pair in made.items()}
