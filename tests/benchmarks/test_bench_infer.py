@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
 from benchmarks import decode_loop
+from benchmarks.bench_infer import cache_read_bytes, cache_write_bytes, hbm_tbps
 from benchmarks.decode_loop import compile_loop, decode_variants, loop_args, split_call_time, without_loop_graphs
 from k3jax import config
 from k3jax.config import LayerKind
