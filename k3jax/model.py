@@ -21,6 +21,8 @@ training choice, not part of the model config.
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,21 @@ from k3jax.layout import scan_plan
 from pallas_kernels.head_argmax import kernel_gpu as head_argmax
 
 REMAT = ("none", "layer", "moe")
+_DEVICE_ID_CHECKS = [False]
+
+
+@contextlib.contextmanager
+def device_id_checks():
+    """Inside it, a traced call of the model stages its token-range check (a ``checkify.debug_check``,
+    reported when the call is wrapped in ``checkify.checkify``) — for functions traced inside (jit traces
+    on the first call). Off by default: the check's effect marks the program as effectful, and jax then
+    dispatches every call of it in Python, not C++ (a ``small()`` decode loop's ~330 arrays: milliseconds
+    a call; benchmarks/RESULTS.md, stop 74). The train step and ``generate`` check ids on the host."""
+    _DEVICE_ID_CHECKS.append(True)
+    try:
+        yield
+    finally:
+        _DEVICE_ID_CHECKS.pop()
 
 
 def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> tuple[Array, Array | None]:
@@ -53,10 +70,10 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids) -> tuple[Array, Array
         ids = np.asarray(tokens)
         if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise ValueError(f"tokens must lie in [0, vocab_size={cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
-    else:
-        # Under jit the embedding lookup would turn an out-of-range id into NaN logits. A debug_check
-        # costs nothing unless the caller wraps the function in ``checkify.checkify``, which then
-        # reports it; the train step and generate check their ids on the host before compiling.
+    elif _DEVICE_ID_CHECKS[-1]:
+        # Under jit the embedding lookup would turn an out-of-range id into NaN logits: inside
+        # ``device_id_checks`` a debug_check, which ``checkify.checkify`` reports; the train step and
+        # generate check their ids on the host before compiling.
         checkify.debug_check(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size)),
                              f"tokens must lie in [0, vocab_size={cfg.vocab_size})")
     _validate_positions(cfg, tokens.shape, segment_ids)

@@ -106,11 +106,35 @@ def test_the_models_id_check_survives_jit_under_checkify(bad_id):
     from jax.experimental import checkify
 
     from k3jax.config import tiny
-    from k3jax.model import validate_inputs
+    from k3jax.model import device_id_checks, validate_inputs
 
     cfg = tiny()
     checked = checkify.checkify(jax.jit(lambda t: (validate_inputs(cfg, t, None), t.sum())[1]))
-    err, _ = checked(jnp.asarray([[1, bad_id]], jnp.int32))
+    with device_id_checks():  # traced on the first call, inside
+        err, _ = checked(jnp.asarray([[1, bad_id]], jnp.int32))
     assert "vocab_size=256" in str(err.get())
     err, _ = checked(jnp.asarray([[1, 255]], jnp.int32))
     assert err.get() is None
+
+
+def test_jitted_model_and_decode_programs_have_no_effects():
+    """By default a traced model call stages no check: an effect would send every call of the program
+    through jax's Python dispatch (a decode loop of ``small()``: milliseconds a call, RESULTS.md stop 74)."""
+    import flax.linen as nn
+
+    from k3jax.config import tiny
+    from k3jax.infer.cache import init_cache
+    from k3jax.infer.decode import decode_step
+    from k3jax.model import Transformer, device_id_checks
+
+    cfg = tiny()
+    tokens = jnp.ones((1, 4), jnp.int32)
+    variables = nn.meta.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens))
+    forward = jax.make_jaxpr(lambda v, t: Transformer(cfg).apply(v, t))
+    assert not forward(variables, tokens).effects
+    step = jax.make_jaxpr(lambda v, t, c: decode_step(v, cfg, t, c, greedy=True))
+    assert not step(variables, tokens[:, :1], init_cache(cfg, 1, 8)).effects
+    with device_id_checks():  # the opt-in stages the range check, an effect (a new function: traces are cached)
+        assert jax.make_jaxpr(lambda v, t: Transformer(cfg).apply(v, t))(variables, tokens).effects
+    compiled = jax.jit(lambda v, t: Transformer(cfg).apply(v, t).sum()).lower(variables, tokens).compile()
+    assert not compiled._executable.unsafe_call.has_unordered_effects  # what jax's C++ dispatch needs
