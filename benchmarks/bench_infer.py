@@ -17,7 +17,7 @@ and the mean accepted length of a briefly trained speculative draft.
    build round-robin in this process, so an A/B of decode does not compare two machines' clocks.
    ``--long-steps N`` also times each build's loop at ``--decode-steps`` and at N steps with one program and splits a
    call's time into a step's (the slope) and the call's own (the intercept, which every ``generate`` call pays
-   once; stop 71 on an H100: ~3 ms, 8 % of a 64-step call at batch 1).
+   once; stop 74 on an H100: ~2.5 ms, 6 % of a 64-step call at batch 1).
 2. Chunked prefill of ``--prefill-tokens`` (1,048,576) tokens at batch 1: time, model FLOPs (forward,
    causal attention; ``k3jax.train.metrics``) and their rate against a bf16 matmul measured in the
    same process, peak device memory, and the memory split (KDA states, MLA latents, weights)

@@ -160,9 +160,10 @@ def split_call_time(ms: dict, steps: int, long_steps: int) -> tuple[float, float
 def step_and_call_ms(variants: dict, variables, tokens, steps, long_steps) -> dict[str, tuple[float, float]]:
     """``{name: split_call_time(…)}`` for each of ``variants`` (``decode_variants``' entries): its loop compiled once
     with the step count an argument, on a cache with room for ``long_steps``, every variant at ``steps`` and at
-    ``long_steps`` timed round-robin. The intercept is what every call of ``generate`` pays once besides its steps:
-    dispatch, launch, the loop's setup and its last sync, not told apart here (stop 71, H100: 3.1 ms a call at batch
-    1 and 0.566 ms a step, where 64 steps read 0.614 ms a step); a variant of other XLA options shows what they
+    ``long_steps`` timed round-robin. The intercept is what every call of ``generate`` pays once besides its steps,
+    host time before the GPU starts: jax's dispatch of the ~330 arrays, the loop graph's ``cuGraphLaunch`` (~1.2 ms
+    on an H100), the last sync (stop 74, H100: 2.5 ms a call at batch 1, 4.7 ms while the model's id check still
+    made the program effectful and jax dispatched it in Python); a variant of other XLA options shows what they
     change of either."""
     args = loop_args(variants["base"].cfg, variables, tokens, long_steps)
     loops = {name: compile_loop(v, None, args + (jnp.int32(steps),)) for name, v in variants.items()}
