@@ -11,7 +11,7 @@ from k3jax.train.__main__ import load_config, main
 from k3jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 from k3jax.train.config import CheckpointConfig, DataConfig, MeshConfig, TrainConfig, override
 from k3jax.train.loop import make_data, train
-from k3jax.train.step import Trainer
+from k3jax.train.step import BATCH_KEYS, Trainer
 from tests.k3jax.train import toy
 
 
@@ -117,7 +117,7 @@ def test_the_models_id_check_survives_jit_under_checkify(bad_id):
     assert err.get() is None
 
 
-def test_jitted_model_and_decode_programs_have_no_effects():
+def test_jitted_model_decode_and_train_programs_have_no_effects():
     """By default a traced model call stages no check: an effect would send every call of the program
     through jax's Python dispatch (a decode loop of ``small()``: milliseconds a call, RESULTS.md stop 74)."""
     import flax.linen as nn
@@ -138,3 +138,7 @@ def test_jitted_model_and_decode_programs_have_no_effects():
         assert jax.make_jaxpr(lambda v, t: Transformer(cfg).apply(v, t))(variables, tokens).effects
     compiled = jax.jit(lambda v, t: Transformer(cfg).apply(v, t).sum()).lower(variables, tokens).compile()
     assert not compiled._executable.unsafe_call.has_unordered_effects  # what jax's C++ dispatch needs
+    trainer = Trainer(toy.micro_train_config())
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    batch = {k: jnp.ones((trainer.cfg.batch_size, trainer.cfg.seq_len), jnp.int32) for k in BATCH_KEYS}
+    assert not jax.make_jaxpr(trainer.train_step)(state, batch, trainer.horizon).effects
