@@ -81,7 +81,7 @@ def pytest_terminal_summary(terminalreporter):
 # Each XLA:CPU executable a process loads keeps its code and data mapped (three memory mappings an object: a tiny
 # model's init and gradient hold ~3 100), and jax's caches keep every executable loaded. A `make test` worker reached
 # Linux's vm.max_map_count (65 530 mappings) near the end of the run and died in XLA (stop 75: the segfault that
-# docs/testing.md had called rare, in 4 of stop 75's 5 warm runs). Dropping jax's caches after each module releases
+# docs/testing.md had called rare, in 5 of stop 75's 6 warm runs before this). Dropping jax's caches after each module releases
 # what no test holds (the largest worker then peaked at 10 902).
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
