@@ -1,6 +1,5 @@
 """Process setup for the whole suite, run before any test module imports JAX's CPU backend."""
 
-import gc
 import os
 
 # XLA:CPU's intra-op thread pool (sized by PJRT_NPROC when the CPU client is created, else one
@@ -56,7 +55,7 @@ if TYPECHECK:
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
-from tests import xdist_recovery  # noqa: E402
+from tests import process_memory, xdist_recovery  # noqa: E402
 
 
 # A worker that crashes costs a rerun of its test, not a hung run (tests/xdist_recovery.py).
@@ -78,18 +77,11 @@ def pytest_terminal_summary(terminalreporter):
     xdist_recovery.summary(terminalreporter)
 
 
-# Each XLA:CPU executable a process loads keeps its code and data mapped (three memory mappings an object: a tiny
-# model's init and gradient hold ~3 100), and jax's caches keep every executable loaded. A `make test` worker reached
-# Linux's vm.max_map_count (65 530 mappings) near the end of the run and died in XLA (stop 75: the segfault that
-# docs/testing.md had called rare, in 5 of stop 75's 6 warm runs before this). Dropping jax's caches after each module releases
-# what no test holds (the largest worker then peaked at 10 902).
+# A worker that held every module's programs reached Linux's vm.max_map_count and died in XLA (tests/process_memory.py).
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
     yield
-    import jax
-
-    jax.clear_caches()
-    gc.collect()
+    process_memory.release_executables()
 
 
 @pytest.hookimpl(wrapper=True)
