@@ -100,8 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="after an out-of-memory message, the compiler's own "
                                                            "(its largest allocations)")
     args = ap.parse_args(argv)
+    from k3jax.plan.topology import not_cached
+
     try:
-        plan = run(args)
+        with not_cached():  # with a jax cache on, a topology's programs would be written but never load
+            plan = run(args)
     except ValueError as err:
         print(f"k3jax.plan: {err}", file=sys.stderr)
         if args.verbose and err.__cause__ is not None:

@@ -12,6 +12,7 @@ accepted forms; libtpu's own error never reaches the user.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -121,3 +122,17 @@ def get_topology(name: str) -> Topology:
             raise ValueError(f"topology={name!r}: an H200 host has 1 to 8 GPUs and there must be >= 1 host")
         return Topology(name, CHIPS["h200"], _gpu_devices(name, hosts, per_host), gpu_hosts=hosts)
     raise _bad_name(name)
+
+
+@contextlib.contextmanager
+def not_cached():
+    """Write no program compiled inside to jax's persistent compilation cache. jax writes a program compiled for
+    compile-only devices like any other but cannot load it back without a client of that platform, so with a cache on
+    every later run warned ("Error reading persistent compilation cache entry … PjRtCompiler must be constructed with
+    a Client") and compiled it again."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
