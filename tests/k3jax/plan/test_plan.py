@@ -183,7 +183,6 @@ def test_cli_reports_bad_input_in_one_line(capsys):
     assert err.count("\n") == 0 and "data=8 = 8 devices, but v5p:2x2x1 has 4" in err
 
 
-
 def test_cli_writes_no_topology_program_to_the_persistent_cache():
     """With jax's persistent cache on (the suite's, or a user's ``JAX_COMPILATION_CACHE_DIR``), the CLI compiles the
     plan's programs but writes none: they could not be loaded back. A CPU program is still written (the cache is on)."""
@@ -202,6 +201,7 @@ def test_cli_writes_no_topology_program_to_the_persistent_cache():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
     assert after_plan == before, f"the plan wrote {after_plan - before} cache entries"
     assert entries() > after_plan, "a CPU program was not written: the cache is off and this test proves nothing"
+
 
 def test_out_of_memory_names_the_numbers():
     class FakeMesh:
